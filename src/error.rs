@@ -1,0 +1,80 @@
+//! Errors of every shardwise operation. The Python binding maps each variant to a subclass of
+//! `shardwise.ShardwiseError`.
+
+use std::path::PathBuf;
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A tensor dtype the DCP writer does not support (complex, uint16/32/64, float4, ...).
+    #[error(
+        "unsupported dtype {0}: shardwise writes float32, float64, float16, bfloat16, int64, int32, \
+         int16, int8, uint8, bool, float8_e4m3fn and float8_e5m2"
+    )]
+    UnsupportedDtype(String),
+
+    /// Arguments that contradict themselves (shape and byte count disagree, rank >= world_size, ...).
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+
+    /// The merged save is not a valid checkpoint: overlapping or missing chunks, shape, dtype or
+    /// world_size disagreements between ranks. Nothing was committed.
+    #[error("checkpoint validation failed, nothing committed: {0}")]
+    Validation(String),
+
+    /// Some ranks did not publish their metadata part within the timeout.
+    #[error(
+        "timed out after {timeout_s:.1}s waiting for the metadata parts of ranks [{}] (world_size {world_size}, \
+         save {save_id}) in {dir}; nothing committed",
+        fmt_ranks(missing)
+    )]
+    MissingRanks { dir: PathBuf, save_id: String, world_size: u32, missing: Vec<u32>, timeout_s: f64 },
+
+    /// The merging rank reported a failure, or no commit appeared within the timeout.
+    #[error("save {save_id} in {dir} was not committed: {reason}")]
+    NotCommitted { dir: PathBuf, save_id: String, reason: String },
+
+    /// The target directory already holds a committed checkpoint and `overwrite` was not given.
+    #[error("{0} already holds a committed checkpoint (.metadata); pass overwrite=True to replace it")]
+    CheckpointExists(PathBuf),
+
+    /// An I/O operation failed on `path`.
+    #[error("{op} {path}: {source}")]
+    Io { op: &'static str, path: PathBuf, source: std::io::Error },
+
+    /// A file that should be a shardwise part or checkpoint file is malformed.
+    #[error("corrupt file {path}: {reason}")]
+    Corrupt { path: PathBuf, reason: String },
+}
+
+impl Error {
+    pub fn io(op: &'static str, path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> Error {
+        let path = path.into();
+        move |source| Error::Io { op, path, source }
+    }
+}
+
+/// Formats a sorted rank list compactly: `[0, 2, 3, 4, 7]` → `0, 2-4, 7`.
+pub fn fmt_ranks(ranks: &[u32]) -> String {
+    let mut out: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < ranks.len() {
+        let mut j = i;
+        while j + 1 < ranks.len() && ranks[j + 1] == ranks[j] + 1 {
+            j += 1;
+        }
+        out.push(if j > i { format!("{}-{}", ranks[i], ranks[j]) } else { ranks[i].to_string() });
+        i = j + 1;
+    }
+    out.join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn rank_ranges() {
+        assert_eq!(super::fmt_ranks(&[0, 2, 3, 4, 7]), "0, 2-4, 7");
+        assert_eq!(super::fmt_ranks(&[]), "");
+    }
+}

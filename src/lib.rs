@@ -1,0 +1,16 @@
+//! shardwise: collective-free writer for Megatron-Core `torch_dist` (PyTorch DCP) checkpoints.
+//!
+//! Each rank writes its own main-replica chunks ([`writer`]), publishes a metadata part, and a
+//! merging rank commits the global `.metadata` through a file-based rendezvous ([`rendezvous`]).
+pub mod cli;
+pub mod error;
+pub mod format;
+pub mod rendezvous;
+pub mod save;
+pub mod storage;
+pub mod writer;
+
+#[cfg(feature = "python")]
+mod python;
+
+pub use error::{Error, Result};

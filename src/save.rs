@@ -1,0 +1,167 @@
+//! One rank's collective-free save: write the data file, publish the metadata part, then merge
+//! (on the merging rank) or wait for the commit (on the others). No rank ever talks to another.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use crate::error::{Error, Result};
+use crate::rendezvous::{self, CommitSummary, FileRecord, ObjectRecord, ObjectShard, RankPart, TensorRecord};
+use crate::storage::{atomic_write, create_dir_all};
+use crate::writer::{write_rank_file, ByteObject, TensorChunk};
+
+/// How one rank saves.
+#[derive(Clone, Debug)]
+pub struct SaveOptions {
+    /// Checkpoint directory (created if absent).
+    pub dir: PathBuf,
+    pub rank: u32,
+    pub world_size: u32,
+    /// Identifies this save attempt; identical on every rank, different for every attempt.
+    pub save_id: String,
+    /// Write Megatron's `metadata.json` on commit.
+    pub megatron: bool,
+    /// The rank that merges the parts and commits (`None`: nobody; commit later with `shardwise merge`).
+    pub merge_rank: Option<u32>,
+    /// Bound on every wait: for all parts (merger) or for the commit (other ranks).
+    pub timeout: Duration,
+    /// Non-merging ranks wait for the commit before returning.
+    pub wait_for_commit: bool,
+    /// Replace a committed checkpoint already in `dir`.
+    pub overwrite: bool,
+}
+
+/// A byte object with its optional ShardedObject position.
+pub struct ObjectItem<'a> {
+    pub object: ByteObject<'a>,
+    pub shard: Option<ObjectShard>,
+}
+
+/// What one rank's save did; sizes in bytes, times in seconds.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct SaveReport {
+    pub rank: u32,
+    pub save_id: String,
+    pub data_file: Option<String>,
+    pub data_bytes: u64,
+    pub write_s: f64,
+    pub rendezvous_s: f64,
+    pub committed: bool,
+    pub commit: Option<CommitSummary>,
+}
+
+/// The data file of `rank`: `__{rank}_0.distcp`, the name torch and Megatron use.
+pub fn data_file_name(rank: u32) -> String {
+    format!("__{rank}_0.distcp")
+}
+
+fn remove_if_present(path: &Path) -> Result<()> {
+    match std::fs::remove_file(path) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(Error::Io { op: "remove", path: path.to_path_buf(), source: e }),
+    }
+}
+
+/// Saves this rank's chunks and objects (and `common.pt` when `common` is given) and takes part in
+/// the file-based rendezvous.
+///
+/// Errors: [`Error::InvalidArgument`], [`Error::CheckpointExists`], [`Error::Io`] (unwritable
+/// directory, full disk), and the rendezvous errors of [`rendezvous::merge`] /
+/// [`rendezvous::wait_for_commit`]. A failed save never writes `.metadata`.
+pub fn save_rank(
+    opts: &SaveOptions,
+    tensors: &[TensorChunk],
+    objects: &[ObjectItem],
+    common: Option<&[u8]>,
+) -> Result<SaveReport> {
+    if opts.world_size == 0 || opts.rank >= opts.world_size {
+        return Err(Error::InvalidArgument(format!(
+            "rank {} is not in 0..world_size ({})",
+            opts.rank, opts.world_size
+        )));
+    }
+    if let Some(m) = opts.merge_rank.filter(|&m| m >= opts.world_size) {
+        return Err(Error::InvalidArgument(format!("merge_rank {m} is not in 0..{}", opts.world_size)));
+    }
+    rendezvous::check_save_id(&opts.save_id)?;
+    let dir = &opts.dir;
+    create_dir_all(dir)?;
+    if dir.join(".metadata").exists() {
+        if !opts.overwrite {
+            return Err(Error::CheckpointExists(dir.clone()));
+        }
+        // Un-commit before touching any data, so the old .metadata never points at new bytes.
+        remove_if_present(&dir.join("metadata.json"))?;
+        remove_if_present(&dir.join(".metadata"))?;
+    }
+
+    let t0 = Instant::now();
+    let mut report = SaveReport { rank: opts.rank, save_id: opts.save_id.clone(), ..Default::default() };
+    let mut part = RankPart {
+        format: rendezvous::PART_FORMAT,
+        save_id: opts.save_id.clone(),
+        rank: opts.rank,
+        world_size: opts.world_size,
+        megatron: opts.megatron,
+        files: Vec::new(),
+        tensors: Vec::new(),
+        objects: Vec::new(),
+        common: None,
+    };
+    if !tensors.is_empty() || !objects.is_empty() {
+        let name = data_file_name(opts.rank);
+        let raw_objects: Vec<ByteObject> =
+            objects.iter().map(|o| ByteObject { fqn: o.object.fqn.clone(), bytes: o.object.bytes }).collect();
+        let written = write_rank_file(&dir.join(&name), opts.rank as u64, tensors, &raw_objects)?;
+        for (t, &(offset, length)) in tensors.iter().zip(&written.tensors) {
+            part.tensors.push(TensorRecord {
+                fqn: t.fqn.clone(),
+                dtype: t.dtype.torch_name().to_string(),
+                global_shape: t.global_shape.clone(),
+                offsets: t.offsets.clone(),
+                sizes: t.sizes.clone(),
+                file: 0,
+                offset,
+                length,
+            });
+        }
+        for (o, &(offset, length)) in objects.iter().zip(&written.objects) {
+            part.objects.push(ObjectRecord { fqn: o.object.fqn.clone(), shard: o.shard.clone(), file: 0, offset, length });
+        }
+        part.files.push(FileRecord { name: name.clone(), size: written.file_size });
+        report.data_file = Some(name);
+        report.data_bytes = written.file_size;
+    }
+    if let Some(bytes) = common {
+        atomic_write(&dir.join(rendezvous::COMMON_FILE), bytes)?;
+        part.common = Some(FileRecord { name: rendezvous::COMMON_FILE.into(), size: bytes.len() as u64 });
+    }
+    rendezvous::write_part(dir, &part)?;
+    report.write_s = t0.elapsed().as_secs_f64();
+
+    let t1 = Instant::now();
+    if opts.merge_rank == Some(opts.rank) {
+        report.commit = Some(rendezvous::merge(dir, &opts.save_id, opts.world_size, opts.timeout)?);
+        report.committed = true;
+        remove_stale_attempts(dir, &opts.save_id);
+    } else if opts.wait_for_commit && opts.merge_rank.is_some() {
+        rendezvous::wait_for_commit(dir, &opts.save_id, opts.world_size, opts.timeout)?;
+        report.committed = true;
+    }
+    report.rendezvous_s = t1.elapsed().as_secs_f64();
+    Ok(report)
+}
+
+/// After a commit, parts of earlier attempts in the same directory are dead weight: remove them
+/// (best effort; they were never merged, because their save id differs).
+fn remove_stale_attempts(dir: &Path, keep: &str) {
+    if let Ok(rd) = std::fs::read_dir(dir.join(rendezvous::STATE_DIR)) {
+        for e in rd.flatten() {
+            if e.file_name().to_string_lossy() != keep {
+                let _ = std::fs::remove_dir_all(e.path());
+            }
+        }
+    }
+}
