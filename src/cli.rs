@@ -11,7 +11,11 @@ use crate::error::{fmt_ranks, Error, Result};
 use crate::rendezvous::{self, RankPart};
 
 #[derive(Parser, Debug)]
-#[command(name = "shardwise", version, about = "Collective-free Megatron torch_dist / PyTorch DCP checkpoints")]
+#[command(
+    name = "shardwise",
+    version,
+    about = "Collective-free Megatron torch_dist / PyTorch DCP checkpoints"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -54,7 +58,12 @@ pub fn run(args: Vec<String>) -> i32 {
     };
     let result = match cli.command {
         Command::Status { dir, keys } => status(&dir, keys),
-        Command::Merge { dir, save_id, world_size, timeout } => merge(&dir, save_id, world_size, timeout),
+        Command::Merge {
+            dir,
+            save_id,
+            world_size,
+            timeout,
+        } => merge(&dir, save_id, world_size, timeout),
     };
     match result {
         Ok(()) => 0,
@@ -68,10 +77,16 @@ pub fn run(args: Vec<String>) -> i32 {
 fn save_ids(dir: &Path) -> Result<Vec<String>> {
     let state = dir.join(rendezvous::STATE_DIR);
     if !dir.is_dir() {
-        return Err(Error::InvalidArgument(format!("{} is not a directory", dir.display())));
+        return Err(Error::InvalidArgument(format!(
+            "{} is not a directory",
+            dir.display()
+        )));
     }
     let mut ids: Vec<String> = match std::fs::read_dir(&state) {
-        Ok(rd) => rd.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect(),
+        Ok(rd) => rd
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect(),
         Err(_) => Vec::new(),
     };
     ids.sort();
@@ -84,7 +99,10 @@ fn read_parts(dir: &Path, save_id: &str) -> Vec<(u32, Result<RankPart>)> {
     if let Ok(rd) = std::fs::read_dir(&sdir) {
         for e in rd.flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
-            if let Some(r) = name.strip_suffix(".part").and_then(|r| r.parse::<u32>().ok()) {
+            if let Some(r) = name
+                .strip_suffix(".part")
+                .and_then(|r| r.parse::<u32>().ok())
+            {
                 out.push((r, rendezvous::read_part(&e.path())));
             }
         }
@@ -95,15 +113,29 @@ fn read_parts(dir: &Path, save_id: &str) -> Vec<(u32, Result<RankPart>)> {
 
 fn status(dir: &Path, keys: bool) -> Result<()> {
     let committed_meta = dir.join(".metadata").exists();
-    println!("{}: .metadata {}", dir.display(), if committed_meta { "present (committed)" } else { "absent (not committed)" });
+    println!(
+        "{}: .metadata {}",
+        dir.display(),
+        if committed_meta {
+            "present (committed)"
+        } else {
+            "absent (not committed)"
+        }
+    );
     let ids = save_ids(dir)?;
     if ids.is_empty() {
-        println!("no shardwise saves (no {} directory)", rendezvous::STATE_DIR);
+        println!(
+            "no shardwise saves (no {} directory)",
+            rendezvous::STATE_DIR
+        );
     }
     for id in ids {
         let sdir = rendezvous::save_dir(dir, &id);
         let parts = read_parts(dir, &id);
-        let world = parts.iter().find_map(|(_, p)| p.as_ref().ok().map(|p| p.world_size)).unwrap_or(0);
+        let world = parts
+            .iter()
+            .find_map(|(_, p)| p.as_ref().ok().map(|p| p.world_size))
+            .unwrap_or(0);
         let state = if sdir.join("COMMITTED").exists() {
             "committed".to_string()
         } else if let Ok(reason) = std::fs::read_to_string(sdir.join("FAILED")) {
@@ -118,7 +150,8 @@ fn status(dir: &Path, keys: bool) -> Result<()> {
                 println!("  missing ranks: [{}]", fmt_ranks(&missing));
             }
         }
-        let mut layout: BTreeMap<String, (String, Vec<u64>, Vec<(u32, Vec<u64>, Vec<u64>)>)> = BTreeMap::new();
+        let mut layout: BTreeMap<String, (String, Vec<u64>, Vec<(u32, Vec<u64>, Vec<u64>)>)> =
+            BTreeMap::new();
         let mut objects = 0usize;
         for (rank, p) in &parts {
             match p {
@@ -131,11 +164,17 @@ fn status(dir: &Path, keys: bool) -> Result<()> {
                         p.tensors.len(),
                         p.objects.len(),
                         files.join(", "),
-                        if p.common.is_some() { " + common.pt" } else { "" }
+                        if p.common.is_some() {
+                            " + common.pt"
+                        } else {
+                            ""
+                        }
                     );
                     objects += p.objects.len();
                     for t in &p.tensors {
-                        let e = layout.entry(t.fqn.clone()).or_insert_with(|| (t.dtype.clone(), t.global_shape.clone(), Vec::new()));
+                        let e = layout.entry(t.fqn.clone()).or_insert_with(|| {
+                            (t.dtype.clone(), t.global_shape.clone(), Vec::new())
+                        });
                         e.2.push((*rank, t.offsets.clone(), t.sizes.clone()));
                     }
                 }
@@ -164,7 +203,12 @@ fn merge(dir: &Path, save_id: Option<String>, world_size: Option<u32>, timeout: 
                 .collect();
             match ids.as_slice() {
                 [one] => one.clone(),
-                [] => return Err(Error::InvalidArgument(format!("no uncommitted save in {}", dir.display()))),
+                [] => {
+                    return Err(Error::InvalidArgument(format!(
+                        "no uncommitted save in {}",
+                        dir.display()
+                    )))
+                }
                 many => {
                     return Err(Error::InvalidArgument(format!(
                         "several uncommitted saves in {}: {}; pick one with --save-id",
@@ -180,9 +224,18 @@ fn merge(dir: &Path, save_id: Option<String>, world_size: Option<u32>, timeout: 
         None => read_parts(dir, &save_id)
             .into_iter()
             .find_map(|(_, p)| p.ok().map(|p| p.world_size))
-            .ok_or_else(|| Error::InvalidArgument(format!("save {save_id} has no readable part; pass --world-size")))?,
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "save {save_id} has no readable part; pass --world-size"
+                ))
+            })?,
     };
-    let summary = rendezvous::merge(dir, &save_id, world_size, Duration::from_secs_f64(timeout.max(0.0)))?;
+    let summary = rendezvous::merge(
+        dir,
+        &save_id,
+        world_size,
+        Duration::from_secs_f64(timeout.max(0.0)),
+    )?;
     println!(
         "committed save {save_id}: {} keys, {} tensor chunks, {} byte objects, {} data bytes, .metadata {} bytes",
         summary.keys, summary.tensor_chunks, summary.byte_objects, summary.data_bytes, summary.metadata_bytes

@@ -29,19 +29,35 @@ pub enum Error {
          save {save_id}) in {dir}; nothing committed",
         fmt_ranks(missing)
     )]
-    MissingRanks { dir: PathBuf, save_id: String, world_size: u32, missing: Vec<u32>, timeout_s: f64 },
+    MissingRanks {
+        dir: PathBuf,
+        save_id: String,
+        world_size: u32,
+        missing: Vec<u32>,
+        timeout_s: f64,
+    },
 
     /// The merging rank reported a failure, or no commit appeared within the timeout.
     #[error("save {save_id} in {dir} was not committed: {reason}")]
-    NotCommitted { dir: PathBuf, save_id: String, reason: String },
+    NotCommitted {
+        dir: PathBuf,
+        save_id: String,
+        reason: String,
+    },
 
     /// The target directory already holds a committed checkpoint and `overwrite` was not given.
-    #[error("{0} already holds a committed checkpoint (.metadata); pass overwrite=True to replace it")]
+    #[error(
+        "{0} already holds a committed checkpoint (.metadata); pass overwrite=True to replace it"
+    )]
     CheckpointExists(PathBuf),
 
     /// An I/O operation failed on `path`.
     #[error("{op} {path}: {source}")]
-    Io { op: &'static str, path: PathBuf, source: std::io::Error },
+    Io {
+        op: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
 
     /// A file that should be a shardwise part or checkpoint file is malformed.
     #[error("corrupt file {path}: {reason}")]
@@ -64,7 +80,11 @@ pub fn fmt_ranks(ranks: &[u32]) -> String {
         while j + 1 < ranks.len() && ranks[j + 1] == ranks[j] + 1 {
             j += 1;
         }
-        out.push(if j > i { format!("{}-{}", ranks[i], ranks[j]) } else { ranks[i].to_string() });
+        out.push(if j > i {
+            format!("{}-{}", ranks[i], ranks[j])
+        } else {
+            ranks[i].to_string()
+        });
         i = j + 1;
     }
     out.join(", ")

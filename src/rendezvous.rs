@@ -100,7 +100,9 @@ fn part_path(dir: &Path, save_id: &str, rank: u32) -> PathBuf {
 pub fn check_save_id(save_id: &str) -> Result<()> {
     let ok = !save_id.is_empty()
         && save_id.len() <= 128
-        && save_id.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.')
+        && save_id
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.')
         && !save_id.starts_with('.');
     if ok {
         Ok(())
@@ -116,7 +118,8 @@ pub fn write_part(dir: &Path, part: &RankPart) -> Result<PathBuf> {
     check_save_id(&part.save_id)?;
     let sdir = save_dir(dir, &part.save_id);
     create_dir_all(&sdir)?;
-    let body = rmp_serde::to_vec(part).map_err(|e| Error::InvalidArgument(format!("cannot encode part: {e}")))?;
+    let body = rmp_serde::to_vec(part)
+        .map_err(|e| Error::InvalidArgument(format!("cannot encode part: {e}")))?;
     let mut bytes = Vec::with_capacity(body.len() + 12);
     bytes.extend_from_slice(MAGIC);
     bytes.extend_from_slice(&crc32fast::hash(&body).to_le_bytes());
@@ -131,7 +134,10 @@ pub fn write_part(dir: &Path, part: &RankPart) -> Result<PathBuf> {
 /// Errors: [`Error::Corrupt`] on a bad magic, CRC or encoding; [`Error::Io`] if unreadable.
 pub fn read_part(path: &Path) -> Result<RankPart> {
     let bytes = std::fs::read(path).map_err(Error::io("read", path))?;
-    let corrupt = |reason: String| Error::Corrupt { path: path.to_path_buf(), reason };
+    let corrupt = |reason: String| Error::Corrupt {
+        path: path.to_path_buf(),
+        reason,
+    };
     if bytes.len() < 12 || &bytes[..8] != MAGIC {
         return Err(corrupt("not a shardwise part (bad magic)".into()));
     }
@@ -139,9 +145,13 @@ pub fn read_part(path: &Path) -> Result<RankPart> {
     if crc32fast::hash(&bytes[12..]) != crc {
         return Err(corrupt("CRC mismatch".into()));
     }
-    let part: RankPart = rmp_serde::from_slice(&bytes[12..]).map_err(|e| corrupt(format!("undecodable: {e}")))?;
+    let part: RankPart =
+        rmp_serde::from_slice(&bytes[12..]).map_err(|e| corrupt(format!("undecodable: {e}")))?;
     if part.format != PART_FORMAT {
-        return Err(corrupt(format!("part format {} is not {PART_FORMAT}", part.format)));
+        return Err(corrupt(format!(
+            "part format {} is not {PART_FORMAT}",
+            part.format
+        )));
     }
     Ok(part)
 }
@@ -172,7 +182,10 @@ fn present_ranks(dir: &Path, save_id: &str, world_size: u32) -> Vec<bool> {
         for e in rd.flatten() {
             let name = e.file_name();
             let name = name.to_string_lossy();
-            if let Some(r) = name.strip_suffix(".part").and_then(|r| r.parse::<u32>().ok()) {
+            if let Some(r) = name
+                .strip_suffix(".part")
+                .and_then(|r| r.parse::<u32>().ok())
+            {
                 if r < world_size {
                     present[r as usize] = true;
                 }
@@ -187,16 +200,25 @@ fn present_ranks(dir: &Path, save_id: &str, world_size: u32) -> Vec<bool> {
 ///
 /// Errors: [`Error::MissingRanks`] at the timeout; [`Error::Validation`] when a part disagrees on
 /// `world_size`; [`Error::Corrupt`]/[`Error::Io`] for unreadable parts.
-pub fn collect_parts(dir: &Path, save_id: &str, world_size: u32, timeout: Duration) -> Result<Vec<RankPart>> {
+pub fn collect_parts(
+    dir: &Path,
+    save_id: &str,
+    world_size: u32,
+    timeout: Duration,
+) -> Result<Vec<RankPart>> {
     check_save_id(save_id)?;
     let deadline = Instant::now() + timeout;
     let mut parts: Vec<Option<RankPart>> = vec![None; world_size as usize];
     let mut backoff = Backoff::new();
     loop {
         let present = present_ranks(dir, save_id, world_size);
-        let arrived: Vec<u32> = (0..world_size).filter(|&r| present[r as usize] && parts[r as usize].is_none()).collect();
-        let fresh: Vec<RankPart> =
-            arrived.par_iter().map(|&r| read_part(&part_path(dir, save_id, r))).collect::<Result<_>>()?;
+        let arrived: Vec<u32> = (0..world_size)
+            .filter(|&r| present[r as usize] && parts[r as usize].is_none())
+            .collect();
+        let fresh: Vec<RankPart> = arrived
+            .par_iter()
+            .map(|&r| read_part(&part_path(dir, save_id, r)))
+            .collect::<Result<_>>()?;
         for p in fresh {
             if p.world_size != world_size {
                 return Err(Error::Validation(format!(
@@ -213,7 +235,9 @@ pub fn collect_parts(dir: &Path, save_id: &str, world_size: u32, timeout: Durati
             let r = p.rank as usize;
             parts[r] = Some(p);
         }
-        let missing: Vec<u32> = (0..world_size).filter(|&r| parts[r as usize].is_none()).collect();
+        let missing: Vec<u32> = (0..world_size)
+            .filter(|&r| parts[r as usize].is_none())
+            .collect();
         if missing.is_empty() {
             return Ok(parts.into_iter().flatten().collect());
         }
@@ -253,7 +277,10 @@ pub fn build_global(dir: &Path, parts: &[RankPart]) -> Result<BTreeMap<String, E
     }
     let megatron = parts.first().map(|p| p.megatron).unwrap_or(false);
     if let Some(p) = parts.iter().find(|p| p.megatron != megatron) {
-        return Err(Error::Validation(format!("rank {} disagrees with rank 0 on the Megatron layout flag", p.rank)));
+        return Err(Error::Validation(format!(
+            "rank {} disagrees with rank 0 on the Megatron layout flag",
+            p.rank
+        )));
     }
     // Every data file must still be there with the size its rank published.
     parts.par_iter().try_for_each(|p| {
@@ -270,20 +297,32 @@ pub fn build_global(dir: &Path, parts: &[RankPart]) -> Result<BTreeMap<String, E
         Ok(())
     })?;
     if megatron && !parts.iter().any(|p| p.common.is_some()) {
-        return Err(Error::Validation("no rank wrote common.pt (Megatron loaders require it)".into()));
+        return Err(Error::Validation(
+            "no rank wrote common.pt (Megatron loaders require it)".into(),
+        ));
     }
 
     let mut tensors: HashMap<&str, Agg> = HashMap::new();
     let mut objects: HashMap<&str, (u32, &ObjectRecord, StorageInfo)> = HashMap::new();
     for p in parts {
         let file_name = |i: u32| -> Result<&str> {
-            p.files.get(i as usize).map(|f| f.name.as_str()).ok_or_else(|| {
-                Error::Validation(format!("rank {}: item refers to file #{i}, which the part does not list", p.rank))
-            })
+            p.files
+                .get(i as usize)
+                .map(|f| f.name.as_str())
+                .ok_or_else(|| {
+                    Error::Validation(format!(
+                        "rank {}: item refers to file #{i}, which the part does not list",
+                        p.rank
+                    ))
+                })
         };
         for t in &p.tensors {
             DType::from_torch_name(&t.dtype)?;
-            let storage = StorageInfo { relative_path: file_name(t.file)?.to_string(), offset: t.offset, length: t.length };
+            let storage = StorageInfo {
+                relative_path: file_name(t.file)?.to_string(),
+                offset: t.offset,
+                length: t.length,
+            };
             let agg = tensors.entry(t.fqn.as_str()).or_insert_with(|| Agg {
                 dtype: t.dtype.clone(),
                 shape: t.global_shape.clone(),
@@ -296,10 +335,21 @@ pub fn build_global(dir: &Path, parts: &[RankPart]) -> Result<BTreeMap<String, E
                     t.fqn, agg.first_rank, agg.dtype, agg.shape, p.rank, t.dtype, t.global_shape
                 )));
             }
-            agg.chunks.push((p.rank, Chunk { offsets: t.offsets.clone(), sizes: t.sizes.clone(), storage }));
+            agg.chunks.push((
+                p.rank,
+                Chunk {
+                    offsets: t.offsets.clone(),
+                    sizes: t.sizes.clone(),
+                    storage,
+                },
+            ));
         }
         for o in &p.objects {
-            let storage = StorageInfo { relative_path: file_name(o.file)?.to_string(), offset: o.offset, length: o.length };
+            let storage = StorageInfo {
+                relative_path: file_name(o.file)?.to_string(),
+                offset: o.offset,
+                length: o.length,
+            };
             if let Some((other, _, _)) = objects.get(o.fqn.as_str()) {
                 return Err(Error::Validation(format!(
                     "byte object {} is written by ranks {other} and {}; exactly one main replica may save it",
@@ -307,13 +357,18 @@ pub fn build_global(dir: &Path, parts: &[RankPart]) -> Result<BTreeMap<String, E
                 )));
             }
             if tensors.contains_key(o.fqn.as_str()) {
-                return Err(Error::Validation(format!("key {} is both a tensor and a byte object", o.fqn)));
+                return Err(Error::Validation(format!(
+                    "key {} is both a tensor and a byte object",
+                    o.fqn
+                )));
             }
             objects.insert(o.fqn.as_str(), (p.rank, o, storage));
         }
     }
     if let Some(k) = objects.keys().find(|k| tensors.contains_key(*k)) {
-        return Err(Error::Validation(format!("key {k} is both a tensor and a byte object")));
+        return Err(Error::Validation(format!(
+            "key {k} is both a tensor and a byte object"
+        )));
     }
 
     // Tensors: bounds, overlaps and coverage, per key in parallel.
@@ -323,12 +378,23 @@ pub fn build_global(dir: &Path, parts: &[RankPart]) -> Result<BTreeMap<String, E
             check_chunks(fqn, &agg.shape, &agg.chunks)?;
             let dtype = DType::from_torch_name(&agg.dtype)?;
             let chunks = agg.chunks.into_iter().map(|(_, c)| c).collect();
-            Ok((fqn.to_string(), Entry::Tensor { dtype, global_shape: agg.shape, chunks }))
+            Ok((
+                fqn.to_string(),
+                Entry::Tensor {
+                    dtype,
+                    global_shape: agg.shape,
+                    chunks,
+                },
+            ))
         })
         .collect::<Result<_>>()?;
 
     check_sharded_objects(objects.values().map(|(r, o, _)| (*r, *o)))?;
-    checked.extend(objects.into_iter().map(|(k, (_, _, storage))| (k.to_string(), Entry::Bytes { storage })));
+    checked.extend(
+        objects
+            .into_iter()
+            .map(|(k, (_, _, storage))| (k.to_string(), Entry::Bytes { storage })),
+    );
     Ok(checked.into_iter().collect())
 }
 
@@ -341,7 +407,11 @@ fn check_chunks(fqn: &str, shape: &[u64], chunks: &[(u32, Chunk)]) -> Result<()>
     for (rank, c) in chunks {
         let inside = c.offsets.len() == shape.len()
             && c.sizes.len() == shape.len()
-            && c.offsets.iter().zip(&c.sizes).zip(shape).all(|((&o, &s), &g)| o.checked_add(s).is_some_and(|e| e <= g));
+            && c.offsets
+                .iter()
+                .zip(&c.sizes)
+                .zip(shape)
+                .all(|((&o, &s), &g)| o.checked_add(s).is_some_and(|e| e <= g));
         if !inside {
             return Err(Error::Validation(format!(
                 "key {fqn}: rank {rank} saves chunk offsets {:?} sizes {:?}, outside the global shape {shape:?}",
@@ -350,19 +420,33 @@ fn check_chunks(fqn: &str, shape: &[u64], chunks: &[(u32, Chunk)]) -> Result<()>
         }
     }
     // Sweep along dimension 0: only chunks whose dim-0 ranges intersect are compared.
-    let mut order: Vec<usize> = (0..chunks.len()).filter(|&i| volume(&chunks[i].1.sizes) > 0).collect();
+    let mut order: Vec<usize> = (0..chunks.len())
+        .filter(|&i| volume(&chunks[i].1.sizes) > 0)
+        .collect();
     let start0 = |i: usize| chunks[i].1.offsets.first().copied().unwrap_or(0);
-    let end0 = |i: usize| chunks[i].1.offsets.first().map(|o| o + chunks[i].1.sizes[0]).unwrap_or(1);
+    let end0 = |i: usize| {
+        chunks[i]
+            .1
+            .offsets
+            .first()
+            .map(|o| o + chunks[i].1.sizes[0])
+            .unwrap_or(1)
+    };
     order.sort_by_key(|&i| (start0(i), chunks[i].1.offsets.clone()));
     let mut active: Vec<usize> = Vec::new();
     for &i in &order {
         active.retain(|&j| end0(j) > start0(i));
         for &j in &active {
             let (a, b) = (&chunks[i].1, &chunks[j].1);
-            let overlap = (0..shape.len())
-                .all(|d| a.offsets[d] < b.offsets[d] + b.sizes[d] && b.offsets[d] < a.offsets[d] + a.sizes[d]);
+            let overlap = (0..shape.len()).all(|d| {
+                a.offsets[d] < b.offsets[d] + b.sizes[d] && b.offsets[d] < a.offsets[d] + a.sizes[d]
+            });
             if overlap {
-                let what = if a.offsets == b.offsets && a.sizes == b.sizes { "the same chunk" } else { "overlapping chunks" };
+                let what = if a.offsets == b.offsets && a.sizes == b.sizes {
+                    "the same chunk"
+                } else {
+                    "overlapping chunks"
+                };
                 return Err(Error::Validation(format!(
                     "key {fqn}: ranks {} and {} both save {what} (offsets {:?} sizes {:?} and offsets {:?} sizes {:?}); \
                      exactly one main replica (replica_id all zeros) may save each chunk",
@@ -392,7 +476,9 @@ fn check_sharded_objects<'a>(objects: impl Iterator<Item = (u32, &'a ObjectRecor
     let mut by_key: HashMap<&str, (Vec<u64>, Vec<Vec<u64>>)> = HashMap::new();
     for (rank, o) in objects {
         let Some(s) = &o.shard else { continue };
-        let e = by_key.entry(s.key.as_str()).or_insert_with(|| (s.global_shape.clone(), Vec::new()));
+        let e = by_key
+            .entry(s.key.as_str())
+            .or_insert_with(|| (s.global_shape.clone(), Vec::new()));
         if e.0 != s.global_shape {
             return Err(Error::Validation(format!(
                 "ShardedObject {}: rank {rank} uses global shape {:?}, another rank {:?}",
@@ -433,12 +519,20 @@ fn check_sharded_objects<'a>(objects: impl Iterator<Item = (u32, &'a ObjectRecor
 /// `FAILED` marker with the reason is published instead, so that waiting ranks fail fast.
 ///
 /// Errors: as [`collect_parts`] and [`build_global`], plus [`Error::Io`].
-pub fn merge(dir: &Path, save_id: &str, world_size: u32, timeout: Duration) -> Result<CommitSummary> {
+pub fn merge(
+    dir: &Path,
+    save_id: &str,
+    world_size: u32,
+    timeout: Duration,
+) -> Result<CommitSummary> {
     let parts = collect_parts(dir, save_id, world_size, timeout)?;
     let global = match build_global(dir, &parts) {
         Ok(g) => g,
         Err(e) => {
-            let _ = atomic_write(&save_dir(dir, save_id).join("FAILED"), e.to_string().as_bytes());
+            let _ = atomic_write(
+                &save_dir(dir, save_id).join("FAILED"),
+                e.to_string().as_bytes(),
+            );
             return Err(e);
         }
     };
@@ -446,16 +540,27 @@ pub fn merge(dir: &Path, save_id: &str, world_size: u32, timeout: Duration) -> R
     let meta = emit_metadata(&global);
     atomic_write(&dir.join(".metadata"), &meta)?;
     if megatron {
-        atomic_write(&dir.join("metadata.json"), MEGATRON_METADATA_JSON.as_bytes())?;
+        atomic_write(
+            &dir.join("metadata.json"),
+            MEGATRON_METADATA_JSON.as_bytes(),
+        )?;
     }
-    let mut summary = CommitSummary { keys: global.len(), metadata_bytes: meta.len() as u64, ..Default::default() };
+    let mut summary = CommitSummary {
+        keys: global.len(),
+        metadata_bytes: meta.len() as u64,
+        ..Default::default()
+    };
     for e in global.values() {
         match e {
             Entry::Tensor { chunks, .. } => summary.tensor_chunks += chunks.len(),
             Entry::Bytes { .. } => summary.byte_objects += 1,
         }
     }
-    summary.data_bytes = parts.iter().flat_map(|p| p.files.iter()).map(|f| f.size).sum();
+    summary.data_bytes = parts
+        .iter()
+        .flat_map(|p| p.files.iter())
+        .map(|f| f.size)
+        .sum();
     atomic_write(&save_dir(dir, save_id).join("COMMITTED"), b"")?;
     fsync_dir(dir)?;
     Ok(summary)
@@ -465,7 +570,12 @@ pub fn merge(dir: &Path, save_id: &str, world_size: u32, timeout: Duration) -> R
 ///
 /// Errors: [`Error::NotCommitted`] with the merger's reason when it published `FAILED`, or with the
 /// ranks whose parts are still missing at the timeout.
-pub fn wait_for_commit(dir: &Path, save_id: &str, world_size: u32, timeout: Duration) -> Result<()> {
+pub fn wait_for_commit(
+    dir: &Path,
+    save_id: &str,
+    world_size: u32,
+    timeout: Duration,
+) -> Result<()> {
     check_save_id(save_id)?;
     let sdir = save_dir(dir, save_id);
     let deadline = Instant::now() + timeout;
@@ -475,7 +585,11 @@ pub fn wait_for_commit(dir: &Path, save_id: &str, world_size: u32, timeout: Dura
             return Ok(());
         }
         if let Ok(reason) = std::fs::read_to_string(sdir.join("FAILED")) {
-            return Err(Error::NotCommitted { dir: dir.to_path_buf(), save_id: save_id.into(), reason });
+            return Err(Error::NotCommitted {
+                dir: dir.to_path_buf(),
+                save_id: save_id.into(),
+                reason,
+            });
         }
         if Instant::now() >= deadline {
             let missing = missing_ranks(dir, save_id, world_size);
@@ -488,7 +602,11 @@ pub fn wait_for_commit(dir: &Path, save_id: &str, world_size: u32, timeout: Dura
                     fmt_ranks(&missing)
                 )
             };
-            return Err(Error::NotCommitted { dir: dir.to_path_buf(), save_id: save_id.into(), reason });
+            return Err(Error::NotCommitted {
+                dir: dir.to_path_buf(),
+                save_id: save_id.into(),
+                reason,
+            });
         }
         backoff.sleep(deadline);
     }

@@ -7,7 +7,9 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use crate::error::{Error, Result};
-use crate::rendezvous::{self, CommitSummary, FileRecord, ObjectRecord, ObjectShard, RankPart, TensorRecord};
+use crate::rendezvous::{
+    self, CommitSummary, FileRecord, ObjectRecord, ObjectShard, RankPart, TensorRecord,
+};
 use crate::storage::{atomic_write, create_dir_all};
 use crate::writer::{write_rank_file, ByteObject, TensorChunk};
 
@@ -60,7 +62,11 @@ fn remove_if_present(path: &Path) -> Result<()> {
     match std::fs::remove_file(path) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(Error::Io { op: "remove", path: path.to_path_buf(), source: e }),
+        Err(e) => Err(Error::Io {
+            op: "remove",
+            path: path.to_path_buf(),
+            source: e,
+        }),
     }
 }
 
@@ -83,7 +89,10 @@ pub fn save_rank(
         )));
     }
     if let Some(m) = opts.merge_rank.filter(|&m| m >= opts.world_size) {
-        return Err(Error::InvalidArgument(format!("merge_rank {m} is not in 0..{}", opts.world_size)));
+        return Err(Error::InvalidArgument(format!(
+            "merge_rank {m} is not in 0..{}",
+            opts.world_size
+        )));
     }
     rendezvous::check_save_id(&opts.save_id)?;
     let dir = &opts.dir;
@@ -98,7 +107,11 @@ pub fn save_rank(
     }
 
     let t0 = Instant::now();
-    let mut report = SaveReport { rank: opts.rank, save_id: opts.save_id.clone(), ..Default::default() };
+    let mut report = SaveReport {
+        rank: opts.rank,
+        save_id: opts.save_id.clone(),
+        ..Default::default()
+    };
     let mut part = RankPart {
         format: rendezvous::PART_FORMAT,
         save_id: opts.save_id.clone(),
@@ -112,8 +125,13 @@ pub fn save_rank(
     };
     if !tensors.is_empty() || !objects.is_empty() {
         let name = data_file_name(opts.rank);
-        let raw_objects: Vec<ByteObject> =
-            objects.iter().map(|o| ByteObject { fqn: o.object.fqn.clone(), bytes: o.object.bytes }).collect();
+        let raw_objects: Vec<ByteObject> = objects
+            .iter()
+            .map(|o| ByteObject {
+                fqn: o.object.fqn.clone(),
+                bytes: o.object.bytes,
+            })
+            .collect();
         let written = write_rank_file(&dir.join(&name), opts.rank as u64, tensors, &raw_objects)?;
         for (t, &(offset, length)) in tensors.iter().zip(&written.tensors) {
             part.tensors.push(TensorRecord {
@@ -128,22 +146,39 @@ pub fn save_rank(
             });
         }
         for (o, &(offset, length)) in objects.iter().zip(&written.objects) {
-            part.objects.push(ObjectRecord { fqn: o.object.fqn.clone(), shard: o.shard.clone(), file: 0, offset, length });
+            part.objects.push(ObjectRecord {
+                fqn: o.object.fqn.clone(),
+                shard: o.shard.clone(),
+                file: 0,
+                offset,
+                length,
+            });
         }
-        part.files.push(FileRecord { name: name.clone(), size: written.file_size });
+        part.files.push(FileRecord {
+            name: name.clone(),
+            size: written.file_size,
+        });
         report.data_file = Some(name);
         report.data_bytes = written.file_size;
     }
     if let Some(bytes) = common {
         atomic_write(&dir.join(rendezvous::COMMON_FILE), bytes)?;
-        part.common = Some(FileRecord { name: rendezvous::COMMON_FILE.into(), size: bytes.len() as u64 });
+        part.common = Some(FileRecord {
+            name: rendezvous::COMMON_FILE.into(),
+            size: bytes.len() as u64,
+        });
     }
     rendezvous::write_part(dir, &part)?;
     report.write_s = t0.elapsed().as_secs_f64();
 
     let t1 = Instant::now();
     if opts.merge_rank == Some(opts.rank) {
-        report.commit = Some(rendezvous::merge(dir, &opts.save_id, opts.world_size, opts.timeout)?);
+        report.commit = Some(rendezvous::merge(
+            dir,
+            &opts.save_id,
+            opts.world_size,
+            opts.timeout,
+        )?);
         report.committed = true;
         remove_stale_attempts(dir, &opts.save_id);
     } else if opts.wait_for_commit && opts.merge_rank.is_some() {

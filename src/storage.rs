@@ -11,14 +11,19 @@ use crate::error::{Error, Result};
 
 /// Fsyncs a directory so that a rename inside it is durable.
 pub fn fsync_dir(dir: &Path) -> Result<()> {
-    File::open(dir).and_then(|f| f.sync_all()).map_err(Error::io("fsync directory", dir))
+    File::open(dir)
+        .and_then(|f| f.sync_all())
+        .map_err(Error::io("fsync directory", dir))
 }
 
 /// Writes `bytes` to `path` atomically: a unique temporary name in the same directory, fsync,
 /// rename over `path`, fsync of the directory. Readers see the old file or the whole new one.
 pub fn atomic_write(path: &Path, bytes: &[u8]) -> Result<()> {
     let dir = path.parent().unwrap_or(Path::new("."));
-    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
     let tmp = dir.join(format!(".{name}.tmp.{}", std::process::id()));
     let result = (|| {
         let mut f = File::create(&tmp).map_err(Error::io("create", &tmp))?;
@@ -59,7 +64,9 @@ impl DataFile {
             let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len as libc::off_t) };
             match rc {
                 0 => {}
-                libc::EOPNOTSUPP | libc::EINVAL => file.set_len(len).map_err(Error::io("resize", path))?,
+                libc::EOPNOTSUPP | libc::EINVAL => {
+                    file.set_len(len).map_err(Error::io("resize", path))?
+                }
                 errno => {
                     return Err(Error::Io {
                         op: "allocate",
@@ -69,16 +76,23 @@ impl DataFile {
                 }
             }
         }
-        Ok(DataFile { path: path.to_path_buf(), file })
+        Ok(DataFile {
+            path: path.to_path_buf(),
+            file,
+        })
     }
 
     /// `pwrite` of all of `buf` at byte `offset`; safe to call from many threads at once.
     pub fn write_at(&self, buf: &[u8], offset: u64) -> Result<()> {
-        self.file.write_all_at(buf, offset).map_err(Error::io("write", &self.path))
+        self.file
+            .write_all_at(buf, offset)
+            .map_err(Error::io("write", &self.path))
     }
 
     /// Flushes data to stable storage.
     pub fn sync(&self) -> Result<()> {
-        self.file.sync_data().map_err(Error::io("fsync", &self.path))
+        self.file
+            .sync_data()
+            .map_err(Error::io("fsync", &self.path))
     }
 }

@@ -54,7 +54,10 @@ pub fn check_chunk(c: &TensorChunk) -> Result<()> {
             c.fqn, c.global_shape, c.offsets, c.sizes
         )));
     }
-    let expect = c.sizes.iter().try_fold(c.dtype.itemsize(), |acc, &s| acc.checked_mul(s));
+    let expect = c
+        .sizes
+        .iter()
+        .try_fold(c.dtype.itemsize(), |acc, &s| acc.checked_mul(s));
     if expect != Some(c.data.len() as u64) {
         return Err(Error::InvalidArgument(format!(
             "{}: chunk of shape {:?} and dtype {} needs {:?} bytes, got {}",
@@ -102,7 +105,11 @@ pub fn write_rank_file(
     // Phase 1: object archives, archive heads and payload pieces, all in parallel.
     enum Task<'a> {
         Raw(&'a [u8], u64),
-        Piece { item: usize, bytes: &'a [u8], at: u64 },
+        Piece {
+            item: usize,
+            bytes: &'a [u8],
+            at: u64,
+        },
     }
     let mut tasks: Vec<Task> = Vec::new();
     for (o, &(at, _)) in objects.iter().zip(&object_pos) {
@@ -113,7 +120,11 @@ pub fn write_rank_file(
         tasks.push(Task::Raw(&l.prefix, at));
         let base = at + l.prefix.len() as u64;
         for (k, piece) in t.data.chunks(PIECE_BYTES).enumerate() {
-            tasks.push(Task::Piece { item: i, bytes: piece, at: base + (k * PIECE_BYTES) as u64 });
+            tasks.push(Task::Piece {
+                item: i,
+                bytes: piece,
+                at: base + (k * PIECE_BYTES) as u64,
+            });
         }
     }
     let crcs: Vec<(usize, crc32fast::Hasher)> = tasks
@@ -135,7 +146,9 @@ pub fn write_rank_file(
         .collect();
 
     // Phase 2: combine piece CRCs in order (tasks were built in order) and write archive tails.
-    let mut per_item: Vec<crc32fast::Hasher> = (0..tensors.len()).map(|_| crc32fast::Hasher::new()).collect();
+    let mut per_item: Vec<crc32fast::Hasher> = (0..tensors.len())
+        .map(|_| crc32fast::Hasher::new())
+        .collect();
     for (item, h) in crcs {
         per_item[item].combine(&h);
     }
@@ -148,5 +161,9 @@ pub fn write_rank_file(
             file.write_at(&l.suffix(h.finalize()), tail_at)
         })?;
     file.sync()?;
-    Ok(Written { tensors: tensor_pos, objects: object_pos, file_size: cursor })
+    Ok(Written {
+        tensors: tensor_pos,
+        objects: object_pos,
+        file_size: cursor,
+    })
 }

@@ -12,7 +12,11 @@ fn fixtures() -> PathBuf {
     let dir = std::env::var_os("SHARDWISE_FIXTURES")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures"));
-    assert!(dir.join("dcp").is_dir(), "golden fixtures not found at {} (set SHARDWISE_FIXTURES)", dir.display());
+    assert!(
+        dir.join("dcp").is_dir(),
+        "golden fixtures not found at {} (set SHARDWISE_FIXTURES)",
+        dir.display()
+    );
     dir
 }
 
@@ -38,12 +42,25 @@ fn tensor_archives_match_torch_byte_for_byte() {
             }
             let chunk = &k["chunks"][0];
             let stored = &chunk["stored_tensor"];
-            let shape: Vec<u64> = stored["shape"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
-            let stride: Vec<u64> = stored["stride"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
+            let shape: Vec<u64> = stored["shape"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap())
+                .collect();
+            let stride: Vec<u64> = stored["stride"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap())
+                .collect();
             if stride != shardwise::format::zip::contiguous_strides(&shape) {
                 continue; // the `transposed` fixture: torch keeps a non-contiguous stride, we never write one
             }
-            let (off, len) = (chunk["storage"]["offset"].as_u64().unwrap(), chunk["storage"]["length"].as_u64().unwrap());
+            let (off, len) = (
+                chunk["storage"]["offset"].as_u64().unwrap(),
+                chunk["storage"]["length"].as_u64().unwrap(),
+            );
             let blob = &distcp[off as usize..(off + len) as usize];
             let payload = record(blob, "archive/data/0");
             let sid = String::from_utf8(record(blob, "archive/.data/serialization_id")).unwrap();
@@ -53,7 +70,10 @@ fn tensor_archives_match_torch_byte_for_byte() {
             ours.extend_from_slice(&payload);
             ours.extend_from_slice(&layout.suffix(crc32fast::hash(&payload)));
             assert_eq!(ours.len() as u64, layout.len(), "{version} {key}: length");
-            assert!(ours == blob, "{version} {key}: archive differs from torch's");
+            assert!(
+                ours == blob,
+                "{version} {key}: archive differs from torch's"
+            );
             compared += 1;
         }
     }

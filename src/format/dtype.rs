@@ -113,8 +113,14 @@ mod tests {
     fn names_round_trip() {
         for d in DType::ALL {
             assert_eq!(DType::from_torch_name(d.torch_name()).unwrap(), d);
-            assert_eq!(DType::from_torch_name(&format!("torch.{}", d.torch_name())).unwrap(), d);
+            assert_eq!(
+                DType::from_torch_name(&format!("torch.{}", d.torch_name())).unwrap(),
+                d
+            );
         }
-        assert!(matches!(DType::from_torch_name("torch.complex64"), Err(Error::UnsupportedDtype(_))));
+        assert!(matches!(
+            DType::from_torch_name("torch.complex64"),
+            Err(Error::UnsupportedDtype(_))
+        ));
     }
 }

@@ -34,8 +34,14 @@ pub struct Chunk {
 /// One key of the checkpoint (`TensorStorageMetadata` or `BytesStorageMetadata`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Entry {
-    Tensor { dtype: DType, global_shape: Vec<u64>, chunks: Vec<Chunk> },
-    Bytes { storage: StorageInfo },
+    Tensor {
+        dtype: DType,
+        global_shape: Vec<u64>,
+        chunks: Vec<Chunk>,
+    },
+    Bytes {
+        storage: StorageInfo,
+    },
 }
 
 /// Pickles the global metadata; keys are emitted in sorted order, chunks in the given order
@@ -52,7 +58,11 @@ pub fn emit_metadata(entries: &BTreeMap<String, Entry>) -> Vec<u8> {
     for (fqn, entry) in entries {
         p.str(fqn);
         match entry {
-            Entry::Tensor { dtype, global_shape, chunks } => {
+            Entry::Tensor {
+                dtype,
+                global_shape,
+                chunks,
+            } => {
                 object_start(&mut p, M, "TensorStorageMetadata");
                 p.empty_dict();
                 p.mark();

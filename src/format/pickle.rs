@@ -54,7 +54,12 @@ pub struct Pickler {
 impl Pickler {
     /// A protocol-2 pickle; `reuse` turns on `BINGET` for repeated globals and strings.
     pub fn new(reuse: bool) -> Self {
-        let mut p = Pickler { buf: Vec::with_capacity(256), next_memo: 0, reuse, memo: HashMap::new() };
+        let mut p = Pickler {
+            buf: Vec::with_capacity(256),
+            next_memo: 0,
+            reuse,
+            memo: HashMap::new(),
+        };
         p.buf.extend_from_slice(&[PROTO, 2]);
         p
     }
@@ -232,8 +237,14 @@ mod tests {
         assert_eq!(int_bytes(1261), vec![BININT2, 0xed, 0x04]);
         assert_eq!(int_bytes(-1), vec![BININT, 0xff, 0xff, 0xff, 0xff]);
         assert_eq!(int_bytes(1 << 31), vec![LONG1, 5, 0, 0, 0, 0x80, 0]);
-        assert_eq!(int_bytes(i64::MIN as i128), vec![LONG1, 8, 0, 0, 0, 0, 0, 0, 0, 0x80]);
-        assert_eq!(int_bytes(u64::MAX as i128), vec![LONG1, 9, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0]);
+        assert_eq!(
+            int_bytes(i64::MIN as i128),
+            vec![LONG1, 8, 0, 0, 0, 0, 0, 0, 0, 0x80]
+        );
+        assert_eq!(
+            int_bytes(u64::MAX as i128),
+            vec![LONG1, 9, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0]
+        );
     }
 
     #[test]

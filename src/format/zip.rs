@@ -51,7 +51,12 @@ impl ArchiveLayout {
 
     /// As [`ArchiveLayout::for_tensor`], with zip64 used for values `>= zip64_threshold`. Tests use a
     /// small threshold to exercise the zip64 form with small tensors.
-    pub fn with_threshold(dtype: DType, shape: &[u64], serialization_id: &str, zip64_threshold: u64) -> ArchiveLayout {
+    pub fn with_threshold(
+        dtype: DType,
+        shape: &[u64],
+        serialization_id: &str,
+        zip64_threshold: u64,
+    ) -> ArchiveLayout {
         let numel: u64 = shape.iter().product();
         let payload_len = numel * dtype.itemsize();
         let pickle = tensor_pickle(dtype, shape);
@@ -88,11 +93,26 @@ impl ArchiveLayout {
 
     fn encode(&self, payload_crc: u32) -> (Vec<u8>, Vec<u8>) {
         let records = [
-            Record { name: "data.pkl", data: Data::Inline(&self.pickle) },
-            Record { name: "byteorder", data: Data::Inline(b"little") },
-            Record { name: "data/0", data: Data::External(self.payload_len) },
-            Record { name: "version", data: Data::Inline(b"3\n") },
-            Record { name: ".data/serialization_id", data: Data::Inline(self.serialization_id.as_bytes()) },
+            Record {
+                name: "data.pkl",
+                data: Data::Inline(&self.pickle),
+            },
+            Record {
+                name: "byteorder",
+                data: Data::Inline(b"little"),
+            },
+            Record {
+                name: "data/0",
+                data: Data::External(self.payload_len),
+            },
+            Record {
+                name: "version",
+                data: Data::Inline(b"3\n"),
+            },
+            Record {
+                name: ".data/serialization_id",
+                data: Data::Inline(self.serialization_id.as_bytes()),
+            },
         ];
         encode_archive(&records, payload_crc, self.zip64_threshold)
     }
@@ -104,7 +124,14 @@ pub fn tensor_pickle(dtype: DType, shape: &[u64]) -> Vec<u8> {
     let numel: u64 = shape.iter().product();
     let mut p = Pickler::new(false);
     let legacy = dtype.legacy_storage();
-    p.global("torch._utils", if legacy.is_some() { "_rebuild_tensor_v2" } else { "_rebuild_tensor_v3" });
+    p.global(
+        "torch._utils",
+        if legacy.is_some() {
+            "_rebuild_tensor_v2"
+        } else {
+            "_rebuild_tensor_v3"
+        },
+    );
     p.mark();
     p.mark();
     p.str("storage");
@@ -114,7 +141,11 @@ pub fn tensor_pickle(dtype: DType, shape: &[u64]) -> Vec<u8> {
     }
     p.str("0");
     p.str("cpu");
-    p.int(if legacy.is_some() { numel } else { numel * dtype.itemsize() } as i128);
+    p.int(if legacy.is_some() {
+        numel
+    } else {
+        numel * dtype.itemsize()
+    } as i128);
     p.tuple(5);
     p.binpersid();
     p.int(0);
@@ -195,7 +226,11 @@ fn encode_archive(records: &[Record], payload_crc: u32, threshold: u64) -> (Vec<
         };
         let big_size = size >= threshold;
         let big_offset = cursor >= threshold;
-        let out = if seen_external { &mut suffix } else { &mut prefix };
+        let out = if seen_external {
+            &mut suffix
+        } else {
+            &mut prefix
+        };
         let header_start = out.len();
         put32(out, 0x0403_4b50);
         put16(out, if big_size || big_offset { 45 } else { 0 });
@@ -216,7 +251,11 @@ fn encode_archive(records: &[Record], payload_crc: u32, threshold: u64) -> (Vec<
         if big_offset {
             put64(&mut zip64, cursor);
         }
-        let zip64_len = if zip64.is_empty() { 0 } else { 4 + zip64.len() as u64 };
+        let zip64_len = if zip64.is_empty() {
+            0
+        } else {
+            4 + zip64.len() as u64
+        };
         let start = cursor + 30 + name.len() as u64 + 4 + zip64_len;
         let pad = (ALIGN - start % ALIGN) % ALIGN;
         put16(out, name.len() as u16);
@@ -240,7 +279,11 @@ fn encode_archive(records: &[Record], payload_crc: u32, threshold: u64) -> (Vec<
         cursor += size;
         // miniz writes no data descriptor after an empty record (fixture `empty_0x4`).
         if size > 0 {
-            let out = if seen_external { &mut suffix } else { &mut prefix };
+            let out = if seen_external {
+                &mut suffix
+            } else {
+                &mut prefix
+            };
             let before = out.len();
             put32(out, 0x0807_4b50);
             put32(out, crc);
@@ -253,7 +296,12 @@ fn encode_archive(records: &[Record], payload_crc: u32, threshold: u64) -> (Vec<
             }
             cursor += (out.len() - before) as u64;
         }
-        central.push(Central { name, crc, size, offset: header_offset });
+        central.push(Central {
+            name,
+            crc,
+            size,
+            offset: header_offset,
+        });
     }
     let cd_offset = cursor;
     let out = &mut suffix;
@@ -280,7 +328,14 @@ fn encode_archive(records: &[Record], payload_crc: u32, threshold: u64) -> (Vec<
         put32(out, clamp32(c.size, threshold));
         put32(out, clamp32(c.size, threshold));
         put16(out, c.name.len() as u16);
-        put16(out, if zip64.is_empty() { 0 } else { 4 + zip64.len() as u16 });
+        put16(
+            out,
+            if zip64.is_empty() {
+                0
+            } else {
+                4 + zip64.len() as u16
+            },
+        );
         put16(out, 0); // comment
         put16(out, 0); // disk
         put16(out, 0); // internal attributes

@@ -1,0 +1,36 @@
+"""shardwise: collective-free saves of Megatron-Core ``torch_dist`` (PyTorch DCP) checkpoints.
+
+Each rank writes its own main-replica shards and a small metadata part; the global ``.metadata`` is
+merged from the parts through a file-based rendezvous in the checkpoint directory, never through a
+``torch.distributed`` collective. See :func:`shardwise.megatron.save`.
+
+Every error raised by shardwise is a subclass of :class:`ShardwiseError`.
+"""
+
+from ._native import (
+    CheckpointExistsError,
+    CorruptFileError,
+    InvalidArgumentError,
+    MissingRanksError,
+    NotCommittedError,
+    ShardwiseError,
+    StorageError,
+    UnsupportedDtypeError,
+    ValidationError,
+    __version__,
+    merge,
+)
+
+__all__ = [
+    "CheckpointExistsError",
+    "CorruptFileError",
+    "InvalidArgumentError",
+    "MissingRanksError",
+    "NotCommittedError",
+    "ShardwiseError",
+    "StorageError",
+    "UnsupportedDtypeError",
+    "ValidationError",
+    "__version__",
+    "merge",
+]
