@@ -27,7 +27,7 @@ enum Command {
     Status {
         /// Checkpoint directory.
         dir: PathBuf,
-        /// Also list every key with its dtype, global shape and chunks.
+        /// Also list every key with its dtype, global shape, chunk count and the ranks that saved it.
         #[arg(long)]
         keys: bool,
     },
@@ -150,8 +150,7 @@ fn status(dir: &Path, keys: bool) -> Result<()> {
                 println!("  missing ranks: [{}]", fmt_ranks(&missing));
             }
         }
-        let mut layout: BTreeMap<String, (String, Vec<u64>, Vec<(u32, Vec<u64>, Vec<u64>)>)> =
-            BTreeMap::new();
+        let mut layout: BTreeMap<String, (String, Vec<u64>, Vec<u32>)> = BTreeMap::new();
         let mut objects = 0usize;
         for (rank, p) in &parts {
             match p {
@@ -175,18 +174,21 @@ fn status(dir: &Path, keys: bool) -> Result<()> {
                         let e = layout.entry(t.fqn.clone()).or_insert_with(|| {
                             (t.dtype.clone(), t.global_shape.clone(), Vec::new())
                         });
-                        e.2.push((*rank, t.offsets.clone(), t.sizes.clone()));
+                        e.2.push(*rank);
                     }
                 }
             }
         }
         println!("  {} tensor keys, {objects} byte objects", layout.len());
         if keys {
-            for (fqn, (dtype, shape, chunks)) in &layout {
-                println!("  {fqn}  {dtype} {shape:?}");
-                for (rank, off, sizes) in chunks {
-                    println!("      rank {rank}: offsets {off:?} sizes {sizes:?}");
-                }
+            for (fqn, (dtype, shape, chunk_ranks)) in &layout {
+                let mut ranks = chunk_ranks.clone();
+                ranks.dedup();
+                println!(
+                    "  {fqn}  {dtype} {shape:?}: {} chunks from ranks [{}]",
+                    chunk_ranks.len(),
+                    fmt_ranks(&ranks)
+                );
             }
         }
     }
