@@ -186,6 +186,20 @@ fn put32(b: &mut Vec<u8>, v: u32) {
 fn put64(b: &mut Vec<u8>, v: u64) {
     b.extend_from_slice(&v.to_le_bytes());
 }
+/// Payload of a zip64 extra field (id 0x0001): uncompressed and compressed size when the size
+/// overflows 32 bits, then the local header offset when it does (APPNOTE 4.5.3); empty if neither.
+fn zip64_extra(size: u64, offset: u64, threshold: u64) -> Vec<u8> {
+    let mut out = Vec::new();
+    if size >= threshold {
+        put64(&mut out, size);
+        put64(&mut out, size);
+    }
+    if offset >= threshold {
+        put64(&mut out, offset);
+    }
+    out
+}
+
 /// General-purpose flags: UTF-8 names, plus "data descriptor follows" for non-empty records.
 fn flags(size: u64) -> u16 {
     if size > 0 {
@@ -225,7 +239,7 @@ fn encode_archive(records: &[Record], payload_crc: u32, threshold: u64) -> (Vec<
             Data::External(n) => (n, payload_crc),
         };
         let big_size = size >= threshold;
-        let big_offset = cursor >= threshold;
+        let zip64 = zip64_extra(size, cursor, threshold);
         let out = if seen_external {
             &mut suffix
         } else {
@@ -233,7 +247,7 @@ fn encode_archive(records: &[Record], payload_crc: u32, threshold: u64) -> (Vec<
         };
         let header_start = out.len();
         put32(out, 0x0403_4b50);
-        put16(out, if big_size || big_offset { 45 } else { 0 });
+        put16(out, if zip64.is_empty() { 0 } else { 45 });
         put16(out, flags(size));
         put16(out, 0); // STORED
         put16(out, 0); // time
@@ -243,14 +257,6 @@ fn encode_archive(records: &[Record], payload_crc: u32, threshold: u64) -> (Vec<
         put32(out, local_size);
         put32(out, local_size);
         // Extra fields: zip64 (sizes, then offset) first, then the "FB" padding (getPadding).
-        let mut zip64 = Vec::new();
-        if big_size {
-            put64(&mut zip64, size);
-            put64(&mut zip64, size);
-        }
-        if big_offset {
-            put64(&mut zip64, cursor);
-        }
         let zip64_len = if zip64.is_empty() {
             0
         } else {
@@ -307,16 +313,7 @@ fn encode_archive(records: &[Record], payload_crc: u32, threshold: u64) -> (Vec<
     let out = &mut suffix;
     let cd_start = out.len();
     for c in &central {
-        let big_size = c.size >= threshold;
-        let big_offset = c.offset >= threshold;
-        let mut zip64 = Vec::new();
-        if big_size {
-            put64(&mut zip64, c.size);
-            put64(&mut zip64, c.size);
-        }
-        if big_offset {
-            put64(&mut zip64, c.offset);
-        }
+        let zip64 = zip64_extra(c.size, c.offset, threshold);
         put32(out, 0x0201_4b50);
         put16(out, 0); // made by
         put16(out, if zip64.is_empty() { 0 } else { 45 });
