@@ -432,7 +432,7 @@ fn check_chunks(fqn: &str, shape: &[u64], chunks: &[(u32, Chunk)]) -> Result<()>
             .map(|o| o + chunks[i].1.sizes[0])
             .unwrap_or(1)
     };
-    order.sort_by_key(|&i| (start0(i), chunks[i].1.offsets.clone()));
+    order.sort_by(|&i, &j| chunks[i].1.offsets.cmp(&chunks[j].1.offsets));
     let mut active: Vec<usize> = Vec::new();
     for &i in &order {
         active.retain(|&j| end0(j) > start0(i));

@@ -48,7 +48,9 @@ pub struct Pickler {
     pub buf: Vec<u8>,
     next_memo: u32,
     reuse: bool,
-    memo: HashMap<String, u32>,
+    strings: HashMap<String, u32>,
+    // Few distinct globals appear (about 15 in a `.metadata`): a linear scan beats hashing.
+    globals: Vec<(String, String, u32)>,
 }
 
 impl Pickler {
@@ -58,7 +60,8 @@ impl Pickler {
             buf: Vec::with_capacity(256),
             next_memo: 0,
             reuse,
-            memo: HashMap::new(),
+            strings: HashMap::new(),
+            globals: Vec::new(),
         };
         p.buf.extend_from_slice(&[PROTO, 2]);
         p
@@ -91,38 +94,45 @@ impl Pickler {
         }
     }
 
-    fn memoized(&mut self, key: String, emit: impl FnOnce(&mut Self)) {
+    /// `GLOBAL module\nname\n`, memoized.
+    pub fn global(&mut self, module: &str, name: &str) {
         if self.reuse {
-            if let Some(&idx) = self.memo.get(&key) {
+            if let Some(&(_, _, idx)) = self
+                .globals
+                .iter()
+                .find(|(m, n, _)| m == module && n == name)
+            {
                 self.get(idx);
                 return;
             }
         }
-        emit(self);
+        self.buf.push(GLOBAL);
+        self.buf.extend_from_slice(module.as_bytes());
+        self.buf.push(b'\n');
+        self.buf.extend_from_slice(name.as_bytes());
+        self.buf.push(b'\n');
         let idx = self.put();
         if self.reuse {
-            self.memo.insert(key, idx);
+            self.globals
+                .push((module.to_string(), name.to_string(), idx));
         }
-    }
-
-    /// `GLOBAL module\nname\n`, memoized.
-    pub fn global(&mut self, module: &str, name: &str) {
-        self.memoized(format!("g:{module}\n{name}"), |p| {
-            p.buf.push(GLOBAL);
-            p.buf.extend_from_slice(module.as_bytes());
-            p.buf.push(b'\n');
-            p.buf.extend_from_slice(name.as_bytes());
-            p.buf.push(b'\n');
-        });
     }
 
     /// `BINUNICODE` (u32 length + UTF-8), memoized.
     pub fn str(&mut self, s: &str) {
-        self.memoized(format!("s:{s}"), |p| {
-            p.buf.push(BINUNICODE);
-            p.buf.extend_from_slice(&(s.len() as u32).to_le_bytes());
-            p.buf.extend_from_slice(s.as_bytes());
-        });
+        if self.reuse {
+            if let Some(&idx) = self.strings.get(s) {
+                self.get(idx);
+                return;
+            }
+        }
+        self.buf.push(BINUNICODE);
+        self.buf.extend_from_slice(&(s.len() as u32).to_le_bytes());
+        self.buf.extend_from_slice(s.as_bytes());
+        let idx = self.put();
+        if self.reuse {
+            self.strings.insert(s.to_string(), idx);
+        }
     }
 
     /// An int with CPython's choice of opcode: BININT1, BININT2, BININT or LONG1.
