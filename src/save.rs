@@ -11,7 +11,7 @@ use crate::rendezvous::{
     self, CommitSummary, FileRecord, ObjectRecord, ObjectShard, RankPart, TensorRecord,
 };
 use crate::storage::{atomic_write, create_dir_all};
-use crate::writer::{write_rank_file, ByteObject, TensorChunk};
+use crate::writer::{check_chunk, write_rank_file, ByteObject, TensorChunk};
 
 /// How one rank saves.
 #[derive(Clone, Debug)]
@@ -95,6 +95,9 @@ pub fn save_rank(
         )));
     }
     rendezvous::check_save_id(&opts.save_id)?;
+    for t in tensors {
+        check_chunk(t)?; // before any side effect, so bad input changes nothing on disk
+    }
     let dir = &opts.dir;
     create_dir_all(dir)?;
     if dir.join(".metadata").exists() {

@@ -43,10 +43,13 @@ pub struct Written {
     pub file_size: u64,
 }
 
-/// Checks a chunk's shapes and byte count against its dtype.
+/// Checks a chunk's dtype, shapes and byte count.
 ///
-/// Errors: [`Error::InvalidArgument`] naming the key.
+/// Errors: [`Error::UnsupportedDtype`], [`Error::InvalidArgument`] naming the key.
 pub fn check_chunk(c: &TensorChunk) -> Result<()> {
+    if !c.dtype.writable() {
+        return Err(Error::UnsupportedDtype(c.dtype.torch_name().to_string()));
+    }
     let n = c.global_shape.len();
     if c.offsets.len() != n || c.sizes.len() != n {
         return Err(Error::InvalidArgument(format!(

@@ -20,6 +20,12 @@ pub enum DType {
     Bool,
     F8E4M3FN,
     F8E5M2,
+    // Read-only: found in checkpoints torch wrote, never written by shardwise (see `writable`).
+    C64,
+    C128,
+    U16,
+    U32,
+    U64,
 }
 
 impl DType {
@@ -38,6 +44,34 @@ impl DType {
         DType::F8E5M2,
     ];
 
+    /// Every dtype the reader knows.
+    pub const READABLE: [DType; 17] = [
+        DType::F32,
+        DType::F64,
+        DType::F16,
+        DType::BF16,
+        DType::I64,
+        DType::I32,
+        DType::I16,
+        DType::I8,
+        DType::U8,
+        DType::Bool,
+        DType::F8E4M3FN,
+        DType::F8E5M2,
+        DType::C64,
+        DType::C128,
+        DType::U16,
+        DType::U32,
+        DType::U64,
+    ];
+
+    /// Whether the writer accepts it: complex and uint16/32/64 are left out because torch 2.4–2.5
+    /// cannot load unsigned ones (weights-only allowlist, dcp-format.md §2.2) and the issue's
+    /// max-compat profile names exactly the twelve in [`DType::ALL`].
+    pub fn writable(self) -> bool {
+        DType::ALL.contains(&self)
+    }
+
     /// The attribute name in the `torch` module (`torch.float32` → `"float32"`).
     pub fn torch_name(self) -> &'static str {
         match self {
@@ -53,12 +87,22 @@ impl DType {
             DType::Bool => "bool",
             DType::F8E4M3FN => "float8_e4m3fn",
             DType::F8E5M2 => "float8_e5m2",
+            DType::C64 => "complex64",
+            DType::C128 => "complex128",
+            DType::U16 => "uint16",
+            DType::U32 => "uint32",
+            DType::U64 => "uint64",
         }
+    }
+
+    /// The dtype of a legacy typed-storage class name (`FloatStorage` → float32).
+    pub fn from_legacy_storage(name: &str) -> Option<DType> {
+        DType::READABLE.into_iter().find(|d| d.legacy_storage() == Some(name))
     }
 
     /// Parses a torch dtype name, with or without the `torch.` prefix.
     ///
-    /// Errors: [`Error::UnsupportedDtype`] for any other name (complex, uint16, float4, ...).
+    /// Errors: [`Error::UnsupportedDtype`] for names the reader does not know (float4, bits, ...).
     pub fn from_torch_name(name: &str) -> Result<DType> {
         let bare = name.strip_prefix("torch.").unwrap_or(name);
         let alias = match bare {
@@ -68,9 +112,11 @@ impl DType {
             "long" => "int64",
             "int" => "int32",
             "short" => "int16",
+            "cfloat" => "complex64",
+            "cdouble" => "complex128",
             other => other,
         };
-        DType::ALL
+        DType::READABLE
             .into_iter()
             .find(|d| d.torch_name() == alias)
             .ok_or_else(|| Error::UnsupportedDtype(name.to_string()))
@@ -79,9 +125,10 @@ impl DType {
     /// Bytes per element.
     pub fn itemsize(self) -> u64 {
         match self {
-            DType::F64 | DType::I64 => 8,
-            DType::F32 | DType::I32 => 4,
-            DType::F16 | DType::BF16 | DType::I16 => 2,
+            DType::C128 => 16,
+            DType::F64 | DType::I64 | DType::C64 | DType::U64 => 8,
+            DType::F32 | DType::I32 | DType::U32 => 4,
+            DType::F16 | DType::BF16 | DType::I16 | DType::U16 => 2,
             DType::I8 | DType::U8 | DType::Bool | DType::F8E4M3FN | DType::F8E5M2 => 1,
         }
     }
@@ -100,7 +147,9 @@ impl DType {
             DType::I8 => "CharStorage",
             DType::U8 => "ByteStorage",
             DType::Bool => "BoolStorage",
-            DType::F8E4M3FN | DType::F8E5M2 => return None,
+            DType::C64 => "ComplexFloatStorage",
+            DType::C128 => "ComplexDoubleStorage",
+            DType::F8E4M3FN | DType::F8E5M2 | DType::U16 | DType::U32 | DType::U64 => return None,
         })
     }
 }
@@ -111,16 +160,18 @@ mod tests {
 
     #[test]
     fn names_round_trip() {
-        for d in DType::ALL {
+        for d in DType::READABLE {
             assert_eq!(DType::from_torch_name(d.torch_name()).unwrap(), d);
             assert_eq!(
                 DType::from_torch_name(&format!("torch.{}", d.torch_name())).unwrap(),
                 d
             );
         }
+        assert!(!DType::from_torch_name("torch.complex64").unwrap().writable());
         assert!(matches!(
-            DType::from_torch_name("torch.complex64"),
+            DType::from_torch_name("torch.float4_e2m1fn_x2"),
             Err(Error::UnsupportedDtype(_))
         ));
+        assert_eq!(DType::from_legacy_storage("BFloat16Storage"), Some(DType::BF16));
     }
 }

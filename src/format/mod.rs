@@ -4,3 +4,4 @@ pub mod dtype;
 pub mod metadata;
 pub mod pickle;
 pub mod zip;
+pub mod unpickle;
