@@ -5,6 +5,7 @@
 pub mod cli;
 pub mod error;
 pub mod format;
+pub mod reader;
 pub mod rendezvous;
 pub mod save;
 pub mod storage;

@@ -97,7 +97,9 @@ impl DType {
 
     /// The dtype of a legacy typed-storage class name (`FloatStorage` → float32).
     pub fn from_legacy_storage(name: &str) -> Option<DType> {
-        DType::READABLE.into_iter().find(|d| d.legacy_storage() == Some(name))
+        DType::READABLE
+            .into_iter()
+            .find(|d| d.legacy_storage() == Some(name))
     }
 
     /// Parses a torch dtype name, with or without the `torch.` prefix.
@@ -167,11 +169,16 @@ mod tests {
                 d
             );
         }
-        assert!(!DType::from_torch_name("torch.complex64").unwrap().writable());
+        assert!(!DType::from_torch_name("torch.complex64")
+            .unwrap()
+            .writable());
         assert!(matches!(
             DType::from_torch_name("torch.float4_e2m1fn_x2"),
             Err(Error::UnsupportedDtype(_))
         ));
-        assert_eq!(DType::from_legacy_storage("BFloat16Storage"), Some(DType::BF16));
+        assert_eq!(
+            DType::from_legacy_storage("BFloat16Storage"),
+            Some(DType::BF16)
+        );
     }
 }

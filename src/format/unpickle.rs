@@ -150,7 +150,11 @@ impl Value {
     /// Looks `key` up in a dict with string keys.
     pub fn get(&self, key: &str) -> Option<Value> {
         match self {
-            Value::Dict(d) => d.borrow().iter().find(|(k, _)| k.as_str() == Some(key)).map(|(_, v)| v.clone()),
+            Value::Dict(d) => d
+                .borrow()
+                .iter()
+                .find(|(k, _)| k.as_str() == Some(key))
+                .map(|(_, v)| v.clone()),
             _ => None,
         }
     }
@@ -197,7 +201,10 @@ struct Vm<'a> {
 impl<'a> Vm<'a> {
     fn take(&mut self, n: usize) -> R<&'a [u8]> {
         if n > self.input.len() - self.pos {
-            return err(format!("truncated pickle: {n} bytes wanted at offset {}", self.pos));
+            return err(format!(
+                "truncated pickle: {n} bytes wanted at offset {}",
+                self.pos
+            ));
         }
         let s = &self.input[self.pos..self.pos + n];
         self.pos += n;
@@ -217,7 +224,10 @@ impl<'a> Vm<'a> {
     }
     fn line(&mut self) -> R<&'a str> {
         let rest = &self.input[self.pos..];
-        let n = rest.iter().position(|&b| b == b'\n').ok_or_else(|| UnpickleError("unterminated text line".into()))?;
+        let n = rest
+            .iter()
+            .position(|&b| b == b'\n')
+            .ok_or_else(|| UnpickleError("unterminated text line".into()))?;
         self.pos += n + 1;
         std::str::from_utf8(&rest[..n]).map_err(|_| UnpickleError("text line is not UTF-8".into()))
     }
@@ -269,7 +279,11 @@ impl<'a> Vm<'a> {
         Ok(())
     }
     fn memo_get(&mut self, idx: u32) -> R<()> {
-        let v = self.memo.get(&idx).cloned().ok_or_else(|| UnpickleError(format!("memo key {idx} missing")))?;
+        let v = self
+            .memo
+            .get(&idx)
+            .cloned()
+            .ok_or_else(|| UnpickleError(format!("memo key {idx} missing")))?;
         self.push(v)
     }
     fn str_value(bytes: &[u8]) -> R<Value> {
@@ -345,12 +359,20 @@ impl<'a> Vm<'a> {
                     self.push(Value::Int(v as i128))?
                 }
                 0x8a | 0x8b => {
-                    let n = if op == 0x8a { self.u8()? as usize } else { self.u32()? as usize };
+                    let n = if op == 0x8a {
+                        self.u8()? as usize
+                    } else {
+                        self.u32()? as usize
+                    };
                     let b = self.take(n)?;
                     if n > 16 {
                         return err("integer wider than 128 bits");
                     }
-                    let mut buf = [if b.last().is_some_and(|&x| x & 0x80 != 0) { 0xff } else { 0 }; 16];
+                    let mut buf = [if b.last().is_some_and(|&x| x & 0x80 != 0) {
+                        0xff
+                    } else {
+                        0
+                    }; 16];
                     buf[..n].copy_from_slice(b);
                     self.push(Value::Int(i128::from_le_bytes(buf)))?
                 }
@@ -359,13 +381,19 @@ impl<'a> Vm<'a> {
                     let v = match line {
                         "01" => Value::Bool(true),
                         "00" => Value::Bool(false),
-                        s => Value::Int(s.parse().map_err(|_| UnpickleError(format!("bad INT {s:?}")))?),
+                        s => Value::Int(
+                            s.parse()
+                                .map_err(|_| UnpickleError(format!("bad INT {s:?}")))?,
+                        ),
                     };
                     self.push(v)?
                 }
                 b'L' => {
                     let line = self.line()?;
-                    let v = line.trim_end_matches('L').parse().map_err(|_| UnpickleError(format!("bad LONG {line:?}")))?;
+                    let v = line
+                        .trim_end_matches('L')
+                        .parse()
+                        .map_err(|_| UnpickleError(format!("bad LONG {line:?}")))?;
                     self.push(Value::Int(v))?
                 }
                 b'G' => {
@@ -374,7 +402,9 @@ impl<'a> Vm<'a> {
                 }
                 b'F' => {
                     let line = self.line()?;
-                    let v = line.parse().map_err(|_| UnpickleError(format!("bad FLOAT {line:?}")))?;
+                    let v = line
+                        .parse()
+                        .map_err(|_| UnpickleError(format!("bad FLOAT {line:?}")))?;
                     self.push(Value::Float(v))?
                 }
                 b'X' => {
@@ -398,7 +428,9 @@ impl<'a> Vm<'a> {
                 }
                 b'S' => {
                     let line = self.line()?;
-                    self.push(Value::Str(Rc::from(line.trim_matches(|c| c == '\'' || c == '"'))))?
+                    self.push(Value::Str(Rc::from(
+                        line.trim_matches(|c| c == '\'' || c == '"'),
+                    )))?
                 }
                 b'U' | b'T' | b'C' | b'B' | 0x8e | 0x96 => {
                     let n = match op {
@@ -468,7 +500,9 @@ impl<'a> Vm<'a> {
                 }
                 b'p' => {
                     let line = self.line()?;
-                    let idx = line.parse().map_err(|_| UnpickleError(format!("bad PUT {line:?}")))?;
+                    let idx = line
+                        .parse()
+                        .map_err(|_| UnpickleError(format!("bad PUT {line:?}")))?;
                     self.memo_put(idx)?
                 }
                 b'q' => {
@@ -485,7 +519,9 @@ impl<'a> Vm<'a> {
                 }
                 b'g' => {
                     let line = self.line()?;
-                    let idx = line.parse().map_err(|_| UnpickleError(format!("bad GET {line:?}")))?;
+                    let idx = line
+                        .parse()
+                        .map_err(|_| UnpickleError(format!("bad GET {line:?}")))?;
                     self.memo_get(idx)?
                 }
                 b'h' => {
@@ -505,7 +541,9 @@ impl<'a> Vm<'a> {
                     let name = self.pop()?;
                     let module = self.pop()?;
                     match (module.as_str(), name.as_str()) {
-                        (Some(m), Some(n)) => self.push(Value::Global(Rc::new((m.to_string(), n.to_string()))))?,
+                        (Some(m), Some(n)) => {
+                            self.push(Value::Global(Rc::new((m.to_string(), n.to_string()))))?
+                        }
                         _ => return err("STACK_GLOBAL needs two strings"),
                     }
                 }
@@ -517,13 +555,21 @@ impl<'a> Vm<'a> {
                 0x81 => {
                     let args = self.pop()?;
                     let class = self.pop()?;
-                    self.push(Value::Object(Rc::new(ObjectValue { class, args, state: RefCell::new(None) })))?
+                    self.push(Value::Object(Rc::new(ObjectValue {
+                        class,
+                        args,
+                        state: RefCell::new(None),
+                    })))?
                 }
                 0x92 => {
                     let _kwargs = self.pop()?;
                     let args = self.pop()?;
                     let class = self.pop()?;
-                    self.push(Value::Object(Rc::new(ObjectValue { class, args, state: RefCell::new(None) })))?
+                    self.push(Value::Object(Rc::new(ObjectValue {
+                        class,
+                        args,
+                        state: RefCell::new(None),
+                    })))?
                 }
                 b'b' => {
                     let state = self.pop()?;
@@ -550,7 +596,12 @@ impl<'a> Vm<'a> {
                     self.push(Value::PersId(Rc::new(Value::Str(Rc::from(line)))))?
                 }
                 0x97 => {} // NEXT_BUFFER-less READONLY_BUFFER: no-op on our values
-                other => return err(format!("unsupported pickle opcode 0x{other:02x} at offset {}", self.pos - 1)),
+                other => {
+                    return err(format!(
+                        "unsupported pickle opcode 0x{other:02x} at offset {}",
+                        self.pos - 1
+                    ))
+                }
             }
         }
     }
@@ -561,7 +612,14 @@ impl<'a> Vm<'a> {
 /// Errors: [`UnpickleError`] for malformed or truncated input, unsupported opcodes (`INST`, `OBJ`,
 /// `EXT*`, out-of-band buffers) and inputs over the size limits.
 pub fn unpickle(input: &[u8]) -> Result<Value, UnpickleError> {
-    Vm { input, pos: 0, stack: Vec::new(), memo: HashMap::new(), created: 0 }.run()
+    Vm {
+        input,
+        pos: 0,
+        stack: Vec::new(),
+        memo: HashMap::new(),
+        created: 0,
+    }
+    .run()
 }
 
 #[cfg(test)]
@@ -580,7 +638,10 @@ mod tests {
         let Value::Call(c) = &v else { panic!() };
         assert_eq!(c.0.global(), Some(("torch", "Size")));
         let dims = c.1.items().unwrap()[0].items().unwrap();
-        assert_eq!(dims.iter().map(|d| d.as_int().unwrap()).collect::<Vec<_>>(), vec![2, 3, 1 << 40]);
+        assert_eq!(
+            dims.iter().map(|d| d.as_int().unwrap()).collect::<Vec<_>>(),
+            vec![2, 3, 1 << 40]
+        );
     }
 
     #[test]
@@ -598,7 +659,16 @@ mod tests {
 
     #[test]
     fn garbage_is_an_error_not_a_panic() {
-        for input in [&b""[..], b"\x80\x02", b"(((", b"h\x05.", b"\x8a\xff", b"\x93.", b"u.", b"\xff"] {
+        for input in [
+            &b""[..],
+            b"\x80\x02",
+            b"(((",
+            b"h\x05.",
+            b"\x8a\xff",
+            b"\x93.",
+            b"u.",
+            b"\xff",
+        ] {
             assert!(unpickle(input).is_err(), "{input:?}");
         }
     }
