@@ -32,6 +32,7 @@ fn main() {
                 file: 0,
                 offset: k * 1000,
                 length: 1000,
+                crc32: 0,
             })
             .collect();
         let part = RankPart {

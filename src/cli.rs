@@ -1,21 +1,21 @@
-//! The `shardwise` command line. `status` and `merge` work from the per-rank parts; reading
-//! committed checkpoints (`inspect`, `verify`) comes with the reader.
+//! The `shardwise` command line: inspect, verify, status and merge checkpoints.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use clap::{Parser, Subcommand};
+use serde::Serialize;
 
 use crate::error::{fmt_ranks, Error, Result};
+use crate::format::metadata::Entry;
+use crate::reader::Checkpoint;
 use crate::rendezvous::{self, RankPart};
 
+const EXIT_CODES: &str = "Exit codes:\n  0  success (verify: no problem found)\n  1  the operation failed, or verify found problems\n  2  bad command line";
+
 #[derive(Parser, Debug)]
-#[command(
-    name = "shardwise",
-    version,
-    about = "Collective-free Megatron torch_dist / PyTorch DCP checkpoints"
-)]
+#[command(name = "shardwise", version, about = "Collective-free Megatron torch_dist / PyTorch DCP checkpoints", after_help = EXIT_CODES)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -23,19 +23,38 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
-    /// Show the saves in a checkpoint directory: per-rank parts, commit state and the tensor layout.
+    /// Table of the tensors and byte objects of a committed checkpoint (key, dtype, global shape, chunks, bytes).
+    #[command(after_help = EXIT_CODES)]
+    Inspect {
+        /// Checkpoint directory (torch DCP or Megatron torch_dist, written by anyone).
+        dir: PathBuf,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Check that a checkpoint is whole: layout, item bounds, decoding, zip CRCs and shardwise's per-item CRCs.
+    #[command(after_help = EXIT_CODES)]
+    Verify {
+        dir: PathBuf,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Saves in a directory: save id, rank parts and their age, missing ranks, commit state, layout.
+    #[command(after_help = EXIT_CODES)]
     Status {
-        /// Checkpoint directory.
         dir: PathBuf,
         /// Also list every key with its dtype, global shape, chunk count and the ranks that saved it.
         #[arg(long)]
         keys: bool,
+        #[arg(long)]
+        json: bool,
     },
     /// Merge the per-rank parts of a save and commit `.metadata` (finishes a save whose merging rank died).
+    /// Idempotent; when two mergers race, one commits and both succeed.
+    #[command(after_help = EXIT_CODES)]
     Merge {
-        /// Checkpoint directory.
         dir: PathBuf,
-        /// Save id to merge (default: the only save under `.shardwise/`).
+        /// Save id to merge (default: the only uncommitted save under `.shardwise/`).
         #[arg(long)]
         save_id: Option<String>,
         /// Number of ranks (default: the world_size recorded in the parts).
@@ -44,6 +63,8 @@ enum Command {
         /// Seconds to wait for missing parts.
         #[arg(long, default_value_t = 0.0)]
         timeout: f64,
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -57,16 +78,19 @@ pub fn run(args: Vec<String>) -> i32 {
         }
     };
     let result = match cli.command {
-        Command::Status { dir, keys } => status(&dir, keys),
+        Command::Inspect { dir, json } => inspect(&dir, json),
+        Command::Verify { dir, json } => verify(&dir, json),
+        Command::Status { dir, keys, json } => status(&dir, keys, json),
         Command::Merge {
             dir,
             save_id,
             world_size,
             timeout,
-        } => merge(&dir, save_id, world_size, timeout),
+            json,
+        } => merge(&dir, save_id, world_size, timeout, json),
     };
     match result {
-        Ok(()) => 0,
+        Ok(code) => code,
         Err(e) => {
             eprintln!("shardwise: error: {e}");
             1
@@ -74,17 +98,164 @@ pub fn run(args: Vec<String>) -> i32 {
     }
 }
 
+fn print_json<T: Serialize>(value: &T) {
+    println!(
+        "{}",
+        serde_json::to_string_pretty(value).expect("serializable")
+    );
+}
+
+#[derive(Serialize)]
+struct KeyRow {
+    key: String,
+    kind: &'static str,
+    dtype: Option<&'static str>,
+    global_shape: Option<Vec<u64>>,
+    chunks: usize,
+    bytes: u64,
+}
+
+fn inspect(dir: &Path, json: bool) -> Result<i32> {
+    let ckpt = Checkpoint::open(dir)?;
+    let rows: Vec<KeyRow> = ckpt
+        .metadata
+        .entries
+        .iter()
+        .map(|(k, e)| match e {
+            Entry::Tensor {
+                dtype,
+                global_shape,
+                chunks,
+            } => KeyRow {
+                key: k.clone(),
+                kind: "tensor",
+                dtype: Some(dtype.torch_name()),
+                global_shape: Some(global_shape.clone()),
+                chunks: chunks.len(),
+                bytes: chunks.iter().map(|c| c.storage.length).sum(),
+            },
+            Entry::Bytes { storage } => KeyRow {
+                key: k.clone(),
+                kind: "object",
+                dtype: None,
+                global_shape: None,
+                chunks: 1,
+                bytes: storage.length,
+            },
+        })
+        .collect();
+    let tensors = rows.iter().filter(|r| r.kind == "tensor").count();
+    let total: u64 = rows.iter().map(|r| r.bytes).sum();
+    if json {
+        #[derive(Serialize)]
+        struct Out<'a> {
+            dir: String,
+            metadata_class: &'a str,
+            tensors: usize,
+            objects: usize,
+            bytes: u64,
+            keys: &'a [KeyRow],
+        }
+        print_json(&Out {
+            dir: dir.display().to_string(),
+            metadata_class: &ckpt.metadata.class,
+            tensors,
+            objects: rows.len() - tensors,
+            bytes: total,
+            keys: &rows,
+        });
+        return Ok(0);
+    }
+    let width = rows.iter().map(|r| r.key.len()).max().unwrap_or(3).max(3);
+    println!(
+        "{:<width$}  {:<6}  {:<13}  {:<20}  {:>6}  {:>12}",
+        "key", "kind", "dtype", "global shape", "chunks", "bytes"
+    );
+    for r in &rows {
+        let shape = r
+            .global_shape
+            .as_ref()
+            .map(|s| format!("{s:?}"))
+            .unwrap_or_default();
+        println!(
+            "{:<width$}  {:<6}  {:<13}  {:<20}  {:>6}  {:>12}",
+            r.key,
+            r.kind,
+            r.dtype.unwrap_or("-"),
+            shape,
+            r.chunks,
+            r.bytes
+        );
+    }
+    println!(
+        "{} tensors, {} objects, {} bytes in items ({})",
+        tensors,
+        rows.len() - tensors,
+        total,
+        ckpt.metadata.class
+    );
+    Ok(0)
+}
+
+fn verify(dir: &Path, json: bool) -> Result<i32> {
+    let bar = indicatif::ProgressBar::new(0);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("verify {bar:40} {pos}/{len} items {elapsed}")
+            .expect("template"),
+    );
+    if json {
+        bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    // The item count is known only once .metadata is read; verify() reports progress per item.
+    let ckpt_items = Checkpoint::open(dir)?
+        .metadata
+        .entries
+        .values()
+        .map(|e| match e {
+            Entry::Tensor { chunks, .. } => chunks.len() as u64,
+            Entry::Bytes { .. } => 1,
+        })
+        .sum();
+    bar.set_length(ckpt_items);
+    let report = crate::verify::verify(dir, &|n| bar.inc(n))?;
+    bar.finish_and_clear();
+    if json {
+        print_json(&report);
+    } else {
+        for p in &report.problems {
+            let at = match (&p.file, p.offset) {
+                (Some(f), Some(o)) => format!(" [{f} @ {o}]"),
+                _ => String::new(),
+            };
+            println!("PROBLEM {}{at}: {}", p.key, p.message);
+        }
+        println!(
+            "{}: {} keys, {} items, {} checked against save-time CRC-32s: {}",
+            dir.display(),
+            report.keys,
+            report.items,
+            report.sidecar_checked,
+            if report.problems.is_empty() {
+                "OK".to_string()
+            } else {
+                format!("{} PROBLEMS", report.problems.len())
+            }
+        );
+    }
+    Ok(if report.problems.is_empty() { 0 } else { 1 })
+}
+
 fn save_ids(dir: &Path) -> Result<Vec<String>> {
-    let state = dir.join(rendezvous::STATE_DIR);
     if !dir.is_dir() {
         return Err(Error::InvalidArgument(format!(
             "{} is not a directory",
             dir.display()
         )));
     }
-    let mut ids: Vec<String> = match std::fs::read_dir(&state) {
+    let mut ids: Vec<String> = match std::fs::read_dir(dir.join(rendezvous::STATE_DIR)) {
         Ok(rd) => rd
             .flatten()
+            .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
             .map(|e| e.file_name().to_string_lossy().into_owned())
             .collect(),
         Err(_) => Vec::new(),
@@ -93,95 +264,176 @@ fn save_ids(dir: &Path) -> Result<Vec<String>> {
     Ok(ids)
 }
 
-fn read_parts(dir: &Path, save_id: &str) -> Vec<(u32, Result<RankPart>)> {
-    let sdir = rendezvous::save_dir(dir, save_id);
+/// `(rank, part or error, age in seconds)` of every part file of a save.
+fn read_parts(dir: &Path, save_id: &str) -> Vec<(u32, Result<RankPart>, f64)> {
     let mut out = Vec::new();
-    if let Ok(rd) = std::fs::read_dir(&sdir) {
+    if let Ok(rd) = std::fs::read_dir(rendezvous::save_dir(dir, save_id)) {
         for e in rd.flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
             if let Some(r) = name
                 .strip_suffix(".part")
                 .and_then(|r| r.parse::<u32>().ok())
             {
-                out.push((r, rendezvous::read_part(&e.path())));
+                let age = e
+                    .metadata()
+                    .and_then(|m| m.modified())
+                    .ok()
+                    .and_then(|t| SystemTime::now().duration_since(t).ok())
+                    .map_or(0.0, |d| d.as_secs_f64());
+                out.push((r, rendezvous::read_part(&e.path()), age));
             }
         }
     }
-    out.sort_by_key(|(r, _)| *r);
+    out.sort_by_key(|(r, _, _)| *r);
     out
 }
 
-fn status(dir: &Path, keys: bool) -> Result<()> {
-    let committed_meta = dir.join(".metadata").exists();
-    println!(
-        "{}: .metadata {}",
-        dir.display(),
-        if committed_meta {
-            "present (committed)"
-        } else {
-            "absent (not committed)"
-        }
-    );
-    let ids = save_ids(dir)?;
-    if ids.is_empty() {
-        println!(
-            "no shardwise saves (no {} directory)",
-            rendezvous::STATE_DIR
-        );
-    }
-    for id in ids {
+#[derive(Serialize)]
+struct RankStatus {
+    rank: u32,
+    age_s: f64,
+    tensor_chunks: usize,
+    byte_objects: usize,
+    bytes: u64,
+    files: Vec<String>,
+    common: bool,
+    error: Option<String>,
+}
+
+#[derive(Serialize)]
+struct SaveStatus {
+    save_id: String,
+    state: String,
+    world_size: u32,
+    present: usize,
+    missing: Vec<u32>,
+    ranks: Vec<RankStatus>,
+    keys: BTreeMap<String, (String, Vec<u64>, Vec<u32>)>,
+}
+
+fn status(dir: &Path, keys: bool, json: bool) -> Result<i32> {
+    let committed = dir.join(".metadata").exists();
+    let mut saves = Vec::new();
+    for id in save_ids(dir)? {
         let sdir = rendezvous::save_dir(dir, &id);
         let parts = read_parts(dir, &id);
-        let world = parts
+        let world_size = parts
             .iter()
-            .find_map(|(_, p)| p.as_ref().ok().map(|p| p.world_size))
+            .find_map(|(_, p, _)| p.as_ref().ok().map(|p| p.world_size))
             .unwrap_or(0);
         let state = if sdir.join("COMMITTED").exists() {
             "committed".to_string()
         } else if let Ok(reason) = std::fs::read_to_string(sdir.join("FAILED")) {
-            format!("FAILED: {reason}")
+            format!("failed: {reason}")
+        } else if sdir.join("COMMITTING").exists() {
+            "merging".to_string()
         } else {
             "not committed".to_string()
         };
-        println!("save {id}: {state}; {} of {world} rank parts", parts.len());
-        if world > 0 {
-            let missing = rendezvous::missing_ranks(dir, &id, world);
-            if !missing.is_empty() {
-                println!("  missing ranks: [{}]", fmt_ranks(&missing));
-            }
-        }
         let mut layout: BTreeMap<String, (String, Vec<u64>, Vec<u32>)> = BTreeMap::new();
-        let mut objects = 0usize;
-        for (rank, p) in &parts {
+        let mut ranks = Vec::new();
+        for (rank, p, age_s) in &parts {
             match p {
-                Err(e) => println!("  rank {rank}: unreadable part: {e}"),
+                Err(e) => ranks.push(RankStatus {
+                    rank: *rank,
+                    age_s: *age_s,
+                    tensor_chunks: 0,
+                    byte_objects: 0,
+                    bytes: 0,
+                    files: Vec::new(),
+                    common: false,
+                    error: Some(e.to_string()),
+                }),
                 Ok(p) => {
-                    let bytes: u64 = p.files.iter().map(|f| f.size).sum();
-                    let files: Vec<&str> = p.files.iter().map(|f| f.name.as_str()).collect();
-                    println!(
-                        "  rank {rank}: {} tensor chunks, {} byte objects, {bytes} bytes in [{}]{}",
-                        p.tensors.len(),
-                        p.objects.len(),
-                        files.join(", "),
-                        if p.common.is_some() {
-                            " + common.pt"
-                        } else {
-                            ""
-                        }
-                    );
-                    objects += p.objects.len();
                     for t in &p.tensors {
                         let e = layout.entry(t.fqn.clone()).or_insert_with(|| {
                             (t.dtype.clone(), t.global_shape.clone(), Vec::new())
                         });
                         e.2.push(*rank);
                     }
+                    ranks.push(RankStatus {
+                        rank: *rank,
+                        age_s: *age_s,
+                        tensor_chunks: p.tensors.len(),
+                        byte_objects: p.objects.len(),
+                        bytes: p.files.iter().map(|f| f.size).sum(),
+                        files: p.files.iter().map(|f| f.name.clone()).collect(),
+                        common: p.common.is_some(),
+                        error: None,
+                    })
                 }
             }
         }
-        println!("  {} tensor keys, {objects} byte objects", layout.len());
+        let missing = if world_size > 0 {
+            rendezvous::missing_ranks(dir, &id, world_size)
+        } else {
+            Vec::new()
+        };
+        saves.push(SaveStatus {
+            save_id: id,
+            state,
+            world_size,
+            present: parts.len(),
+            missing,
+            ranks,
+            keys: layout,
+        });
+    }
+    if json {
+        #[derive(Serialize)]
+        struct Out {
+            dir: String,
+            metadata_present: bool,
+            saves: Vec<SaveStatus>,
+        }
+        print_json(&Out {
+            dir: dir.display().to_string(),
+            metadata_present: committed,
+            saves,
+        });
+        return Ok(0);
+    }
+    println!(
+        "{}: .metadata {}",
+        dir.display(),
+        if committed {
+            "present (committed)"
+        } else {
+            "absent (not committed)"
+        }
+    );
+    if saves.is_empty() {
+        println!(
+            "no shardwise saves (no {} directory)",
+            rendezvous::STATE_DIR
+        );
+    }
+    for s in &saves {
+        println!(
+            "save {}: {}; {} of {} rank parts",
+            s.save_id, s.state, s.present, s.world_size
+        );
+        if !s.missing.is_empty() {
+            println!("  missing ranks: [{}]", fmt_ranks(&s.missing));
+        }
+        for r in &s.ranks {
+            match &r.error {
+                Some(e) => println!("  rank {}: unreadable part ({:.0}s old): {e}", r.rank, r.age_s),
+                None => println!(
+                    "  rank {}: {} tensor chunks, {} byte objects, {} bytes in [{}]{}; part {:.0}s old",
+                    r.rank,
+                    r.tensor_chunks,
+                    r.byte_objects,
+                    r.bytes,
+                    r.files.join(", "),
+                    if r.common { " + common.pt" } else { "" },
+                    r.age_s
+                ),
+            }
+        }
+        println!("  {} tensor keys", s.keys.len());
         if keys {
-            for (fqn, (dtype, shape, chunk_ranks)) in &layout {
+            for (fqn, (dtype, shape, chunk_ranks)) in &s.keys {
                 let mut ranks = chunk_ranks.clone();
                 ranks.dedup();
                 println!(
@@ -192,10 +444,16 @@ fn status(dir: &Path, keys: bool) -> Result<()> {
             }
         }
     }
-    Ok(())
+    Ok(0)
 }
 
-fn merge(dir: &Path, save_id: Option<String>, world_size: Option<u32>, timeout: f64) -> Result<()> {
+fn merge(
+    dir: &Path,
+    save_id: Option<String>,
+    world_size: Option<u32>,
+    timeout: f64,
+    json: bool,
+) -> Result<i32> {
     let save_id = match save_id {
         Some(s) => s,
         None => {
@@ -206,10 +464,16 @@ fn merge(dir: &Path, save_id: Option<String>, world_size: Option<u32>, timeout: 
             match ids.as_slice() {
                 [one] => one.clone(),
                 [] => {
-                    return Err(Error::InvalidArgument(format!(
-                        "no uncommitted save in {}",
-                        dir.display()
-                    )))
+                    let all = save_ids(dir)?;
+                    match all.as_slice() {
+                        [one] => one.clone(), // committed already: merging again is a no-op
+                        _ => {
+                            return Err(Error::InvalidArgument(format!(
+                                "no uncommitted save in {}",
+                                dir.display()
+                            )))
+                        }
+                    }
                 }
                 many => {
                     return Err(Error::InvalidArgument(format!(
@@ -225,22 +489,28 @@ fn merge(dir: &Path, save_id: Option<String>, world_size: Option<u32>, timeout: 
         Some(w) => w,
         None => read_parts(dir, &save_id)
             .into_iter()
-            .find_map(|(_, p)| p.ok().map(|p| p.world_size))
+            .find_map(|(_, p, _)| p.ok().map(|p| p.world_size))
             .ok_or_else(|| {
                 Error::InvalidArgument(format!(
                     "save {save_id} has no readable part; pass --world-size"
                 ))
             })?,
     };
-    let summary = rendezvous::merge(
-        dir,
-        &save_id,
-        world_size,
-        Duration::from_secs_f64(timeout.max(0.0)),
-    )?;
-    println!(
-        "committed save {save_id}: {} keys, {} tensor chunks, {} byte objects, {} data bytes, .metadata {} bytes",
-        summary.keys, summary.tensor_chunks, summary.byte_objects, summary.data_bytes, summary.metadata_bytes
-    );
-    Ok(())
+    if !(timeout.is_finite() && timeout >= 0.0) {
+        return Err(Error::InvalidArgument(format!(
+            "--timeout must be a number of seconds >= 0, got {timeout}"
+        )));
+    }
+    let summary = rendezvous::merge(dir, &save_id, world_size, Duration::from_secs_f64(timeout))?;
+    if json {
+        print_json(&summary);
+    } else if summary.already_committed {
+        println!("save {save_id} is committed (nothing to do)");
+    } else {
+        println!(
+            "committed save {save_id}: {} keys, {} tensor chunks, {} byte objects, {} data bytes, .metadata {} bytes",
+            summary.keys, summary.tensor_chunks, summary.byte_objects, summary.data_bytes, summary.metadata_bytes
+        );
+    }
+    Ok(0)
 }

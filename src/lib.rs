@@ -9,6 +9,7 @@ pub mod reader;
 pub mod rendezvous;
 pub mod save;
 pub mod storage;
+pub mod verify;
 pub mod writer;
 
 #[cfg(feature = "python")]

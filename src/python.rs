@@ -7,10 +7,12 @@ use std::time::Duration;
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyBytes, PyDict, PyList};
 
 use crate::error::Error;
 use crate::format::dtype::DType;
+use crate::format::metadata::Entry;
+use crate::reader::Checkpoint;
 use crate::rendezvous::{self, ObjectShard};
 use crate::save::{save_rank as rust_save_rank, ObjectItem, SaveOptions};
 use crate::writer::{ByteObject, TensorChunk};
@@ -197,6 +199,104 @@ fn merge(
         .map_err(to_py)
 }
 
+/// An open checkpoint (any DCP / torch_dist checkpoint), parsed as data.
+#[pyclass(frozen, name = "Checkpoint")]
+struct PyCheckpoint {
+    inner: Checkpoint,
+}
+
+fn storage_dict<'py>(
+    py: Python<'py>,
+    d: &Bound<'py, PyDict>,
+    s: &crate::format::metadata::StorageInfo,
+) -> PyResult<()> {
+    let _ = py;
+    d.set_item("relative_path", &s.relative_path)?;
+    d.set_item("offset", s.offset)?;
+    d.set_item("length", s.length)?;
+    Ok(())
+}
+
+#[pymethods]
+impl PyCheckpoint {
+    /// Sorted keys (tensor fqns and byte-object keys).
+    fn keys(&self) -> Vec<String> {
+        self.inner.metadata.entries.keys().cloned().collect()
+    }
+
+    /// `{"kind": "tensor", "dtype", "global_shape", "chunks": [{"offsets", "sizes", "relative_path",
+    /// "offset", "length"}]}` or `{"kind": "object", "relative_path", "offset", "length"}`.
+    fn metadata<'py>(&self, py: Python<'py>, key: &str) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        match self.inner.entry(key).map_err(to_py)? {
+            Entry::Tensor {
+                dtype,
+                global_shape,
+                chunks,
+            } => {
+                d.set_item("kind", "tensor")?;
+                d.set_item("dtype", dtype.torch_name())?;
+                d.set_item("global_shape", global_shape.clone())?;
+                let list = PyList::empty(py);
+                for c in chunks {
+                    let cd = PyDict::new(py);
+                    cd.set_item("offsets", c.offsets.clone())?;
+                    cd.set_item("sizes", c.sizes.clone())?;
+                    storage_dict(py, &cd, &c.storage)?;
+                    list.append(cd)?;
+                }
+                d.set_item("chunks", list)?;
+            }
+            Entry::Bytes { storage } => {
+                d.set_item("kind", "object")?;
+                storage_dict(py, &d, storage)?;
+            }
+        }
+        Ok(d)
+    }
+
+    /// Reads the region `offsets`/`sizes` (elements) of tensor `key` into `nbytes` bytes of
+    /// contiguous memory at `data_ptr` (C order), which the caller owns and keeps alive.
+    fn read_into(
+        &self,
+        py: Python<'_>,
+        key: &str,
+        offsets: Vec<u64>,
+        sizes: Vec<u64>,
+        data_ptr: usize,
+        nbytes: usize,
+    ) -> PyResult<()> {
+        py.detach(|| {
+            let out: &mut [u8] = if nbytes == 0 {
+                &mut []
+            } else {
+                // SAFETY: the Python wrapper passes a freshly allocated contiguous tensor's data_ptr()
+                // and nbytes, and keeps the tensor alive until this call returns.
+                unsafe { std::slice::from_raw_parts_mut(data_ptr as *mut u8, nbytes) }
+            };
+            self.inner.read_region(key, &offsets, &sizes, out)
+        })
+        .map_err(to_py)
+    }
+
+    /// The raw bytes of byte object `key`: a torch.save archive (never unpickled here).
+    fn read_bytes<'py>(&self, py: Python<'py>, key: &str) -> PyResult<Bound<'py, PyBytes>> {
+        let bytes = py
+            .detach(|| self.inner.read_bytes(key, 1 << 34))
+            .map_err(to_py)?;
+        Ok(PyBytes::new(py, &bytes))
+    }
+}
+
+/// Opens a checkpoint directory; raises a `ShardwiseError` subclass when `.metadata` is missing or
+/// not DCP metadata.
+#[pyfunction]
+fn open_checkpoint(py: Python<'_>, path: PathBuf) -> PyResult<PyCheckpoint> {
+    py.detach(|| Checkpoint::open(&path))
+        .map(|inner| PyCheckpoint { inner })
+        .map_err(to_py)
+}
+
 /// Runs the `shardwise` command line with `argv` (program name first); returns the exit code.
 #[pyfunction]
 fn cli_main(py: Python<'_>, argv: Vec<String>) -> i32 {
@@ -210,6 +310,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(save_rank, m)?)?;
     m.add_function(wrap_pyfunction!(merge, m)?)?;
     m.add_function(wrap_pyfunction!(cli_main, m)?)?;
+    m.add_function(wrap_pyfunction!(open_checkpoint, m)?)?;
+    m.add_class::<PyCheckpoint>()?;
     m.add("ShardwiseError", py.get_type::<ShardwiseError>())?;
     m.add(
         "UnsupportedDtypeError",

@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{fmt_ranks, Error, Result};
 use crate::format::dtype::DType;
-use crate::format::metadata::{emit_metadata, Chunk, Entry, StorageInfo};
+use crate::format::metadata::{check_layout, emit_metadata, volume, Chunk, Entry, StorageInfo};
 use crate::storage::{atomic_write, create_dir_all, fsync_dir};
 
 const MAGIC: &[u8; 8] = b"SWPART01";
@@ -51,6 +51,8 @@ pub struct TensorRecord {
     pub file: u32,
     pub offset: u64,
     pub length: u64,
+    /// CRC-32 of the item's bytes.
+    pub crc32: u32,
 }
 
 /// A Megatron ShardedObject's position: base `key`, `global_shape` and `global_offset`.
@@ -69,6 +71,8 @@ pub struct ObjectRecord {
     pub file: u32,
     pub offset: u64,
     pub length: u64,
+    /// CRC-32 of the item's bytes.
+    pub crc32: u32,
 }
 
 /// Everything one rank contributes to a save.
@@ -254,9 +258,88 @@ pub fn collect_parts(
     }
 }
 
+/// File name of the per-item checksum sidecar, `<dir>/.shardwise/checksums`: MessagePack of
+/// [`Checksums`]. torch and Megatron never open it; `shardwise verify` does.
+pub const CHECKSUMS_FILE: &str = "checksums";
+
+/// CRC-32 of one item's bytes as written; `offsets` is `None` for byte objects.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ItemChecksum {
+    pub fqn: String,
+    pub offsets: Option<Vec<u64>>,
+    pub relative_path: String,
+    pub offset: u64,
+    pub length: u64,
+    pub crc32: u32,
+}
+
+/// The sidecar written at commit.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Checksums {
+    pub save_id: String,
+    pub items: Vec<ItemChecksum>,
+}
+
+fn checksums(save_id: &str, parts: &[RankPart]) -> Checksums {
+    let mut items = Vec::new();
+    for p in parts {
+        let name = |i: u32| {
+            p.files
+                .get(i as usize)
+                .map(|f| f.name.clone())
+                .unwrap_or_default()
+        };
+        for t in &p.tensors {
+            items.push(ItemChecksum {
+                fqn: t.fqn.clone(),
+                offsets: Some(t.offsets.clone()),
+                relative_path: name(t.file),
+                offset: t.offset,
+                length: t.length,
+                crc32: t.crc32,
+            });
+        }
+        for o in &p.objects {
+            items.push(ItemChecksum {
+                fqn: o.fqn.clone(),
+                offsets: None,
+                relative_path: name(o.file),
+                offset: o.offset,
+                length: o.length,
+                crc32: o.crc32,
+            });
+        }
+    }
+    Checksums {
+        save_id: save_id.to_string(),
+        items,
+    }
+}
+
+/// Reads the checksum sidecar of a checkpoint, if it has one.
+pub fn read_checksums(dir: &Path) -> Result<Option<Checksums>> {
+    let path = dir.join(STATE_DIR).join(CHECKSUMS_FILE);
+    match std::fs::read(&path) {
+        Ok(bytes) => rmp_serde::from_slice(&bytes)
+            .map(Some)
+            .map_err(|e| Error::Corrupt {
+                path,
+                reason: format!("undecodable checksum sidecar: {e}"),
+            }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(Error::Io {
+            op: "read",
+            path,
+            source: e,
+        }),
+    }
+}
+
 /// Summary of a committed save.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct CommitSummary {
+    /// The save had already been committed (by this or a racing merger); counts are then zero.
+    pub already_committed: bool,
     pub keys: usize,
     pub tensor_chunks: usize,
     pub byte_objects: usize,
@@ -375,7 +458,11 @@ pub fn build_global(dir: &Path, parts: &[RankPart]) -> Result<BTreeMap<String, E
     let mut checked: Vec<(String, Entry)> = tensors
         .into_par_iter()
         .map(|(fqn, agg)| {
-            check_chunks(fqn, &agg.shape, &agg.chunks)?;
+            let refs: Vec<&Chunk> = agg.chunks.iter().map(|(_, c)| c).collect();
+            check_layout(fqn, &agg.shape, &refs, &|i| {
+                format!("rank {}", agg.chunks[i].0)
+            })
+            .map_err(Error::Validation)?;
             let dtype = DType::from_torch_name(&agg.dtype)?;
             let chunks = agg.chunks.into_iter().map(|(_, c)| c).collect();
             Ok((
@@ -396,79 +483,6 @@ pub fn build_global(dir: &Path, parts: &[RankPart]) -> Result<BTreeMap<String, E
             .map(|(k, (_, _, storage))| (k.to_string(), Entry::Bytes { storage })),
     );
     Ok(checked.into_iter().collect())
-}
-
-fn volume(sizes: &[u64]) -> u128 {
-    sizes.iter().map(|&s| s as u128).product()
-}
-
-/// Chunks of one key must lie inside `shape`, must not overlap and must cover it exactly.
-fn check_chunks(fqn: &str, shape: &[u64], chunks: &[(u32, Chunk)]) -> Result<()> {
-    for (rank, c) in chunks {
-        let inside = c.offsets.len() == shape.len()
-            && c.sizes.len() == shape.len()
-            && c.offsets
-                .iter()
-                .zip(&c.sizes)
-                .zip(shape)
-                .all(|((&o, &s), &g)| o.checked_add(s).is_some_and(|e| e <= g));
-        if !inside {
-            return Err(Error::Validation(format!(
-                "key {fqn}: rank {rank} saves chunk offsets {:?} sizes {:?}, outside the global shape {shape:?}",
-                c.offsets, c.sizes
-            )));
-        }
-    }
-    // Sweep along dimension 0: only chunks whose dim-0 ranges intersect are compared.
-    let mut order: Vec<usize> = (0..chunks.len())
-        .filter(|&i| volume(&chunks[i].1.sizes) > 0)
-        .collect();
-    let start0 = |i: usize| chunks[i].1.offsets.first().copied().unwrap_or(0);
-    let end0 = |i: usize| {
-        chunks[i]
-            .1
-            .offsets
-            .first()
-            .map(|o| o + chunks[i].1.sizes[0])
-            .unwrap_or(1)
-    };
-    order.sort_by(|&i, &j| chunks[i].1.offsets.cmp(&chunks[j].1.offsets));
-    let mut active: Vec<usize> = Vec::new();
-    for &i in &order {
-        active.retain(|&j| end0(j) > start0(i));
-        for &j in &active {
-            let (a, b) = (&chunks[i].1, &chunks[j].1);
-            let overlap = (0..shape.len()).all(|d| {
-                a.offsets[d] < b.offsets[d] + b.sizes[d] && b.offsets[d] < a.offsets[d] + a.sizes[d]
-            });
-            if overlap {
-                let what = if a.offsets == b.offsets && a.sizes == b.sizes {
-                    "the same chunk"
-                } else {
-                    "overlapping chunks"
-                };
-                return Err(Error::Validation(format!(
-                    "key {fqn}: ranks {} and {} both save {what} (offsets {:?} sizes {:?} and offsets {:?} sizes {:?}); \
-                     exactly one main replica (replica_id all zeros) may save each chunk",
-                    chunks[j].0, chunks[i].0, b.offsets, b.sizes, a.offsets, a.sizes
-                )));
-            }
-        }
-        active.push(i);
-    }
-    let covered: u128 = chunks.iter().map(|(_, c)| volume(&c.sizes)).sum();
-    let total = volume(shape);
-    if covered != total {
-        let mut ranks: Vec<u32> = chunks.iter().map(|(r, _)| *r).collect();
-        ranks.sort_unstable();
-        ranks.dedup();
-        return Err(Error::Validation(format!(
-            "key {fqn}: the saved chunks cover {covered} of {total} elements of global shape {shape:?} \
-             (coverage gap; chunks came from ranks [{}])",
-            fmt_ranks(&ranks)
-        )));
-    }
-    Ok(())
 }
 
 /// Every ShardedObject key must be saved at every offset of its global shape, exactly once.
@@ -514,30 +528,98 @@ fn check_sharded_objects<'a>(objects: impl Iterator<Item = (u32, &'a ObjectRecor
     Ok(())
 }
 
-/// Merges the parts of `save_id` in `dir` and commits: `.metadata` (tmp + rename), then
-/// `metadata.json` for Megatron saves, then the `COMMITTED` marker. On a validation failure a
-/// `FAILED` marker with the reason is published instead, so that waiting ranks fail fast.
+/// Merges the parts of `save_id` in `dir` and commits: the checksum sidecar, `.metadata`
+/// (tmp + rename), `metadata.json` for Megatron saves, then the `COMMITTED` marker.
 ///
-/// Errors: as [`collect_parts`] and [`build_global`], plus [`Error::Io`].
+/// Idempotent and safe to race: a merger first takes the `COMMITTING` lock (exclusive create); a
+/// second merger waits up to `timeout` (at least 10 s) for the first one's outcome and returns it,
+/// so exactly one commits and both report success. On failure a `FAILED` marker with the reason is
+/// published (waiting ranks fail fast) and the lock is released, so a later merge can retry.
+///
+/// Errors: as [`collect_parts`] and [`build_global`], plus [`Error::Io`], and
+/// [`Error::NotCommitted`] when the lock holder fails or vanishes.
 pub fn merge(
     dir: &Path,
     save_id: &str,
     world_size: u32,
     timeout: Duration,
 ) -> Result<CommitSummary> {
-    let parts = collect_parts(dir, save_id, world_size, timeout)?;
-    let global = match build_global(dir, &parts) {
-        Ok(g) => g,
-        Err(e) => {
-            let _ = atomic_write(
-                &save_dir(dir, save_id).join("FAILED"),
-                e.to_string().as_bytes(),
-            );
-            return Err(e);
+    check_save_id(save_id)?;
+    let sdir = save_dir(dir, save_id);
+    if sdir.join("COMMITTED").exists() {
+        return Ok(CommitSummary {
+            already_committed: true,
+            ..Default::default()
+        });
+    }
+    create_dir_all(&sdir)?;
+    let lock = sdir.join("COMMITTING");
+    match std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&lock)
+    {
+        Ok(mut f) => {
+            use std::io::Write;
+            let _ = writeln!(f, "pid {}", std::process::id());
         }
-    };
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+            wait_for_commit(
+                dir,
+                save_id,
+                world_size,
+                timeout.max(Duration::from_secs(10)),
+            )
+            .map_err(|e| match e {
+                Error::NotCommitted {
+                    dir,
+                    save_id,
+                    reason,
+                } => Error::NotCommitted {
+                    dir,
+                    save_id,
+                    reason: format!(
+                        "{reason}; another merger holds {} (remove it if that merger is dead)",
+                        lock.display()
+                    ),
+                },
+                other => other,
+            })?;
+            return Ok(CommitSummary {
+                already_committed: true,
+                ..Default::default()
+            });
+        }
+        Err(e) => {
+            return Err(Error::Io {
+                op: "create",
+                path: lock,
+                source: e,
+            })
+        }
+    }
+    let _ = std::fs::remove_file(sdir.join("FAILED"));
+    let result = commit_locked(dir, save_id, world_size, timeout);
+    if let Err(e) = &result {
+        let _ = atomic_write(&sdir.join("FAILED"), e.to_string().as_bytes());
+    }
+    let _ = std::fs::remove_file(&lock);
+    result
+}
+
+fn commit_locked(
+    dir: &Path,
+    save_id: &str,
+    world_size: u32,
+    timeout: Duration,
+) -> Result<CommitSummary> {
+    let parts = collect_parts(dir, save_id, world_size, timeout)?;
+    let global = build_global(dir, &parts)?;
     let megatron = parts.first().is_some_and(|p| p.megatron);
     let meta = emit_metadata(&global);
+    let sums = rmp_serde::to_vec(&checksums(save_id, &parts))
+        .map_err(|e| Error::InvalidArgument(format!("cannot encode checksums: {e}")))?;
+    atomic_write(&dir.join(STATE_DIR).join(CHECKSUMS_FILE), &sums)?;
     atomic_write(&dir.join(".metadata"), &meta)?;
     if megatron {
         atomic_write(

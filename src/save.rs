@@ -136,7 +136,7 @@ pub fn save_rank(
             })
             .collect();
         let written = write_rank_file(&dir.join(&name), opts.rank as u64, tensors, &raw_objects)?;
-        for (t, &(offset, length)) in tensors.iter().zip(&written.tensors) {
+        for (t, placed) in tensors.iter().zip(&written.tensors) {
             part.tensors.push(TensorRecord {
                 fqn: t.fqn.clone(),
                 dtype: t.dtype.torch_name().to_string(),
@@ -144,17 +144,19 @@ pub fn save_rank(
                 offsets: t.offsets.clone(),
                 sizes: t.sizes.clone(),
                 file: 0,
-                offset,
-                length,
+                offset: placed.offset,
+                length: placed.length,
+                crc32: placed.crc32,
             });
         }
-        for (o, &(offset, length)) in objects.iter().zip(&written.objects) {
+        for (o, placed) in objects.iter().zip(&written.objects) {
             part.objects.push(ObjectRecord {
                 fqn: o.object.fqn.clone(),
                 shard: o.shard.clone(),
                 file: 0,
-                offset,
-                length,
+                offset: placed.offset,
+                length: placed.length,
+                crc32: placed.crc32,
             });
         }
         part.files.push(FileRecord {
@@ -197,7 +199,8 @@ pub fn save_rank(
 fn remove_stale_attempts(dir: &Path, keep: &str) {
     if let Ok(rd) = std::fs::read_dir(dir.join(rendezvous::STATE_DIR)) {
         for e in rd.flatten() {
-            if e.file_name().to_string_lossy() != keep {
+            let is_dir = e.file_type().is_ok_and(|t| t.is_dir());
+            if is_dir && e.file_name().to_string_lossy() != keep {
                 let _ = std::fs::remove_dir_all(e.path());
             }
         }

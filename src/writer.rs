@@ -36,10 +36,19 @@ pub struct ByteObject<'a> {
     pub bytes: &'a [u8],
 }
 
-/// Where each item landed: `(offset, length)` in bytes, tensors then objects in input order.
+/// Where one item landed: byte `offset` and `length` in the file, and the CRC-32 of its bytes
+/// (recorded in the part and the checksum sidecar; DCP itself has no checksum).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Placed {
+    pub offset: u64,
+    pub length: u64,
+    pub crc32: u32,
+}
+
+/// Where each item landed, tensors then objects in input order.
 pub struct Written {
-    pub tensors: Vec<(u64, u64)>,
-    pub objects: Vec<(u64, u64)>,
+    pub tensors: Vec<Placed>,
+    pub objects: Vec<Placed>,
     pub file_size: u64,
 }
 
@@ -155,18 +164,38 @@ pub fn write_rank_file(
     for (item, h) in crcs {
         per_item[item].combine(&h);
     }
-    per_item
+    let tensor_crcs = per_item
         .into_par_iter()
         .enumerate()
-        .try_for_each(|(i, h)| {
+        .map(|(i, payload)| {
             let l = &layouts[i];
             let tail_at = tensor_pos[i].0 + l.prefix.len() as u64 + l.payload_len;
-            file.write_at(&l.suffix(h.finalize()), tail_at)
-        })?;
+            let suffix = l.suffix(payload.clone().finalize());
+            file.write_at(&suffix, tail_at)?;
+            let mut item = crc32fast::Hasher::new();
+            item.update(&l.prefix);
+            item.combine(&payload);
+            item.update(&suffix);
+            Ok(item.finalize())
+        })
+        .collect::<Result<Vec<u32>>>()?;
     file.sync()?;
+    let place = |&(offset, length): &(u64, u64), crc32| Placed {
+        offset,
+        length,
+        crc32,
+    };
     Ok(Written {
-        tensors: tensor_pos,
-        objects: object_pos,
+        tensors: tensor_pos
+            .iter()
+            .zip(tensor_crcs)
+            .map(|(p, c)| place(p, c))
+            .collect(),
+        objects: object_pos
+            .iter()
+            .zip(objects)
+            .map(|(p, o)| place(p, crc32fast::hash(o.bytes)))
+            .collect(),
         file_size: cursor,
     })
 }

@@ -12,12 +12,19 @@ fn fixtures() -> PathBuf {
     let dir = std::env::var_os("SHARDWISE_FIXTURES")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures"));
-    assert!(dir.join("dcp").is_dir(), "golden fixtures not found at {} (set SHARDWISE_FIXTURES)", dir.display());
+    assert!(
+        dir.join("dcp").is_dir(),
+        "golden fixtures not found at {} (set SHARDWISE_FIXTURES)",
+        dir.display()
+    );
     dir
 }
 
 fn hex(bytes: &[u8]) -> String {
-    Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 #[test]
@@ -31,24 +38,48 @@ fn golden_checkpoints_read_back_byte_exactly() {
     dirs.sort();
     assert!(dirs.len() >= 8, "{dirs:?}");
     for dir in dirs {
-        let expected: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join("expected.json")).unwrap()).unwrap();
+        let expected: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(dir.join("expected.json")).unwrap()).unwrap();
         let ckpt = Checkpoint::open(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
         let keys = expected["keys"].as_object().unwrap();
         assert_eq!(ckpt.metadata.entries.len(), keys.len(), "{}", dir.display());
         for (key, k) in keys {
             let entry = ckpt.entry(key).unwrap();
             match (k["kind"].as_str().unwrap(), entry) {
-                ("tensor", Entry::Tensor { dtype, global_shape, .. }) => {
+                (
+                    "tensor",
+                    Entry::Tensor {
+                        dtype,
+                        global_shape,
+                        ..
+                    },
+                ) => {
                     assert_eq!(dtype.torch_name(), k["dtype"].as_str().unwrap(), "{key}");
-                    let shape: Vec<u64> = k["shape"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
+                    let shape: Vec<u64> = k["shape"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|v| v.as_u64().unwrap())
+                        .collect();
                     assert_eq!(global_shape, &shape, "{key}");
                     let mut out = vec![0u8; k["nbytes"].as_u64().unwrap() as usize];
-                    ckpt.read_region(key, &vec![0; shape.len()], &shape, &mut out).unwrap_or_else(|e| panic!("{}: {key}: {e}", dir.display()));
-                    assert_eq!(hex(&out), k["sha256"].as_str().unwrap(), "{} {key}", dir.display());
+                    ckpt.read_region(key, &vec![0; shape.len()], &shape, &mut out)
+                        .unwrap_or_else(|e| panic!("{}: {key}: {e}", dir.display()));
+                    assert_eq!(
+                        hex(&out),
+                        k["sha256"].as_str().unwrap(),
+                        "{} {key}",
+                        dir.display()
+                    );
                 }
                 ("bytes", Entry::Bytes { .. }) => {
                     let raw = ckpt.read_bytes(key, 1 << 30).unwrap();
-                    assert_eq!(hex(&raw), k["storage"]["blob_sha256"].as_str().unwrap(), "{} {key}", dir.display());
+                    assert_eq!(
+                        hex(&raw),
+                        k["storage"]["blob_sha256"].as_str().unwrap(),
+                        "{} {key}",
+                        dir.display()
+                    );
                 }
                 (kind, _) => panic!("{}: {key}: expected {kind}", dir.display()),
             }
@@ -66,7 +97,13 @@ fn regions_assemble_across_chunks() {
         .entries
         .iter()
         .find_map(|(k, e)| match e {
-            Entry::Tensor { global_shape, chunks, .. } if chunks.len() >= 2 && global_shape.len() >= 2 => Some((k.clone(), global_shape.clone())),
+            Entry::Tensor {
+                global_shape,
+                chunks,
+                ..
+            } if chunks.len() >= 2 && global_shape.len() >= 2 => {
+                Some((k.clone(), global_shape.clone()))
+            }
             _ => None,
         })
         .unwrap();
@@ -76,13 +113,21 @@ fn regions_assemble_across_chunks() {
     };
     let n: u64 = shape.iter().product();
     let mut full = vec![0u8; n as usize * item];
-    ckpt.read_region(&key, &vec![0; shape.len()], &shape, &mut full).unwrap();
+    ckpt.read_region(&key, &vec![0; shape.len()], &shape, &mut full)
+        .unwrap();
     // Every 1-element box must equal the matching element of the full read.
     let strides: Vec<u64> = shardwise::format::zip::contiguous_strides(&shape);
     for flat in (0..n).step_by((n / 97).max(1) as usize) {
-        let idx: Vec<u64> = (0..shape.len()).map(|d| flat / strides[d] % shape[d]).collect();
+        let idx: Vec<u64> = (0..shape.len())
+            .map(|d| flat / strides[d] % shape[d])
+            .collect();
         let mut one = vec![0u8; item];
-        ckpt.read_region(&key, &idx, &vec![1; shape.len()], &mut one).unwrap();
-        assert_eq!(one, full[flat as usize * item..(flat as usize + 1) * item], "{key} {idx:?}");
+        ckpt.read_region(&key, &idx, &vec![1; shape.len()], &mut one)
+            .unwrap();
+        assert_eq!(
+            one,
+            full[flat as usize * item..(flat as usize + 1) * item],
+            "{key} {idx:?}"
+        );
     }
 }

@@ -20,6 +20,7 @@ from ._native import (
     __version__,
     merge,
 )
+from .reader import Reader, open
 
 __all__ = [
     "CheckpointExistsError",
@@ -33,4 +34,6 @@ __all__ = [
     "ValidationError",
     "__version__",
     "merge",
+    "open",
+    "Reader",
 ]

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
+import uuid
+from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -35,3 +38,28 @@ def read_all(ckpt: str) -> tuple[dict, dict]:
 def bits(t: torch.Tensor) -> torch.Tensor:
     """The raw bytes of a tensor, for bitwise comparison of any dtype (NaN, -0.0, float8)."""
     return t.contiguous().view(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+
+
+def row_shard(key, rank, world, rows=4, cols=8, dtype=torch.float32, replica_id=0):
+    """A Megatron ShardedTensor: rank ``rank``'s ``rows`` rows of a ``(world*rows, cols)`` tensor."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    data = (torch.arange(rows * cols) + 1000 * rank).reshape(rows, cols).to(dtype)
+    return ShardedTensor.from_rank_offsets(key, data, (0, rank, world), replica_id=replica_id)
+
+
+def save_ranks(ckpt, states, world=None, timeout_s=5.0, **kw):
+    """Plays every rank in this process: saves ranks n-1..1 without waiting, then rank 0 (the
+    merger, unless ``merge_rank`` says otherwise); returns rank 0's report."""
+    import shardwise.megatron as swm
+
+    world = len(states) if world is None else world
+    kw.setdefault("save_id", uuid.uuid4().hex)  # one process plays every rank: give them one id
+    for rank in range(len(states) - 1, 0, -1):
+        swm.save(states[rank], ckpt, rank=rank, world_size=world, timeout_s=timeout_s, wait_for_commit=False, **kw)
+    return swm.save(states[0], ckpt, rank=0, world_size=world, timeout_s=timeout_s, **kw)
+
+
+def tree_digest(root: Path) -> dict:
+    """sha256 of every file below ``root``."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}

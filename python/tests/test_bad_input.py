@@ -6,9 +6,7 @@ shardwise needs no process group, so several ranks are simulated in one process 
 
 from __future__ import annotations
 
-import hashlib
 import threading
-import uuid
 from pathlib import Path
 
 import pytest
@@ -17,25 +15,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTenso
 
 import shardwise
 import shardwise.megatron as swm
-from dcp_util import bits, read_all
-
-
-def row_shard(key, rank, world, rows=4, cols=8, dtype=torch.float32, replica_id=0):
-    data = (torch.arange(rows * cols) + 1000 * rank).reshape(rows, cols).to(dtype)
-    return ShardedTensor.from_rank_offsets(key, data, (0, rank, world), replica_id=replica_id)
-
-
-def save_ranks(ckpt, states, world=None, timeout_s=5.0, **kw):
-    """Saves rank 1..n-1 without waiting, then rank 0 (the merger); returns rank 0's report."""
-    world = len(states) if world is None else world
-    kw.setdefault("save_id", uuid.uuid4().hex)  # one process plays every rank: give them one id
-    for rank in range(len(states) - 1, 0, -1):
-        swm.save(states[rank], ckpt, rank=rank, world_size=world, timeout_s=timeout_s, wait_for_commit=False, **kw)
-    return swm.save(states[0], ckpt, rank=0, world_size=world, timeout_s=timeout_s, **kw)
-
-
-def tree_digest(root: Path) -> dict:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
+from dcp_util import bits, read_all, row_shard, save_ranks, tree_digest
 
 
 @pytest.fixture()
@@ -104,7 +84,7 @@ def test_two_ranks_claim_the_same_chunk(tmp_path, earlier):
 
     t = threading.Thread(target=rank1)
     t.start()
-    with pytest.raises(shardwise.ValidationError, match=r"key w: ranks \d and \d both save the same chunk"):
+    with pytest.raises(shardwise.ValidationError, match=r"key w: rank \d and rank \d both save the same chunk"):
         swm.save({"w": row_shard("w", 0, 2)}, ckpt, rank=0, world_size=2, timeout_s=10, save_id="s")
     t.join(20)
     assert isinstance(errors.get(1), shardwise.NotCommittedError), "the waiting rank learns of the failure"

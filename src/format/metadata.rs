@@ -197,3 +197,87 @@ fn storage_info(p: &mut Pickler, s: &StorageInfo) {
     p.setitems();
     p.build();
 }
+
+/// Number of elements of a shape, without overflow.
+pub fn volume(sizes: &[u64]) -> u128 {
+    sizes.iter().map(|&s| s as u128).product()
+}
+
+/// Checks the chunks of one tensor key the way DCP's `_validate_global_plan` does at save time
+/// (and its loader never does, dcp-format.md §4.2): every chunk lies inside `shape`, no two
+/// overlap, and together they cover it exactly. `origin(i)` names chunk `i` in messages.
+///
+/// Errors: a message naming the key, the offending chunks' origins and their boxes.
+pub fn check_layout(
+    fqn: &str,
+    shape: &[u64],
+    chunks: &[&Chunk],
+    origin: &dyn Fn(usize) -> String,
+) -> Result<(), String> {
+    for (i, c) in chunks.iter().enumerate() {
+        let inside = c.offsets.len() == shape.len()
+            && c.sizes.len() == shape.len()
+            && c.offsets
+                .iter()
+                .zip(&c.sizes)
+                .zip(shape)
+                .all(|((&o, &s), &g)| o.checked_add(s).is_some_and(|e| e <= g));
+        if !inside {
+            return Err(format!(
+                "key {fqn}: {} saves chunk offsets {:?} sizes {:?}, outside the global shape {shape:?}",
+                origin(i),
+                c.offsets,
+                c.sizes
+            ));
+        }
+    }
+    // Sweep along dimension 0: only chunks whose dim-0 ranges intersect are compared.
+    let mut order: Vec<usize> = (0..chunks.len())
+        .filter(|&i| volume(&chunks[i].sizes) > 0)
+        .collect();
+    let start0 = |i: usize| chunks[i].offsets.first().copied().unwrap_or(0);
+    let end0 = |i: usize| {
+        chunks[i]
+            .offsets
+            .first()
+            .map(|o| o + chunks[i].sizes[0])
+            .unwrap_or(1)
+    };
+    order.sort_by(|&i, &j| chunks[i].offsets.cmp(&chunks[j].offsets));
+    let mut active: Vec<usize> = Vec::new();
+    for &i in &order {
+        active.retain(|&j| end0(j) > start0(i));
+        for &j in &active {
+            let (a, b) = (chunks[i], chunks[j]);
+            let overlap = (0..shape.len()).all(|d| {
+                a.offsets[d] < b.offsets[d] + b.sizes[d] && b.offsets[d] < a.offsets[d] + a.sizes[d]
+            });
+            if overlap {
+                let what = if a.offsets == b.offsets && a.sizes == b.sizes {
+                    "the same chunk"
+                } else {
+                    "overlapping chunks"
+                };
+                return Err(format!(
+                    "key {fqn}: {} and {} both save {what} (offsets {:?} sizes {:?} and offsets {:?} sizes {:?}); \
+                     exactly one main replica (replica_id all zeros) may save each chunk",
+                    origin(j),
+                    origin(i),
+                    b.offsets,
+                    b.sizes,
+                    a.offsets,
+                    a.sizes
+                ));
+            }
+        }
+        active.push(i);
+    }
+    let covered: u128 = chunks.iter().map(|c| volume(&c.sizes)).sum();
+    let total = volume(shape);
+    if covered != total {
+        return Err(format!(
+            "key {fqn}: the saved chunks cover {covered} of {total} elements of global shape {shape:?} (coverage gap)"
+        ));
+    }
+    Ok(())
+}
