@@ -189,7 +189,7 @@ pub fn stored_tensor(blob: &[u8]) -> R<StoredTensor> {
     let prefix = &pkl.name[..pkl.name.len() - "data.pkl".len()];
     let value = unpickle(&blob[pkl.start..pkl.start + pkl.len])
         .map_err(|e| ArchiveError(format!("data.pkl: {e}")))?;
-    let Value::Call(call) = &value else {
+    let Value::Call(call) = &*value else {
         return bad(format!("data.pkl holds {}, not a tensor", value.kind()));
     };
     let func = call

@@ -2,6 +2,7 @@
 //! and the global `.metadata`.
 pub mod archive;
 pub mod dtype;
+pub mod fuzzing;
 pub mod metadata;
 pub mod pickle;
 pub mod read_metadata;

@@ -196,6 +196,43 @@ struct Vm<'a> {
     stack: Vec<Slot>,
     memo: HashMap<u32, Value>,
     created: usize,
+    /// Every mutable container created, so that [`Unpickled`] can break reference cycles.
+    arena: Vec<Value>,
+}
+
+/// The result of [`unpickle`]: the root value, plus ownership of every mutable container so that
+/// cycles a hostile pickle builds (a list appended to itself) are broken when this is dropped.
+pub struct Unpickled {
+    root: Value,
+    arena: Vec<Value>,
+}
+
+impl std::ops::Deref for Unpickled {
+    type Target = Value;
+    fn deref(&self) -> &Value {
+        &self.root
+    }
+}
+
+impl Drop for Unpickled {
+    fn drop(&mut self) {
+        // Every cycle passes through a list, a dict or an object state (tuples and calls are
+        // immutable once built), so emptying those breaks them all.
+        let mut work = Vec::new();
+        for v in &self.arena {
+            match v {
+                Value::List(l) => work.append(&mut l.borrow_mut()),
+                Value::Dict(d) => {
+                    for (k, v) in d.borrow_mut().drain(..) {
+                        work.push(k);
+                        work.push(v);
+                    }
+                }
+                Value::Object(o) => work.extend(o.state.borrow_mut().take()),
+                _ => {}
+            }
+        }
+    }
 }
 
 impl<'a> Vm<'a> {
@@ -232,6 +269,9 @@ impl<'a> Vm<'a> {
         std::str::from_utf8(&rest[..n]).map_err(|_| UnpickleError("text line is not UTF-8".into()))
     }
     fn push(&mut self, v: Value) -> R<()> {
+        if matches!(v, Value::List(_) | Value::Dict(_) | Value::Object(_)) {
+            self.arena.push(v.clone());
+        }
         self.created += 1;
         if self.stack.len() >= MAX_STACK || self.created > MAX_VALUES {
             return err("pickle too large (stack or value count over the limit)");
@@ -318,7 +358,7 @@ impl<'a> Vm<'a> {
         }
     }
 
-    fn run(mut self) -> R<Value> {
+    fn run(&mut self) -> R<Value> {
         loop {
             let op = self.u8()?;
             match op {
@@ -611,15 +651,24 @@ impl<'a> Vm<'a> {
 ///
 /// Errors: [`UnpickleError`] for malformed or truncated input, unsupported opcodes (`INST`, `OBJ`,
 /// `EXT*`, out-of-band buffers) and inputs over the size limits.
-pub fn unpickle(input: &[u8]) -> Result<Value, UnpickleError> {
-    Vm {
+pub fn unpickle(input: &[u8]) -> Result<Unpickled, UnpickleError> {
+    let mut vm = Vm {
         input,
         pos: 0,
         stack: Vec::new(),
         memo: HashMap::new(),
         created: 0,
-    }
-    .run()
+        arena: Vec::new(),
+    };
+    let result = vm.run();
+    // Whatever happened, the arena ends up in an Unpickled, whose Drop breaks its cycles.
+    let mut out = Unpickled {
+        root: Value::None,
+        arena: std::mem::take(&mut vm.arena),
+    };
+    drop(vm);
+    out.root = result?;
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -635,7 +684,7 @@ mod tests {
         p.tuple(1);
         p.reduce();
         let v = unpickle(&p.finish()).unwrap();
-        let Value::Call(c) = &v else { panic!() };
+        let Value::Call(c) = &*v else { panic!() };
         assert_eq!(c.0.global(), Some(("torch", "Size")));
         let dims = c.1.items().unwrap()[0].items().unwrap();
         assert_eq!(
