@@ -59,6 +59,10 @@ pub enum Error {
         source: std::io::Error,
     },
 
+    /// The CUDA driver is missing or a CUDA call failed.
+    #[error("CUDA: {0}")]
+    Gpu(String),
+
     /// A file that should be a shardwise part or checkpoint file is malformed.
     #[error("corrupt file {path}: {reason}")]
     Corrupt { path: PathBuf, reason: String },

@@ -5,9 +5,11 @@
 pub mod cli;
 pub mod error;
 pub mod format;
+pub mod gpu;
 pub mod reader;
 pub mod rendezvous;
 pub mod save;
+pub mod staging;
 pub mod storage;
 pub mod verify;
 pub mod writer;

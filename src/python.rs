@@ -1,21 +1,24 @@
 //! The `shardwise._native` extension module: thin wrappers that release the GIL and map
 //! [`crate::Error`] variants to `shardwise.ShardwiseError` subclasses.
 
+use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::Mutex;
 use std::time::Duration;
 
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList};
+use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 
 use crate::error::Error;
 use crate::format::dtype::DType;
 use crate::format::metadata::Entry;
 use crate::reader::Checkpoint;
 use crate::rendezvous::{self, ObjectShard};
-use crate::save::{save_rank as rust_save_rank, ObjectItem, SaveOptions};
-use crate::writer::{ByteObject, TensorChunk};
+use crate::save::{save_rank as rust_save_rank, ObjectItem, SaveOptions, SaveReport};
+use crate::staging::{self, DEFAULT_BUDGET_BYTES, DEFAULT_BUFFER_BYTES};
+use crate::writer::{ByteObject, Payload, Staging, TensorChunk};
 
 create_exception!(
     shardwise,
@@ -67,6 +70,12 @@ create_exception!(
 );
 create_exception!(
     shardwise,
+    GpuError,
+    ShardwiseError,
+    "The CUDA driver is missing or a CUDA call failed."
+);
+create_exception!(
+    shardwise,
     CorruptFileError,
     ShardwiseError,
     "A shardwise or checkpoint file is malformed."
@@ -83,18 +92,196 @@ fn to_py(e: Error) -> PyErr {
         Error::CheckpointExists(_) => CheckpointExistsError::new_err(msg),
         Error::Io { .. } => StorageError::new_err(msg),
         Error::Corrupt { .. } => CorruptFileError::new_err(msg),
+        Error::Gpu(_) => GpuError::new_err(msg),
     }
 }
 
-type PyTensor = (String, String, Vec<u64>, Vec<u64>, Vec<u64>, usize, usize);
 type PyObject_ = (String, Vec<u8>, Option<(String, Vec<u64>, Vec<u64>)>);
 
-/// Saves one rank. `tensors` are `(fqn, dtype, global_shape, offsets, sizes, data_ptr, nbytes)`
-/// for contiguous CPU memory that the caller keeps alive for the duration of the call; `objects`
-/// are `(fqn, torch_save_bytes, (key, global_shape, global_offset) | None)`. Returns the report as
-/// a dict. Raises a `ShardwiseError` subclass.
+/// A tensor chunk as the Python side describes it: `(fqn, dtype, global_shape, offsets, sizes,
+/// data_ptr, nbytes[, device])`, `device` being the CUDA ordinal or -1 (absent) for host memory.
+struct RawChunk {
+    fqn: String,
+    dtype: DType,
+    global_shape: Vec<u64>,
+    offsets: Vec<u64>,
+    sizes: Vec<u64>,
+    ptr: usize,
+    nbytes: usize,
+    device: Option<u32>,
+}
+
+fn raw_chunks(tensors: &Bound<'_, PyList>) -> PyResult<Vec<RawChunk>> {
+    let mut out = Vec::with_capacity(tensors.len());
+    for t in tensors.iter() {
+        let t = t.cast_into::<PyTuple>()?;
+        if !(7..=8).contains(&t.len()) {
+            return Err(InvalidArgumentError::new_err(
+                "a tensor entry is a 7- or 8-tuple",
+            ));
+        }
+        let dtype: String = t.get_item(1)?.extract()?;
+        let device: i64 = if t.len() == 8 {
+            t.get_item(7)?.extract()?
+        } else {
+            -1
+        };
+        out.push(RawChunk {
+            fqn: t.get_item(0)?.extract()?,
+            dtype: DType::from_torch_name(&dtype).map_err(to_py)?,
+            global_shape: t.get_item(2)?.extract()?,
+            offsets: t.get_item(3)?.extract()?,
+            sizes: t.get_item(4)?.extract()?,
+            ptr: t.get_item(5)?.extract()?,
+            nbytes: t.get_item(6)?.extract()?,
+            device: u32::try_from(device).ok(),
+        });
+    }
+    Ok(out)
+}
+
+/// Borrows the described memory.
+///
+/// # Safety
+/// Every host chunk's `ptr..ptr+nbytes` must stay valid and unmodified for as long as the returned
+/// chunks are read (until staging completes, or until the save returns without staging).
+unsafe fn chunks_of(raw: &[RawChunk]) -> Vec<TensorChunk<'static>> {
+    raw.iter()
+        .map(|r| TensorChunk {
+            fqn: r.fqn.clone(),
+            dtype: r.dtype,
+            global_shape: r.global_shape.clone(),
+            offsets: r.offsets.clone(),
+            sizes: r.sizes.clone(),
+            data: match r.device {
+                Some(device) => Payload::Device {
+                    ptr: r.ptr as u64,
+                    len: r.nbytes as u64,
+                    device,
+                },
+                None if r.nbytes == 0 => Payload::Host(&[]),
+                None => Payload::Host(std::slice::from_raw_parts(r.ptr as *const u8, r.nbytes)),
+            },
+        })
+        .collect()
+}
+
+fn object_items(objects: &[PyObject_]) -> Vec<ObjectItem<'_>> {
+    objects
+        .iter()
+        .map(|(fqn, bytes, shard)| ObjectItem {
+            object: ByteObject {
+                fqn: fqn.clone(),
+                bytes,
+            },
+            shard: shard
+                .clone()
+                .map(|(key, global_shape, global_offset)| ObjectShard {
+                    key,
+                    global_shape,
+                    global_offset,
+                }),
+        })
+        .collect()
+}
+
+fn report_dict<'py>(py: Python<'py>, report: &SaveReport) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("rank", report.rank)?;
+    d.set_item("save_id", &report.save_id)?;
+    d.set_item("data_file", &report.data_file)?;
+    d.set_item("data_bytes", report.data_bytes)?;
+    d.set_item("write_s", report.write_s)?;
+    d.set_item("rendezvous_s", report.rendezvous_s)?;
+    d.set_item("committed", report.committed)?;
+    if let Some(c) = &report.commit {
+        d.set_item("keys", c.keys)?;
+        d.set_item("tensor_chunks", c.tensor_chunks)?;
+        d.set_item("byte_objects", c.byte_objects)?;
+        d.set_item("metadata_bytes", c.metadata_bytes)?;
+    }
+    Ok(d)
+}
+
+/// An asynchronous save in flight: its data is staged in host memory; persistence and the
+/// rendezvous go on in a Rust thread without the GIL.
+#[pyclass(frozen, name = "SaveHandle")]
+struct SaveHandle {
+    thread: Mutex<Option<std::thread::JoinHandle<crate::Result<SaveReport>>>>,
+    outcome: Mutex<Option<PyResult<Py<PyDict>>>>,
+    /// Seconds the caller was blocked: from the call until every byte was staged.
+    #[pyo3(get)]
+    stall_s: f64,
+    /// Payload bytes staged (tensor bytes of this rank's main replicas).
+    #[pyo3(get)]
+    staged_bytes: u64,
+}
+
+#[pymethods]
+impl SaveHandle {
+    /// Whether the save has finished (committed or failed).
+    fn done(&self) -> bool {
+        self.outcome.lock().unwrap().is_some()
+            || self
+                .thread
+                .lock()
+                .unwrap()
+                .as_ref()
+                .is_none_or(|t| t.is_finished())
+    }
+
+    /// Waits up to `timeout_s` seconds (forever when None) and returns the save's report dict.
+    /// Raises the save's own `ShardwiseError` if it failed, `NotCommittedError` on timeout.
+    #[pyo3(signature = (timeout_s=None))]
+    fn wait<'py>(&self, py: Python<'py>, timeout_s: Option<f64>) -> PyResult<Bound<'py, PyDict>> {
+        let deadline =
+            timeout_s.map(|t| std::time::Instant::now() + Duration::from_secs_f64(t.max(0.0)));
+        loop {
+            if let Some(done) = self.outcome.lock().unwrap().as_ref() {
+                return match done {
+                    Ok(d) => Ok(d.bind(py).clone()),
+                    Err(e) => Err(e.clone_ref(py)),
+                };
+            }
+            let finished = self
+                .thread
+                .lock()
+                .unwrap()
+                .as_ref()
+                .is_none_or(|t| t.is_finished());
+            if finished {
+                let thread = self.thread.lock().unwrap().take();
+                let result = match thread.map(|t| t.join()) {
+                    Some(Ok(Ok(report))) => report_dict(py, &report).map(|d| d.unbind()),
+                    Some(Ok(Err(e))) => Err(to_py(e)),
+                    Some(Err(_)) => Err(ShardwiseError::new_err("the save thread panicked")),
+                    None => Err(ShardwiseError::new_err("the save thread is gone")),
+                };
+                *self.outcome.lock().unwrap() = Some(result);
+                continue;
+            }
+            if deadline.is_some_and(|d| std::time::Instant::now() >= d) {
+                return Err(NotCommittedError::new_err(format!(
+                    "save still in flight after {:.1}s",
+                    timeout_s.unwrap_or(0.0)
+                )));
+            }
+            py.detach(|| std::thread::sleep(Duration::from_millis(5)));
+        }
+    }
+}
+
+/// Saves one rank. `tensors` are `(fqn, dtype, global_shape, offsets, sizes, data_ptr, nbytes[,
+/// device])`: contiguous memory (host, or CUDA device `device`) that the caller keeps alive and
+/// unmodified until this call returns; `objects` are `(fqn, torch_save_bytes, (key, global_shape,
+/// global_offset) | None)`. `caller_streams` maps each CUDA device to the caller's current stream
+/// (`torch.cuda.current_stream(d).cuda_stream`): copies start after the work queued there.
+///
+/// Device tensors, and every tensor when `async_save`, go through the process's staging pool of
+/// `staging_budget` bytes (pinned when CUDA is there). Returns the report dict, or with
+/// `async_save` a `SaveHandle` as soon as every byte is staged. Raises a `ShardwiseError` subclass.
 #[pyfunction]
-#[pyo3(signature = (checkpoint_dir, rank, world_size, save_id, tensors, objects, common, megatron, merge_rank, timeout_s, wait_for_commit, overwrite))]
+#[pyo3(signature = (checkpoint_dir, rank, world_size, save_id, tensors, objects, common, megatron, merge_rank, timeout_s, wait_for_commit, overwrite, async_save=false, staging_budget=None, caller_streams=None))]
 #[allow(clippy::too_many_arguments)]
 fn save_rank<'py>(
     py: Python<'py>,
@@ -102,7 +289,7 @@ fn save_rank<'py>(
     rank: u32,
     world_size: u32,
     save_id: String,
-    tensors: Vec<PyTensor>,
+    tensors: Bound<'py, PyList>,
     objects: Vec<PyObject_>,
     common: Option<Vec<u8>>,
     megatron: bool,
@@ -110,12 +297,16 @@ fn save_rank<'py>(
     timeout_s: f64,
     wait_for_commit: bool,
     overwrite: bool,
-) -> PyResult<Bound<'py, PyDict>> {
+    async_save: bool,
+    staging_budget: Option<usize>,
+    caller_streams: Option<HashMap<u32, u64>>,
+) -> PyResult<Py<PyAny>> {
     if !(timeout_s.is_finite() && timeout_s >= 0.0) {
         return Err(InvalidArgumentError::new_err(format!(
             "timeout_s must be a finite number >= 0, got {timeout_s}"
         )));
     }
+    let raw = raw_chunks(&tensors)?;
     let opts = SaveOptions {
         dir: checkpoint_dir,
         rank,
@@ -127,61 +318,79 @@ fn save_rank<'py>(
         wait_for_commit,
         overwrite,
     };
-    let report = py
-        .detach(|| {
-            let mut chunks = Vec::with_capacity(tensors.len());
-            for (fqn, dtype, global_shape, offsets, sizes, ptr, nbytes) in tensors {
-                let dtype = DType::from_torch_name(&dtype)?;
-                let data: &[u8] = if nbytes == 0 {
-                    &[]
-                } else {
-                    // SAFETY: the Python caller passes data_ptr()/nbytes of contiguous CPU tensors and
-                    // holds references to them until this call returns.
-                    unsafe { std::slice::from_raw_parts(ptr as *const u8, nbytes) }
+    let staged_bytes: u64 = raw.iter().map(|r| r.nbytes as u64).sum();
+    let first_device = raw.iter().find_map(|r| r.device);
+    let streams = caller_streams.unwrap_or_default();
+    let budget = staging_budget.unwrap_or(DEFAULT_BUDGET_BYTES);
+    let t0 = std::time::Instant::now();
+    if !async_save {
+        let report = py
+            .detach(|| {
+                let pool = match first_device {
+                    Some(d) => Some(staging::pool(budget, DEFAULT_BUFFER_BYTES, Some(d))?),
+                    None => None,
                 };
-                chunks.push(TensorChunk {
-                    fqn,
-                    dtype,
-                    global_shape,
-                    offsets,
-                    sizes,
-                    data,
+                // SAFETY: the caller keeps every tensor alive and unmodified until we return.
+                let chunks = unsafe { chunks_of(&raw) };
+                let st = pool.as_deref().map(|pool| Staging {
+                    pool,
+                    caller_streams: &streams,
+                    on_staged: None,
                 });
-            }
-            let items: Vec<ObjectItem> = objects
-                .iter()
-                .map(|(fqn, bytes, shard)| ObjectItem {
-                    object: ByteObject {
-                        fqn: fqn.clone(),
-                        bytes,
-                    },
-                    shard: shard
-                        .clone()
-                        .map(|(key, global_shape, global_offset)| ObjectShard {
-                            key,
-                            global_shape,
-                            global_offset,
-                        }),
-                })
-                .collect();
-            rust_save_rank(&opts, &chunks, &items, common.as_deref())
-        })
-        .map_err(to_py)?;
-    let d = PyDict::new(py);
-    d.set_item("rank", report.rank)?;
-    d.set_item("save_id", report.save_id)?;
-    d.set_item("data_file", report.data_file)?;
-    d.set_item("data_bytes", report.data_bytes)?;
-    d.set_item("write_s", report.write_s)?;
-    d.set_item("rendezvous_s", report.rendezvous_s)?;
-    d.set_item("committed", report.committed)?;
-    if let Some(c) = report.commit {
-        d.set_item("keys", c.keys)?;
-        d.set_item("tensor_chunks", c.tensor_chunks)?;
-        d.set_item("byte_objects", c.byte_objects)?;
-        d.set_item("metadata_bytes", c.metadata_bytes)?;
+                rust_save_rank(
+                    &opts,
+                    &chunks,
+                    &object_items(&objects),
+                    common.as_deref(),
+                    st,
+                )
+            })
+            .map_err(to_py)?;
+        return Ok(report_dict(py, &report)?.into_any().unbind());
     }
-    Ok(d)
+    let (staged_tx, staged_rx) = std::sync::mpsc::channel::<()>();
+    let thread = std::thread::spawn(move || {
+        let pool = staging::pool(
+            budget,
+            DEFAULT_BUFFER_BYTES,
+            first_device.filter(|_| crate::gpu::available()),
+        )?;
+        // SAFETY: the Python caller blocks, holding every tensor, until `on_staged` has run (or this
+        // thread ended); after that the writer reads only the staging buffers.
+        let chunks = unsafe { chunks_of(&raw) };
+        let on_staged: Box<dyn FnOnce() + Send> = Box::new(move || {
+            let _ = staged_tx.send(());
+        });
+        let st = Staging {
+            pool: &pool,
+            caller_streams: &streams,
+            on_staged: Some(on_staged),
+        };
+        rust_save_rank(
+            &opts,
+            &chunks,
+            &object_items(&objects),
+            common.as_deref(),
+            Some(st),
+        )
+    });
+    // Returns when staged, or when the thread ended first (an error before staging completed).
+    py.detach(move || {
+        let _ = staged_rx.recv();
+    });
+    let handle = SaveHandle {
+        thread: Mutex::new(Some(thread)),
+        outcome: Mutex::new(None),
+        stall_s: t0.elapsed().as_secs_f64(),
+        staged_bytes,
+    };
+    Ok(Py::new(py, handle)?.into_any())
+}
+
+/// Whether a CUDA driver can be loaded here (the GPU path is used only then). Never raises.
+#[pyfunction]
+fn cuda_available(py: Python<'_>) -> bool {
+    py.detach(crate::gpu::available)
 }
 
 /// Merges the parts of `save_id` and commits `.metadata`; see `shardwise merge`.
@@ -330,5 +539,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     )?;
     m.add("StorageError", py.get_type::<StorageError>())?;
     m.add("CorruptFileError", py.get_type::<CorruptFileError>())?;
+    m.add("GpuError", py.get_type::<GpuError>())?;
+    m.add_class::<SaveHandle>()?;
+    m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     Ok(())
 }

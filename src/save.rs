@@ -10,8 +10,9 @@ use crate::error::{Error, Result};
 use crate::rendezvous::{
     self, CommitSummary, FileRecord, ObjectRecord, ObjectShard, RankPart, TensorRecord,
 };
+use crate::staging::SaveTicket;
 use crate::storage::{atomic_write, create_dir_all};
-use crate::writer::{check_chunk, write_rank_file, ByteObject, TensorChunk};
+use crate::writer::{check_chunk, write_rank_file, ByteObject, Staging, TensorChunk};
 
 /// How one rank saves.
 #[derive(Clone, Debug)]
@@ -81,6 +82,7 @@ pub fn save_rank(
     tensors: &[TensorChunk],
     objects: &[ObjectItem],
     common: Option<&[u8]>,
+    staging: Option<Staging>,
 ) -> Result<SaveReport> {
     if opts.world_size == 0 || opts.rank >= opts.world_size {
         return Err(Error::InvalidArgument(format!(
@@ -98,6 +100,10 @@ pub fn save_rank(
     for t in tensors {
         check_chunk(t)?; // before any side effect, so bad input changes nothing on disk
     }
+    // One save at a time per process stages and writes; a second one waits here until the first
+    // has published its part. The rendezvous wait that follows needs no ticket, so ranks played by
+    // one process (tests, tools) cannot block each other.
+    let ticket = SaveTicket::acquire();
     let dir = &opts.dir;
     create_dir_all(dir)?;
     if dir.join(".metadata").exists() {
@@ -126,6 +132,12 @@ pub fn save_rank(
         objects: Vec::new(),
         common: None,
     };
+    let mut staging = staging;
+    if tensors.is_empty() && objects.is_empty() {
+        if let Some(f) = staging.take().and_then(|s| s.on_staged) {
+            f(); // nothing to stage
+        }
+    }
     if !tensors.is_empty() || !objects.is_empty() {
         let name = data_file_name(opts.rank);
         let raw_objects: Vec<ByteObject> = objects
@@ -135,7 +147,13 @@ pub fn save_rank(
                 bytes: o.object.bytes,
             })
             .collect();
-        let written = write_rank_file(&dir.join(&name), opts.rank as u64, tensors, &raw_objects)?;
+        let written = write_rank_file(
+            &dir.join(&name),
+            opts.rank as u64,
+            tensors,
+            &raw_objects,
+            staging,
+        )?;
         for (t, placed) in tensors.iter().zip(&written.tensors) {
             part.tensors.push(TensorRecord {
                 fqn: t.fqn.clone(),
@@ -174,6 +192,7 @@ pub fn save_rank(
         });
     }
     rendezvous::write_part(dir, &part)?;
+    drop(ticket);
     report.write_s = t0.elapsed().as_secs_f64();
 
     let t1 = Instant::now();

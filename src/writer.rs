@@ -26,7 +26,30 @@ pub struct TensorChunk<'a> {
     /// Chunk shape in elements (prepended axes of size 1 included).
     pub sizes: Vec<u64>,
     /// The chunk's elements, contiguous, little-endian, `prod(sizes) * itemsize` bytes.
-    pub data: &'a [u8],
+    pub data: Payload<'a>,
+}
+
+/// Where a chunk's bytes are.
+#[derive(Clone, Copy, Debug)]
+pub enum Payload<'a> {
+    /// Host memory.
+    Host(&'a [u8]),
+    /// `len` bytes at device address `ptr` on CUDA device `device`; read through staging only.
+    Device { ptr: u64, len: u64, device: u32 },
+}
+
+impl Payload<'_> {
+    /// Size in bytes.
+    pub fn len(&self) -> u64 {
+        match self {
+            Payload::Host(b) => b.len() as u64,
+            Payload::Device { len, .. } => *len,
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
 }
 
 /// One byte object to save: `bytes` must already be a complete torch.save archive
@@ -70,7 +93,7 @@ pub fn check_chunk(c: &TensorChunk) -> Result<()> {
         .sizes
         .iter()
         .try_fold(c.dtype.itemsize(), |acc, &s| acc.checked_mul(s));
-    if expect != Some(c.data.len() as u64) {
+    if expect != Some(c.data.len()) {
         return Err(Error::InvalidArgument(format!(
             "{}: chunk of shape {:?} and dtype {} needs {:?} bytes, got {}",
             c.fqn,
@@ -83,16 +106,33 @@ pub fn check_chunk(c: &TensorChunk) -> Result<()> {
     Ok(())
 }
 
+/// How to stage payloads through host buffers (required for device payloads; for host payloads it
+/// lets the caller reuse its memory as soon as `on_staged` runs).
+pub struct Staging<'s> {
+    pub pool: &'s crate::staging::StagingPool,
+    /// The caller's current CUDA stream per device (`CUstream` as an integer).
+    pub caller_streams: &'s std::collections::HashMap<u32, u64>,
+    /// Called once every payload byte has been copied into host buffers; from then on the writer no
+    /// longer reads the caller's memory.
+    pub on_staged: Option<Box<dyn FnOnce() + Send + 's>>,
+}
+
+/// Payload CRC of one piece: (tensor index, offset in its payload, hasher over the piece).
+type PieceCrc = (usize, u64, crc32fast::Hasher);
+
 /// Writes all items of one rank into `file_path` and fsyncs it. `seed` makes the archives'
-/// `serialization_id`s distinct per rank.
+/// `serialization_id`s distinct per rank. Without `staging`, host payloads are written straight from
+/// the caller's memory by parallel positioned writes; with it, payloads go through the staging pool.
 ///
-/// Errors: [`Error::InvalidArgument`] for malformed chunks, [`Error::Io`] for any write failure
-/// (including a full disk at preallocation).
+/// Errors: [`Error::InvalidArgument`] for malformed chunks or device payloads without staging,
+/// [`Error::Gpu`] for CUDA failures, [`Error::Io`] for any write failure (including a full disk at
+/// preallocation).
 pub fn write_rank_file(
     file_path: &std::path::Path,
     seed: u64,
     tensors: &[TensorChunk],
     objects: &[ByteObject],
+    staging: Option<Staging>,
 ) -> Result<Written> {
     for t in tensors {
         check_chunk(t)?;
@@ -113,55 +153,26 @@ pub fn write_rank_file(
         layouts.push(l);
     }
     let file = DataFile::create(file_path, cursor)?;
+    let mut pieces = match staging {
+        None => write_direct(&file, tensors, objects, &object_pos, &layouts, &tensor_pos)?,
+        Some(st) => write_staged(
+            &file,
+            tensors,
+            objects,
+            &object_pos,
+            &layouts,
+            &tensor_pos,
+            cursor,
+            st,
+        )?,
+    };
 
-    // Phase 1: object archives, archive heads and payload pieces, all in parallel.
-    enum Task<'a> {
-        Raw(&'a [u8], u64),
-        Piece {
-            item: usize,
-            bytes: &'a [u8],
-            at: u64,
-        },
-    }
-    let mut tasks: Vec<Task> = Vec::new();
-    for (o, &(at, _)) in objects.iter().zip(&object_pos) {
-        tasks.push(Task::Raw(o.bytes, at));
-    }
-    for (i, (t, l)) in tensors.iter().zip(&layouts).enumerate() {
-        let at = tensor_pos[i].0;
-        tasks.push(Task::Raw(&l.prefix, at));
-        let base = at + l.prefix.len() as u64;
-        for (k, piece) in t.data.chunks(PIECE_BYTES).enumerate() {
-            tasks.push(Task::Piece {
-                item: i,
-                bytes: piece,
-                at: base + (k * PIECE_BYTES) as u64,
-            });
-        }
-    }
-    let crcs: Vec<(usize, crc32fast::Hasher)> = tasks
-        .par_iter()
-        .map(|task| -> Result<Option<(usize, crc32fast::Hasher)>> {
-            match task {
-                Task::Raw(bytes, at) => file.write_at(bytes, *at).map(|_| None),
-                Task::Piece { item, bytes, at } => {
-                    let mut h = crc32fast::Hasher::new();
-                    h.update(bytes);
-                    file.write_at(bytes, *at)?;
-                    Ok(Some((*item, h)))
-                }
-            }
-        })
-        .collect::<Result<Vec<_>>>()?
-        .into_iter()
-        .flatten()
-        .collect();
-
-    // Phase 2: combine piece CRCs in order (tasks were built in order) and write archive tails.
+    // Combine piece CRCs in payload order and write the archive tails.
+    pieces.sort_unstable_by_key(|&(item, at, _)| (item, at));
     let mut per_item: Vec<crc32fast::Hasher> = (0..tensors.len())
         .map(|_| crc32fast::Hasher::new())
         .collect();
-    for (item, h) in crcs {
+    for (item, _, h) in pieces {
         per_item[item].combine(&h);
     }
     let tensor_crcs = per_item
@@ -198,4 +209,279 @@ pub fn write_rank_file(
             .collect(),
         file_size: cursor,
     })
+}
+
+/// Objects, archive heads and host payload pieces, all written in parallel from where they are.
+fn write_direct(
+    file: &DataFile,
+    tensors: &[TensorChunk],
+    objects: &[ByteObject],
+    object_pos: &[(u64, u64)],
+    layouts: &[ArchiveLayout],
+    tensor_pos: &[(u64, u64)],
+) -> Result<Vec<PieceCrc>> {
+    enum Task<'a> {
+        Raw(&'a [u8], u64),
+        Piece {
+            item: usize,
+            bytes: &'a [u8],
+            payload_at: u64,
+            at: u64,
+        },
+    }
+    let mut tasks: Vec<Task> = Vec::new();
+    for (o, &(at, _)) in objects.iter().zip(object_pos) {
+        tasks.push(Task::Raw(o.bytes, at));
+    }
+    for (i, (t, l)) in tensors.iter().zip(layouts).enumerate() {
+        let at = tensor_pos[i].0;
+        tasks.push(Task::Raw(&l.prefix, at));
+        let Payload::Host(data) = t.data else {
+            return Err(Error::InvalidArgument(format!(
+                "{}: device memory can only be saved through staging",
+                t.fqn
+            )));
+        };
+        let base = at + l.prefix.len() as u64;
+        for (k, piece) in data.chunks(PIECE_BYTES).enumerate() {
+            let payload_at = (k * PIECE_BYTES) as u64;
+            tasks.push(Task::Piece {
+                item: i,
+                bytes: piece,
+                payload_at,
+                at: base + payload_at,
+            });
+        }
+    }
+    let pieces = tasks
+        .par_iter()
+        .map(|task| -> Result<Option<PieceCrc>> {
+            match task {
+                Task::Raw(bytes, at) => file.write_at(bytes, *at).map(|_| None),
+                Task::Piece {
+                    item,
+                    bytes,
+                    payload_at,
+                    at,
+                } => {
+                    let mut h = crc32fast::Hasher::new();
+                    h.update(bytes);
+                    file.write_at(bytes, *at)?;
+                    Ok(Some((*item, *payload_at, h)))
+                }
+            }
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(pieces.into_iter().flatten().collect())
+}
+
+/// What fills part of a staging window.
+enum Fill<'a> {
+    /// Bytes we own or the caller's host memory.
+    Bytes(&'a [u8]),
+    /// Device memory of one tensor payload.
+    Device { ptr: u64, device: u32 },
+    /// An archive tail, written once its payload CRC is known; left as zeros here.
+    Hole,
+}
+
+/// One part of a window: `len` bytes at `buf_at` in the buffer; `payload` names the tensor and the
+/// offset in its payload when the bytes are payload (their CRC is taken).
+struct Segment<'a> {
+    buf_at: usize,
+    len: usize,
+    fill: Fill<'a>,
+    payload: Option<(usize, u64)>,
+}
+
+/// The file is cut into windows of one buffer each, in file order, so each buffer becomes one
+/// large positioned write however small the items in it are. The caller's thread fills buffers
+/// (host copies now, device copies queued on per-device side streams ordered after the caller's
+/// streams) while writer threads wait for each buffer's copies, CRC its payload bytes and write it.
+#[allow(clippy::too_many_arguments)]
+fn write_staged(
+    file: &DataFile,
+    tensors: &[TensorChunk],
+    objects: &[ByteObject],
+    object_pos: &[(u64, u64)],
+    layouts: &[ArchiveLayout],
+    tensor_pos: &[(u64, u64)],
+    total: u64,
+    st: Staging,
+) -> Result<Vec<PieceCrc>> {
+    use std::collections::HashMap;
+    use std::sync::mpsc;
+
+    // The file as a list of (file offset, len, fill, payload position), in order.
+    let mut parts: Vec<(u64, u64, Fill, Option<(usize, u64)>)> = Vec::new();
+    for (o, &(at, len)) in objects.iter().zip(object_pos) {
+        parts.push((at, len, Fill::Bytes(o.bytes), None));
+    }
+    for (i, (t, l)) in tensors.iter().zip(layouts).enumerate() {
+        let at = tensor_pos[i].0;
+        parts.push((at, l.prefix.len() as u64, Fill::Bytes(&l.prefix), None));
+        let fill = match t.data {
+            Payload::Host(b) => Fill::Bytes(b),
+            Payload::Device { ptr, device, .. } => Fill::Device { ptr, device },
+        };
+        parts.push((
+            at + l.prefix.len() as u64,
+            l.payload_len,
+            fill,
+            Some((i, 0)),
+        ));
+        parts.push((
+            at + l.prefix.len() as u64 + l.payload_len,
+            l.len() - l.prefix.len() as u64 - l.payload_len,
+            Fill::Hole,
+            None,
+        ));
+    }
+    let bsize = st.pool.buffer_size as u64;
+    let windows = total.div_ceil(bsize);
+    // Segments of each window.
+    let mut plan: Vec<Vec<Segment>> = (0..windows).map(|_| Vec::new()).collect();
+    for (at, len, fill, payload) in parts {
+        let mut done = 0u64;
+        while done < len {
+            let pos = at + done;
+            let w = pos / bsize;
+            let n = (len - done).min((w + 1) * bsize - pos);
+            let piece = match &fill {
+                Fill::Bytes(b) => Fill::Bytes(&b[done as usize..(done + n) as usize]),
+                Fill::Device { ptr, device } => Fill::Device {
+                    ptr: ptr + done,
+                    device: *device,
+                },
+                Fill::Hole => Fill::Hole,
+            };
+            plan[w as usize].push(Segment {
+                buf_at: (pos - w * bsize) as usize,
+                len: n as usize,
+                fill: piece,
+                payload: payload.map(|(i, _)| (i, done)),
+            });
+            done += n;
+        }
+    }
+
+    let mut copiers: HashMap<u32, crate::gpu::DeviceCopier> = HashMap::new();
+    let workers = std::thread::available_parallelism()
+        .map_or(4, |n| n.get())
+        .clamp(2, 8);
+    let (tx, rx) = mpsc::channel::<(
+        u64,
+        crate::staging::HostBuffer,
+        usize,
+        Vec<cudarc::driver::CudaEvent>,
+    )>();
+    let rx = std::sync::Mutex::new(rx);
+    let plan_ref = &plan;
+    let result: Result<Vec<PieceCrc>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..workers)
+            .map(|_| {
+                let rx = &rx;
+                scope.spawn(move || -> Result<Vec<PieceCrc>> {
+                    let mut crcs = Vec::new();
+                    let mut first_err = None;
+                    loop {
+                        let msg = rx.lock().unwrap().recv();
+                        let Ok((w, buf, used, events)) = msg else {
+                            break;
+                        };
+                        if first_err.is_none() {
+                            let r = (|| -> Result<()> {
+                                for e in &events {
+                                    crate::gpu::wait(e)?;
+                                }
+                                let bytes = &buf.as_slice()[..used];
+                                for seg in &plan_ref[w as usize] {
+                                    if let Some((item, off)) = seg.payload {
+                                        let mut h = crc32fast::Hasher::new();
+                                        h.update(&bytes[seg.buf_at..seg.buf_at + seg.len]);
+                                        crcs.push((item, off, h));
+                                    }
+                                }
+                                file.write_at(bytes, w * bsize)
+                            })();
+                            if let Err(e) = r {
+                                first_err = Some(e);
+                            }
+                        }
+                        st.pool.give_back(buf);
+                    }
+                    match first_err {
+                        Some(e) => Err(e),
+                        None => Ok(crcs),
+                    }
+                })
+            })
+            .collect();
+
+        let produce = (|| -> Result<bool> {
+            for (w, segs) in plan.iter().enumerate() {
+                let mut buf = st.pool.take();
+                let used = segs.last().map_or(0, |s| s.buf_at + s.len);
+                let mut devices: Vec<u32> = Vec::new();
+                {
+                    let dst = buf.as_mut_slice();
+                    for seg in segs {
+                        let out = &mut dst[seg.buf_at..seg.buf_at + seg.len];
+                        match &seg.fill {
+                            Fill::Bytes(b) => out.copy_from_slice(b),
+                            Fill::Hole => out.fill(0),
+                            Fill::Device { ptr, device } => {
+                                if !copiers.contains_key(device) {
+                                    let stream =
+                                        st.caller_streams.get(device).copied().unwrap_or(0);
+                                    copiers.insert(
+                                        *device,
+                                        crate::gpu::DeviceCopier::new(*device, stream)?,
+                                    );
+                                }
+                                // SAFETY: the caller keeps the tensors alive and unmodified until
+                                // on_staged; `out` is part of a pool buffer that stays lent to this
+                                // save until a writer has waited for this window's events.
+                                unsafe { copiers[device].copy(out, *ptr)? };
+                                if !devices.contains(device) {
+                                    devices.push(*device);
+                                }
+                            }
+                        }
+                    }
+                }
+                let events = devices
+                    .iter()
+                    .map(|d| copiers[d].record())
+                    .collect::<Result<Vec<_>>>()?;
+                if tx.send((w as u64, buf, used, events)).is_err() {
+                    return Ok(false); // writers stopped on an error, reported below
+                }
+            }
+            // Every copy has landed once each side stream has drained.
+            for c in copiers.values() {
+                crate::gpu::wait(&c.record()?)?;
+            }
+            Ok(true)
+        })();
+        if matches!(produce, Ok(true)) {
+            if let Some(f) = st.on_staged {
+                f();
+            }
+        }
+        drop(tx);
+        let mut pieces = Vec::new();
+        let mut err = produce.err();
+        for h in handles {
+            match h.join().expect("writer thread panicked") {
+                Ok(c) => pieces.extend(c),
+                Err(e) => err = err.or(Some(e)),
+            }
+        }
+        match err {
+            Some(e) => Err(e),
+            None => Ok(pieces),
+        }
+    });
+    result
 }

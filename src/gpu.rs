@@ -1,0 +1,125 @@
+//! CUDA through cudarc's driver API, loaded at run time: the crate builds and imports without CUDA,
+//! and every entry point reports a missing or failing driver as [`Error::Gpu`] instead of the panic
+//! cudarc would raise (rust-crates.md §2.1).
+//!
+//! What shardwise needs from CUDA: the primary context (the one torch uses), a side stream per
+//! device ordered after the caller's current stream, async device-to-host copies into pinned host
+//! memory, and events to know when a copy has landed.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+
+use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaStream};
+
+use crate::error::{Error, Result};
+
+/// Runs a cudarc call, turning both its errors and its panics (missing library or symbol) into
+/// [`Error::Gpu`].
+fn guarded<T>(
+    what: &str,
+    f: impl FnOnce() -> std::result::Result<T, cudarc::driver::DriverError>,
+) -> Result<T> {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(Error::Gpu(format!("{what}: {e}"))),
+        Err(p) => {
+            let msg = p
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()));
+            Err(Error::Gpu(format!(
+                "{what}: {}",
+                msg.unwrap_or_else(|| "CUDA driver unavailable".into())
+            )))
+        }
+    }
+}
+
+/// Whether a CUDA driver can be loaded and device 0 opened. Never panics.
+pub fn available() -> bool {
+    // SAFETY: only tries to dlopen libcuda.
+    let present = catch_unwind(|| unsafe { sys::is_culib_present() }).unwrap_or(false);
+    present && guarded("open device 0", || CudaContext::new(0)).is_ok()
+}
+
+/// The primary context of `device`.
+pub fn context(device: u32) -> Result<Arc<CudaContext>> {
+    // SAFETY: only tries to dlopen libcuda.
+    if !catch_unwind(|| unsafe { sys::is_culib_present() }).unwrap_or(false) {
+        return Err(Error::Gpu(
+            "no CUDA driver (libcuda) on this machine".into(),
+        ));
+    }
+    guarded("open CUDA device", || CudaContext::new(device as usize))
+}
+
+/// Allocates `bytes` of page-locked host memory usable from every context (`cuMemHostAlloc`,
+/// `CU_MEMHOSTALLOC_PORTABLE`).
+pub fn alloc_pinned(ctx: &Arc<CudaContext>, bytes: usize) -> Result<*mut u8> {
+    guarded("allocate pinned host memory", || {
+        ctx.bind_to_thread()?;
+        // SAFETY: a plain driver allocation; freed with `free_pinned`.
+        unsafe { result::malloc_host(bytes, sys::CU_MEMHOSTALLOC_PORTABLE) }.map(|p| p as *mut u8)
+    })
+}
+
+/// Frees memory from [`alloc_pinned`].
+///
+/// # Safety
+/// `ptr` must come from [`alloc_pinned`] and not be used afterwards.
+pub unsafe fn free_pinned(ctx: &Arc<CudaContext>, ptr: *mut u8) {
+    let _ = guarded("free pinned host memory", || {
+        ctx.bind_to_thread()?;
+        result::free_host(ptr as *mut std::ffi::c_void)
+    });
+}
+
+/// Copies from one device into host memory on a side stream that starts after all work already
+/// queued on the caller's stream (so kernels still writing the tensors finish first).
+pub struct DeviceCopier {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+}
+
+impl DeviceCopier {
+    /// `caller_stream` is the raw `CUstream` of the caller's current stream on `device`
+    /// (`torch.cuda.current_stream(device).cuda_stream`; 0 is the legacy default stream).
+    pub fn new(device: u32, caller_stream: u64) -> Result<DeviceCopier> {
+        let ctx = context(device)?;
+        let stream = guarded("create side stream", || ctx.new_stream())?;
+        guarded("order side stream after the caller's stream", || {
+            // SAFETY: the caller's stream belongs to this primary context and outlives this call.
+            let caller = unsafe { ctx.wrap_borrowed_stream(caller_stream as sys::CUstream) };
+            let ready = caller.record_event(None)?;
+            stream.wait(&ready)
+        })?;
+        Ok(DeviceCopier { ctx, stream })
+    }
+
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// Queues a copy of `dst.len()` bytes from device address `src`.
+    ///
+    /// # Safety
+    /// `src..src+dst.len()` must be device memory of this device that stays allocated and unmodified
+    /// by later work until the copy completes; `dst` must stay valid until then (pinned memory makes
+    /// the copy truly asynchronous).
+    pub unsafe fn copy(&self, dst: &mut [u8], src: u64) -> Result<()> {
+        guarded("queue device-to-host copy", || {
+            self.ctx.bind_to_thread()?;
+            result::memcpy_dtoh_async(dst, src as sys::CUdeviceptr, self.stream.cu_stream())
+        })
+    }
+
+    /// An event that completes when every copy queued so far has landed.
+    pub fn record(&self) -> Result<CudaEvent> {
+        guarded("record event", || self.stream.record_event(None))
+    }
+}
+
+/// Blocks until `event` completes.
+pub fn wait(event: &CudaEvent) -> Result<()> {
+    guarded("wait for device-to-host copy", || event.synchronize())
+}
