@@ -20,9 +20,13 @@ from ._native import (
     __version__,
     merge,
 )
+from .barriers import BarrierTimeoutError, barrier, record_phase
 from .reader import Reader, open
 
 __all__ = [
+    "BarrierTimeoutError",
+    "barrier",
+    "record_phase",
     "CheckpointExistsError",
     "CorruptFileError",
     "InvalidArgumentError",

@@ -7,11 +7,16 @@ loaded by unmodified ``megatron.core.dist_checkpointing.load`` and ``torch.distr
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import hashlib
 import io
 import os
+import re
+import shutil
+import zlib
 from collections import defaultdict
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from . import _native
 from ._native import InvalidArgumentError
@@ -78,14 +83,94 @@ def _torch_save_bytes(obj: Any) -> bytes:
     return buf.getvalue()
 
 
-def _host_tensor(t):
-    """A contiguous CPU tensor holding ``t``'s elements (no copy when ``t`` already is one)."""
+def _chunk_memory(t):
+    """``(tensor, device)``: ``t``'s elements contiguous where they are (no copy when ``t`` already
+    is contiguous), and the CUDA ordinal or -1 for host memory. CUDA tensors are read by the Rust side
+    through their device pointer; there is no ``.cpu()`` here."""
     t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()  # GPU tensors are staged through torch until the direct GPU path lands.
     if not t.is_contiguous():
         t = t.contiguous()
-    return t
+    return t, (t.device.index if t.device.type == "cuda" else -1)
+
+
+def _caller_streams(tensors) -> dict:
+    """The current CUDA stream of each device holding ``tensors``: shardwise's copies start after
+    the work already queued there, so a kernel still writing a tensor finishes first."""
+    import torch
+
+    devices = {t.device.index for t in tensors if t.device.type == "cuda"}
+    return {d: torch.cuda.current_stream(d).cuda_stream for d in devices}
+
+
+@dataclasses.dataclass(frozen=True)
+class DPBalance:
+    """How to spread the writes of DP-replicated tensors over the DP ranks, without communication.
+
+    A ``ShardedTensor`` counts as replicated across DP when its ``replica_id`` is a tuple
+    ``(0, ..., 0, c)`` with ``c`` equal to this rank's DP coordinate and its grid is regular
+    (``axis_fragmentations`` set). That is how megatron-core marks model weights (``(0, 0, dp_rank)``
+    for TP-sharded weights, and for TP-replicated ones on TP rank 0; reference §2.2) and the
+    ``fully_reshardable`` optimizer state, which copies the weights' replica ids (with
+    ``distrib_optim_fully_reshardable_mem_efficient`` only DP rank 0 holds that state, so balancing
+    fails there with ``ValidationError``). The distributed
+    optimizer's ``dp_reshardable`` buckets are DP-*sharded*: replica ``(0, 0, 0)`` on every DP rank and
+    ``axis_fragmentations=None`` (``distrib_optimizer.py`` ``sharded_param_state_dp_reshardable``), so
+    they keep the default rule. Such a shard ``s`` is written by the DP rank ``c`` with
+    ``crc32(key, global_offset) % size == c``: every replica computes the same owner from local facts.
+
+    Routed-expert tensors (keys containing ``.experts.``, reference §2.7) are replicated across the
+    expert-DP group instead; they are balanced with ``expert_dp_size``/``expert_dp_rank``, or left to
+    the default rule (expert-DP rank 0 writes) when those are None.
+
+    Every failure of these assumptions (a shard written twice or by nobody) is caught by the merge
+    validation, which then raises ``ValidationError`` and commits nothing.
+    """
+
+    dp_size: int
+    dp_rank: int
+    expert_dp_size: Optional[int] = None
+    expert_dp_rank: Optional[int] = None
+
+    def __post_init__(self):
+        for size, rank, what in (
+            (self.dp_size, self.dp_rank, "dp"),
+            (self.expert_dp_size, self.expert_dp_rank, "expert_dp"),
+        ):
+            if size is None and rank is None and what == "expert_dp":
+                continue
+            if not isinstance(size, int) or not isinstance(rank, int) or size < 1 or not 0 <= rank < size:
+                raise InvalidArgumentError(f"DPBalance: {what}_rank {rank!r} is not in 0..{what}_size ({size!r})")
+
+    @classmethod
+    def from_parallel_state(cls) -> "DPBalance":
+        """Sizes and ranks of the DP x CP group and the expert-DP group from
+        ``megatron.core.parallel_state`` (local reads, no collective)."""
+        from megatron.core import parallel_state as ps
+
+        return cls(
+            dp_size=ps.get_data_parallel_world_size(with_context_parallel=True),
+            dp_rank=ps.get_data_parallel_rank(with_context_parallel=True),
+            expert_dp_size=ps.get_expert_data_parallel_world_size(),
+            expert_dp_rank=ps.get_expert_data_parallel_rank(),
+        )
+
+    def writes(self, sh) -> Optional[bool]:
+        """Whether this rank writes DP-replicated ``sh``; None when ``sh`` is not DP-replicated."""
+        rid = sh.replica_id
+        if not isinstance(rid, tuple) or len(rid) < 2 or any(r != 0 for r in rid[:-1]):
+            return None
+        if sh.axis_fragmentations is None:
+            return None
+        if ".experts." in sh.key:
+            size, rank = self.expert_dp_size, self.expert_dp_rank
+            if size is None:
+                return None
+        else:
+            size, rank = self.dp_size, self.dp_rank
+        if rid[-1] != rank:
+            return None
+        ident = f"{sh.key}\0{tuple(sh.global_offset)}".encode()
+        return zlib.crc32(ident) % size == rank
 
 
 def save(
@@ -100,6 +185,9 @@ def save(
     merge_rank: Optional[int] = 0,
     wait_for_commit: bool = True,
     overwrite: bool = False,
+    async_save: bool = False,
+    staging_budget_bytes: Optional[int] = None,
+    balance_dp: Optional[DPBalance] = None,
 ) -> dict:
     """Save this rank's part of a Megatron sharded state dict, with no collective communication.
 
@@ -126,6 +214,16 @@ def save(
             commit to ``shardwise merge``.
         wait_for_commit: other ranks return only once the save is committed.
         overwrite: replace a committed checkpoint in ``checkpoint_dir`` instead of raising.
+        async_save: return a :class:`shardwise.SaveHandle` as soon as every tensor byte of this rank
+            is staged in host memory (the caller may then modify its tensors); writing, fsync and the
+            rendezvous go on in a Rust thread. ``handle.wait(timeout_s)`` returns the report or
+            raises the save's error; ``handle.done()``; ``handle.stall_s`` (seconds blocked) and
+            ``handle.staged_bytes``. A second save on this rank waits for the first to finish.
+        staging_budget_bytes: host memory for staging (default 4 GiB), pinned when CUDA is there,
+            allocated once per process and reused. CUDA tensors and async saves go through it; when
+            a rank's bytes exceed it, staging waits for writes to free buffers (the stall grows).
+        balance_dp: spread the writes of DP-replicated tensors over the DP ranks by a stable hash
+            (see :class:`DPBalance`) instead of DP rank 0 writing them all. Default: off.
 
     Returns:
         A dict report: ``rank``, ``save_id``, ``data_file``, ``data_bytes`` (bytes), ``write_s`` and
@@ -171,7 +269,8 @@ def save(
     keep_alive = []
     objects_by_key: dict[str, list] = {}
     for sh in nested_values(sharded_part):
-        if not is_main_replica(sh.replica_id):
+        balanced = balance_dp.writes(sh) if balance_dp is not None and isinstance(sh, ShardedTensor) else None
+        if not (is_main_replica(sh.replica_id) if balanced is None else balanced):
             continue
         if isinstance(sh, ShardedTensor):
             if sh.flattened_range is not None:
@@ -179,7 +278,7 @@ def save(
                     f"{sh.key}: ShardedTensor.flattened_range is not supported (megatron-core >= 0.16 "
                     "rejects it too); use the dp_reshardable or fully_reshardable optimizer format"
                 )
-            t = _host_tensor(sh.data)
+            t, device = _chunk_memory(sh.data)
             keep_alive.append(t)
             sizes = (1,) * sh.prepend_axis_num + tuple(t.shape)
             tensors.append(
@@ -191,6 +290,7 @@ def save(
                     list(sizes),
                     t.data_ptr(),
                     t.numel() * t.element_size(),
+                    device,
                 )
             )
         elif isinstance(sh, ShardedObject):
@@ -223,6 +323,277 @@ def save(
         float(timeout_s),
         wait_for_commit,
         overwrite,
+        async_save=async_save,
+        staging_budget=staging_budget_bytes,
+        caller_streams=_caller_streams(keep_alive),
     )
     del keep_alive  # the tensors must outlive the native call, which reads their memory
+    return report
+
+
+# ---------------------------------------------------------------------------------------------
+# Drop-in replacement for megatron.core.dist_checkpointing.save
+# ---------------------------------------------------------------------------------------------
+
+def _async_save_done() -> None:
+    """The background part of a drop-in async save: nothing, the save already committed.
+
+    A module-level function rather than ``None``: Megatron's persistent checkpoint worker waits for a
+    completion message that only a real ``async_fn`` run in the worker produces once that worker
+    exists (``async_utils.PersistentAsyncCaller``), so ``None`` could block it forever.
+    """
+
+
+def dist_checkpointing_save(
+    sharded_state_dict: dict,
+    checkpoint_dir: str,
+    sharded_strategy=None,
+    common_strategy=None,
+    validate_access_integrity: bool = True,
+    async_sharded_save: bool = False,
+    preprocess_common_before_consistancy_check=None,
+    content_metadata: Optional[dict] = None,
+    **save_kwargs,
+):
+    """``megatron.core.dist_checkpointing.save`` (megatron-core 0.13-0.19 signature) done by shardwise.
+
+    Writes what Megatron's ``torch_dist`` save writes (the pre-0.19 layout with ``common.pt``) through
+    :func:`save`, with no collective. Keyword arguments beyond Megatron's go to :func:`save`
+    (``timeout_s``, ``overwrite``, ``balance_dp``, ...). Arguments that only steer Megatron's own
+    machinery are accepted and ignored: ``sharded_strategy`` (any ``torch_dist`` strategy, the
+    fully-parallel wrapper included, whose distribution needs an ``all_gather``),
+    ``validate_access_integrity`` (the merge validates coverage and overlaps of every chunk anyway)
+    and ``preprocess_common_before_consistancy_check`` (only used by Megatron's cross-rank
+    comparison of the common dict, a ``broadcast_object_list`` shardwise does not run).
+
+    Returns:
+        None; with ``async_sharded_save=True`` a
+        ``megatron.core.dist_checkpointing.strategies.async_utils.AsyncRequest`` for Megatron's async
+        queue, whose ``finalize_fns`` start empty so that ``save_checkpoint`` can append its own.
+        The save is currently done synchronously before the request is returned: the request's
+        ``async_fn`` is a no-op and only the caller's finalize functions run later.
+
+    Raises:
+        InvalidArgumentError: ``common_strategy`` given (Megatron raises NotImplementedError), or a
+            ``sharded_strategy`` whose backend is not ``torch_dist``.
+        Everything :func:`save` raises.
+    """
+    if common_strategy is not None:
+        raise InvalidArgumentError("common_strategy is not supported (megatron-core supports only the default torch one)")
+    backend = sharded_strategy[0] if isinstance(sharded_strategy, tuple) else getattr(sharded_strategy, "backend", None)
+    if sharded_strategy is not None and backend != "torch_dist":
+        raise InvalidArgumentError(f"shardwise writes the torch_dist format; sharded_strategy has backend {backend!r}")
+    save(sharded_state_dict, checkpoint_dir, content_metadata=content_metadata, **save_kwargs)
+    if not async_sharded_save:
+        return None
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+
+    return AsyncRequest(_async_save_done, (), [])
+
+
+# (module, attribute, original) for every name install() replaced, in replacement order.
+_INSTALLED: list[tuple[Any, str, Any]] = []
+
+
+def install(**save_kwargs) -> None:
+    """Route ``megatron.core.dist_checkpointing.save`` to shardwise (:func:`dist_checkpointing_save`).
+
+    Replaces the name in ``megatron.core.dist_checkpointing`` (which Megatron's training code calls as
+    ``dist_checkpointing.save``) and in ``megatron.core.dist_checkpointing.serialization``.
+    ``save_kwargs`` are passed to :func:`save` on every call (e.g. ``timeout_s=1800``,
+    ``balance_dp=...``). Idempotent: a second call only updates ``save_kwargs``. Undo with
+    :func:`uninstall`. Megatron's collectives *around* the save in
+    ``megatron.training.checkpointing.save_checkpoint`` remain (see the README).
+    """
+    import functools
+
+    import megatron.core.dist_checkpointing as mdc
+    import megatron.core.dist_checkpointing.serialization as mser
+
+    replacement = functools.partial(dist_checkpointing_save, **save_kwargs)
+    functools.update_wrapper(replacement, dist_checkpointing_save)
+    for mod in (mdc, mser):
+        current = mod.save
+        if not any(m is mod for m, _, _ in _INSTALLED):
+            _INSTALLED.append((mod, "save", current))
+        mod.save = replacement
+
+
+def uninstall() -> None:
+    """Restore the ``save`` functions :func:`install` replaced; a no-op when nothing is installed."""
+    while _INSTALLED:
+        mod, name, original = _INSTALLED.pop()
+        setattr(mod, name, original)
+
+
+@contextlib.contextmanager
+def installed(**save_kwargs) -> Iterator[None]:
+    """Context manager: :func:`install` on entry, :func:`uninstall` on exit (also on error)."""
+    install(**save_kwargs)
+    try:
+        yield
+    finally:
+        uninstall()
+
+
+# ---------------------------------------------------------------------------------------------
+# A training loop's save: iter_XXXXXXX, tracker, retention
+# ---------------------------------------------------------------------------------------------
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+_ITER_DIR = re.compile(r"^iter_(\d{7,})$")
+
+
+def checkpoint_name(save_root: str, iteration: int) -> str:
+    """``save_root/iter_{iteration:07d}``, Megatron's ``get_checkpoint_name(..., return_base_dir=True)``."""
+    return os.path.join(os.fspath(save_root), f"iter_{iteration:07d}")
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_tracker(save_root: str, iteration: int) -> None:
+    """Atomically make ``save_root/latest_checkpointed_iteration.txt`` hold ``str(iteration)``.
+
+    Write to a temporary file, fsync, rename over the tracker, fsync the directory: a reader sees
+    the old or the new iteration, never a torn file (Megatron's reader exits on anything that is not
+    an integer or ``release``, reference §1.1).
+
+    Raises:
+        StorageError: the file cannot be written.
+    """
+    from ._native import StorageError
+
+    save_root = os.fspath(save_root)
+    tmp = os.path.join(save_root, f".{TRACKER_FILE}.tmp.{os.getpid()}")
+    try:
+        with open(tmp, "w") as f:
+            f.write(str(int(iteration)))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(save_root, TRACKER_FILE))
+        _fsync_dir(save_root)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise StorageError(f"cannot write {TRACKER_FILE} in {save_root}: {e}") from e
+
+
+def _is_committed(ckpt_dir: str) -> bool:
+    # The merge writes metadata.json after .metadata (src/rendezvous.rs), so both mean committed.
+    return os.path.isfile(os.path.join(ckpt_dir, ".metadata")) and os.path.isfile(os.path.join(ckpt_dir, "metadata.json"))
+
+
+def apply_retention(save_root: str, current_iteration: int, keep_last: int) -> list[str]:
+    """Delete committed ``iter_*`` directories older than ``current_iteration`` beyond the newest
+    ``keep_last`` (the current one counts as one). Returns the deleted paths.
+
+    Directories without a committed checkpoint (a save in progress or a failed one) and iterations
+    newer than ``current_iteration`` are left alone. Each victim is first renamed to a hidden name,
+    so a crash mid-delete never leaves a partial directory that still looks like a checkpoint.
+
+    Raises:
+        InvalidArgumentError: ``keep_last`` < 1.
+        StorageError: a directory cannot be renamed or deleted.
+    """
+    from ._native import StorageError
+
+    if not isinstance(keep_last, int) or keep_last < 1:
+        raise InvalidArgumentError(f"keep_last must be an integer >= 1, got {keep_last!r}")
+    save_root = os.fspath(save_root)
+    older = []
+    for name in os.listdir(save_root):
+        m = _ITER_DIR.match(name)
+        if m and int(m.group(1)) < current_iteration and _is_committed(os.path.join(save_root, name)):
+            older.append((int(m.group(1)), name))
+    older.sort()
+    victims = older[: max(0, len(older) - (keep_last - 1))]
+    deleted = []
+    for _, name in victims:
+        path = os.path.join(save_root, name)
+        doomed = os.path.join(save_root, f".{name}.deleting.{os.getpid()}")
+        try:
+            os.rename(path, doomed)
+            shutil.rmtree(doomed)
+        except OSError as e:
+            raise StorageError(f"retention: cannot delete {path}: {e}") from e
+        deleted.append(path)
+    return deleted
+
+
+def save_checkpoint(
+    save_root: str,
+    iteration: int,
+    sharded_state_dict: dict,
+    common_state: Optional[dict] = None,
+    *,
+    rank: Optional[int] = None,
+    world_size: Optional[int] = None,
+    timeout_s: float = 600.0,
+    keep_last: Optional[int] = None,
+    merge_rank: int = 0,
+    **save_kwargs,
+) -> dict:
+    """One training-loop checkpoint, collective-free: ``save_root/iter_{iteration:07d}``, then the
+    tracker, then retention, in that order (Megatron's order, reference §1.1/§1.7).
+
+    Every rank calls it with its own sharded state dict. The merging rank, after committing
+    ``.metadata``, writes ``latest_checkpointed_iteration.txt`` atomically (:func:`write_tracker`) and
+    then, with ``keep_last``, deletes older committed iterations (:func:`apply_retention`). Other ranks
+    return once the save is committed (the tracker may lag by a few milliseconds).
+
+    Args:
+        save_root: Megatron's ``--save`` directory (created if absent).
+        iteration: the iteration number, >= 0.
+        sharded_state_dict: as for :func:`save`.
+        common_state: extra common values merged into the top level of the state dict, e.g. what
+            Megatron's loader reads from ``common.pt`` (``iteration``, ``checkpoint_version``,
+            ``args``, ``opt_param_scheduler``); nothing is added implicitly.
+        rank, world_size, timeout_s: as for :func:`save` (seconds).
+        keep_last: keep this many newest committed ``iter_*`` directories (>= 1), None keeps all.
+        merge_rank: the rank that commits, writes the tracker and applies retention.
+        save_kwargs: passed to :func:`save` (``balance_dp``, ``content_metadata``, ``save_id``...).
+
+    Returns:
+        :func:`save`'s report, plus ``checkpoint_dir``, and on the merging rank ``tracker`` (the
+        iteration written) and ``deleted`` (paths removed by retention).
+
+    Raises:
+        InvalidArgumentError: negative ``iteration``, ``keep_last`` < 1, or ``common_state`` keys
+            that collide with the sharded state dict.
+        Everything :func:`save` raises; on any error the tracker is not moved and nothing is deleted.
+    """
+    if not isinstance(iteration, int) or iteration < 0:
+        raise InvalidArgumentError(f"iteration must be an integer >= 0, got {iteration!r}")
+    if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+        raise InvalidArgumentError(f"keep_last must be an integer >= 1, got {keep_last!r}")
+    if common_state:
+        clash = sorted(set(common_state) & set(sharded_state_dict))
+        if clash:
+            raise InvalidArgumentError(f"common_state keys also in the sharded state dict: {clash}")
+        sharded_state_dict = {**sharded_state_dict, **common_state}
+    rank, world_size = _rank_and_world(rank, world_size)
+    os.makedirs(os.fspath(save_root), exist_ok=True)
+    ckpt = checkpoint_name(save_root, iteration)
+    report = dict(
+        save(
+            sharded_state_dict,
+            ckpt,
+            rank=rank,
+            world_size=world_size,
+            timeout_s=timeout_s,
+            merge_rank=merge_rank,
+            **save_kwargs,
+        )
+    )
+    report["checkpoint_dir"] = ckpt
+    if rank == merge_rank:
+        write_tracker(save_root, iteration)
+        report["tracker"] = iteration
+        report["deleted"] = apply_retention(save_root, iteration, keep_last) if keep_last is not None else []
     return report

@@ -1,0 +1,1 @@
+"""Hooks that plug shardwise into training frameworks (see :mod:`shardwise.integrations.slime`)."""
