@@ -241,9 +241,15 @@ def moe_ep2(rank, world, port, base):
             num_moe_experts=4, expert_model_parallel_size=2, moe_router_topk=2, use_cpu_initialization=True,
             add_bias_linear=False, normalization="RMSNorm", params_dtype=torch.float32,
         )
-        torch.manual_seed(seed + 7 * ps.get_expert_model_parallel_rank())  # each EP rank: its own experts
-        return GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False),
-                        vocab_size=256, max_sequence_length=64)
+        model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False),
+                         vocab_size=256, max_sequence_length=64)
+        # Each EP rank holds other experts: give them other values (equal within the expert-DP group).
+        g = torch.Generator().manual_seed(seed + 7 * ps.get_expert_model_parallel_rank())
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if ".experts." in name:
+                    p.copy_(torch.randn(p.shape, generator=g))
+        return model
 
     model = build(1)
     root = os.path.join(base, "save")
