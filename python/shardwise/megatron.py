@@ -336,7 +336,7 @@ def save(
 # ---------------------------------------------------------------------------------------------
 
 def _async_save_done() -> None:
-    """The background part of a drop-in async save: nothing, the save already committed.
+    """The worker part of a drop-in async save: nothing (shardwise's own thread does the work).
 
     A module-level function rather than ``None``: Megatron's persistent checkpoint worker waits for a
     completion message that only a real ``async_fn`` run in the worker produces once that worker
@@ -369,9 +369,10 @@ def dist_checkpointing_save(
     Returns:
         None; with ``async_sharded_save=True`` a
         ``megatron.core.dist_checkpointing.strategies.async_utils.AsyncRequest`` for Megatron's async
-        queue, whose ``finalize_fns`` start empty so that ``save_checkpoint`` can append its own.
-        The save is currently done synchronously before the request is returned: the request's
-        ``async_fn`` is a no-op and only the caller's finalize functions run later.
+        queue. The call returns once this rank's tensors are staged in host memory (see
+        ``save(async_save=True)``); writing and the rendezvous go on in a Rust thread. The request's
+        ``async_fn`` is a no-op in Megatron's worker, and its first finalize function waits for the
+        save to be committed (re-raising its error), before any finalize function the caller appends.
 
     Raises:
         InvalidArgumentError: ``common_strategy`` given (Megatron raises NotImplementedError), or a
@@ -383,12 +384,15 @@ def dist_checkpointing_save(
     backend = sharded_strategy[0] if isinstance(sharded_strategy, tuple) else getattr(sharded_strategy, "backend", None)
     if sharded_strategy is not None and backend != "torch_dist":
         raise InvalidArgumentError(f"shardwise writes the torch_dist format; sharded_strategy has backend {backend!r}")
-    save(sharded_state_dict, checkpoint_dir, content_metadata=content_metadata, **save_kwargs)
     if not async_sharded_save:
+        save(sharded_state_dict, checkpoint_dir, content_metadata=content_metadata, **save_kwargs)
         return None
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 
-    return AsyncRequest(_async_save_done, (), [])
+    handle = save(sharded_state_dict, checkpoint_dir, content_metadata=content_metadata, async_save=True, **save_kwargs)
+    # Megatron runs finalize_fns in the training process once the request is done; ours comes
+    # first, so the functions save_checkpoint appends (metadata, tracker) run after the commit.
+    return AsyncRequest(_async_save_done, (), [handle.wait])
 
 
 # (module, attribute, original) for every name install() replaced, in replacement order.

@@ -183,14 +183,14 @@ def distopt(rank, world, port, base):
         md, sd = state("fully_reshardable")  # the optimizer's gather runs here, before the save
         request = dist_checkpointing.save(sd, dirs["fully_reshardable"], async_sharded_save=True, content_metadata=md)
         out["async_type"] = type(request).__qualname__ if not isinstance(request, AsyncRequest) else "AsyncRequest"
-        committed_before_finalize = os.path.exists(os.path.join(dirs["fully_reshardable"], ".metadata"))
+        metadata = os.path.join(dirs["fully_reshardable"], ".metadata")
         finalized = []
-        request.add_finalize_fn(lambda: finalized.append("iter_finalize_fn"))  # what save_checkpoint adds
+        # What save_checkpoint appends (tracker, metadata.json): it must run after the commit.
+        request.add_finalize_fn(lambda: finalized.append(("iter_finalize_fn", os.path.exists(metadata))))
         queue = AsyncCallsQueue(persistent=False)
         queue.schedule_async_request(request)
         out["finalized_calls"] = queue.maybe_finalize_async_calls(blocking=True)
         out["finalize_fns_ran"] = finalized
-        out["committed_before_finalize"] = committed_before_finalize
     out["uninstalled"] = dist_checkpointing.save.__module__ == "megatron.core.dist_checkpointing.serialization"
 
     expected_model, expected_opt = model_tensors(ddp.module), _optimizer_tensors(opt)
