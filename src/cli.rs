@@ -49,6 +49,35 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Convert a checkpoint to Hugging Face safetensors, streaming: only the byte ranges each HF tensor
+    /// needs are read, and memory stays at about threads x the largest HF tensor.
+    #[command(name = "to-hf", after_help = EXIT_CODES)]
+    ToHf {
+        /// Checkpoint directory (torch_dist / DCP).
+        dir: PathBuf,
+        /// Output directory for model-0000k-of-0000n.safetensors and model.safetensors.index.json.
+        out: PathBuf,
+        /// HF config.json: hyperparameters (checked against common.pt args) and copied to the output.
+        #[arg(long)]
+        hf_config: Option<PathBuf>,
+        /// Architecture (llama, qwen2, qwen3, qwen3_moe, mixtral); default: the config's model_type.
+        #[arg(long)]
+        arch: Option<String>,
+        /// Output dtype: bf16, fp16 or fp32 (default: as stored).
+        #[arg(long)]
+        dtype: Option<String>,
+        /// Largest output file, e.g. 5GB.
+        #[arg(long, default_value = "5GB")]
+        max_shard_size: String,
+        /// Worker threads (default: the number of CPUs).
+        #[arg(long)]
+        threads: Option<usize>,
+        /// Skip checkpoint keys that no rule maps instead of failing.
+        #[arg(long)]
+        allow_unmapped: bool,
+        #[arg(long)]
+        json: bool,
+    },
     /// Merge the per-rank parts of a save and commit `.metadata` (finishes a save whose merging rank died).
     /// Idempotent; when two mergers race, one commits and both succeed.
     #[command(after_help = EXIT_CODES)]
@@ -88,6 +117,9 @@ pub fn run(args: Vec<String>) -> i32 {
             timeout,
             json,
         } => merge(&dir, save_id, world_size, timeout, json),
+        Command::ToHf { dir, out, hf_config, arch, dtype, max_shard_size, threads, allow_unmapped, json } => {
+            to_hf(&dir, &out, hf_config, arch, dtype, &max_shard_size, threads, allow_unmapped, json)
+        }
     };
     match result {
         Ok(code) => code,
@@ -510,6 +542,61 @@ fn merge(
         println!(
             "committed save {save_id}: {} keys, {} tensor chunks, {} byte objects, {} data bytes, .metadata {} bytes",
             summary.keys, summary.tensor_chunks, summary.byte_objects, summary.data_bytes, summary.metadata_bytes
+        );
+    }
+    Ok(0)
+}
+
+/// Parses `bf16|fp16|fp32` (or torch names) for `--dtype`.
+pub fn parse_hf_dtype(name: &str) -> Result<crate::format::dtype::DType> {
+    use crate::format::dtype::DType;
+    match name {
+        "bf16" | "bfloat16" => Ok(DType::BF16),
+        "fp16" | "float16" => Ok(DType::F16),
+        "fp32" | "float32" => Ok(DType::F32),
+        other => Err(Error::InvalidArgument(format!("--dtype {other:?}: use bf16, fp16 or fp32"))),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn to_hf(
+    dir: &Path,
+    out: &Path,
+    hf_config: Option<PathBuf>,
+    arch: Option<String>,
+    dtype: Option<String>,
+    max_shard_size: &str,
+    threads: Option<usize>,
+    allow_unmapped: bool,
+    json: bool,
+) -> Result<i32> {
+    let opts = crate::hf::HfOptions {
+        config: hf_config,
+        arch,
+        dtype: dtype.as_deref().map(parse_hf_dtype).transpose()?,
+        max_shard_bytes: crate::hf::parse_size(max_shard_size)?,
+        threads: threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(4, |n| n.get())),
+        allow_unmapped,
+    };
+    let bar = indicatif::ProgressBar::new_spinner();
+    bar.set_style(indicatif::ProgressStyle::with_template("to-hf {spinner} {binary_bytes} written {binary_bytes_per_sec} {elapsed}").expect("template"));
+    if json {
+        bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    let summary = crate::hf::to_hf(dir, out, &opts, &|n| bar.inc(n))?;
+    bar.finish_and_clear();
+    if json {
+        print_json(&summary);
+    } else {
+        println!(
+            "wrote {} tensors, {} bytes in {} files to {} in {:.2}s ({:.2} GB/s); {} checkpoint keys skipped (optimizer, extra state, objects)",
+            summary.tensors,
+            summary.bytes,
+            summary.files,
+            out.display(),
+            summary.seconds,
+            summary.gb_per_s,
+            summary.skipped_keys
         );
     }
     Ok(0)

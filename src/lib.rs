@@ -6,6 +6,7 @@ pub mod cli;
 pub mod error;
 pub mod format;
 pub mod gpu;
+pub mod hf;
 pub mod reader;
 pub mod rendezvous;
 pub mod save;

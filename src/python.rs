@@ -387,6 +387,42 @@ fn save_rank<'py>(
     Ok(Py::new(py, handle)?.into_any())
 }
 
+/// Converts checkpoint `checkpoint_dir` to HF safetensors in `out_dir`; see `shardwise to-hf`.
+/// `dtype` is bf16, fp16, fp32 or None (as stored); `max_shard_size` like "5GB". Returns a summary
+/// dict (tensors, bytes, files, seconds, gb_per_s, skipped_keys).
+#[pyfunction]
+#[pyo3(signature = (checkpoint_dir, out_dir, hf_config=None, arch=None, dtype=None, max_shard_size="5GB", threads=None, allow_unmapped=false))]
+#[allow(clippy::too_many_arguments)]
+fn to_hf<'py>(
+    py: Python<'py>,
+    checkpoint_dir: PathBuf,
+    out_dir: PathBuf,
+    hf_config: Option<PathBuf>,
+    arch: Option<String>,
+    dtype: Option<String>,
+    max_shard_size: &str,
+    threads: Option<usize>,
+    allow_unmapped: bool,
+) -> PyResult<Bound<'py, PyDict>> {
+    let opts = crate::hf::HfOptions {
+        config: hf_config,
+        arch,
+        dtype: dtype.as_deref().map(crate::cli::parse_hf_dtype).transpose().map_err(to_py)?,
+        max_shard_bytes: crate::hf::parse_size(max_shard_size).map_err(to_py)?,
+        threads: threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(4, |n| n.get())),
+        allow_unmapped,
+    };
+    let s = py.detach(|| crate::hf::to_hf(&checkpoint_dir, &out_dir, &opts, &|_| {})).map_err(to_py)?;
+    let d = PyDict::new(py);
+    d.set_item("tensors", s.tensors)?;
+    d.set_item("bytes", s.bytes)?;
+    d.set_item("files", s.files)?;
+    d.set_item("seconds", s.seconds)?;
+    d.set_item("gb_per_s", s.gb_per_s)?;
+    d.set_item("skipped_keys", s.skipped_keys)?;
+    Ok(d)
+}
+
 /// Whether a CUDA driver can be loaded here (the GPU path is used only then). Never raises.
 #[pyfunction]
 fn cuda_available(py: Python<'_>) -> bool {
@@ -542,5 +578,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("GpuError", py.get_type::<GpuError>())?;
     m.add_class::<SaveHandle>()?;
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
+    m.add_function(wrap_pyfunction!(to_hf, m)?)?;
     Ok(())
 }

@@ -22,6 +22,7 @@ from ._native import (
     __version__,
     cuda_available,
     merge,
+    to_hf,
 )
 from .barriers import BarrierTimeoutError, barrier, record_phase
 from .reader import Reader, open
@@ -44,6 +45,7 @@ __all__ = [
     "cuda_available",
     "__version__",
     "merge",
+    "to_hf",
     "open",
     "Reader",
 ]
