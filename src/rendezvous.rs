@@ -21,7 +21,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{fmt_ranks, Error, Result};
 use crate::format::dtype::DType;
 use crate::format::metadata::{check_layout, emit_metadata, volume, Chunk, Entry, StorageInfo};
-use crate::storage::{atomic_write, create_dir_all, fsync_dir};
+use crate::storage::{atomic_write, create_dir_all, fsync_dir, sweep_temp_files};
 
 const MAGIC: &[u8; 8] = b"SWPART01";
 pub const PART_FORMAT: u32 = 1;
@@ -335,6 +335,27 @@ pub fn read_checksums(dir: &Path) -> Result<Option<Checksums>> {
     }
 }
 
+/// Whether `dir` holds a committed checkpoint: `.metadata` is there and, when shardwise saved into
+/// `dir`, one of its saves has its `COMMITTED` marker. A `.metadata` without a marker is the trace of
+/// a merger that died mid-commit (the save may be finished by `shardwise merge` or saved again).
+/// A directory without `.shardwise` (a torch or Megatron save) is committed by `.metadata` alone.
+pub fn is_committed(dir: &Path) -> bool {
+    if !dir.join(".metadata").is_file() {
+        return false;
+    }
+    match std::fs::read_dir(dir.join(STATE_DIR)) {
+        Err(_) => true,
+        Ok(rd) => {
+            let saves: Vec<PathBuf> = rd
+                .flatten()
+                .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+                .map(|e| e.path())
+                .collect();
+            saves.is_empty() || saves.iter().any(|s| s.join("COMMITTED").exists())
+        }
+    }
+}
+
 /// Summary of a committed save.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct CommitSummary {
@@ -345,6 +366,8 @@ pub struct CommitSummary {
     pub byte_objects: usize,
     pub data_bytes: u64,
     pub metadata_bytes: u64,
+    /// The `COMMITTING` lock of a merger that had died was taken over.
+    pub took_over_dead_merger: bool,
 }
 
 /// Validates the parts and builds the global entries; the checks of DCP's
@@ -528,16 +551,146 @@ fn check_sharded_objects<'a>(objects: impl Iterator<Item = (u32, &'a ObjectRecor
     Ok(())
 }
 
+/// The `COMMITTING` lock of one save, held through an advisory `flock` for as long as its holder
+/// lives: the kernel drops the `flock` when the holder dies (even by SIGKILL), so a later merger can
+/// tell a dead holder from a slow one without any clock or heartbeat.
+struct CommitLock {
+    path: PathBuf,
+    file: std::fs::File,
+}
+
+/// What a merger finds at the lock.
+enum Lock {
+    /// We hold it; `took_over` when a dead merger's lock was taken over.
+    Held(CommitLock, bool),
+    /// A live merger holds it (or liveness cannot be told on this filesystem).
+    Busy,
+}
+
+/// `flock(LOCK_EX | LOCK_NB)`: `Some(true)` acquired, `Some(false)` held by a live process,
+/// `None` when the filesystem has no `flock` (Lustre without `-o flock`): liveness is then unknown.
+fn try_flock(file: &std::fs::File) -> Option<bool> {
+    use std::os::unix::io::AsRawFd;
+    // SAFETY: plain syscall on an open descriptor.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+        return Some(true);
+    }
+    match std::io::Error::last_os_error().raw_os_error() {
+        Some(libc::EWOULDBLOCK) => Some(false),
+        _ => None,
+    }
+}
+
+fn same_file(a: &std::fs::Metadata, b: &std::fs::Metadata) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    a.dev() == b.dev() && a.ino() == b.ino()
+}
+
+impl CommitLock {
+    fn record_holder(&mut self) {
+        use std::io::{Seek, Write};
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+        let _ = self.file.set_len(0);
+        let _ = self.file.seek(std::io::SeekFrom::Start(0));
+        let _ = write!(self.file, "pid {} host {}", std::process::id(), host.trim());
+        let _ = self.file.sync_all();
+    }
+
+    /// Takes the lock at `path`, or takes over the lock of a dead merger.
+    fn acquire(path: &Path) -> Result<Lock> {
+        match std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(path)
+        {
+            Ok(file) => {
+                // Blocking: a contender may hold the flock of this still-empty file for a moment
+                // (it then backs off). The holder records itself only once it holds the flock.
+                use std::os::unix::io::AsRawFd;
+                // SAFETY: plain syscall on an open descriptor. Without flock support the lock is
+                // still exclusive by its creation; only dead-holder detection is lost.
+                unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) };
+                let mut lock = CommitLock {
+                    path: path.to_path_buf(),
+                    file,
+                };
+                lock.record_holder();
+                Ok(Lock::Held(lock, false))
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                let Ok(file) = std::fs::OpenOptions::new().read(true).write(true).open(path)
+                else {
+                    return Ok(Lock::Busy); // released meanwhile; the caller looks again
+                };
+                if try_flock(&file) != Some(true) {
+                    return Ok(Lock::Busy);
+                }
+                // We hold the flock of the file we opened; it is a dead holder's lock only if it
+                // is still the lock file (not one its holder removed after finishing) and the
+                // holder had recorded itself (an empty file may be a holder about to lock it).
+                let current = std::fs::metadata(path).ok();
+                let ours = file.metadata().ok();
+                let still_lock = matches!((&current, &ours), (Some(a), Some(b)) if same_file(a, b));
+                let age = ours
+                    .as_ref()
+                    .and_then(|m| m.modified().ok())
+                    .and_then(|t| t.elapsed().ok())
+                    .unwrap_or_default();
+                let recorded = ours.is_some_and(|m| m.len() > 0);
+                if !still_lock || (!recorded && age < Duration::from_secs(10)) {
+                    return Ok(Lock::Busy);
+                }
+                let mut lock = CommitLock {
+                    path: path.to_path_buf(),
+                    file,
+                };
+                lock.record_holder();
+                Ok(Lock::Held(lock, true))
+            }
+            Err(e) => Err(Error::Io {
+                op: "create",
+                path: path.to_path_buf(),
+                source: e,
+            }),
+        }
+    }
+}
+
+impl Drop for CommitLock {
+    fn drop(&mut self) {
+        // Remove the name before the flock goes with the descriptor, so no contender can take
+        // over a lock whose holder has finished.
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// Whether the `COMMITTING` lock of `save_id` is held by a merger that died (its `flock` is free and
+/// it had recorded itself). `None` when there is no lock or liveness cannot be told.
+pub fn dead_merger(dir: &Path, save_id: &str) -> Option<String> {
+    let path = save_dir(dir, save_id).join("COMMITTING");
+    let file = std::fs::File::open(&path).ok()?;
+    if try_flock(&file)? {
+        let holder = std::fs::read_to_string(&path).unwrap_or_default();
+        (!holder.is_empty()).then_some(holder)
+    } else {
+        None
+    }
+}
+
 /// Merges the parts of `save_id` in `dir` and commits: the checksum sidecar, `.metadata`
-/// (tmp + rename), `metadata.json` for Megatron saves, then the `COMMITTED` marker.
+/// (tmp + rename), `metadata.json` for Megatron saves, then the `COMMITTED` marker; then removes
+/// temporary files that killed writers left in `dir`.
 ///
-/// Idempotent and safe to race: a merger first takes the `COMMITTING` lock (exclusive create); a
-/// second merger waits up to `timeout` (at least 10 s) for the first one's outcome and returns it,
-/// so exactly one commits and both report success. On failure a `FAILED` marker with the reason is
-/// published (waiting ranks fail fast) and the lock is released, so a later merge can retry.
+/// Idempotent and safe to race: a merger first takes the `COMMITTING` lock (exclusive create, then
+/// an advisory `flock` held while it works); a second merger waits up to `timeout` (at least 10 s)
+/// for the first one's outcome and returns it, so exactly one commits and all report success. When
+/// the lock holder died (its `flock` is free), a waiting merger takes the lock over and commits
+/// itself. On failure a `FAILED` marker with the reason is published (waiting ranks fail fast) and
+/// the lock is released, so a later merge can retry.
 ///
 /// Errors: as [`collect_parts`] and [`build_global`], plus [`Error::Io`], and
-/// [`Error::NotCommitted`] when the lock holder fails or vanishes.
+/// [`Error::NotCommitted`] when the lock holder fails, or is alive but does not finish in time.
 pub fn merge(
     dir: &Path,
     save_id: &str,
@@ -546,64 +699,62 @@ pub fn merge(
 ) -> Result<CommitSummary> {
     check_save_id(save_id)?;
     let sdir = save_dir(dir, save_id);
+    let already = || CommitSummary {
+        already_committed: true,
+        ..Default::default()
+    };
     if sdir.join("COMMITTED").exists() {
-        return Ok(CommitSummary {
-            already_committed: true,
-            ..Default::default()
-        });
+        return Ok(already());
     }
     create_dir_all(&sdir)?;
-    let lock = sdir.join("COMMITTING");
-    match std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .open(&lock)
-    {
-        Ok(mut f) => {
-            use std::io::Write;
-            let _ = writeln!(f, "pid {}", std::process::id());
+    let lock_path = sdir.join("COMMITTING");
+    let wait = timeout.max(Duration::from_secs(10));
+    let deadline = Instant::now() + wait;
+    let mut backoff = Backoff::new();
+    let (lock, took_over) = loop {
+        if sdir.join("COMMITTED").exists() {
+            return Ok(already());
         }
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-            wait_for_commit(
-                dir,
-                save_id,
-                world_size,
-                timeout.max(Duration::from_secs(10)),
-            )
-            .map_err(|e| match e {
-                Error::NotCommitted {
-                    dir,
-                    save_id,
-                    reason,
-                } => Error::NotCommitted {
-                    dir,
-                    save_id,
-                    reason: format!(
-                        "{reason}; another merger holds {} (remove it if that merger is dead)",
-                        lock.display()
-                    ),
-                },
-                other => other,
-            })?;
-            return Ok(CommitSummary {
-                already_committed: true,
-                ..Default::default()
+        match CommitLock::acquire(&lock_path)? {
+            Lock::Held(lock, took_over) => break (lock, took_over),
+            Lock::Busy => {}
+        }
+        // Someone else merges: its outcome is ours.
+        if let Ok(reason) = std::fs::read_to_string(sdir.join("FAILED")) {
+            return Err(Error::NotCommitted {
+                dir: dir.to_path_buf(),
+                save_id: save_id.into(),
+                reason,
             });
         }
-        Err(e) => {
-            return Err(Error::Io {
-                op: "create",
-                path: lock,
-                source: e,
-            })
+        if Instant::now() >= deadline {
+            let holder = std::fs::read_to_string(&lock_path).unwrap_or_default();
+            return Err(Error::NotCommitted {
+                dir: dir.to_path_buf(),
+                save_id: save_id.into(),
+                reason: format!(
+                    "no commit within {:.1}s; another merger ({holder}) holds {} and is alive or \
+                     cannot be checked on this filesystem (remove the file if that merger is dead)",
+                    wait.as_secs_f64(),
+                    lock_path.display()
+                ),
+            });
         }
-    }
+        backoff.sleep(deadline);
+    };
     let _ = std::fs::remove_file(sdir.join("FAILED"));
-    let result = commit_locked(dir, save_id, world_size, timeout);
+    // A merger that died after writing COMMITTED but before removing its lock left nothing to do.
+    if sdir.join("COMMITTED").exists() {
+        return Ok(already());
+    }
+    let result = commit_locked(dir, save_id, world_size, timeout).map(|mut s| {
+        s.took_over_dead_merger = took_over;
+        s
+    });
     if let Err(e) = &result {
         let _ = atomic_write(&sdir.join("FAILED"), e.to_string().as_bytes());
     }
-    let _ = std::fs::remove_file(&lock);
+    drop(lock);
     result
 }
 
@@ -645,6 +796,9 @@ fn commit_locked(
         .sum();
     atomic_write(&save_dir(dir, save_id).join("COMMITTED"), b"")?;
     fsync_dir(dir)?;
+    // Every rank of this save has published its part, so no writer of it is still writing here;
+    // what is left are temporary files of processes killed mid-write (this or earlier attempts).
+    sweep_temp_files(dir);
     Ok(summary)
 }
 
@@ -675,7 +829,13 @@ pub fn wait_for_commit(
         }
         if Instant::now() >= deadline {
             let missing = missing_ranks(dir, save_id, world_size);
-            let reason = if missing.is_empty() {
+            let reason = if let Some(holder) = dead_merger(dir, save_id) {
+                format!(
+                    "no commit within {:.1}s: the merger ({holder}) died while holding the COMMITTING \
+                     lock; `shardwise merge` takes it over",
+                    timeout.as_secs_f64()
+                )
+            } else if missing.is_empty() {
                 format!("no commit within {:.1}s although all parts are present (is the merging rank alive?)", timeout.as_secs_f64())
             } else {
                 format!(

@@ -107,7 +107,9 @@ pub fn save_rank(
     let dir = &opts.dir;
     create_dir_all(dir)?;
     if dir.join(".metadata").exists() {
-        if !opts.overwrite {
+        // A `.metadata` without a COMMITTED marker was left by a merger that died mid-commit: it is
+        // no checkpoint, and a rerun replaces it like any other leftover of the failed attempt.
+        if !opts.overwrite && rendezvous::is_committed(dir) {
             return Err(Error::CheckpointExists(dir.clone()));
         }
         // Un-commit before touching any data, so the old .metadata never points at new bytes.
@@ -132,6 +134,8 @@ pub fn save_rank(
         objects: Vec::new(),
         common: None,
     };
+    // Files this rank wrote for this save, removed again if it fails before publishing its part.
+    let mut written_files: Vec<PathBuf> = Vec::new();
     let mut staging = staging;
     if tensors.is_empty() && objects.is_empty() {
         if let Some(f) = staging.take().and_then(|s| s.on_staged) {
@@ -147,13 +151,18 @@ pub fn save_rank(
                 bytes: o.object.bytes,
             })
             .collect();
-        let written = write_rank_file(
-            &dir.join(&name),
-            opts.rank as u64,
-            tensors,
-            &raw_objects,
-            staging,
-        )?;
+        let path = dir.join(&name);
+        let written = match write_rank_file(&path, opts.rank as u64, tensors, &raw_objects, staging)
+        {
+            Ok(w) => w,
+            Err(e) => {
+                // A partial data file is never referenced by a part, but would fill the disk
+                // that just failed; remove it (best effort).
+                let _ = std::fs::remove_file(&path);
+                return Err(rank_error(opts.rank, e));
+            }
+        };
+        written_files.push(path);
         for (t, placed) in tensors.iter().zip(&written.tensors) {
             part.tensors.push(TensorRecord {
                 fqn: t.fqn.clone(),
@@ -184,14 +193,24 @@ pub fn save_rank(
         report.data_file = Some(name);
         report.data_bytes = written.file_size;
     }
-    if let Some(bytes) = common {
-        atomic_write(&dir.join(rendezvous::COMMON_FILE), bytes)?;
-        part.common = Some(FileRecord {
-            name: rendezvous::COMMON_FILE.into(),
-            size: bytes.len() as u64,
-        });
+    let published = (|| {
+        if let Some(bytes) = common {
+            atomic_write(&dir.join(rendezvous::COMMON_FILE), bytes)?;
+            written_files.push(dir.join(rendezvous::COMMON_FILE));
+            part.common = Some(FileRecord {
+                name: rendezvous::COMMON_FILE.into(),
+                size: bytes.len() as u64,
+            });
+        }
+        rendezvous::write_part(dir, &part)
+    })();
+    if let Err(e) = published {
+        // Without a part nothing will ever reference these files; leave no partial save behind.
+        for f in &written_files {
+            let _ = std::fs::remove_file(f);
+        }
+        return Err(rank_error(opts.rank, e));
     }
-    rendezvous::write_part(dir, &part)?;
     drop(ticket);
     report.write_s = t0.elapsed().as_secs_f64();
 
@@ -205,12 +224,36 @@ pub fn save_rank(
         )?);
         report.committed = true;
         remove_stale_attempts(dir, &opts.save_id);
-    } else if opts.wait_for_commit && opts.merge_rank.is_some() {
-        rendezvous::wait_for_commit(dir, &opts.save_id, opts.world_size, opts.timeout)?;
+    } else if let (true, Some(m)) = (opts.wait_for_commit, opts.merge_rank) {
+        rendezvous::wait_for_commit(dir, &opts.save_id, opts.world_size, opts.timeout).map_err(
+            |e| match e {
+                Error::NotCommitted {
+                    dir,
+                    save_id,
+                    reason,
+                } => Error::NotCommitted {
+                    dir,
+                    save_id,
+                    reason: format!("{reason} (merging rank {m})"),
+                },
+                other => other,
+            },
+        )?;
         report.committed = true;
     }
     report.rendezvous_s = t1.elapsed().as_secs_f64();
     Ok(report)
+}
+
+/// Names the rank in an I/O error of its own writes, so a full disk on one node is found at once.
+fn rank_error(rank: u32, e: Error) -> Error {
+    match e {
+        Error::Io { .. } => Error::RankStorage {
+            rank,
+            source: Box::new(e),
+        },
+        other => other,
+    }
 }
 
 /// After a commit, parts of earlier attempts in the same directory are dead weight: remove them

@@ -6,8 +6,15 @@ use std::io::Write;
 use std::os::unix::fs::FileExt;
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::error::{Error, Result};
+
+/// Infix of every temporary file [`atomic_write`] creates: `.<name>.tmp.<pid>.<n>`.
+const TMP_INFIX: &str = ".tmp.";
+
+/// Per-process counter, so two threads publishing the same path never share a temporary file.
+static TMP_SEQ: AtomicU64 = AtomicU64::new(0);
 
 /// Fsyncs a directory so that a rename inside it is durable.
 pub fn fsync_dir(dir: &Path) -> Result<()> {
@@ -24,7 +31,8 @@ pub fn atomic_write(path: &Path, bytes: &[u8]) -> Result<()> {
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    let tmp = dir.join(format!(".{name}.tmp.{}", std::process::id()));
+    let seq = TMP_SEQ.fetch_add(1, Ordering::Relaxed);
+    let tmp = dir.join(format!(".{name}{TMP_INFIX}{}.{seq}", std::process::id()));
     let result = (|| {
         let mut f = File::create(&tmp).map_err(Error::io("create", &tmp))?;
         f.write_all(bytes).map_err(Error::io("write", &tmp))?;
@@ -36,6 +44,25 @@ pub fn atomic_write(path: &Path, bytes: &[u8]) -> Result<()> {
         let _ = std::fs::remove_file(&tmp);
     }
     result
+}
+
+/// Removes the temporary files that [`atomic_write`] calls killed mid-write left directly in `dir`
+/// (a killed process cannot clean up after itself). Only call it when no writer can still be
+/// publishing into `dir`, e.g. after a commit. Best effort; returns how many were removed.
+pub fn sweep_temp_files(dir: &Path) -> usize {
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    rd.flatten()
+        .filter(|e| {
+            let name = e.file_name();
+            let name = name.to_string_lossy();
+            name.starts_with('.')
+                && name.contains(TMP_INFIX)
+                && e.file_type().is_ok_and(|t| t.is_file())
+        })
+        .filter(|e| std::fs::remove_file(e.path()).is_ok())
+        .count()
 }
 
 /// Creates the directory and its parents.
