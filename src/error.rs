@@ -59,6 +59,11 @@ pub enum Error {
         source: std::io::Error,
     },
 
+    /// An I/O operation of one rank's save failed (full disk, permissions); `source` is the
+    /// [`Error::Io`]. The rank removed its partial data file; nothing was committed.
+    #[error("rank {rank}: {source}; nothing committed")]
+    RankStorage { rank: u32, source: Box<Error> },
+
     /// The CUDA driver is missing or a CUDA call failed.
     #[error("CUDA: {0}")]
     Gpu(String),

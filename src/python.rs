@@ -90,7 +90,7 @@ fn to_py(e: Error) -> PyErr {
         Error::MissingRanks { .. } => MissingRanksError::new_err(msg),
         Error::NotCommitted { .. } => NotCommittedError::new_err(msg),
         Error::CheckpointExists(_) => CheckpointExistsError::new_err(msg),
-        Error::Io { .. } => StorageError::new_err(msg),
+        Error::Io { .. } | Error::RankStorage { .. } => StorageError::new_err(msg),
         Error::Corrupt { .. } => CorruptFileError::new_err(msg),
         Error::Gpu(_) => GpuError::new_err(msg),
     }
