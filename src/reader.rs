@@ -53,6 +53,21 @@ impl std::ops::Deref for ItemBytes {
     }
 }
 
+// Pages of a read item leave this process's resident set once the item is dropped: reading a
+// checkpoint of any size then holds only what is being copied (the page cache keeps them for the
+// kernel to manage), which is what "memory bounded by what was asked for" means to someone
+// watching RSS. Safe for a read-only shared file mapping: a later access just faults them back in.
+impl Drop for ItemBytes {
+    fn drop(&mut self) {
+        if let ItemBytes::Mapped(m, r) = self {
+            if let Mapped::Map(map) = m.as_ref() {
+                // SAFETY: MADV_DONTNEED on a read-only shared file mapping discards no data.
+                let _ = unsafe { map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, r.start, r.len()) };
+            }
+        }
+    }
+}
+
 /// A chunk's stored tensor together with the item bytes it lives in.
 pub struct ChunkData {
     pub tensor: StoredTensor,
