@@ -488,6 +488,58 @@ def write_tracker(save_root: str, iteration: int) -> None:
         raise StorageError(f"cannot write {TRACKER_FILE} in {save_root}: {e}") from e
 
 
+def read_tracker(save_root: str) -> Optional[int]:
+    """The iteration in ``save_root/latest_checkpointed_iteration.txt``, or None when the file is
+    absent or does not hold an integer (Megatron's ``release`` included)."""
+    try:
+        with open(os.path.join(os.fspath(save_root), TRACKER_FILE)) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def update_tracker(save_root: str, iteration: int) -> bool:
+    """Move ``save_root/latest_checkpointed_iteration.txt`` to ``iteration``, atomically, only forward
+    and only to a committed checkpoint.
+
+    The write is :func:`write_tracker` (tmp, fsync, rename, directory fsync). Concurrent callers are
+    serialised by an advisory ``flock`` on the ``save_root`` directory itself (no lock file), so the
+    read-compare-rename cannot interleave and the tracker never moves backwards.
+
+    Returns:
+        True when the tracker names ``iteration`` afterwards (also when it already did); False when
+        it names a later iteration, which is left as it is.
+
+    Raises:
+        InvalidArgumentError: ``iteration`` is not an integer >= 0.
+        NotCommittedError: ``save_root/iter_{iteration:07d}`` holds no committed checkpoint.
+        StorageError: the tracker or its lock cannot be written.
+    """
+    import fcntl
+
+    from ._native import NotCommittedError, StorageError
+
+    if not isinstance(iteration, int) or iteration < 0:
+        raise InvalidArgumentError(f"iteration must be an integer >= 0, got {iteration!r}")
+    save_root = os.fspath(save_root)
+    ckpt = checkpoint_name(save_root, iteration)
+    if not _is_committed(ckpt):
+        raise NotCommittedError(f"{ckpt} holds no committed checkpoint; the tracker stays where it is")
+    try:
+        lock = os.open(save_root, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as e:
+        raise StorageError(f"cannot lock {TRACKER_FILE} in {save_root}: {e}") from e
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        current = read_tracker(save_root)
+        if current is not None and current >= iteration:
+            return current == iteration
+        write_tracker(save_root, iteration)
+        return True
+    finally:
+        os.close(lock)  # releases the flock
+
+
 def _is_committed(ckpt_dir: str) -> bool:
     # The merge writes metadata.json after .metadata (src/rendezvous.rs), so both mean committed.
     return os.path.isfile(os.path.join(ckpt_dir, ".metadata")) and os.path.isfile(os.path.join(ckpt_dir, "metadata.json"))
@@ -517,6 +569,10 @@ def apply_retention(save_root: str, current_iteration: int, keep_last: int) -> l
             older.append((int(m.group(1)), name))
     older.sort()
     victims = older[: max(0, len(older) - (keep_last - 1))]
+    # The iteration the tracker names is what a restart loads; it is never deleted, even when the
+    # tracker lags behind (its update failed after an earlier commit).
+    tracked = read_tracker(save_root)
+    victims = [v for v in victims if v[0] != tracked]
     deleted = []
     for _, name in victims:
         path = os.path.join(save_root, name)
@@ -528,6 +584,38 @@ def apply_retention(save_root: str, current_iteration: int, keep_last: int) -> l
             raise StorageError(f"retention: cannot delete {path}: {e}") from e
         deleted.append(path)
     return deleted
+
+
+def committed_iterations(save_root: str) -> list[int]:
+    """Iterations of ``save_root/iter_*`` directories that hold a committed checkpoint, ascending."""
+    save_root = os.fspath(save_root)
+    found = []
+    for name in os.listdir(save_root):
+        m = _ITER_DIR.match(name)
+        if m and _is_committed(os.path.join(save_root, name)):
+            found.append(int(m.group(1)))
+    return sorted(found)
+
+
+def retain(save_root: str, keep: int) -> list[str]:
+    """Keep the newest ``keep`` committed ``iter_*`` checkpoints of ``save_root``; delete older
+    committed ones. Returns the deleted paths.
+
+    Never deleted: the newest committed iteration, any iteration newer than it (an uncommitted save
+    in progress), any uncommitted directory, and the iteration the tracker names. Deletion renames
+    each victim to a hidden name first (:func:`apply_retention`), so a crash mid-delete leaves no
+    directory that looks like a checkpoint.
+
+    Raises:
+        InvalidArgumentError: ``keep`` < 1.
+        StorageError: a directory cannot be renamed or deleted.
+    """
+    if not isinstance(keep, int) or keep < 1:
+        raise InvalidArgumentError(f"keep must be an integer >= 1, got {keep!r}")
+    committed = committed_iterations(save_root)
+    if not committed:
+        return []
+    return apply_retention(save_root, committed[-1], keep)
 
 
 def save_checkpoint(
@@ -597,7 +685,7 @@ def save_checkpoint(
     )
     report["checkpoint_dir"] = ckpt
     if rank == merge_rank:
-        write_tracker(save_root, iteration)
-        report["tracker"] = iteration
+        update_tracker(save_root, iteration)
+        report["tracker"] = read_tracker(save_root)
         report["deleted"] = apply_retention(save_root, iteration, keep_last) if keep_last is not None else []
     return report

@@ -296,3 +296,56 @@ def test_sigint_is_deferred_until_the_save_ends_as_a_unit(ctx, tmp_path):
     rerun = f"{sid}-{uuid.uuid4().hex[:6]}"
     assert all(r["ok"] for r in finish(start_ranks(ctx, ckpt, rerun, out), out, rerun).values())
     assert_committed_and_whole(ckpt)
+
+
+def _committed_iters(root: Path, iters, uncommitted=()):
+    for it in iters:
+        save_ranks(swm.checkpoint_name(str(root), it), [{"w": row_shard("w", r, 2)} for r in range(2)])
+    for it in uncommitted:  # a save in progress: one part, no commit
+        swm.save({"w": row_shard("w", 1, 2)}, swm.checkpoint_name(str(root), it), rank=1, world_size=2,
+                 save_id="inflight", wait_for_commit=False)
+
+
+def test_update_tracker_is_forward_only_and_needs_a_commit(tmp_path):
+    _committed_iters(tmp_path, [10, 20], uncommitted=[30])
+    assert swm.update_tracker(str(tmp_path), 20) is True
+    assert swm.read_tracker(str(tmp_path)) == 20
+    assert swm.update_tracker(str(tmp_path), 10) is False, "never backwards"
+    assert swm.update_tracker(str(tmp_path), 20) is True, "idempotent"
+    assert (tmp_path / swm.TRACKER_FILE).read_text() == "20"
+    with pytest.raises(shardwise.NotCommittedError, match="iter_0000030 holds no committed checkpoint"):
+        swm.update_tracker(str(tmp_path), 30)
+    with pytest.raises(shardwise.NotCommittedError):
+        swm.update_tracker(str(tmp_path), 40)
+    with pytest.raises(shardwise.InvalidArgumentError):
+        swm.update_tracker(str(tmp_path), -1)
+    assert (tmp_path / swm.TRACKER_FILE).read_text() == "20"
+    assert not [p for p in tmp_path.iterdir() if ".tmp." in p.name]
+
+
+def test_update_tracker_races_never_move_it_backwards(tmp_path):
+    import threading
+
+    _committed_iters(tmp_path, range(1, 9))
+    order = list(range(1, 9))
+    random.Random(3).shuffle(order)
+    threads = [threading.Thread(target=swm.update_tracker, args=(str(tmp_path), it)) for it in order]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert swm.read_tracker(str(tmp_path)) == 8
+
+
+def test_retain_keeps_newest_committed_newer_and_tracked(tmp_path):
+    _committed_iters(tmp_path, [1, 2, 3, 4, 5], uncommitted=[6])
+    swm.update_tracker(str(tmp_path), 2)  # a lagging tracker: what a restart would load
+    deleted = swm.retain(str(tmp_path), keep=2)
+    assert sorted(Path(p).name for p in deleted) == ["iter_0000001", "iter_0000003"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("iter_")) == [
+        "iter_0000002", "iter_0000004", "iter_0000005", "iter_0000006"]
+    assert swm.retain(str(tmp_path), keep=1) == [str(tmp_path / "iter_0000004")]
+    assert (tmp_path / "iter_0000005" / ".metadata").exists() and (tmp_path / "iter_0000006").exists()
+    with pytest.raises(shardwise.InvalidArgumentError):
+        swm.retain(str(tmp_path), keep=0)
+    assert not [p for p in tmp_path.iterdir() if ".deleting." in p.name]
