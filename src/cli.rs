@@ -344,7 +344,7 @@ struct SaveStatus {
 }
 
 fn status(dir: &Path, keys: bool, json: bool) -> Result<i32> {
-    let committed = dir.join(".metadata").exists();
+    let committed = rendezvous::is_committed(dir);
     let mut saves = Vec::new();
     for id in save_ids(dir)? {
         let sdir = rendezvous::save_dir(dir, &id);
@@ -357,6 +357,8 @@ fn status(dir: &Path, keys: bool, json: bool) -> Result<i32> {
             "committed".to_string()
         } else if let Ok(reason) = std::fs::read_to_string(sdir.join("FAILED")) {
             format!("failed: {reason}")
+        } else if let Some(holder) = rendezvous::dead_merger(dir, &id) {
+            format!("interrupted: its merger ({holder}) died holding the lock; `shardwise merge` takes over")
         } else if sdir.join("COMMITTING").exists() {
             "merging".to_string()
         } else {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Union
 
 from . import _native
@@ -42,6 +43,8 @@ class Reader:
             raise _native.InvalidArgumentError(f"{key} is a byte object; use read_bytes()")
         shape = md["global_shape"]
         offsets, sizes, keep = _region(shape, index)
+        if math.prod(sizes) >= 1 << 62:  # a hostile .metadata's shape; torch would fail obscurely
+            raise _native.InvalidArgumentError(f"{key}: region {sizes} is too large to read into memory")
         out = torch.empty(sizes, dtype=getattr(torch, md["dtype"]))
         self._ckpt.read_into(key, offsets, sizes, out.data_ptr(), out.numel() * out.element_size())
         return out.reshape([s for s, k in zip(sizes, keep) if k])

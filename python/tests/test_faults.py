@@ -197,7 +197,7 @@ def test_merger_killed_holding_the_lock_is_taken_over(ctx, earlier, tmp_path):
     merger.join()
     results = finish(procs, out, sid)
     assert results[1]["type"] == "NotCommittedError" and "died while holding the COMMITTING lock" in results[1]["error"]
-    assert json.loads(cli("status", ckpt, "--json").stdout)["saves"][0]["state"] == "merging"
+    assert json.loads(cli("status", ckpt, "--json").stdout)["saves"][0]["state"].startswith("interrupted: its merger (pid ")
     for r in (0, 2):
         finish(start_ranks(ctx, ckpt, sid, out, ranks=[r], merge_rank=None), out, sid)
     merged = cli("merge", ckpt, "--json")
@@ -349,3 +349,25 @@ def test_retain_keeps_newest_committed_newer_and_tracked(tmp_path):
     with pytest.raises(shardwise.InvalidArgumentError):
         swm.retain(str(tmp_path), keep=0)
     assert not [p for p in tmp_path.iterdir() if ".deleting." in p.name]
+
+
+@pytest.mark.parametrize("finish_with", ["merge", "rerun"])
+def test_metadata_without_committed_marker_is_not_a_checkpoint(tmp_path, finish_with):
+    """A merger killed between `.metadata` and COMMITTED leaves `.metadata` without the marker: status
+    says not committed, `shardwise merge` completes that save, and a rerun into the directory is not
+    refused as an existing checkpoint."""
+    d = tmp_path / "c"
+    sid = "interrupted"
+    save_ranks(str(d), [{"w": row_shard("w", r, 2)} for r in range(2)], save_id=sid)
+    (d / ".shardwise" / sid / "COMMITTED").unlink()
+    (d / "metadata.json").unlink()
+    st = json.loads(cli("status", d, "--json").stdout)
+    assert not st["metadata_present"] and st["saves"][0]["state"] == "not committed"
+    if finish_with == "merge":
+        out = cli("merge", d)
+        assert out.returncode == 0 and f"committed save {sid}" in out.stdout, out.stdout + out.stderr
+    else:
+        save_ranks(str(d), [{"w": row_shard("w", r, 2, rows=3)} for r in range(2)], save_id="again")
+        assert read_all(str(d))[0]["w"].shape == (6, 8)
+    assert (d / "metadata.json").exists() and cli("verify", d).returncode == 0
+    assert json.loads(cli("status", d, "--json").stdout)["metadata_present"]
