@@ -114,7 +114,7 @@ def main(argv=None) -> int:
             verify_failures.append(d)
         else:
             shutil.rmtree(d)
-    q = statistics.quantiles(per_save, n=100) if len(per_save) >= 2 else [float("nan")] * 99
+    q = statistics.quantiles(per_save, n=100, method="inclusive") if len(per_save) >= 2 else [float("nan")] * 99
     print(json.dumps({
         "ranks": args.ranks, "saves": args.saves, "bytes_per_rank": args.rows * 4096,
         "committed": len(per_save), "failures": len(failures), "verify_failures": len(verify_failures),
