@@ -141,6 +141,10 @@ def test_stale_parts_of_a_crashed_attempt_are_never_merged(tmp_path):
     with pytest.raises(shardwise.MissingRanksError, match=r"ranks \[1\]"):
         swm.save({"w": row_shard("w", 0, 2)}, str(tmp_path), rank=0, world_size=2, save_id="attemptB", timeout_s=0.5)
     assert_not_committed(tmp_path)
+    # Attempt C with both ranks commits; the state of A and B is removed at the commit.
+    save_ranks(str(tmp_path), [{"w": row_shard("w", r, 2)} for r in range(2)], save_id="attemptC")
+    assert sorted(p.name for p in (tmp_path / ".shardwise").iterdir() if p.is_dir()) == ["attemptC"]
+    assert read_all(str(tmp_path))[0]["w"].shape == (8, 8)
 
 
 def test_directory_cannot_be_written(tmp_path, earlier):
