@@ -34,11 +34,11 @@ struct Record<'a> {
 pub struct ArchiveLayout {
     pub prefix: Vec<u8>,
     pub payload_len: u64,
-    suffix_len: u64,
-    // Inputs kept to rebuild the suffix once the payload CRC is known.
-    pickle: Vec<u8>,
-    serialization_id: String,
-    zip64_threshold: u64,
+    /// The suffix encoded with a payload CRC of 0, and where in it the payload CRC goes (the data
+    /// descriptor of `data/0` and its central directory entry): `suffix()` patches those 8 bytes
+    /// instead of encoding the archive again.
+    suffix_template: Vec<u8>,
+    crc_at: [Option<usize>; 2],
 }
 
 impl ArchiveLayout {
@@ -60,24 +60,40 @@ impl ArchiveLayout {
         let numel: u64 = shape.iter().product();
         let payload_len = numel * dtype.itemsize();
         let pickle = tensor_pickle(dtype, shape);
-        let serialization_id = serialization_id.to_string();
-        let mut layout = ArchiveLayout {
-            prefix: Vec::new(),
+        let records = [
+            Record {
+                name: "data.pkl",
+                data: Data::Inline(&pickle),
+            },
+            Record {
+                name: "byteorder",
+                data: Data::Inline(b"little"),
+            },
+            Record {
+                name: "data/0",
+                data: Data::External(payload_len),
+            },
+            Record {
+                name: "version",
+                data: Data::Inline(b"3\n"),
+            },
+            Record {
+                name: ".data/serialization_id",
+                data: Data::Inline(serialization_id.as_bytes()),
+            },
+        ];
+        let (prefix, suffix_template, crc_at) = encode_archive(&records, zip64_threshold);
+        ArchiveLayout {
+            prefix,
             payload_len,
-            suffix_len: 0,
-            pickle,
-            serialization_id,
-            zip64_threshold,
-        };
-        let (prefix, suffix) = layout.encode(0);
-        layout.prefix = prefix;
-        layout.suffix_len = suffix.len() as u64;
-        layout
+            suffix_template,
+            crc_at,
+        }
     }
 
     /// Total archive size in bytes.
     pub fn len(&self) -> u64 {
-        self.prefix.len() as u64 + self.payload_len + self.suffix_len
+        self.prefix.len() as u64 + self.payload_len + self.suffix_template.len() as u64
     }
 
     pub fn is_empty(&self) -> bool {
@@ -86,35 +102,11 @@ impl ArchiveLayout {
 
     /// The bytes after the payload, given the payload's CRC-32.
     pub fn suffix(&self, payload_crc: u32) -> Vec<u8> {
-        let (_, suffix) = self.encode(payload_crc);
-        debug_assert_eq!(suffix.len() as u64, self.suffix_len);
-        suffix
-    }
-
-    fn encode(&self, payload_crc: u32) -> (Vec<u8>, Vec<u8>) {
-        let records = [
-            Record {
-                name: "data.pkl",
-                data: Data::Inline(&self.pickle),
-            },
-            Record {
-                name: "byteorder",
-                data: Data::Inline(b"little"),
-            },
-            Record {
-                name: "data/0",
-                data: Data::External(self.payload_len),
-            },
-            Record {
-                name: "version",
-                data: Data::Inline(b"3\n"),
-            },
-            Record {
-                name: ".data/serialization_id",
-                data: Data::Inline(self.serialization_id.as_bytes()),
-            },
-        ];
-        encode_archive(&records, payload_crc, self.zip64_threshold)
+        let mut out = self.suffix_template.clone();
+        for at in self.crc_at.into_iter().flatten() {
+            out[at..at + 4].copy_from_slice(&payload_crc.to_le_bytes());
+        }
+        out
     }
 }
 
@@ -222,10 +214,18 @@ struct Central {
     crc: u32,
     size: u64,
     offset: u64,
+    external: bool,
 }
 
-/// Encodes the archive; returns (bytes before the external payload, bytes after it).
-fn encode_archive(records: &[Record], payload_crc: u32, threshold: u64) -> (Vec<u8>, Vec<u8>) {
+/// Encodes the archive with a payload CRC of 0; returns the bytes before the external payload, the
+/// bytes after it, and the two positions in the latter where the payload's CRC-32 belongs (its data
+/// descriptor, absent for an empty payload, and its central directory entry).
+fn encode_archive(
+    records: &[Record],
+    threshold: u64,
+) -> (Vec<u8>, Vec<u8>, [Option<usize>; 2]) {
+    let payload_crc = 0u32;
+    let mut descriptor_crc_at = None;
     let mut prefix = Vec::new();
     let mut suffix = Vec::new();
     let mut cursor = 0u64;
@@ -292,6 +292,9 @@ fn encode_archive(records: &[Record], payload_crc: u32, threshold: u64) -> (Vec<
             };
             let before = out.len();
             put32(out, 0x0807_4b50);
+            if matches!(rec.data, Data::External(_)) {
+                descriptor_crc_at = Some(out.len());
+            }
             put32(out, crc);
             if big_size {
                 put64(out, size);
@@ -307,11 +310,13 @@ fn encode_archive(records: &[Record], payload_crc: u32, threshold: u64) -> (Vec<
             crc,
             size,
             offset: header_offset,
+            external: matches!(rec.data, Data::External(_)),
         });
     }
     let cd_offset = cursor;
     let out = &mut suffix;
     let cd_start = out.len();
+    let mut central_crc_at = None;
     for c in &central {
         let zip64 = zip64_extra(c.size, c.offset, threshold);
         put32(out, 0x0201_4b50);
@@ -321,6 +326,9 @@ fn encode_archive(records: &[Record], payload_crc: u32, threshold: u64) -> (Vec<
         put16(out, 0);
         put16(out, 0);
         put16(out, 0);
+        if c.external {
+            central_crc_at = Some(out.len());
+        }
         put32(out, c.crc);
         put32(out, clamp32(c.size, threshold));
         put32(out, clamp32(c.size, threshold));
@@ -370,7 +378,7 @@ fn encode_archive(records: &[Record], payload_crc: u32, threshold: u64) -> (Vec<
     put32(out, clamp32(cd_size, threshold));
     put32(out, clamp32(cd_offset, threshold));
     put16(out, 0);
-    (prefix, suffix)
+    (prefix, suffix, [descriptor_crc_at, central_crc_at])
 }
 
 #[cfg(test)]
