@@ -302,4 +302,33 @@ mod tests {
         assert_eq!(md.entries, entries);
         assert_eq!(md.class, "torch.distributed.checkpoint.metadata.Metadata");
     }
+
+    #[test]
+    fn reads_a_metadata_of_more_than_a_million_stack_items() {
+        // storage_data of 600,000 chunks puts 1,200,000 items above one MARK (over the fixed
+        // stack bound that small inputs get).
+        let n = 600_000u64;
+        let chunks = (0..n)
+            .map(|i| Chunk {
+                offsets: vec![i],
+                sizes: vec![1],
+                storage: StorageInfo {
+                    relative_path: "__0_0.distcp".into(),
+                    offset: i * 10,
+                    length: 10,
+                },
+            })
+            .collect();
+        let mut entries = BTreeMap::new();
+        entries.insert(
+            "w".to_string(),
+            Entry::Tensor {
+                dtype: DType::F32,
+                global_shape: vec![n],
+                chunks,
+            },
+        );
+        let md = read_metadata(&emit_metadata(&entries)).unwrap();
+        assert_eq!(md.entries, entries);
+    }
 }

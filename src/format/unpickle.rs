@@ -115,6 +115,9 @@ fn err<T>(msg: impl Into<String>) -> R<T> {
     Err(UnpickleError(msg.into()))
 }
 
+/// Stack bound for small inputs. Every push consumes at least one input byte, so a larger input may
+/// hold a deeper stack: the bound is `max(MAX_STACK, input.len() / 2)` (a `.metadata` of 1,000,000
+/// chunks holds 2,000,000 `storage_data` items above one MARK).
 const MAX_STACK: usize = 1 << 20;
 const MAX_VALUES: usize = 1 << 28;
 
@@ -273,7 +276,7 @@ impl<'a> Vm<'a> {
             self.arena.push(v.clone());
         }
         self.created += 1;
-        if self.stack.len() >= MAX_STACK || self.created > MAX_VALUES {
+        if self.stack.len() >= MAX_STACK.max(self.input.len() / 2) || self.created > MAX_VALUES {
             return err("pickle too large (stack or value count over the limit)");
         }
         self.stack.push(Slot::V(v));
@@ -312,7 +315,7 @@ impl<'a> Vm<'a> {
     }
     fn memo_put(&mut self, idx: u32) -> R<()> {
         let v = self.top()?.clone();
-        if self.memo.len() >= MAX_STACK * 64 {
+        if self.memo.len() >= MAX_STACK.max(self.input.len() / 2) * 64 {
             return err("memo too large");
         }
         self.memo.insert(idx, v);
