@@ -350,11 +350,7 @@ fn save_rank<'py>(
     }
     let (staged_tx, staged_rx) = std::sync::mpsc::channel::<()>();
     let thread = std::thread::spawn(move || {
-        let pool = staging::pool(
-            budget,
-            DEFAULT_BUFFER_BYTES,
-            first_device.filter(|_| crate::gpu::available()),
-        )?;
+        let pool = staging::pool(budget, DEFAULT_BUFFER_BYTES, first_device)?;
         // SAFETY: the Python caller blocks, holding every tensor, until `on_staged` has run (or this
         // thread ended); after that the writer reads only the staging buffers.
         let chunks = unsafe { chunks_of(&raw) };
@@ -407,12 +403,19 @@ fn to_hf<'py>(
     let opts = crate::hf::HfOptions {
         config: hf_config,
         arch,
-        dtype: dtype.as_deref().map(crate::cli::parse_hf_dtype).transpose().map_err(to_py)?,
+        dtype: dtype
+            .as_deref()
+            .map(crate::cli::parse_hf_dtype)
+            .transpose()
+            .map_err(to_py)?,
         max_shard_bytes: crate::hf::parse_size(max_shard_size).map_err(to_py)?,
-        threads: threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(4, |n| n.get())),
+        threads: threads
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(4, |n| n.get())),
         allow_unmapped,
     };
-    let s = py.detach(|| crate::hf::to_hf(&checkpoint_dir, &out_dir, &opts, &|_| {})).map_err(to_py)?;
+    let s = py
+        .detach(|| crate::hf::to_hf(&checkpoint_dir, &out_dir, &opts, &|_| {}))
+        .map_err(to_py)?;
     let d = PyDict::new(py);
     d.set_item("tensors", s.tensors)?;
     d.set_item("bytes", s.bytes)?;

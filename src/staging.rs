@@ -106,6 +106,11 @@ impl StagingPool {
         })
     }
 
+    /// Number of buffers.
+    pub fn capacity(&self) -> usize {
+        self.all.len()
+    }
+
     pub fn is_pinned(&self) -> bool {
         matches!(self.memory, Memory::Pinned(_))
     }

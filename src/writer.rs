@@ -377,6 +377,11 @@ fn write_staged(
     )>();
     let rx = std::sync::Mutex::new(rx);
     let plan_ref = &plan;
+    // When the whole file fits in the pool, writing starts only once everything is staged: the
+    // caller's stall is then the copy time alone, without writers competing for memory bandwidth
+    // and the driver. Otherwise buffers must be written to be reused, so writes overlap copies.
+    let defer = plan.len() <= st.pool.capacity();
+    let mut held = Vec::new();
     let result: Result<Vec<PieceCrc>> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..workers)
             .map(|_| {
@@ -454,13 +459,20 @@ fn write_staged(
                     .iter()
                     .map(|d| copiers[d].record())
                     .collect::<Result<Vec<_>>>()?;
-                if tx.send((w as u64, buf, used, events)).is_err() {
+                if defer {
+                    held.push((w as u64, buf, used, events));
+                } else if tx.send((w as u64, buf, used, events)).is_err() {
                     return Ok(false); // writers stopped on an error, reported below
                 }
             }
             // Every copy has landed once each side stream has drained.
             for c in copiers.values() {
                 crate::gpu::wait(&c.record()?)?;
+            }
+            for msg in held.drain(..) {
+                if tx.send(msg).is_err() {
+                    return Ok(false);
+                }
             }
             Ok(true)
         })();
