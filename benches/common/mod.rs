@@ -82,9 +82,11 @@ pub fn metadata_map(keys: usize, chunks_per_key: usize) -> BTreeMap<String, Entr
 pub fn host_shards(total: usize, piece: usize) -> Vec<u8> {
     assert!(total % piece == 0 && piece % 4 == 0);
     let mut buf = vec![0u8; total];
-    buf.par_chunks_mut(1 << 20)
-        .enumerate()
-        .for_each(|(i, c)| c.iter_mut().enumerate().for_each(|(j, b)| *b = (i * 31 + j) as u8));
+    buf.par_chunks_mut(1 << 20).enumerate().for_each(|(i, c)| {
+        c.iter_mut()
+            .enumerate()
+            .for_each(|(j, b)| *b = (i * 31 + j) as u8)
+    });
     buf
 }
 

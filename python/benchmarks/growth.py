@@ -8,10 +8,10 @@
   ``.metadata``), one run each.
 
 Prints both tables and the fitted growth exponents (time ~ size^k, least squares in log-log), and
-writes the plot (default ``docs/growth.png``).
+writes the plot (default ``benches/growth.png``).
 
 Run: python python/benchmarks/growth.py [--gibs 0.5 1 2 4 8] [--ranks 1 8 64 512 2048 8192]
-         [--chunks 100] [--dir /tmp/growth] [--png docs/growth.png] [--json FILE]
+         [--chunks 100] [--dir /tmp/growth] [--png benches/growth.png] [--json FILE]
 Needs matplotlib for the plot (``pip install matplotlib``; not a test requirement).
 """
 
@@ -136,7 +136,7 @@ def main(argv=None):
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 8, 64, 512, 2048, 8192])
     ap.add_argument("--chunks", type=int, default=100)
     ap.add_argument("--dir", default=None)
-    ap.add_argument("--png", default=os.path.join(REPO, "docs", "growth.png"))
+    ap.add_argument("--png", default=os.path.join(REPO, "benches", "growth.png"))
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     root = a.dir or tempfile.mkdtemp(prefix="sw_growth_")

@@ -220,10 +220,7 @@ struct Central {
 /// Encodes the archive with a payload CRC of 0; returns the bytes before the external payload, the
 /// bytes after it, and the two positions in the latter where the payload's CRC-32 belongs (its data
 /// descriptor, absent for an empty payload, and its central directory entry).
-fn encode_archive(
-    records: &[Record],
-    threshold: u64,
-) -> (Vec<u8>, Vec<u8>, [Option<usize>; 2]) {
+fn encode_archive(records: &[Record], threshold: u64) -> (Vec<u8>, Vec<u8>, [Option<usize>; 2]) {
     let payload_crc = 0u32;
     let mut descriptor_crc_at = None;
     let mut prefix = Vec::new();
