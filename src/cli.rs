@@ -117,9 +117,27 @@ pub fn run(args: Vec<String>) -> i32 {
             timeout,
             json,
         } => merge(&dir, save_id, world_size, timeout, json),
-        Command::ToHf { dir, out, hf_config, arch, dtype, max_shard_size, threads, allow_unmapped, json } => {
-            to_hf(&dir, &out, hf_config, arch, dtype, &max_shard_size, threads, allow_unmapped, json)
-        }
+        Command::ToHf {
+            dir,
+            out,
+            hf_config,
+            arch,
+            dtype,
+            max_shard_size,
+            threads,
+            allow_unmapped,
+            json,
+        } => to_hf(
+            &dir,
+            &out,
+            hf_config,
+            arch,
+            dtype,
+            &max_shard_size,
+            threads,
+            allow_unmapped,
+            json,
+        ),
     };
     match result {
         Ok(code) => code,
@@ -556,7 +574,9 @@ pub fn parse_hf_dtype(name: &str) -> Result<crate::format::dtype::DType> {
         "bf16" | "bfloat16" => Ok(DType::BF16),
         "fp16" | "float16" => Ok(DType::F16),
         "fp32" | "float32" => Ok(DType::F32),
-        other => Err(Error::InvalidArgument(format!("--dtype {other:?}: use bf16, fp16 or fp32"))),
+        other => Err(Error::InvalidArgument(format!(
+            "--dtype {other:?}: use bf16, fp16 or fp32"
+        ))),
     }
 }
 
@@ -577,11 +597,17 @@ fn to_hf(
         arch,
         dtype: dtype.as_deref().map(parse_hf_dtype).transpose()?,
         max_shard_bytes: crate::hf::parse_size(max_shard_size)?,
-        threads: threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(4, |n| n.get())),
+        threads: threads
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(4, |n| n.get())),
         allow_unmapped,
     };
     let bar = indicatif::ProgressBar::new_spinner();
-    bar.set_style(indicatif::ProgressStyle::with_template("to-hf {spinner} {binary_bytes} written {binary_bytes_per_sec} {elapsed}").expect("template"));
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "to-hf {spinner} {binary_bytes} written {binary_bytes_per_sec} {elapsed}",
+        )
+        .expect("template"),
+    );
     if json {
         bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
     }

@@ -62,7 +62,9 @@ impl Drop for ItemBytes {
         if let ItemBytes::Mapped(m, r) = self {
             if let Mapped::Map(map) = m.as_ref() {
                 // SAFETY: MADV_DONTNEED on a read-only shared file mapping discards no data.
-                let _ = unsafe { map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, r.start, r.len()) };
+                let _ = unsafe {
+                    map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, r.start, r.len())
+                };
             }
         }
     }

@@ -619,7 +619,10 @@ impl CommitLock {
                 Ok(Lock::Held(lock, false))
             }
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                let Ok(file) = std::fs::OpenOptions::new().read(true).write(true).open(path)
+                let Ok(file) = std::fs::OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .open(path)
                 else {
                     return Ok(Lock::Busy); // released meanwhile; the caller looks again
                 };
