@@ -567,19 +567,6 @@ fn merge(
     Ok(0)
 }
 
-/// Parses `bf16|fp16|fp32` (or torch names) for `--dtype`.
-pub fn parse_hf_dtype(name: &str) -> Result<crate::format::dtype::DType> {
-    use crate::format::dtype::DType;
-    match name {
-        "bf16" | "bfloat16" => Ok(DType::BF16),
-        "fp16" | "float16" => Ok(DType::F16),
-        "fp32" | "float32" => Ok(DType::F32),
-        other => Err(Error::InvalidArgument(format!(
-            "--dtype {other:?}: use bf16, fp16 or fp32"
-        ))),
-    }
-}
-
 #[allow(clippy::too_many_arguments)]
 fn to_hf(
     dir: &Path,
@@ -592,15 +579,14 @@ fn to_hf(
     allow_unmapped: bool,
     json: bool,
 ) -> Result<i32> {
-    let opts = crate::hf::HfOptions {
-        config: hf_config,
+    let opts = crate::hf::HfOptions::from_user(
+        hf_config,
         arch,
-        dtype: dtype.as_deref().map(parse_hf_dtype).transpose()?,
-        max_shard_bytes: crate::hf::parse_size(max_shard_size)?,
-        threads: threads
-            .unwrap_or_else(|| std::thread::available_parallelism().map_or(4, |n| n.get())),
+        dtype.as_deref(),
+        max_shard_size,
+        threads,
         allow_unmapped,
-    };
+    )?;
     let bar = indicatif::ProgressBar::new_spinner();
     bar.set_style(
         indicatif::ProgressStyle::with_template(

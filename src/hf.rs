@@ -73,6 +73,42 @@ pub struct HfOptions {
     pub allow_unmapped: bool,
 }
 
+impl HfOptions {
+    /// Options from user-facing values: `dtype` as bf16/fp16/fp32, `max_shard_size` like "5GB",
+    /// `threads` defaulting to the number of CPUs.
+    ///
+    /// Errors: [`Error::InvalidArgument`] for a bad dtype or size.
+    pub fn from_user(
+        config: Option<PathBuf>,
+        arch: Option<String>,
+        dtype: Option<&str>,
+        max_shard_size: &str,
+        threads: Option<usize>,
+        allow_unmapped: bool,
+    ) -> Result<HfOptions> {
+        let dtype = match dtype {
+            None => None,
+            Some("bf16" | "bfloat16") => Some(DType::BF16),
+            Some("fp16" | "float16") => Some(DType::F16),
+            Some("fp32" | "float32") => Some(DType::F32),
+            Some(other) => {
+                return Err(Error::InvalidArgument(format!(
+                    "dtype {other:?}: use bf16, fp16 or fp32"
+                )))
+            }
+        };
+        Ok(HfOptions {
+            config,
+            arch,
+            dtype,
+            max_shard_bytes: parse_size(max_shard_size)?,
+            threads: threads
+                .unwrap_or_else(|| std::thread::available_parallelism().map_or(4, |n| n.get())),
+            allow_unmapped,
+        })
+    }
+}
+
 /// What a conversion wrote.
 #[derive(Clone, Debug, Serialize)]
 pub struct HfSummary {

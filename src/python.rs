@@ -400,19 +400,15 @@ fn to_hf<'py>(
     threads: Option<usize>,
     allow_unmapped: bool,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let opts = crate::hf::HfOptions {
-        config: hf_config,
+    let opts = crate::hf::HfOptions::from_user(
+        hf_config,
         arch,
-        dtype: dtype
-            .as_deref()
-            .map(crate::cli::parse_hf_dtype)
-            .transpose()
-            .map_err(to_py)?,
-        max_shard_bytes: crate::hf::parse_size(max_shard_size).map_err(to_py)?,
-        threads: threads
-            .unwrap_or_else(|| std::thread::available_parallelism().map_or(4, |n| n.get())),
+        dtype.as_deref(),
+        max_shard_size,
+        threads,
         allow_unmapped,
-    };
+    )
+    .map_err(to_py)?;
     let s = py
         .detach(|| crate::hf::to_hf(&checkpoint_dir, &out_dir, &opts, &|_| {}))
         .map_err(to_py)?;

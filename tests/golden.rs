@@ -2,23 +2,13 @@
 //! `../shared/fixtures/dcp/torch-2.3.1` and `torch-2.5.1` (those versions write no
 //! `.format_version` record, which our max-compat profile also leaves out).
 
+mod common;
+use common::fixtures;
+
 use std::io::Read;
-use std::path::PathBuf;
 
 use shardwise::format::dtype::DType;
 use shardwise::format::zip::ArchiveLayout;
-
-fn fixtures() -> PathBuf {
-    let dir = std::env::var_os("SHARDWISE_FIXTURES")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures"));
-    assert!(
-        dir.join("dcp").is_dir(),
-        "golden fixtures not found at {} (set SHARDWISE_FIXTURES)",
-        dir.display()
-    );
-    dir
-}
 
 fn record(blob: &[u8], name: &str) -> Vec<u8> {
     let mut z = zip::ZipArchive::new(std::io::Cursor::new(blob.to_vec())).unwrap();

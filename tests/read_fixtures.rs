@@ -2,23 +2,12 @@
 //! megatron-core 0.13.1, 0.15.0, 0.16.1 incl. MoE) reads back byte-exactly: each tensor's bytes hash
 //! to the sha256 in its `expected.json`, and so does each byte object's archive.
 
-use std::path::PathBuf;
+mod common;
+use common::fixtures;
 
 use sha2::{Digest, Sha256};
 use shardwise::format::metadata::Entry;
 use shardwise::reader::Checkpoint;
-
-fn fixtures() -> PathBuf {
-    let dir = std::env::var_os("SHARDWISE_FIXTURES")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures"));
-    assert!(
-        dir.join("dcp").is_dir(),
-        "golden fixtures not found at {} (set SHARDWISE_FIXTURES)",
-        dir.display()
-    );
-    dir
-}
 
 fn hex(bytes: &[u8]) -> String {
     Sha256::digest(bytes)
