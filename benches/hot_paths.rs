@@ -97,7 +97,7 @@ fn merge(bencher: Bencher, (world, chunks): (u32, u64)) {
         })
         .bench_local_values(|dir| {
             shardwise::rendezvous::merge(
-                dir.path(),
+                &shardwise::storage::Location::local(dir.path()),
                 common::SAVE_ID,
                 world,
                 std::time::Duration::from_secs(60),

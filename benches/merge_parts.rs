@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use shardwise::format::metadata::emit_metadata;
 use shardwise::rendezvous::{build_global, collect_parts, merge};
+use shardwise::storage::Location;
 
 fn main() {
     let args: Vec<u64> = std::env::args()
@@ -19,21 +20,22 @@ fn main() {
     let world = *args.first().unwrap_or(&2048) as u32;
     let chunks = *args.get(1).unwrap_or(&200);
     let dir = tempfile::tempdir().unwrap();
+    let loc = Location::local(dir.path());
     let t0 = Instant::now();
     common::publish_parts(dir.path(), world, chunks);
     let publish_s = t0.elapsed().as_secs_f64();
     let t = Instant::now();
-    let parts = collect_parts(dir.path(), common::SAVE_ID, world, Duration::from_secs(60)).unwrap();
+    let parts = collect_parts(&loc, common::SAVE_ID, world, Duration::from_secs(60)).unwrap();
     let collect_s = t.elapsed().as_secs_f64();
     let t = Instant::now();
-    let global = build_global(dir.path(), &parts).unwrap();
+    let global = build_global(&loc, &parts).unwrap();
     let validate_s = t.elapsed().as_secs_f64();
     let t = Instant::now();
     let meta = emit_metadata(&global);
     let emit_s = t.elapsed().as_secs_f64();
     println!("phases: read parts {collect_s:.2}s, validate {validate_s:.2}s, pickle .metadata {emit_s:.2}s ({} bytes)", meta.len());
     let t1 = Instant::now();
-    let summary = merge(dir.path(), common::SAVE_ID, world, Duration::from_secs(60)).unwrap();
+    let summary = merge(&loc, common::SAVE_ID, world, Duration::from_secs(60)).unwrap();
     let merge_s = t1.elapsed().as_secs_f64();
     println!(
         "ranks {world}, chunks/rank {chunks}: publish {publish_s:.2}s (all ranks, this machine), merge+validate+commit {merge_s:.2}s, \

@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use serde::Serialize;
@@ -11,6 +11,7 @@ use crate::error::{fmt_ranks, Error, Result};
 use crate::format::metadata::Entry;
 use crate::reader::Checkpoint;
 use crate::rendezvous::{self, RankPart};
+use crate::storage::Location;
 
 const EXIT_CODES: &str = "Exit codes:\n  0  success (verify: no problem found)\n  1  the operation failed, or verify found problems\n  2  bad command line";
 
@@ -26,8 +27,8 @@ enum Command {
     /// Table of the tensors and byte objects of a committed checkpoint (key, dtype, global shape, chunks, bytes).
     #[command(after_help = EXIT_CODES)]
     Inspect {
-        /// Checkpoint directory (torch DCP or Megatron torch_dist, written by anyone).
-        dir: PathBuf,
+        /// Checkpoint directory or URL (s3://, gs://, az://); torch DCP or Megatron torch_dist, written by anyone.
+        dir: String,
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
@@ -35,14 +36,16 @@ enum Command {
     /// Check that a checkpoint is whole: layout, item bounds, decoding, zip CRCs and shardwise's per-item CRCs.
     #[command(after_help = EXIT_CODES)]
     Verify {
-        dir: PathBuf,
+        /// Checkpoint directory or URL.
+        dir: String,
         #[arg(long)]
         json: bool,
     },
     /// Saves in a directory: save id, rank parts and their age, missing ranks, commit state, layout.
     #[command(after_help = EXIT_CODES)]
     Status {
-        dir: PathBuf,
+        /// Checkpoint directory or URL.
+        dir: String,
         /// Also list every key with its dtype, global shape, chunk count and the ranks that saved it.
         #[arg(long)]
         keys: bool,
@@ -53,8 +56,8 @@ enum Command {
     /// needs are read, and memory stays at about threads x the largest HF tensor.
     #[command(name = "to-hf", after_help = EXIT_CODES)]
     ToHf {
-        /// Checkpoint directory (torch_dist / DCP).
-        dir: PathBuf,
+        /// Checkpoint directory or URL (torch_dist / DCP).
+        dir: String,
         /// Output directory for model-0000k-of-0000n.safetensors and model.safetensors.index.json.
         out: PathBuf,
         /// HF config.json: hyperparameters (checked against common.pt args) and copied to the output.
@@ -82,7 +85,8 @@ enum Command {
     /// Idempotent; when two mergers race, one commits and both succeed.
     #[command(after_help = EXIT_CODES)]
     Merge {
-        dir: PathBuf,
+        /// Checkpoint directory or URL.
+        dir: String,
         /// Save id to merge (default: the only uncommitted save under `.shardwise/`).
         #[arg(long)]
         save_id: Option<String>,
@@ -106,17 +110,17 @@ pub fn run(args: Vec<String>) -> i32 {
             return if e.use_stderr() { 2 } else { 0 };
         }
     };
-    let result = match cli.command {
-        Command::Inspect { dir, json } => inspect(&dir, json),
-        Command::Verify { dir, json } => verify(&dir, json),
-        Command::Status { dir, keys, json } => status(&dir, keys, json),
+    let result = (|| match cli.command {
+        Command::Inspect { dir, json } => inspect(&Location::parse(&dir)?, json),
+        Command::Verify { dir, json } => verify(&Location::parse(&dir)?, json),
+        Command::Status { dir, keys, json } => status(&Location::parse(&dir)?, keys, json),
         Command::Merge {
             dir,
             save_id,
             world_size,
             timeout,
             json,
-        } => merge(&dir, save_id, world_size, timeout, json),
+        } => merge(&Location::parse(&dir)?, save_id, world_size, timeout, json),
         Command::ToHf {
             dir,
             out,
@@ -128,7 +132,7 @@ pub fn run(args: Vec<String>) -> i32 {
             allow_unmapped,
             json,
         } => to_hf(
-            &dir,
+            &Location::parse(&dir)?,
             &out,
             hf_config,
             arch,
@@ -138,7 +142,7 @@ pub fn run(args: Vec<String>) -> i32 {
             allow_unmapped,
             json,
         ),
-    };
+    })();
     match result {
         Ok(code) => code,
         Err(e) => {
@@ -165,7 +169,7 @@ struct KeyRow {
     bytes: u64,
 }
 
-fn inspect(dir: &Path, json: bool) -> Result<i32> {
+fn inspect(dir: &Location, json: bool) -> Result<i32> {
     let ckpt = Checkpoint::open(dir)?;
     let rows: Vec<KeyRow> = ckpt
         .metadata
@@ -207,7 +211,7 @@ fn inspect(dir: &Path, json: bool) -> Result<i32> {
             keys: &'a [KeyRow],
         }
         print_json(&Out {
-            dir: dir.display().to_string(),
+            dir: dir.to_string(),
             metadata_class: &ckpt.metadata.class,
             tensors,
             objects: rows.len() - tensors,
@@ -247,7 +251,7 @@ fn inspect(dir: &Path, json: bool) -> Result<i32> {
     Ok(0)
 }
 
-fn verify(dir: &Path, json: bool) -> Result<i32> {
+fn verify(dir: &Location, json: bool) -> Result<i32> {
     let bar = indicatif::ProgressBar::new(0);
     bar.set_style(
         indicatif::ProgressStyle::with_template("verify {bar:40} {pos}/{len} items {elapsed}")
@@ -281,7 +285,7 @@ fn verify(dir: &Path, json: bool) -> Result<i32> {
         }
         println!(
             "{}: {} keys, {} items, {} checked against save-time CRC-32s: {}",
-            dir.display(),
+            dir,
             report.keys,
             report.items,
             report.sidecar_checked,
@@ -295,42 +299,30 @@ fn verify(dir: &Path, json: bool) -> Result<i32> {
     Ok(if report.problems.is_empty() { 0 } else { 1 })
 }
 
-fn save_ids(dir: &Path) -> Result<Vec<String>> {
-    if !dir.is_dir() {
+fn save_ids(dir: &Location) -> Result<Vec<String>> {
+    if let Some(d) = dir.as_local().filter(|d| !d.is_dir()) {
         return Err(Error::InvalidArgument(format!(
             "{} is not a directory",
-            dir.display()
+            d.display()
         )));
     }
-    let mut ids: Vec<String> = match std::fs::read_dir(dir.join(rendezvous::STATE_DIR)) {
-        Ok(rd) => rd
-            .flatten()
-            .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
-            .map(|e| e.file_name().to_string_lossy().into_owned())
-            .collect(),
-        Err(_) => Vec::new(),
-    };
+    let (_, mut ids) = dir.list(rendezvous::STATE_DIR)?;
     ids.sort();
     Ok(ids)
 }
 
 /// `(rank, part or error, age in seconds)` of every part file of a save.
-fn read_parts(dir: &Path, save_id: &str) -> Vec<(u32, Result<RankPart>, f64)> {
+fn read_parts(dir: &Location, save_id: &str) -> Vec<(u32, Result<RankPart>, f64)> {
     let mut out = Vec::new();
-    if let Ok(rd) = std::fs::read_dir(rendezvous::save_dir(dir, save_id)) {
-        for e in rd.flatten() {
-            let name = e.file_name().to_string_lossy().into_owned();
-            if let Some(r) = name
+    if let Ok((files, _)) = dir.list(&rendezvous::save_rel(save_id)) {
+        for f in files {
+            if let Some(r) = f
+                .name
                 .strip_suffix(".part")
                 .and_then(|r| r.parse::<u32>().ok())
             {
-                let age = e
-                    .metadata()
-                    .and_then(|m| m.modified())
-                    .ok()
-                    .and_then(|t| SystemTime::now().duration_since(t).ok())
-                    .map_or(0.0, |d| d.as_secs_f64());
-                out.push((r, rendezvous::read_part(&e.path()), age));
+                let rel = format!("{}/{}", rendezvous::save_rel(save_id), f.name);
+                out.push((r, rendezvous::read_part(dir, &rel), f.age_s));
             }
         }
     }
@@ -361,23 +353,23 @@ struct SaveStatus {
     keys: BTreeMap<String, (String, Vec<u64>, Vec<u32>)>,
 }
 
-fn status(dir: &Path, keys: bool, json: bool) -> Result<i32> {
+fn status(dir: &Location, keys: bool, json: bool) -> Result<i32> {
     let committed = rendezvous::is_committed(dir);
     let mut saves = Vec::new();
     for id in save_ids(dir)? {
-        let sdir = rendezvous::save_dir(dir, &id);
         let parts = read_parts(dir, &id);
         let world_size = parts
             .iter()
             .find_map(|(_, p, _)| p.as_ref().ok().map(|p| p.world_size))
             .unwrap_or(0);
-        let state = if sdir.join("COMMITTED").exists() {
+        let marker = |m: &str| rendezvous::marker_rel(&id, m);
+        let state = if dir.exists(&marker("COMMITTED")) {
             "committed".to_string()
-        } else if let Ok(reason) = std::fs::read_to_string(sdir.join("FAILED")) {
-            format!("failed: {reason}")
+        } else if let Ok(Some(reason)) = dir.read(&marker("FAILED")) {
+            format!("failed: {}", String::from_utf8_lossy(&reason))
         } else if let Some(holder) = rendezvous::dead_merger(dir, &id) {
             format!("interrupted: its merger ({holder}) died holding the lock; `shardwise merge` takes over")
-        } else if sdir.join("COMMITTING").exists() {
+        } else if dir.exists(&marker("COMMITTING")) {
             "merging".to_string()
         } else {
             "not committed".to_string()
@@ -439,7 +431,7 @@ fn status(dir: &Path, keys: bool, json: bool) -> Result<i32> {
             saves: Vec<SaveStatus>,
         }
         print_json(&Out {
-            dir: dir.display().to_string(),
+            dir: dir.to_string(),
             metadata_present: committed,
             saves,
         });
@@ -447,7 +439,7 @@ fn status(dir: &Path, keys: bool, json: bool) -> Result<i32> {
     }
     println!(
         "{}: .metadata {}",
-        dir.display(),
+        dir,
         if committed {
             "present (committed)"
         } else {
@@ -500,7 +492,7 @@ fn status(dir: &Path, keys: bool, json: bool) -> Result<i32> {
 }
 
 fn merge(
-    dir: &Path,
+    dir: &Location,
     save_id: Option<String>,
     world_size: Option<u32>,
     timeout: f64,
@@ -511,7 +503,7 @@ fn merge(
         None => {
             let ids: Vec<String> = save_ids(dir)?
                 .into_iter()
-                .filter(|id| !rendezvous::save_dir(dir, id).join("COMMITTED").exists())
+                .filter(|id| !dir.exists(&rendezvous::marker_rel(id, "COMMITTED")))
                 .collect();
             match ids.as_slice() {
                 [one] => one.clone(),
@@ -522,7 +514,7 @@ fn merge(
                         _ => {
                             return Err(Error::InvalidArgument(format!(
                                 "no uncommitted save in {}",
-                                dir.display()
+                                dir
                             )))
                         }
                     }
@@ -530,7 +522,7 @@ fn merge(
                 many => {
                     return Err(Error::InvalidArgument(format!(
                         "several uncommitted saves in {}: {}; pick one with --save-id",
-                        dir.display(),
+                        dir,
                         many.join(", ")
                     )))
                 }
@@ -569,7 +561,7 @@ fn merge(
 
 #[allow(clippy::too_many_arguments)]
 fn to_hf(
-    dir: &Path,
+    dir: &Location,
     out: &Path,
     hf_config: Option<PathBuf>,
     arch: Option<String>,

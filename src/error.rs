@@ -59,8 +59,16 @@ pub enum Error {
         source: std::io::Error,
     },
 
-    /// An I/O operation of one rank's save failed (full disk, permissions); `source` is the
-    /// [`Error::Io`]. The rank removed its partial data file; nothing was committed.
+    /// An object-store request failed on `url` after its retries (or was refused, e.g. 403).
+    #[error("{op} {url}: {source}")]
+    Remote {
+        op: &'static str,
+        url: String,
+        source: Box<object_store::Error>,
+    },
+
+    /// An I/O operation of one rank's save failed (full disk, permissions, object store down);
+    /// `source` is the [`Error::Io`] or [`Error::Remote`]. The rank removed its partial data file; nothing was committed.
     #[error("rank {rank}: {source}; nothing committed")]
     RankStorage { rank: u32, source: Box<Error> },
 

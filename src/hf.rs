@@ -23,7 +23,7 @@ use crate::format::dtype::DType;
 use crate::format::metadata::Entry;
 use crate::format::unpickle::{unpickle, Value};
 use crate::reader::Checkpoint;
-use crate::storage::{atomic_write, create_dir_all, DataFile};
+use crate::storage::{atomic_write, create_dir_all, DataFile, Location};
 
 /// Architectures with a mapping.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -168,9 +168,9 @@ fn dims_from_config(cfg: &serde_json::Value, arch: Option<&str>) -> Result<Dims>
 }
 
 /// Megatron's `args` (an `argparse.Namespace`) from `common.pt`, read as data: name → int/bool.
-fn megatron_args(dir: &Path) -> Result<Option<HashMap<String, i128>>> {
-    let path = dir.join("common.pt");
-    let Ok(bytes) = std::fs::read(&path) else {
+fn megatron_args(loc: &Location) -> Result<Option<HashMap<String, i128>>> {
+    let path = loc.path_of("common.pt");
+    let Ok(Some(bytes)) = loc.read("common.pt") else {
         return Ok(None);
     };
     let corrupt = |r: String| Error::Corrupt {
@@ -706,22 +706,23 @@ fn convert(bytes: &[u8], from: DType, to: DType) -> Result<Vec<u8>> {
     })
 }
 
-/// Converts the checkpoint in `ckpt_dir` into HF safetensors in `out_dir`; `progress(bytes)` is
-/// called as tensors are written.
+/// Converts the checkpoint at `ckpt` (a directory or an object-store prefix, read by ranged GETs)
+/// into HF safetensors in the local directory `out_dir`; `progress(bytes)` is called as tensors
+/// are written.
 ///
 /// Errors: [`Error::InvalidArgument`] for missing or unusable hyperparameters; [`Error::Validation`]
 /// for unmapped checkpoint keys (unless `allow_unmapped`), HF tensors the config requires that
 /// the checkpoint does not produce, shapes that contradict the config, and config/args
 /// disagreements; reader errors for damaged checkpoints; [`Error::Io`].
 pub fn to_hf(
-    ckpt_dir: &Path,
+    ckpt: &Location,
     out_dir: &Path,
     opts: &HfOptions,
     progress: &(dyn Fn(u64) + Sync),
 ) -> Result<HfSummary> {
     let t0 = Instant::now();
-    let ckpt = Checkpoint::open(ckpt_dir)?;
-    let args = megatron_args(ckpt.dir())?;
+    let ckpt = Checkpoint::open(ckpt)?;
+    let args = megatron_args(ckpt.location())?;
     let config: Option<serde_json::Value> = match &opts.config {
         Some(p) => Some(
             serde_json::from_slice(&std::fs::read(p).map_err(Error::io("read", p))?)

@@ -18,6 +18,7 @@ use crate::reader::Checkpoint;
 use crate::rendezvous::{self, ObjectShard};
 use crate::save::{save_rank as rust_save_rank, ObjectItem, SaveOptions, SaveReport};
 use crate::staging::{self, DEFAULT_BUDGET_BYTES, DEFAULT_BUFFER_BYTES};
+use crate::storage::Location;
 use crate::writer::{ByteObject, Payload, Staging, TensorChunk};
 
 create_exception!(
@@ -90,7 +91,9 @@ fn to_py(e: Error) -> PyErr {
         Error::MissingRanks { .. } => MissingRanksError::new_err(msg),
         Error::NotCommitted { .. } => NotCommittedError::new_err(msg),
         Error::CheckpointExists(_) => CheckpointExistsError::new_err(msg),
-        Error::Io { .. } | Error::RankStorage { .. } => StorageError::new_err(msg),
+        Error::Io { .. } | Error::Remote { .. } | Error::RankStorage { .. } => {
+            StorageError::new_err(msg)
+        }
         Error::Corrupt { .. } => CorruptFileError::new_err(msg),
         Error::Gpu(_) => GpuError::new_err(msg),
     }
@@ -308,7 +311,7 @@ fn save_rank<'py>(
     }
     let raw = raw_chunks(&tensors)?;
     let opts = SaveOptions {
-        dir: checkpoint_dir,
+        location: location(&checkpoint_dir).map_err(to_py)?,
         rank,
         world_size,
         save_id,
@@ -410,7 +413,10 @@ fn to_hf<'py>(
     )
     .map_err(to_py)?;
     let s = py
-        .detach(|| crate::hf::to_hf(&checkpoint_dir, &out_dir, &opts, &|_| {}))
+        .detach(|| {
+            let loc = location(&checkpoint_dir)?;
+            crate::hf::to_hf(&loc, &out_dir, &opts, &|_| {})
+        })
         .map_err(to_py)?;
     let d = PyDict::new(py);
     d.set_item("tensors", s.tensors)?;
@@ -422,13 +428,20 @@ fn to_hf<'py>(
     Ok(d)
 }
 
+/// A checkpoint path or URL as Python passed it (`str` or `os.PathLike`).
+fn location(p: &std::path::Path) -> crate::error::Result<Location> {
+    Location::parse(&p.to_string_lossy())
+}
+
 /// Whether a CUDA driver can be loaded here (the GPU path is used only then). Never raises.
 #[pyfunction]
 fn cuda_available(py: Python<'_>) -> bool {
     py.detach(crate::gpu::available)
 }
 
-/// Merges the parts of `save_id` and commits `.metadata`; see `shardwise merge`.
+/// Merges the parts of `save_id` and commits `.metadata`; see `shardwise merge`. Returns a dict:
+/// `keys`, `tensor_chunks`, `data_bytes` (bytes) and `already_committed` (a racing merger or an
+/// earlier merge committed; counts are then 0).
 #[pyfunction]
 fn merge(
     py: Python<'_>,
@@ -436,11 +449,20 @@ fn merge(
     save_id: String,
     world_size: u32,
     timeout_s: f64,
-) -> PyResult<usize> {
+) -> PyResult<Bound<'_, PyDict>> {
     let timeout = Duration::from_secs_f64(timeout_s.max(0.0));
-    py.detach(|| rendezvous::merge(&checkpoint_dir, &save_id, world_size, timeout))
-        .map(|s| s.keys)
-        .map_err(to_py)
+    let s = py
+        .detach(|| {
+            let loc = location(&checkpoint_dir)?;
+            rendezvous::merge(&loc, &save_id, world_size, timeout)
+        })
+        .map_err(to_py)?;
+    let d = PyDict::new(py);
+    d.set_item("keys", s.keys)?;
+    d.set_item("already_committed", s.already_committed)?;
+    d.set_item("tensor_chunks", s.tensor_chunks)?;
+    d.set_item("data_bytes", s.data_bytes)?;
+    Ok(d)
 }
 
 /// An open checkpoint (any DCP / torch_dist checkpoint), parsed as data.
@@ -536,7 +558,7 @@ impl PyCheckpoint {
 /// not DCP metadata.
 #[pyfunction]
 fn open_checkpoint(py: Python<'_>, path: PathBuf) -> PyResult<PyCheckpoint> {
-    py.detach(|| Checkpoint::open(&path))
+    py.detach(|| Checkpoint::open(&location(&path)?))
         .map(|inner| PyCheckpoint { inner })
         .map_err(to_py)
 }

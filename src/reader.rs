@@ -1,5 +1,6 @@
 //! Reads any DCP / torch_dist checkpoint as data: `.metadata` through the symbolic unpickler,
-//! items through memory-mapped `.distcp` files. Paths are confined to the checkpoint directory,
+//! items through memory-mapped `.distcp` files (or one ranged GET per item on an object store).
+//! Paths are confined to the checkpoint directory,
 //! every offset and size is checked against the real file, and memory use is bounded by what the
 //! caller asks for, not by what the file claims.
 
@@ -15,24 +16,38 @@ use crate::error::{Error, Result};
 use crate::format::archive::{stored_tensor, StoredTensor};
 use crate::format::metadata::{Chunk, Entry, StorageInfo};
 use crate::format::read_metadata::{read_metadata, CheckpointMetadata};
+use crate::storage::Location;
 
 /// An open checkpoint directory.
 pub struct Checkpoint {
+    loc: Location,
     dir: PathBuf,
     pub metadata: CheckpointMetadata,
     files: Mutex<HashMap<String, Arc<Mapped>>>,
 }
 
+/// A data file as the reader holds it.
 pub enum Mapped {
     Map(Mmap),
     Empty,
+    /// An object of `size` bytes, read by ranged GETs.
+    Remote {
+        size: u64,
+    },
 }
 
 impl Mapped {
     fn bytes(&self) -> &[u8] {
         match self {
             Mapped::Map(m) => m,
-            Mapped::Empty => &[],
+            Mapped::Empty | Mapped::Remote { .. } => &[],
+        }
+    }
+
+    fn len(&self) -> u64 {
+        match self {
+            Mapped::Remote { size } => *size,
+            other => other.bytes().len() as u64,
         }
     }
 }
@@ -110,25 +125,41 @@ fn volume(sizes: &[u64]) -> Option<u64> {
 }
 
 impl Checkpoint {
-    /// Opens `dir` and decodes its `.metadata` (never executing it).
+    /// Opens the checkpoint at `loc` (a directory or an object-store prefix) and decodes its
+    /// `.metadata` (never executing it).
     ///
-    /// Errors: [`Error::Io`] if `.metadata` cannot be read, [`Error::Corrupt`] if it is not DCP metadata.
-    pub fn open(dir: &Path) -> Result<Checkpoint> {
-        let dir = dir
-            .canonicalize()
-            .map_err(Error::io("open checkpoint directory", dir))?;
-        let path = dir.join(".metadata");
-        let bytes = std::fs::read(&path).map_err(Error::io("read", &path))?;
+    /// Errors: [`Error::Io`]/[`Error::Remote`] if `.metadata` cannot be read, [`Error::Corrupt`] if
+    /// it is not DCP metadata.
+    pub fn open(loc: &Location) -> Result<Checkpoint> {
+        let loc = match loc {
+            Location::Local(dir) => Location::Local(
+                dir.canonicalize()
+                    .map_err(Error::io("open checkpoint directory", dir))?,
+            ),
+            remote => remote.clone(),
+        };
+        let path = loc.path_of(".metadata");
+        let bytes = loc.read(".metadata")?.ok_or_else(|| Error::Io {
+            op: "read",
+            path: path.clone(),
+            source: std::io::ErrorKind::NotFound.into(),
+        })?;
         let metadata = read_metadata(&bytes).map_err(|e| corrupt(&path, e.0))?;
         Ok(Checkpoint {
-            dir,
+            dir: loc.display_path(),
+            loc,
             metadata,
             files: Mutex::new(HashMap::new()),
         })
     }
 
+    /// The checkpoint directory (canonical), or the URL of an object-store checkpoint.
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+
+    pub fn location(&self) -> &Location {
+        &self.loc
     }
 
     /// The entry of `key`.
@@ -146,6 +177,19 @@ impl Checkpoint {
         }
         check_relative_path(rel).map_err(|r| corrupt(self.dir.join(".metadata"), r))?;
         let path = self.dir.join(rel);
+        if let Location::Remote(r) = &self.loc {
+            let size = r.size(rel)?.ok_or_else(|| Error::Io {
+                op: "open",
+                path: path.clone(),
+                source: std::io::ErrorKind::NotFound.into(),
+            })?;
+            let mapped = Arc::new(Mapped::Remote { size });
+            self.files
+                .lock()
+                .unwrap()
+                .insert(rel.to_string(), mapped.clone());
+            return Ok(mapped);
+        }
         // A symlink inside the directory must not lead out of it either.
         let real = path.canonicalize().map_err(Error::io("open", &path))?;
         if !real.starts_with(&self.dir) {
@@ -189,11 +233,10 @@ impl Checkpoint {
             ));
         }
         let file = self.file(&storage.relative_path)?;
-        let bytes = file.bytes();
         let end = storage
             .offset
             .checked_add(storage.length)
-            .filter(|&e| e <= bytes.len() as u64)
+            .filter(|&e| e <= file.len())
             .ok_or_else(|| {
                 corrupt(
                     self.dir.join(&storage.relative_path),
@@ -201,7 +244,7 @@ impl Checkpoint {
                         "{key}: item at offset {} length {} passes the end of the file ({} bytes)",
                         storage.offset,
                         storage.length,
-                        bytes.len()
+                        file.len()
                     ),
                 )
             })?;
@@ -210,10 +253,17 @@ impl Checkpoint {
             .metadata
             .transforms
             .get(&(key.to_string(), offsets.map(|o| o.to_vec())));
-        let Some(transforms) = transforms else {
-            return Ok(ItemBytes::Mapped(file.clone(), range));
+        let raw = match &self.loc {
+            Location::Remote(r) => ItemBytes::Owned(
+                r.get_range(&storage.relative_path, storage.offset..end)?
+                    .to_vec(),
+            ),
+            Location::Local(_) => ItemBytes::Mapped(file.clone(), range),
         };
-        let mut data = bytes[range].to_vec();
+        let Some(transforms) = transforms else {
+            return Ok(raw);
+        };
+        let mut data = raw.to_vec();
         // Descriptors are stored in reverse order of application, so decode in list order.
         for t in transforms {
             if !t.starts_with("stream.zstd/1") {

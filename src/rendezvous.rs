@@ -8,6 +8,12 @@
 //! `metadata.json` (Megatron saves, written last), and `.shardwise/<save_id>/COMMITTED`; on a failed
 //! merge, `.shardwise/<save_id>/FAILED` with the reason, so waiting ranks fail fast.
 //!
+//! On an object store the same names are objects. Parts, `.metadata` and `COMMITTED` are created
+//! only-if-absent (`PutMode::Create`): a duplicate rank is refused instead of silently replacing a
+//! part, and of racing mergers (which compute byte-identical `.metadata` from the same parts)
+//! exactly one creates `COMMITTED`. There is no lock to take over; a merger that died mid-commit
+//! is finished by the next merge, which finds the identical `.metadata` already there.
+//!
 //! Part file: `SWPART01` magic, CRC-32 (u32 LE) of the body, body = MessagePack of [`RankPart`]
 //! (structs as arrays, so field names are not repeated; a rank's part is O(its chunks)).
 
@@ -21,7 +27,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{fmt_ranks, Error, Result};
 use crate::format::dtype::DType;
 use crate::format::metadata::{check_layout, emit_metadata, volume, Chunk, Entry, StorageInfo};
-use crate::storage::{atomic_write, create_dir_all, fsync_dir, sweep_temp_files};
+use crate::storage::{fsync_dir, sweep_temp_files, Location};
 
 const MAGIC: &[u8; 8] = b"SWPART01";
 pub const PART_FORMAT: u32 = 1;
@@ -96,8 +102,19 @@ pub fn save_dir(dir: &Path, save_id: &str) -> PathBuf {
     dir.join(STATE_DIR).join(save_id)
 }
 
-fn part_path(dir: &Path, save_id: &str, rank: u32) -> PathBuf {
-    save_dir(dir, save_id).join(format!("{rank}.part"))
+/// `.shardwise/<save_id>`, relative to the checkpoint.
+pub fn save_rel(save_id: &str) -> String {
+    format!("{STATE_DIR}/{save_id}")
+}
+
+/// `.shardwise/<save_id>/<marker>`, relative to the checkpoint.
+pub fn marker_rel(save_id: &str, marker: &str) -> String {
+    format!("{STATE_DIR}/{save_id}/{marker}")
+}
+
+/// `.shardwise/<save_id>/<rank>.part`, relative to the checkpoint.
+pub fn part_rel(save_id: &str, rank: u32) -> String {
+    format!("{STATE_DIR}/{save_id}/{rank}.part")
 }
 
 /// Checks that a save id is a plain name (it becomes a directory name).
@@ -117,29 +134,47 @@ pub fn check_save_id(save_id: &str) -> Result<()> {
     }
 }
 
-/// Publishes a rank's part atomically (tmp, fsync, rename, directory fsync).
-pub fn write_part(dir: &Path, part: &RankPart) -> Result<PathBuf> {
+/// Publishes a rank's part atomically (local: tmp, fsync, rename, directory fsync; object store:
+/// create-if-absent). Returns its path inside the checkpoint.
+///
+/// Errors: [`Error::Validation`] on an object store when the rank's part already exists (two
+/// processes saved as the same rank of one save); storage errors.
+pub fn write_part(loc: &Location, part: &RankPart) -> Result<String> {
     check_save_id(&part.save_id)?;
-    let sdir = save_dir(dir, &part.save_id);
-    create_dir_all(&sdir)?;
     let body = rmp_serde::to_vec(part)
         .map_err(|e| Error::InvalidArgument(format!("cannot encode part: {e}")))?;
     let mut bytes = Vec::with_capacity(body.len() + 12);
     bytes.extend_from_slice(MAGIC);
     bytes.extend_from_slice(&crc32fast::hash(&body).to_le_bytes());
     bytes.extend_from_slice(&body);
-    let path = part_path(dir, &part.save_id, part.rank);
-    atomic_write(&path, &bytes)?;
-    Ok(path)
+    let rel = part_rel(&part.save_id, part.rank);
+    match loc {
+        Location::Local(_) => loc.write(&rel, bytes)?,
+        Location::Remote(r) => {
+            if !r.put_new(&rel, bytes)? {
+                return Err(Error::Validation(format!(
+                    "rank {} already published a part for save {} in {loc}: two processes saved as \
+                     the same rank (or reuse a save_id: pass a fresh one)",
+                    part.rank, part.save_id
+                )));
+            }
+        }
+    }
+    Ok(rel)
 }
 
-/// Reads and checks one part file.
+/// Reads and checks one part file (`rel` inside the checkpoint).
 ///
-/// Errors: [`Error::Corrupt`] on a bad magic, CRC or encoding; [`Error::Io`] if unreadable.
-pub fn read_part(path: &Path) -> Result<RankPart> {
-    let bytes = std::fs::read(path).map_err(Error::io("read", path))?;
+/// Errors: [`Error::Corrupt`] on a bad magic, CRC or encoding; [`Error::Io`]/[`Error::Remote`] if
+/// unreadable or gone.
+pub fn read_part(loc: &Location, rel: &str) -> Result<RankPart> {
+    let bytes = loc.read(rel)?.ok_or_else(|| Error::Io {
+        op: "read",
+        path: loc.path_of(rel),
+        source: std::io::ErrorKind::NotFound.into(),
+    })?;
     let corrupt = |reason: String| Error::Corrupt {
-        path: path.to_path_buf(),
+        path: loc.path_of(rel),
         reason,
     };
     if bytes.len() < 12 || &bytes[..8] != MAGIC {
@@ -174,19 +209,18 @@ impl Backoff {
 }
 
 /// Ranks in `0..world_size` with no part yet.
-pub fn missing_ranks(dir: &Path, save_id: &str, world_size: u32) -> Vec<u32> {
-    let present = present_ranks(dir, save_id, world_size);
+pub fn missing_ranks(loc: &Location, save_id: &str, world_size: u32) -> Vec<u32> {
+    let present = present_ranks(loc, save_id, world_size);
     (0..world_size).filter(|&r| !present[r as usize]).collect()
 }
 
 /// `present[r]` is true when rank `r` has published its part (one directory listing).
-fn present_ranks(dir: &Path, save_id: &str, world_size: u32) -> Vec<bool> {
+fn present_ranks(loc: &Location, save_id: &str, world_size: u32) -> Vec<bool> {
     let mut present = vec![false; world_size as usize];
-    if let Ok(rd) = std::fs::read_dir(save_dir(dir, save_id)) {
-        for e in rd.flatten() {
-            let name = e.file_name();
-            let name = name.to_string_lossy();
-            if let Some(r) = name
+    if let Ok((files, _)) = loc.list(&save_rel(save_id)) {
+        for f in files {
+            if let Some(r) = f
+                .name
                 .strip_suffix(".part")
                 .and_then(|r| r.parse::<u32>().ok())
             {
@@ -205,7 +239,7 @@ fn present_ranks(dir: &Path, save_id: &str, world_size: u32) -> Vec<bool> {
 /// Errors: [`Error::MissingRanks`] at the timeout; [`Error::Validation`] when a part disagrees on
 /// `world_size`; [`Error::Corrupt`]/[`Error::Io`] for unreadable parts.
 pub fn collect_parts(
-    dir: &Path,
+    loc: &Location,
     save_id: &str,
     world_size: u32,
     timeout: Duration,
@@ -215,13 +249,13 @@ pub fn collect_parts(
     let mut parts: Vec<Option<RankPart>> = vec![None; world_size as usize];
     let mut backoff = Backoff::new();
     loop {
-        let present = present_ranks(dir, save_id, world_size);
+        let present = present_ranks(loc, save_id, world_size);
         let arrived: Vec<u32> = (0..world_size)
             .filter(|&r| present[r as usize] && parts[r as usize].is_none())
             .collect();
         let fresh: Vec<RankPart> = arrived
             .par_iter()
-            .map(|&r| read_part(&part_path(dir, save_id, r)))
+            .map(|&r| read_part(loc, &part_rel(save_id, r)))
             .collect::<Result<_>>()?;
         for p in fresh {
             if p.world_size != world_size {
@@ -247,7 +281,7 @@ pub fn collect_parts(
         }
         if Instant::now() >= deadline {
             return Err(Error::MissingRanks {
-                dir: dir.to_path_buf(),
+                dir: loc.display_path(),
                 save_id: save_id.to_string(),
                 world_size,
                 missing,
@@ -317,21 +351,16 @@ fn checksums(save_id: &str, parts: &[RankPart]) -> Checksums {
 }
 
 /// Reads the checksum sidecar of a checkpoint, if it has one.
-pub fn read_checksums(dir: &Path) -> Result<Option<Checksums>> {
-    let path = dir.join(STATE_DIR).join(CHECKSUMS_FILE);
-    match std::fs::read(&path) {
-        Ok(bytes) => rmp_serde::from_slice(&bytes)
+pub fn read_checksums(loc: &Location) -> Result<Option<Checksums>> {
+    let rel = format!("{STATE_DIR}/{CHECKSUMS_FILE}");
+    match loc.read(&rel)? {
+        Some(bytes) => rmp_serde::from_slice(&bytes)
             .map(Some)
             .map_err(|e| Error::Corrupt {
-                path,
+                path: loc.path_of(&rel),
                 reason: format!("undecodable checksum sidecar: {e}"),
             }),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(Error::Io {
-            op: "read",
-            path,
-            source: e,
-        }),
+        None => Ok(None),
     }
 }
 
@@ -339,19 +368,17 @@ pub fn read_checksums(dir: &Path) -> Result<Option<Checksums>> {
 /// `dir`, one of its saves has its `COMMITTED` marker. A `.metadata` without a marker is the trace of
 /// a merger that died mid-commit (the save may be finished by `shardwise merge` or saved again).
 /// A directory without `.shardwise` (a torch or Megatron save) is committed by `.metadata` alone.
-pub fn is_committed(dir: &Path) -> bool {
-    if !dir.join(".metadata").is_file() {
+pub fn is_committed(loc: &Location) -> bool {
+    if !loc.exists(".metadata") {
         return false;
     }
-    match std::fs::read_dir(dir.join(STATE_DIR)) {
+    match loc.list(STATE_DIR) {
         Err(_) => true,
-        Ok(rd) => {
-            let saves: Vec<PathBuf> = rd
-                .flatten()
-                .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
-                .map(|e| e.path())
-                .collect();
-            saves.is_empty() || saves.iter().any(|s| s.join("COMMITTED").exists())
+        Ok((_, saves)) => {
+            saves.is_empty()
+                || saves
+                    .iter()
+                    .any(|s| loc.exists(&marker_rel(s, "COMMITTED")))
         }
     }
 }
@@ -374,7 +401,7 @@ pub struct CommitSummary {
 /// `_validate_global_plan` and Megatron's `validate_sharding_integrity`, done without a collective.
 ///
 /// Errors: [`Error::Validation`] naming keys and ranks.
-pub fn build_global(dir: &Path, parts: &[RankPart]) -> Result<BTreeMap<String, Entry>> {
+pub fn build_global(loc: &Location, parts: &[RankPart]) -> Result<BTreeMap<String, Entry>> {
     struct Agg {
         dtype: String,
         shape: Vec<u64>,
@@ -391,8 +418,7 @@ pub fn build_global(dir: &Path, parts: &[RankPart]) -> Result<BTreeMap<String, E
     // Every data file must still be there with the size its rank published.
     parts.par_iter().try_for_each(|p| {
         for f in p.files.iter().chain(p.common.iter()) {
-            let path = dir.join(&f.name);
-            let size = std::fs::metadata(&path).map(|m| m.len()).ok();
+            let size = loc.size(&f.name).ok().flatten();
             if size != Some(f.size) {
                 return Err(Error::Validation(format!(
                     "rank {}: data file {} has size {:?}, its part says {} bytes (file replaced or truncated)",
@@ -669,9 +695,10 @@ impl Drop for CommitLock {
 }
 
 /// Whether the `COMMITTING` lock of `save_id` is held by a merger that died (its `flock` is free and
-/// it had recorded itself). `None` when there is no lock or liveness cannot be told.
-pub fn dead_merger(dir: &Path, save_id: &str) -> Option<String> {
-    let path = save_dir(dir, save_id).join("COMMITTING");
+/// it had recorded itself). `None` when there is no lock, liveness cannot be told, or `loc` is an
+/// object store (which has no lock).
+pub fn dead_merger(loc: &Location, save_id: &str) -> Option<String> {
+    let path = save_dir(loc.as_local()?, save_id).join("COMMITTING");
     let file = std::fs::File::open(&path).ok()?;
     if try_flock(&file)? {
         let holder = std::fs::read_to_string(&path).unwrap_or_default();
@@ -681,41 +708,67 @@ pub fn dead_merger(dir: &Path, save_id: &str) -> Option<String> {
     }
 }
 
-/// Merges the parts of `save_id` in `dir` and commits: the checksum sidecar, `.metadata`
-/// (tmp + rename), `metadata.json` for Megatron saves, then the `COMMITTED` marker; then removes
-/// temporary files that killed writers left in `dir`.
+fn failed_reason(loc: &Location, save_id: &str) -> Option<String> {
+    let bytes = loc.read(&marker_rel(save_id, "FAILED")).ok()??;
+    Some(String::from_utf8_lossy(&bytes).into_owned())
+}
+
+fn not_committed(loc: &Location, save_id: &str, reason: String) -> Error {
+    Error::NotCommitted {
+        dir: loc.display_path(),
+        save_id: save_id.into(),
+        reason,
+    }
+}
+
+/// Merges the parts of `save_id` in `loc` and commits: the checksum sidecar, `.metadata`,
+/// `metadata.json` for Megatron saves, then the `COMMITTED` marker; locally it then removes
+/// temporary files that killed writers left in the directory.
 ///
-/// Idempotent and safe to race: a merger first takes the `COMMITTING` lock (exclusive create, then
-/// an advisory `flock` held while it works); a second merger waits up to `timeout` (at least 10 s)
-/// for the first one's outcome and returns it, so exactly one commits and all report success. When
-/// the lock holder died (its `flock` is free), a waiting merger takes the lock over and commits
-/// itself. On failure a `FAILED` marker with the reason is published (waiting ranks fail fast) and
-/// the lock is released, so a later merge can retry.
+/// Idempotent and safe to race, so exactly one merger commits and all report success:
+/// - local: a merger first takes the `COMMITTING` lock (exclusive create, then an advisory `flock`
+///   held while it works); a second merger waits up to `timeout` (at least 10 s) for the first
+///   one's outcome and returns it. When the lock holder died (its `flock` is free), a waiting merger
+///   takes the lock over and commits itself.
+/// - object store: `.metadata` and `COMMITTED` are created only-if-absent; a merger that finds
+///   `.metadata` already there checks it is byte-identical to its own, then finishes the commit.
 ///
-/// Errors: as [`collect_parts`] and [`build_global`], plus [`Error::Io`], and
+/// On failure a `FAILED` marker with the reason is published (waiting ranks fail fast), so a
+/// later merge can retry.
+///
+/// Errors: as [`collect_parts`] and [`build_global`], plus storage errors, and
 /// [`Error::NotCommitted`] when the lock holder fails, or is alive but does not finish in time.
 pub fn merge(
-    dir: &Path,
+    loc: &Location,
     save_id: &str,
     world_size: u32,
     timeout: Duration,
 ) -> Result<CommitSummary> {
     check_save_id(save_id)?;
-    let sdir = save_dir(dir, save_id);
     let already = || CommitSummary {
         already_committed: true,
         ..Default::default()
     };
-    if sdir.join("COMMITTED").exists() {
+    let committed_rel = marker_rel(save_id, "COMMITTED");
+    if loc.exists(&committed_rel) {
         return Ok(already());
     }
-    create_dir_all(&sdir)?;
+    let Some(dir) = loc.as_local() else {
+        loc.remove(&marker_rel(save_id, "FAILED"))?;
+        let result = commit(loc, save_id, world_size, timeout);
+        if let Err(e) = &result {
+            let _ = loc.write(&marker_rel(save_id, "FAILED"), e.to_string().into_bytes());
+        }
+        return result;
+    };
+    let sdir = save_dir(dir, save_id);
+    crate::storage::create_dir_all(&sdir)?;
     let lock_path = sdir.join("COMMITTING");
     let wait = timeout.max(Duration::from_secs(10));
     let deadline = Instant::now() + wait;
     let mut backoff = Backoff::new();
     let (lock, took_over) = loop {
-        if sdir.join("COMMITTED").exists() {
+        if loc.exists(&committed_rel) {
             return Ok(already());
         }
         match CommitLock::acquire(&lock_path)? {
@@ -723,69 +776,72 @@ pub fn merge(
             Lock::Busy => {}
         }
         // Someone else merges: its outcome is ours.
-        if let Ok(reason) = std::fs::read_to_string(sdir.join("FAILED")) {
-            return Err(Error::NotCommitted {
-                dir: dir.to_path_buf(),
-                save_id: save_id.into(),
-                reason,
-            });
+        if let Some(reason) = failed_reason(loc, save_id) {
+            return Err(not_committed(loc, save_id, reason));
         }
         if Instant::now() >= deadline {
             let holder = std::fs::read_to_string(&lock_path).unwrap_or_default();
-            return Err(Error::NotCommitted {
-                dir: dir.to_path_buf(),
-                save_id: save_id.into(),
-                reason: format!(
+            return Err(not_committed(
+                loc,
+                save_id,
+                format!(
                     "no commit within {:.1}s; another merger ({holder}) holds {} and is alive or \
                      cannot be checked on this filesystem (remove the file if that merger is dead)",
                     wait.as_secs_f64(),
                     lock_path.display()
                 ),
-            });
+            ));
         }
         backoff.sleep(deadline);
     };
     let _ = std::fs::remove_file(sdir.join("FAILED"));
     // A merger that died after writing COMMITTED but before removing its lock left nothing to do.
-    if sdir.join("COMMITTED").exists() {
+    if loc.exists(&committed_rel) {
         return Ok(already());
     }
-    let result = commit_locked(dir, save_id, world_size, timeout).map(|mut s| {
+    let result = commit(loc, save_id, world_size, timeout).map(|mut s| {
         s.took_over_dead_merger = took_over;
         s
     });
     if let Err(e) = &result {
-        let _ = atomic_write(&sdir.join("FAILED"), e.to_string().as_bytes());
+        let _ = loc.write(&marker_rel(save_id, "FAILED"), e.to_string().into_bytes());
     }
     drop(lock);
     result
 }
 
-fn commit_locked(
-    dir: &Path,
+/// The commit itself, by the lock holder (local) or by every merger (object store).
+fn commit(
+    loc: &Location,
     save_id: &str,
     world_size: u32,
     timeout: Duration,
 ) -> Result<CommitSummary> {
-    let parts = collect_parts(dir, save_id, world_size, timeout)?;
-    let global = build_global(dir, &parts)?;
+    let parts = collect_parts(loc, save_id, world_size, timeout)?;
+    let global = build_global(loc, &parts)?;
     let megatron = parts.first().is_some_and(|p| p.megatron);
     let meta = emit_metadata(&global);
     let sums = rmp_serde::to_vec(&checksums(save_id, &parts))
         .map_err(|e| Error::InvalidArgument(format!("cannot encode checksums: {e}")))?;
-    atomic_write(&dir.join(STATE_DIR).join(CHECKSUMS_FILE), &sums)?;
-    atomic_write(&dir.join(".metadata"), &meta)?;
-    if megatron {
-        atomic_write(
-            &dir.join("metadata.json"),
-            MEGATRON_METADATA_JSON.as_bytes(),
-        )?;
-    }
+    loc.write(&format!("{STATE_DIR}/{CHECKSUMS_FILE}"), sums)?;
     let mut summary = CommitSummary {
         keys: global.len(),
         metadata_bytes: meta.len() as u64,
         ..Default::default()
     };
+    match loc {
+        Location::Local(_) => loc.write(".metadata", meta)?,
+        Location::Remote(r) => {
+            if !r.put_new(".metadata", meta.clone())? && loc.read(".metadata")? != Some(meta) {
+                return Err(Error::Validation(format!(
+                    "{loc} already holds a different .metadata (another save's); nothing committed"
+                )));
+            }
+        }
+    }
+    if megatron {
+        loc.write("metadata.json", MEGATRON_METADATA_JSON.as_bytes().to_vec())?;
+    }
     for e in global.values() {
         match e {
             Entry::Tensor { chunks, .. } => summary.tensor_chunks += chunks.len(),
@@ -797,11 +853,25 @@ fn commit_locked(
         .flat_map(|p| p.files.iter())
         .map(|f| f.size)
         .sum();
-    atomic_write(&save_dir(dir, save_id).join("COMMITTED"), b"")?;
-    fsync_dir(dir)?;
-    // Every rank of this save has published its part, so no writer of it is still writing here;
-    // what is left are temporary files of processes killed mid-write (this or earlier attempts).
-    sweep_temp_files(dir);
+    let committed_rel = marker_rel(save_id, "COMMITTED");
+    match loc {
+        Location::Local(dir) => {
+            loc.write(&committed_rel, Vec::new())?;
+            fsync_dir(dir)?;
+            // Every rank of this save has published its part, so no writer of it is still writing
+            // here; what is left are temporary files of processes killed mid-write.
+            sweep_temp_files(dir);
+        }
+        Location::Remote(r) => {
+            if !r.put_new(&committed_rel, Vec::new())? {
+                // A racing merger created the marker first: the commit is its.
+                return Ok(CommitSummary {
+                    already_committed: true,
+                    ..Default::default()
+                });
+            }
+        }
+    }
     Ok(summary)
 }
 
@@ -810,48 +880,39 @@ fn commit_locked(
 /// Errors: [`Error::NotCommitted`] with the merger's reason when it published `FAILED`, or with the
 /// ranks whose parts are still missing at the timeout.
 pub fn wait_for_commit(
-    dir: &Path,
+    loc: &Location,
     save_id: &str,
     world_size: u32,
     timeout: Duration,
 ) -> Result<()> {
     check_save_id(save_id)?;
-    let sdir = save_dir(dir, save_id);
+    let committed_rel = marker_rel(save_id, "COMMITTED");
     let deadline = Instant::now() + timeout;
     let mut backoff = Backoff::new();
     loop {
-        if sdir.join("COMMITTED").exists() {
+        if loc.exists(&committed_rel) {
             return Ok(());
         }
-        if let Ok(reason) = std::fs::read_to_string(sdir.join("FAILED")) {
-            return Err(Error::NotCommitted {
-                dir: dir.to_path_buf(),
-                save_id: save_id.into(),
-                reason,
-            });
+        if let Some(reason) = failed_reason(loc, save_id) {
+            return Err(not_committed(loc, save_id, reason));
         }
         if Instant::now() >= deadline {
-            let missing = missing_ranks(dir, save_id, world_size);
-            let reason = if let Some(holder) = dead_merger(dir, save_id) {
+            let missing = missing_ranks(loc, save_id, world_size);
+            let t = timeout.as_secs_f64();
+            let reason = if let Some(holder) = dead_merger(loc, save_id) {
                 format!(
-                    "no commit within {:.1}s: the merger ({holder}) died while holding the COMMITTING \
-                     lock; `shardwise merge` takes it over",
-                    timeout.as_secs_f64()
+                    "no commit within {t:.1}s: the merger ({holder}) died while holding the \
+                     COMMITTING lock; `shardwise merge` takes it over"
                 )
             } else if missing.is_empty() {
-                format!("no commit within {:.1}s although all parts are present (is the merging rank alive?)", timeout.as_secs_f64())
+                format!("no commit within {t:.1}s although all parts are present (is the merging rank alive?)")
             } else {
                 format!(
-                    "no commit within {:.1}s; parts still missing from ranks [{}]",
-                    timeout.as_secs_f64(),
+                    "no commit within {t:.1}s; parts still missing from ranks [{}]",
                     fmt_ranks(&missing)
                 )
             };
-            return Err(Error::NotCommitted {
-                dir: dir.to_path_buf(),
-                save_id: save_id.into(),
-                reason,
-            });
+            return Err(not_committed(loc, save_id, reason));
         }
         backoff.sleep(deadline);
     }

@@ -1,7 +1,6 @@
 //! One rank's collective-free save: write the data file, publish the metadata part, then merge
 //! (on the merging rank) or wait for the commit (on the others). No rank ever talks to another.
 
-use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
@@ -11,14 +10,16 @@ use crate::rendezvous::{
     self, CommitSummary, FileRecord, ObjectRecord, ObjectShard, RankPart, TensorRecord,
 };
 use crate::staging::SaveTicket;
-use crate::storage::{atomic_write, create_dir_all};
-use crate::writer::{check_chunk, write_rank_file, ByteObject, Staging, TensorChunk};
+use crate::storage::Location;
+use crate::writer::{
+    check_chunk, write_rank_file, write_rank_object, ByteObject, Staging, TensorChunk,
+};
 
 /// How one rank saves.
 #[derive(Clone, Debug)]
 pub struct SaveOptions {
-    /// Checkpoint directory (created if absent).
-    pub dir: PathBuf,
+    /// Checkpoint directory (created if absent) or object-store prefix.
+    pub location: Location,
     pub rank: u32,
     pub world_size: u32,
     /// Identifies this save attempt; identical on every rank, different for every attempt.
@@ -59,18 +60,6 @@ pub fn data_file_name(rank: u32) -> String {
     format!("__{rank}_0.distcp")
 }
 
-fn remove_if_present(path: &Path) -> Result<()> {
-    match std::fs::remove_file(path) {
-        Ok(()) => Ok(()),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(Error::Io {
-            op: "remove",
-            path: path.to_path_buf(),
-            source: e,
-        }),
-    }
-}
-
 /// Saves this rank's chunks and objects (and `common.pt` when `common` is given) and takes part in
 /// the file-based rendezvous.
 ///
@@ -104,18 +93,21 @@ pub fn save_rank(
     // has published its part. The rendezvous wait that follows needs no ticket, so ranks played by
     // one process (tests, tools) cannot block each other.
     let ticket = SaveTicket::acquire();
-    let dir = &opts.dir;
-    create_dir_all(dir)?;
-    if dir.join(".metadata").exists() {
+    let loc = &opts.location;
+    loc.create_dir()?;
+    if loc.exists(".metadata") {
         // A `.metadata` without a COMMITTED marker was left by a merger that died mid-commit: it is
         // no checkpoint, and a rerun replaces it like any other leftover of the failed attempt.
-        if !opts.overwrite && rendezvous::is_committed(dir) {
-            return Err(Error::CheckpointExists(dir.clone()));
+        if !opts.overwrite && rendezvous::is_committed(loc) {
+            return Err(Error::CheckpointExists(loc.display_path()));
         }
         // Un-commit before touching any data, so the old .metadata never points at new bytes.
-        remove_if_present(&dir.join("metadata.json"))?;
-        remove_if_present(&dir.join(".metadata"))?;
+        loc.remove("metadata.json")?;
+        loc.remove(".metadata")?;
     }
+    // This rank's part of an earlier attempt with the same save id (a rerun after a failure) is
+    // stale: remove it before writing data it would describe wrongly.
+    loc.remove(&rendezvous::part_rel(&opts.save_id, opts.rank))?;
 
     let t0 = Instant::now();
     let mut report = SaveReport {
@@ -135,7 +127,7 @@ pub fn save_rank(
         common: None,
     };
     // Files this rank wrote for this save, removed again if it fails before publishing its part.
-    let mut written_files: Vec<PathBuf> = Vec::new();
+    let mut written_files: Vec<String> = Vec::new();
     let mut staging = staging;
     if tensors.is_empty() && objects.is_empty() {
         if let Some(f) = staging.take().and_then(|s| s.on_staged) {
@@ -151,18 +143,25 @@ pub fn save_rank(
                 bytes: o.object.bytes,
             })
             .collect();
-        let path = dir.join(&name);
-        let written = match write_rank_file(&path, opts.rank as u64, tensors, &raw_objects, staging)
-        {
+        let seed = opts.rank as u64;
+        let written = match loc {
+            Location::Local(dir) => {
+                write_rank_file(&dir.join(&name), seed, tensors, &raw_objects, staging)
+            }
+            Location::Remote(r) => r.upload(&name).and_then(|up| {
+                write_rank_object(up, r.part_bytes, seed, tensors, &raw_objects, staging)
+            }),
+        };
+        let written = match written {
             Ok(w) => w,
             Err(e) => {
                 // A partial data file is never referenced by a part, but would fill the disk
                 // that just failed; remove it (best effort).
-                let _ = std::fs::remove_file(&path);
+                let _ = loc.remove(&name);
                 return Err(rank_error(opts.rank, e));
             }
         };
-        written_files.push(path);
+        written_files.push(name.clone());
         for (t, placed) in tensors.iter().zip(&written.tensors) {
             part.tensors.push(TensorRecord {
                 fqn: t.fqn.clone(),
@@ -195,19 +194,19 @@ pub fn save_rank(
     }
     let published = (|| {
         if let Some(bytes) = common {
-            atomic_write(&dir.join(rendezvous::COMMON_FILE), bytes)?;
-            written_files.push(dir.join(rendezvous::COMMON_FILE));
+            loc.write(rendezvous::COMMON_FILE, bytes.to_vec())?;
+            written_files.push(rendezvous::COMMON_FILE.into());
             part.common = Some(FileRecord {
                 name: rendezvous::COMMON_FILE.into(),
                 size: bytes.len() as u64,
             });
         }
-        rendezvous::write_part(dir, &part)
+        rendezvous::write_part(loc, &part)
     })();
     if let Err(e) = published {
         // Without a part nothing will ever reference these files; leave no partial save behind.
         for f in &written_files {
-            let _ = std::fs::remove_file(f);
+            let _ = loc.remove(f);
         }
         return Err(rank_error(opts.rank, e));
     }
@@ -217,15 +216,15 @@ pub fn save_rank(
     let t1 = Instant::now();
     if opts.merge_rank == Some(opts.rank) {
         report.commit = Some(rendezvous::merge(
-            dir,
+            loc,
             &opts.save_id,
             opts.world_size,
             opts.timeout,
         )?);
         report.committed = true;
-        remove_stale_attempts(dir, &opts.save_id);
+        remove_stale_attempts(loc, &opts.save_id);
     } else if let (true, Some(m)) = (opts.wait_for_commit, opts.merge_rank) {
-        rendezvous::wait_for_commit(dir, &opts.save_id, opts.world_size, opts.timeout).map_err(
+        rendezvous::wait_for_commit(loc, &opts.save_id, opts.world_size, opts.timeout).map_err(
             |e| match e {
                 Error::NotCommitted {
                     dir,
@@ -248,7 +247,7 @@ pub fn save_rank(
 /// Names the rank in an I/O error of its own writes, so a full disk on one node is found at once.
 fn rank_error(rank: u32, e: Error) -> Error {
     match e {
-        Error::Io { .. } => Error::RankStorage {
+        Error::Io { .. } | Error::Remote { .. } => Error::RankStorage {
             rank,
             source: Box::new(e),
         },
@@ -258,13 +257,10 @@ fn rank_error(rank: u32, e: Error) -> Error {
 
 /// After a commit, parts of earlier attempts in the same directory are dead weight: remove them
 /// (best effort; they were never merged, because their save id differs).
-fn remove_stale_attempts(dir: &Path, keep: &str) {
-    if let Ok(rd) = std::fs::read_dir(dir.join(rendezvous::STATE_DIR)) {
-        for e in rd.flatten() {
-            let is_dir = e.file_type().is_ok_and(|t| t.is_dir());
-            if is_dir && e.file_name().to_string_lossy() != keep {
-                let _ = std::fs::remove_dir_all(e.path());
-            }
+fn remove_stale_attempts(loc: &Location, keep: &str) {
+    if let Ok((_, saves)) = loc.list(rendezvous::STATE_DIR) {
+        for id in saves.iter().filter(|id| *id != keep) {
+            let _ = loc.remove_dir(&rendezvous::save_rel(id));
         }
     }
 }

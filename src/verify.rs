@@ -43,12 +43,13 @@ struct Item<'a> {
     length: u64,
 }
 
-/// Verifies the checkpoint in `dir`; `progress(n)` is called as items complete.
+/// Verifies the checkpoint at `loc` (directory or object-store prefix); `progress(n)` is called
+/// as items complete.
 ///
 /// Errors: only when `.metadata` itself cannot be read or decoded; every other finding is a
 /// [`Problem`] in the report.
-pub fn verify(dir: &std::path::Path, progress: &(dyn Fn(u64) + Sync)) -> Result<Report> {
-    let ckpt = Checkpoint::open(dir)?;
+pub fn verify(loc: &crate::storage::Location, progress: &(dyn Fn(u64) + Sync)) -> Result<Report> {
+    let ckpt = Checkpoint::open(loc)?;
     let mut report = Report {
         keys: ckpt.metadata.entries.len(),
         ..Default::default()
@@ -97,7 +98,7 @@ pub fn verify(dir: &std::path::Path, progress: &(dyn Fn(u64) + Sync)) -> Result<
     }
     report.items = items.len();
 
-    let sidecar = read_checksums(dir)?;
+    let sidecar = read_checksums(ckpt.location())?;
     let sums: HashMap<(&str, Option<&[u64]>), (&str, u64, u64, u32)> = sidecar
         .as_ref()
         .map(|s| {

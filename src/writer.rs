@@ -134,37 +134,11 @@ pub fn write_rank_file(
     objects: &[ByteObject],
     staging: Option<Staging>,
 ) -> Result<Written> {
-    for t in tensors {
-        check_chunk(t)?;
-    }
-    let mut cursor = 0u64;
-    let mut object_pos = Vec::with_capacity(objects.len());
-    for o in objects {
-        object_pos.push((cursor, o.bytes.len() as u64));
-        cursor += o.bytes.len() as u64;
-    }
-    let mut layouts = Vec::with_capacity(tensors.len());
-    let mut tensor_pos = Vec::with_capacity(tensors.len());
-    for (i, t) in tensors.iter().enumerate() {
-        let id = format!("{:040}", ((seed as u128) << 64) | i as u128);
-        let l = ArchiveLayout::for_tensor(t.dtype, &t.sizes, &id);
-        tensor_pos.push((cursor, l.len()));
-        cursor += l.len();
-        layouts.push(l);
-    }
-    let file = DataFile::create(file_path, cursor)?;
+    let lay = FileLayout::new(seed, tensors, objects)?;
+    let file = DataFile::create(file_path, lay.total)?;
     let mut pieces = match staging {
-        None => write_direct(&file, tensors, objects, &object_pos, &layouts, &tensor_pos)?,
-        Some(st) => write_staged(
-            &file,
-            tensors,
-            objects,
-            &object_pos,
-            &layouts,
-            &tensor_pos,
-            cursor,
-            st,
-        )?,
+        None => write_direct(&file, tensors, objects, &lay)?,
+        Some(st) => write_staged(&file, tensors, objects, &lay, st)?,
     };
 
     // Combine piece CRCs in payload order and write the archive tails.
@@ -179,36 +153,181 @@ pub fn write_rank_file(
         .into_par_iter()
         .enumerate()
         .map(|(i, payload)| {
-            let l = &layouts[i];
-            let tail_at = tensor_pos[i].0 + l.prefix.len() as u64 + l.payload_len;
+            let l = &lay.layouts[i];
+            let tail_at = lay.tensor_pos[i].0 + l.prefix.len() as u64 + l.payload_len;
             let suffix = l.suffix(payload.clone().finalize());
             file.write_at(&suffix, tail_at)?;
-            let mut item = crc32fast::Hasher::new();
-            item.update(&l.prefix);
-            item.combine(&payload);
-            item.update(&suffix);
-            Ok(item.finalize())
+            Ok(item_crc(l, &payload, &suffix))
         })
         .collect::<Result<Vec<u32>>>()?;
     file.sync()?;
-    let place = |&(offset, length): &(u64, u64), crc32| Placed {
-        offset,
-        length,
-        crc32,
+    Ok(lay.written(objects, tensor_crcs))
+}
+
+/// Writes the same bytes as [`write_rank_file`] strictly in file order, one window after the
+/// other, as the parts of an object-store upload: archive tails are filled in as their window is
+/// built, since every payload byte before a tail has been CRC'd by then. Windows are
+/// `part_bytes` long, or the staging buffer size when staging. Parts upload concurrently
+/// (see [`Upload`](crate::storage::remote::Upload)) while the next window is filled; a staged
+/// window is copied out of its pinned buffer, so buffers return to the pool at once.
+///
+/// Errors: as [`write_rank_file`], with [`Error::Remote`] for upload failures (the upload is
+/// aborted).
+pub fn write_rank_object(
+    mut upload: crate::storage::remote::Upload,
+    part_bytes: usize,
+    seed: u64,
+    tensors: &[TensorChunk],
+    objects: &[ByteObject],
+    staging: Option<Staging>,
+) -> Result<Written> {
+    let lay = FileLayout::new(seed, tensors, objects)?;
+    let bsize = staging
+        .as_ref()
+        .map_or(part_bytes, |st| st.pool.buffer_size) as u64;
+    if bsize < crate::storage::remote::MIN_PART_BYTES {
+        return Err(Error::InvalidArgument(format!(
+            "staging buffers of {bsize} bytes are smaller than an object-store part may be ({} bytes)",
+            crate::storage::remote::MIN_PART_BYTES
+        )));
+    }
+    let plan = plan_windows(tensors, objects, &lay, bsize);
+    let mut payload_crc: Vec<crc32fast::Hasher> = (0..tensors.len())
+        .map(|_| crc32fast::Hasher::new())
+        .collect();
+    let mut suffixes: Vec<Option<Vec<u8>>> = vec![None; tensors.len()];
+    let mut copiers = std::collections::HashMap::new();
+    let (pool, streams) = match &staging {
+        Some(st) => (Some(st.pool), Some(st.caller_streams)),
+        None => (None, None),
     };
-    Ok(Written {
-        tensors: tensor_pos
-            .iter()
-            .zip(tensor_crcs)
-            .map(|(p, c)| place(p, c))
-            .collect(),
-        objects: object_pos
-            .iter()
-            .zip(objects)
-            .map(|(p, o)| place(p, crc32fast::hash(o.bytes)))
-            .collect(),
-        file_size: cursor,
-    })
+    let single = plan.len() <= 1;
+    let mut last = Vec::new();
+    for segs in &plan {
+        let used = segs.last().map_or(0, |s| s.buf_at + s.len);
+        let mut out = match pool {
+            Some(pool) => {
+                let mut buf = pool.take();
+                let filled = (|| {
+                    let events = fill_window(segs, buf.as_mut_slice(), &mut copiers, streams)?;
+                    for e in &events {
+                        crate::gpu::wait(e)?;
+                    }
+                    Ok(buf.as_slice()[..used].to_vec())
+                })();
+                pool.give_back(buf);
+                filled?
+            }
+            None => {
+                let mut v = vec![0u8; used];
+                fill_window(segs, &mut v, &mut copiers, None)?;
+                v
+            }
+        };
+        for seg in segs {
+            let bytes = &mut out[seg.buf_at..seg.buf_at + seg.len];
+            if let Some((item, _)) = seg.payload {
+                payload_crc[item].update(bytes);
+            }
+            if let Fill::Hole { item, at } = seg.fill {
+                let suffix = suffixes[item].get_or_insert_with(|| {
+                    lay.layouts[item].suffix(payload_crc[item].clone().finalize())
+                });
+                bytes.copy_from_slice(&suffix[at as usize..at as usize + seg.len]);
+            }
+        }
+        if single {
+            last = out;
+        } else {
+            upload.part(out)?;
+        }
+    }
+    if let Some(f) = staging.and_then(|st| st.on_staged) {
+        f();
+    }
+    if single {
+        upload.single(last)?;
+    } else {
+        upload.finish()?;
+    }
+    let tensor_crcs = (0..tensors.len())
+        .map(|i| {
+            let suffix = suffixes[i].take().unwrap_or_default();
+            item_crc(&lay.layouts[i], &payload_crc[i], &suffix)
+        })
+        .collect();
+    Ok(lay.written(objects, tensor_crcs))
+}
+
+/// CRC-32 of a whole tensor item: archive head, payload, tail.
+fn item_crc(l: &ArchiveLayout, payload: &crc32fast::Hasher, suffix: &[u8]) -> u32 {
+    let mut item = crc32fast::Hasher::new();
+    item.update(&l.prefix);
+    item.combine(payload);
+    item.update(suffix);
+    item.finalize()
+}
+
+/// Where every item of a rank's file goes: byte objects first, then one torch.save archive per
+/// tensor chunk; offsets and lengths in bytes.
+struct FileLayout {
+    object_pos: Vec<(u64, u64)>,
+    layouts: Vec<ArchiveLayout>,
+    tensor_pos: Vec<(u64, u64)>,
+    total: u64,
+}
+
+impl FileLayout {
+    /// `seed` makes the archives' `serialization_id`s distinct per rank.
+    fn new(seed: u64, tensors: &[TensorChunk], objects: &[ByteObject]) -> Result<FileLayout> {
+        for t in tensors {
+            check_chunk(t)?;
+        }
+        let mut cursor = 0u64;
+        let mut object_pos = Vec::with_capacity(objects.len());
+        for o in objects {
+            object_pos.push((cursor, o.bytes.len() as u64));
+            cursor += o.bytes.len() as u64;
+        }
+        let mut layouts = Vec::with_capacity(tensors.len());
+        let mut tensor_pos = Vec::with_capacity(tensors.len());
+        for (i, t) in tensors.iter().enumerate() {
+            let id = format!("{:040}", ((seed as u128) << 64) | i as u128);
+            let l = ArchiveLayout::for_tensor(t.dtype, &t.sizes, &id);
+            tensor_pos.push((cursor, l.len()));
+            cursor += l.len();
+            layouts.push(l);
+        }
+        Ok(FileLayout {
+            object_pos,
+            layouts,
+            tensor_pos,
+            total: cursor,
+        })
+    }
+
+    fn written(&self, objects: &[ByteObject], tensor_crcs: Vec<u32>) -> Written {
+        let place = |&(offset, length): &(u64, u64), crc32| Placed {
+            offset,
+            length,
+            crc32,
+        };
+        Written {
+            tensors: self
+                .tensor_pos
+                .iter()
+                .zip(tensor_crcs)
+                .map(|(p, c)| place(p, c))
+                .collect(),
+            objects: self
+                .object_pos
+                .iter()
+                .zip(objects)
+                .map(|(p, o)| place(p, crc32fast::hash(o.bytes)))
+                .collect(),
+            file_size: self.total,
+        }
+    }
 }
 
 /// Objects, archive heads and host payload pieces, all written in parallel from where they are.
@@ -216,10 +335,9 @@ fn write_direct(
     file: &DataFile,
     tensors: &[TensorChunk],
     objects: &[ByteObject],
-    object_pos: &[(u64, u64)],
-    layouts: &[ArchiveLayout],
-    tensor_pos: &[(u64, u64)],
+    lay: &FileLayout,
 ) -> Result<Vec<PieceCrc>> {
+    let (object_pos, layouts, tensor_pos) = (&lay.object_pos, &lay.layouts, &lay.tensor_pos);
     enum Task<'a> {
         Raw(&'a [u8], u64),
         Piece {
@@ -281,8 +399,9 @@ enum Fill<'a> {
     Bytes(&'a [u8]),
     /// Device memory of one tensor payload.
     Device { ptr: u64, device: u32 },
-    /// An archive tail, written once its payload CRC is known; left as zeros here.
-    Hole,
+    /// Bytes `at..` of tensor `item`'s archive tail, known once its payload CRC is; left as zeros
+    /// by [`fill_window`].
+    Hole { item: usize, at: u64 },
 }
 
 /// One part of a window: `len` bytes at `buf_at` in the buffer; `payload` names the tensor and the
@@ -294,31 +413,20 @@ struct Segment<'a> {
     payload: Option<(usize, u64)>,
 }
 
-/// The file is cut into windows of one buffer each, in file order, so each buffer becomes one
-/// large positioned write however small the items in it are. The caller's thread fills buffers
-/// (host copies now, device copies queued on per-device side streams ordered after the caller's
-/// streams) while writer threads wait for each buffer's copies, CRC its payload bytes and write it.
-#[allow(clippy::too_many_arguments)]
-fn write_staged(
-    file: &DataFile,
-    tensors: &[TensorChunk],
-    objects: &[ByteObject],
-    object_pos: &[(u64, u64)],
-    layouts: &[ArchiveLayout],
-    tensor_pos: &[(u64, u64)],
-    total: u64,
-    st: Staging,
-) -> Result<Vec<PieceCrc>> {
-    use std::collections::HashMap;
-    use std::sync::mpsc;
-
+/// Cuts the file into windows of `bsize` bytes, in file order, and lists what fills each.
+fn plan_windows<'a>(
+    tensors: &'a [TensorChunk],
+    objects: &'a [ByteObject],
+    lay: &'a FileLayout,
+    bsize: u64,
+) -> Vec<Vec<Segment<'a>>> {
     // The file as a list of (file offset, len, fill, payload position), in order.
     let mut parts: Vec<(u64, u64, Fill, Option<(usize, u64)>)> = Vec::new();
-    for (o, &(at, len)) in objects.iter().zip(object_pos) {
+    for (o, &(at, len)) in objects.iter().zip(&lay.object_pos) {
         parts.push((at, len, Fill::Bytes(o.bytes), None));
     }
-    for (i, (t, l)) in tensors.iter().zip(layouts).enumerate() {
-        let at = tensor_pos[i].0;
+    for (i, (t, l)) in tensors.iter().zip(&lay.layouts).enumerate() {
+        let at = lay.tensor_pos[i].0;
         parts.push((at, l.prefix.len() as u64, Fill::Bytes(&l.prefix), None));
         let fill = match t.data {
             Payload::Host(b) => Fill::Bytes(b),
@@ -333,13 +441,11 @@ fn write_staged(
         parts.push((
             at + l.prefix.len() as u64 + l.payload_len,
             l.len() - l.prefix.len() as u64 - l.payload_len,
-            Fill::Hole,
+            Fill::Hole { item: i, at: 0 },
             None,
         ));
     }
-    let bsize = st.pool.buffer_size as u64;
-    let windows = total.div_ceil(bsize);
-    // Segments of each window.
+    let windows = lay.total.div_ceil(bsize);
     let mut plan: Vec<Vec<Segment>> = (0..windows).map(|_| Vec::new()).collect();
     for (at, len, fill, payload) in parts {
         let mut done = 0u64;
@@ -353,7 +459,10 @@ fn write_staged(
                     ptr: ptr + done,
                     device: *device,
                 },
-                Fill::Hole => Fill::Hole,
+                Fill::Hole { item, .. } => Fill::Hole {
+                    item: *item,
+                    at: done,
+                },
             };
             plan[w as usize].push(Segment {
                 buf_at: (pos - w * bsize) as usize,
@@ -364,6 +473,62 @@ fn write_staged(
             done += n;
         }
     }
+    plan
+}
+
+/// Fills one window's buffer: host bytes copied now, device bytes queued on per-device side
+/// streams (ordered after the caller's streams). Returns one event per device used; the window's
+/// bytes are valid once they have completed.
+fn fill_window(
+    segs: &[Segment],
+    dst: &mut [u8],
+    copiers: &mut std::collections::HashMap<u32, crate::gpu::DeviceCopier>,
+    caller_streams: Option<&std::collections::HashMap<u32, u64>>,
+) -> Result<Vec<cudarc::driver::CudaEvent>> {
+    let mut devices: Vec<u32> = Vec::new();
+    for seg in segs {
+        let out = &mut dst[seg.buf_at..seg.buf_at + seg.len];
+        match &seg.fill {
+            Fill::Bytes(b) => out.copy_from_slice(b),
+            Fill::Hole { .. } => out.fill(0),
+            Fill::Device { ptr, device } => {
+                let Some(streams) = caller_streams else {
+                    return Err(Error::InvalidArgument(
+                        "device memory can only be saved through staging".into(),
+                    ));
+                };
+                if !copiers.contains_key(device) {
+                    let stream = streams.get(device).copied().unwrap_or(0);
+                    copiers.insert(*device, crate::gpu::DeviceCopier::new(*device, stream)?);
+                }
+                // SAFETY: the caller keeps the tensors alive and unmodified until on_staged;
+                // `out` is part of a buffer that stays lent to this save until the window's
+                // events have been waited for.
+                unsafe { copiers[device].copy(out, *ptr)? };
+                if !devices.contains(device) {
+                    devices.push(*device);
+                }
+            }
+        }
+    }
+    devices.iter().map(|d| copiers[d].record()).collect()
+}
+
+/// The file is cut into windows of one buffer each, in file order, so each buffer becomes one
+/// large positioned write however small the items in it are. The caller's thread fills buffers
+/// while writer threads wait for each buffer's copies, CRC its payload bytes and write it.
+fn write_staged(
+    file: &DataFile,
+    tensors: &[TensorChunk],
+    objects: &[ByteObject],
+    lay: &FileLayout,
+    st: Staging,
+) -> Result<Vec<PieceCrc>> {
+    use std::collections::HashMap;
+    use std::sync::mpsc;
+
+    let bsize = st.pool.buffer_size as u64;
+    let plan = plan_windows(tensors, objects, lay, bsize);
 
     let mut copiers: HashMap<u32, crate::gpu::DeviceCopier> = HashMap::new();
     let workers = std::thread::available_parallelism()
@@ -427,38 +592,12 @@ fn write_staged(
             for (w, segs) in plan.iter().enumerate() {
                 let mut buf = st.pool.take();
                 let used = segs.last().map_or(0, |s| s.buf_at + s.len);
-                let mut devices: Vec<u32> = Vec::new();
-                {
-                    let dst = buf.as_mut_slice();
-                    for seg in segs {
-                        let out = &mut dst[seg.buf_at..seg.buf_at + seg.len];
-                        match &seg.fill {
-                            Fill::Bytes(b) => out.copy_from_slice(b),
-                            Fill::Hole => out.fill(0),
-                            Fill::Device { ptr, device } => {
-                                if !copiers.contains_key(device) {
-                                    let stream =
-                                        st.caller_streams.get(device).copied().unwrap_or(0);
-                                    copiers.insert(
-                                        *device,
-                                        crate::gpu::DeviceCopier::new(*device, stream)?,
-                                    );
-                                }
-                                // SAFETY: the caller keeps the tensors alive and unmodified until
-                                // on_staged; `out` is part of a pool buffer that stays lent to this
-                                // save until a writer has waited for this window's events.
-                                unsafe { copiers[device].copy(out, *ptr)? };
-                                if !devices.contains(device) {
-                                    devices.push(*device);
-                                }
-                            }
-                        }
-                    }
-                }
-                let events = devices
-                    .iter()
-                    .map(|d| copiers[d].record())
-                    .collect::<Result<Vec<_>>>()?;
+                let events = fill_window(
+                    segs,
+                    buf.as_mut_slice(),
+                    &mut copiers,
+                    Some(st.caller_streams),
+                )?;
                 if defer {
                     held.push((w as u64, buf, used, events));
                 } else if tx.send((w as u64, buf, used, events)).is_err() {

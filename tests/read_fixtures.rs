@@ -8,6 +8,7 @@ use common::fixtures;
 use sha2::{Digest, Sha256};
 use shardwise::format::metadata::Entry;
 use shardwise::reader::Checkpoint;
+use shardwise::storage::Location;
 
 fn hex(bytes: &[u8]) -> String {
     Sha256::digest(bytes)
@@ -29,7 +30,8 @@ fn golden_checkpoints_read_back_byte_exactly() {
     for dir in dirs {
         let expected: serde_json::Value =
             serde_json::from_slice(&std::fs::read(dir.join("expected.json")).unwrap()).unwrap();
-        let ckpt = Checkpoint::open(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+        let ckpt = Checkpoint::open(&Location::local(&dir))
+            .unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
         let keys = expected["keys"].as_object().unwrap();
         assert_eq!(ckpt.metadata.entries.len(), keys.len(), "{}", dir.display());
         for (key, k) in keys {
@@ -80,7 +82,7 @@ fn golden_checkpoints_read_back_byte_exactly() {
 fn regions_assemble_across_chunks() {
     // megatron fixture: a TP-sharded weight split across ranks; read a box straddling both chunks.
     let dir = fixtures().join("megatron/core-0.16.1_torch-2.15");
-    let ckpt = Checkpoint::open(&dir).unwrap();
+    let ckpt = Checkpoint::open(&Location::local(&dir)).unwrap();
     let (key, shape) = ckpt
         .metadata
         .entries

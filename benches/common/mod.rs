@@ -10,6 +10,7 @@ use rayon::prelude::*;
 use shardwise::format::dtype::DType;
 use shardwise::format::metadata::{Chunk, Entry, StorageInfo};
 use shardwise::rendezvous::{write_part, FileRecord, RankPart, TensorRecord, PART_FORMAT};
+use shardwise::storage::Location;
 use shardwise::writer::{Payload, TensorChunk};
 
 /// Save id of the simulated parts.
@@ -45,7 +46,7 @@ pub fn publish_parts(dir: &Path, world: u32, chunks: u64) {
             objects: Vec::new(),
             common: None,
         };
-        write_part(dir, &part).unwrap();
+        write_part(&Location::local(dir), &part).unwrap();
     });
 }
 

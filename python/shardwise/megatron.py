@@ -38,6 +38,13 @@ _LAUNCH_ENV = (
 )
 
 
+def is_url(checkpoint_dir) -> bool:
+    """Whether ``checkpoint_dir`` names an object store (``s3://``, ``gs://``, ``az://``,
+    ``memory://``...) rather than a local path (plain or ``file://``)."""
+    s = os.fspath(checkpoint_dir)
+    return "://" in s and not s.startswith("file://")
+
+
 def default_save_id(checkpoint_dir: str) -> str:
     """Save id that every rank of one launch derives alike, without communication.
 
@@ -46,7 +53,9 @@ def default_save_id(checkpoint_dir: str) -> str:
     how many times this process has saved into that directory. Pass ``save_id`` explicitly when
     ranks may call :func:`save` a different number of times for the same directory.
     """
-    path = os.path.abspath(os.fspath(checkpoint_dir))
+    path = os.fspath(checkpoint_dir)
+    if not is_url(path):
+        path = os.path.abspath(path)
     _ATTEMPTS[path] += 1
     h = hashlib.sha256(path.encode())
     for name in _LAUNCH_ENV:
@@ -200,7 +209,10 @@ def save(
 
     Args:
         sharded_state_dict: the Megatron sharded state dict (factories are applied in place).
-        checkpoint_dir: the checkpoint directory (created if absent), e.g. ``.../iter_0000100``.
+        checkpoint_dir: the checkpoint directory (created if absent), e.g. ``.../iter_0000100``, or
+            an object-store URL (``s3://bucket/run/iter_0000100``, ``gs://``, ``az://``): data files
+            stream there as multipart uploads, parts and the commit are created only-if-absent.
+            Credentials and endpoints come from the cloud's usual environment variables (README).
         rank, world_size: this rank's index among the ranks that save, and their number. Default to
             the ``torch.distributed`` default group when it is initialised, else ``RANK`` and
             ``WORLD_SIZE``. When the default group also holds processes that do not save (rollout or
@@ -237,7 +249,8 @@ def save(
         MissingRanksError: (merging rank) a rank's part is still missing at ``timeout_s``; names it.
         NotCommittedError: (other ranks) the merger failed, or no commit within ``timeout_s``.
         CheckpointExistsError: ``checkpoint_dir`` holds a committed checkpoint and not ``overwrite``.
-        StorageError: the directory or a file cannot be written (permissions, full disk).
+        StorageError: the directory or a file cannot be written (permissions, full disk, object
+            store unreachable after its retries).
         InvalidArgumentError: rank/world_size/save_id/timeout out of range, unsupported tensors.
 
     A failed save never writes ``.metadata`` and touches no other directory.
@@ -669,6 +682,11 @@ def save_checkpoint(
         if clash:
             raise InvalidArgumentError(f"common_state keys also in the sharded state dict: {clash}")
         sharded_state_dict = {**sharded_state_dict, **common_state}
+    if is_url(save_root):
+        raise InvalidArgumentError(
+            f"save_checkpoint keeps Megatron's tracker file and retention on a filesystem; for an object "
+            f"store ({save_root}) call save() with the iteration's URL"
+        )
     rank, world_size = _rank_and_world(rank, world_size)
     os.makedirs(os.fspath(save_root), exist_ok=True)
     ckpt = checkpoint_name(save_root, iteration)

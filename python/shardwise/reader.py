@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from typing import Optional, Union
 
 from . import _native
@@ -17,7 +18,7 @@ class Reader:
     """
 
     def __init__(self, path):
-        self._ckpt = _native.open_checkpoint(path)
+        self._ckpt = _native.open_checkpoint(os.fspath(path))
 
     def keys(self) -> list[str]:
         """All keys, sorted."""
@@ -86,5 +87,6 @@ def _region(shape: list[int], index: Optional[Index]) -> tuple[list[int], list[i
 
 
 def open(path) -> Reader:  # noqa: A001 - the public name is shardwise.open
-    """Opens checkpoint directory ``path`` (written by shardwise, torch DCP or Megatron)."""
+    """Opens the checkpoint at ``path`` (written by shardwise, torch DCP or Megatron): a directory or
+    an object-store URL (``s3://bucket/run/iter_0000100``; items are then read by ranged GETs)."""
     return Reader(path)

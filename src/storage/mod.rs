@@ -1,0 +1,200 @@
+//! Where checkpoints live. [`Location`] is a checkpoint directory: a local path (our own parallel
+//! positioned writes, atomic renames, `flock`) or a prefix in an object store (`object_store`
+//! crate, conditional creates). Everything above this module names files by their `/`-separated
+//! path inside the checkpoint (`.metadata`, `.shardwise/<save_id>/3.part`).
+
+mod local;
+pub mod remote;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+pub use local::{atomic_write, create_dir_all, fsync_dir, sweep_temp_files, DataFile};
+
+use crate::error::{Error, Result};
+
+/// A file directly under a listed directory.
+#[derive(Clone, Debug)]
+pub struct Listed {
+    pub name: String,
+    /// Bytes.
+    pub size: u64,
+    /// Seconds since its last modification.
+    pub age_s: f64,
+}
+
+/// A checkpoint directory, local or in an object store.
+#[derive(Clone, Debug)]
+pub enum Location {
+    Local(PathBuf),
+    Remote(Arc<remote::Remote>),
+}
+
+impl Location {
+    /// Parses a path or URL: plain paths and `file://` are local; `s3://`, `gs://`, `az://`
+    /// (also `abfs://`, `abfss://`, `azure://`) and `memory://` are object stores.
+    ///
+    /// Errors: [`Error::InvalidArgument`] for other schemes or malformed URLs.
+    pub fn parse(s: &str) -> Result<Location> {
+        match s.split_once("://") {
+            None => Ok(Location::Local(PathBuf::from(s))),
+            Some(("file", rest)) => Ok(Location::Local(PathBuf::from(rest))),
+            Some(_) => Ok(Location::Remote(Arc::new(remote::Remote::open(s)?))),
+        }
+    }
+
+    pub fn local(dir: &Path) -> Location {
+        Location::Local(dir.to_path_buf())
+    }
+
+    /// The local directory, if local.
+    pub fn as_local(&self) -> Option<&Path> {
+        match self {
+            Location::Local(p) => Some(p),
+            Location::Remote(_) => None,
+        }
+    }
+
+    /// The location as a path for messages and errors (a URL is kept as written).
+    pub fn display_path(&self) -> PathBuf {
+        match self {
+            Location::Local(p) => p.clone(),
+            Location::Remote(r) => PathBuf::from(&r.url),
+        }
+    }
+
+    /// `rel` as a path for messages.
+    pub fn path_of(&self, rel: &str) -> PathBuf {
+        self.display_path().join(rel)
+    }
+
+    /// Creates the directory (local) — object stores have no directories.
+    pub fn create_dir(&self) -> Result<()> {
+        match self {
+            Location::Local(p) => create_dir_all(p),
+            Location::Remote(_) => Ok(()),
+        }
+    }
+
+    /// The whole file `rel`, or `None` when it does not exist.
+    pub fn read(&self, rel: &str) -> Result<Option<Vec<u8>>> {
+        match self {
+            Location::Local(p) => {
+                let path = p.join(rel);
+                match std::fs::read(&path) {
+                    Ok(b) => Ok(Some(b)),
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+                    Err(e) => Err(Error::Io {
+                        op: "read",
+                        path,
+                        source: e,
+                    }),
+                }
+            }
+            Location::Remote(r) => r.get(rel),
+        }
+    }
+
+    /// Size in bytes of `rel`, or `None` when it does not exist.
+    pub fn size(&self, rel: &str) -> Result<Option<u64>> {
+        match self {
+            Location::Local(p) => match std::fs::metadata(p.join(rel)) {
+                Ok(m) if m.is_file() => Ok(Some(m.len())),
+                Ok(_) => Ok(None),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+                Err(e) => Err(Error::Io {
+                    op: "stat",
+                    path: p.join(rel),
+                    source: e,
+                }),
+            },
+            Location::Remote(r) => r.size(rel),
+        }
+    }
+
+    /// Whether `rel` exists (errors count as absent: callers poll).
+    pub fn exists(&self, rel: &str) -> bool {
+        matches!(self.size(rel), Ok(Some(_)))
+    }
+
+    /// Publishes `bytes` as `rel` atomically, replacing it: readers see the old file or the whole
+    /// new one (local: tmp + fsync + rename + directory fsync; object stores: one PUT).
+    pub fn write(&self, rel: &str, bytes: Vec<u8>) -> Result<()> {
+        match self {
+            Location::Local(p) => {
+                let path = p.join(rel);
+                if let Some(parent) = path.parent() {
+                    create_dir_all(parent)?;
+                }
+                atomic_write(&path, &bytes)
+            }
+            Location::Remote(r) => r.put(rel, bytes),
+        }
+    }
+
+    /// Removes `rel`; absent is fine.
+    pub fn remove(&self, rel: &str) -> Result<()> {
+        match self {
+            Location::Local(p) => match std::fs::remove_file(p.join(rel)) {
+                Ok(()) => Ok(()),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+                Err(e) => Err(Error::Io {
+                    op: "remove",
+                    path: p.join(rel),
+                    source: e,
+                }),
+            },
+            Location::Remote(r) => r.delete(rel),
+        }
+    }
+
+    /// Removes the directory `rel_dir` and everything under it (best effort for local).
+    pub fn remove_dir(&self, rel_dir: &str) -> Result<()> {
+        match self {
+            Location::Local(p) => {
+                let _ = std::fs::remove_dir_all(p.join(rel_dir));
+                Ok(())
+            }
+            Location::Remote(r) => r.delete_all(rel_dir),
+        }
+    }
+
+    /// Files directly under `rel_dir` and the names of its subdirectories; a missing directory
+    /// lists as empty.
+    pub fn list(&self, rel_dir: &str) -> Result<(Vec<Listed>, Vec<String>)> {
+        match self {
+            Location::Local(p) => {
+                let (mut files, mut dirs) = (Vec::new(), Vec::new());
+                let Ok(rd) = std::fs::read_dir(p.join(rel_dir)) else {
+                    return Ok((files, dirs));
+                };
+                for e in rd.flatten() {
+                    let name = e.file_name().to_string_lossy().into_owned();
+                    let Ok(m) = e.metadata() else { continue };
+                    if m.is_dir() {
+                        dirs.push(name);
+                    } else if m.is_file() {
+                        let age_s = m
+                            .modified()
+                            .ok()
+                            .and_then(|t| t.elapsed().ok())
+                            .map_or(0.0, |d| d.as_secs_f64());
+                        files.push(Listed {
+                            name,
+                            size: m.len(),
+                            age_s,
+                        });
+                    }
+                }
+                Ok((files, dirs))
+            }
+            Location::Remote(r) => r.list(rel_dir),
+        }
+    }
+}
+
+impl std::fmt::Display for Location {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.display_path().display())
+    }
+}
