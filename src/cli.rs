@@ -409,7 +409,7 @@ fn status(dir: &Location, keys: bool, json: bool) -> Result<i32> {
             }
         }
         let missing = if world_size > 0 {
-            rendezvous::missing_ranks(dir, &id, world_size)
+            rendezvous::missing_ranks(dir, &id, world_size)?
         } else {
             Vec::new()
         };

@@ -209,28 +209,27 @@ impl Backoff {
 }
 
 /// Ranks in `0..world_size` with no part yet.
-pub fn missing_ranks(loc: &Location, save_id: &str, world_size: u32) -> Vec<u32> {
-    let present = present_ranks(loc, save_id, world_size);
-    (0..world_size).filter(|&r| !present[r as usize]).collect()
+///
+/// Errors: storage errors when the save's directory cannot be listed (object store unreachable).
+pub fn missing_ranks(loc: &Location, save_id: &str, world_size: u32) -> Result<Vec<u32>> {
+    let present = present_ranks(loc, save_id, world_size)?;
+    Ok((0..world_size).filter(|&r| !present[r as usize]).collect())
 }
 
 /// `present[r]` is true when rank `r` has published its part (one directory listing).
-fn present_ranks(loc: &Location, save_id: &str, world_size: u32) -> Vec<bool> {
+fn present_ranks(loc: &Location, save_id: &str, world_size: u32) -> Result<Vec<bool>> {
     let mut present = vec![false; world_size as usize];
-    if let Ok((files, _)) = loc.list(&save_rel(save_id)) {
-        for f in files {
-            if let Some(r) = f
-                .name
-                .strip_suffix(".part")
-                .and_then(|r| r.parse::<u32>().ok())
-            {
-                if r < world_size {
-                    present[r as usize] = true;
-                }
-            }
+    let (files, _) = loc.list(&save_rel(save_id))?;
+    for f in files {
+        let rank = f
+            .name
+            .strip_suffix(".part")
+            .and_then(|r| r.parse::<u32>().ok());
+        if let Some(r) = rank.filter(|&r| r < world_size) {
+            present[r as usize] = true;
         }
     }
-    present
+    Ok(present)
 }
 
 /// Waits up to `timeout` for the parts of all `world_size` ranks and reads them. Parts are read as
@@ -249,7 +248,8 @@ pub fn collect_parts(
     let mut parts: Vec<Option<RankPart>> = vec![None; world_size as usize];
     let mut backoff = Backoff::new();
     loop {
-        let present = present_ranks(loc, save_id, world_size);
+        // An unreachable store is retried by the client; what still fails is reported at once.
+        let present = present_ranks(loc, save_id, world_size)?;
         let arrived: Vec<u32> = (0..world_size)
             .filter(|&r| present[r as usize] && parts[r as usize].is_none())
             .collect();
@@ -897,8 +897,15 @@ pub fn wait_for_commit(
             return Err(not_committed(loc, save_id, reason));
         }
         if Instant::now() >= deadline {
-            let missing = missing_ranks(loc, save_id, world_size);
             let t = timeout.as_secs_f64();
+            let missing = match missing_ranks(loc, save_id, world_size) {
+                Ok(m) => m,
+                Err(e) => {
+                    let reason =
+                        format!("no commit within {t:.1}s, and the parts cannot be listed: {e}");
+                    return Err(not_committed(loc, save_id, reason));
+                }
+            };
             let reason = if let Some(holder) = dead_merger(loc, save_id) {
                 format!(
                     "no commit within {t:.1}s: the merger ({holder}) died while holding the \

@@ -156,8 +156,10 @@ pub fn save_rank(
             Ok(w) => w,
             Err(e) => {
                 // A partial data file is never referenced by a part, but would fill the disk
-                // that just failed; remove it (best effort).
-                let _ = loc.remove(&name);
+                // that just failed; remove it (best effort). A failed upload left no object.
+                if loc.as_local().is_some() {
+                    let _ = loc.remove(&name);
+                }
                 return Err(rank_error(opts.rank, e));
             }
         };

@@ -13,9 +13,11 @@ from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 
-def read_all(ckpt: str) -> tuple[dict, dict]:
-    """(full tensors by key, byte objects by key as unpickled values), via ``dcp.load(no_dist=True)``."""
-    md = FileSystemReader(ckpt).read_metadata()
+def read_all(ckpt: str, reader=None) -> tuple[dict, dict]:
+    """(full tensors by key, byte objects by key as unpickled values), via ``dcp.load(no_dist=True)``
+    with ``reader`` (a ``StorageReader`` factory taking no argument; default: ``FileSystemReader(ckpt)``)."""
+    reader = reader or (lambda: FileSystemReader(ckpt))
+    md = reader().read_metadata()
     sd: dict = {}
     for key, m in md.state_dict_metadata.items():
         if isinstance(m, TensorStorageMetadata):
@@ -23,7 +25,7 @@ def read_all(ckpt: str) -> tuple[dict, dict]:
         else:
             assert isinstance(m, BytesStorageMetadata)
             sd[key] = io.BytesIO()
-    dcp_load(sd, storage_reader=FileSystemReader(ckpt), no_dist=True)
+    dcp_load(sd, storage_reader=reader(), no_dist=True)
     tensors = {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
     objects = {}
     for k, v in sd.items():

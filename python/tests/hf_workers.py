@@ -74,7 +74,10 @@ def _build(arch: str, cfg):
     return model.eval()
 
 
-def save_and_forward(rank, world, port, base, arch):
+def save_and_forward(rank, world, port, base, arch, url=None):
+    """Builds the model, saves it with Megatron and shardwise into ``base``, and records the logits.
+    With ``url`` (an object-store checkpoint) shardwise saves there too, leaving the commit to
+    ``shardwise merge`` (``merge_rank=None``), and Megatron's own save is skipped."""
     init_gloo(rank, world, port)
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
@@ -107,12 +110,15 @@ def save_and_forward(rank, world, port, base, arch):
                               num_attention_heads=cfg.num_attention_heads, group_query_attention=True,
                               num_query_groups=cfg.num_key_value_heads, kv_channels=cfg.head_dim,
                               num_experts=cfg.num_experts if moe else None)
-    for who in ("megatron", "shardwise"):
+    for who in ("shardwise", "s3") if url else ("megatron", "shardwise"):
         sd = model.sharded_state_dict()
         sd["args"] = args
         sd["iteration"] = 1
         d = os.path.join(base, who)
         os.makedirs(d, exist_ok=True)
+        if who == "s3":
+            swm.save(sd, url, timeout_s=120, merge_rank=None)
+            continue
         if who == "megatron":
             dist_checkpointing.save(sd, d)
         else:

@@ -221,7 +221,10 @@ impl Remote {
     }
 
     fn check_create(&self) -> Result<()> {
-        let mut checked = self.create_checked.lock().unwrap_or_else(|e| e.into_inner());
+        let mut checked = self
+            .create_checked
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
         if *checked {
             return Ok(());
         }
