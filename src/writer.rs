@@ -167,9 +167,10 @@ pub fn write_rank_file(
 /// Writes the same bytes as [`write_rank_file`] strictly in file order, one window after the
 /// other, as the parts of an object-store upload: archive tails are filled in as their window is
 /// built, since every payload byte before a tail has been CRC'd by then. Windows are
-/// `part_bytes` long, or the staging buffer size when staging. Parts upload concurrently
-/// (see [`Upload`](crate::storage::remote::Upload)) while the next window is filled; a staged
-/// window is copied out of its pinned buffer, so buffers return to the pool at once.
+/// `part_bytes` long, or the staging buffer size when staging; windows are gathered into parts of
+/// at least `part_bytes` (all but the last), and a file of one part is a single PUT. Parts upload
+/// concurrently (see [`Upload`](crate::storage::remote::Upload)) while the next window is filled;
+/// a staged window is copied out of its pinned buffer, so buffers return to the pool at once.
 ///
 /// Errors: as [`write_rank_file`], with [`Error::Remote`] for upload failures (the upload is
 /// aborted).
@@ -185,12 +186,6 @@ pub fn write_rank_object(
     let bsize = staging
         .as_ref()
         .map_or(part_bytes, |st| st.pool.buffer_size) as u64;
-    if bsize < crate::storage::remote::MIN_PART_BYTES {
-        return Err(Error::InvalidArgument(format!(
-            "staging buffers of {bsize} bytes are smaller than an object-store part may be ({} bytes)",
-            crate::storage::remote::MIN_PART_BYTES
-        )));
-    }
     let plan = plan_windows(tensors, objects, &lay, bsize);
     let mut payload_crc: Vec<crc32fast::Hasher> = (0..tensors.len())
         .map(|_| crc32fast::Hasher::new())
@@ -201,8 +196,8 @@ pub fn write_rank_object(
         Some(st) => (Some(st.pool), Some(st.caller_streams)),
         None => (None, None),
     };
-    let single = plan.len() <= 1;
-    let mut last = Vec::new();
+    let mut pending: Vec<u8> = Vec::new();
+    let mut multipart = false;
     for segs in &plan {
         let used = segs.last().map_or(0, |s| s.buf_at + s.len);
         let mut out = match pool {
@@ -236,18 +231,25 @@ pub fn write_rank_object(
                 bytes.copy_from_slice(&suffix[at as usize..at as usize + seg.len]);
             }
         }
-        if single {
-            last = out;
+        if pending.is_empty() {
+            pending = out;
         } else {
-            upload.part(out)?;
+            pending.extend_from_slice(&out);
+        }
+        if pending.len() >= part_bytes {
+            upload.part(std::mem::take(&mut pending))?;
+            multipart = true;
         }
     }
     if let Some(f) = staging.and_then(|st| st.on_staged) {
         f();
     }
-    if single {
-        upload.single(last)?;
+    if !multipart {
+        upload.single(pending)?;
     } else {
+        if !pending.is_empty() {
+            upload.part(pending)?;
+        }
         upload.finish()?;
     }
     let tensor_crcs = (0..tensors.len())

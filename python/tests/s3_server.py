@@ -13,7 +13,7 @@ recreate their bucket (and whatever objects they need) afterwards.
 
 Conditional writes (`If-None-Match: *` on PutObject and CompleteMultipartUpload) need no
 configuration in moto >= 5.1, but moto checks-then-writes without a lock, so it is not a race-free
-arbiter between concurrent writers (see S3_NOTES.md).
+arbiter between concurrent writers.
 """
 
 from __future__ import annotations

@@ -190,12 +190,17 @@ def test_merger_killed_holding_the_lock_is_taken_over(ctx, earlier, tmp_path):
     ckpt, sid, out = tmp_path / "c", "lockdeath", tmp_path / "out"
     # Rank 1's bound must outlast the merger's start-up on a loaded machine (it reports the dead
     # merger when its bound expires).
-    procs = start_ranks(ctx, ckpt, sid, out, ranks=[1], timeout_s=8.0)
+    procs = start_ranks(ctx, ckpt, sid, out, ranks=[1], timeout_s=15.0)
     merger = ctx.Process(target=fault_workers.merge, args=(str(ckpt), sid, WORLD, 60.0))
     wait_for(ckpt / ".shardwise" / sid / "1.part")
     merger.start()
-    wait_for(ckpt / ".shardwise" / sid / "COMMITTING")
-    time.sleep(0.2)  # the holder records itself right after taking the flock
+    lock = ckpt / ".shardwise" / sid / "COMMITTING"
+    wait_for(lock)
+    # The holder records itself (pid, host) right after taking the flock; an empty lock file is one
+    # a contender may still be about to take, so only a recorded holder counts as a dead merger.
+    deadline = time.monotonic() + 60
+    while lock.stat().st_size == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
     merger.kill()
     merger.join()
     results = finish(procs, out, sid)
