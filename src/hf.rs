@@ -721,6 +721,12 @@ pub fn to_hf(
     progress: &(dyn Fn(u64) + Sync),
 ) -> Result<HfSummary> {
     let t0 = Instant::now();
+    if out_dir.to_string_lossy().contains("://") {
+        return Err(Error::InvalidArgument(format!(
+            "to-hf writes to a local directory, not to {}",
+            out_dir.display()
+        )));
+    }
     let ckpt = Checkpoint::open(ckpt)?;
     let args = megatron_args(ckpt.location())?;
     let config: Option<serde_json::Value> = match &opts.config {

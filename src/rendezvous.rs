@@ -420,9 +420,10 @@ pub fn build_global(loc: &Location, parts: &[RankPart]) -> Result<BTreeMap<Strin
         for f in p.files.iter().chain(p.common.iter()) {
             let size = loc.size(&f.name).ok().flatten();
             if size != Some(f.size) {
+                let found = size.map_or("is missing".to_string(), |s| format!("has {s} bytes"));
                 return Err(Error::Validation(format!(
-                    "rank {}: data file {} has size {:?}, its part says {} bytes (file replaced or truncated)",
-                    p.rank, f.name, size, f.size
+                    "rank {}: data file {} {found}, its part says {} bytes (file replaced or truncated)",
+                    p.rank, f.name, f.size
                 )));
             }
         }
@@ -745,6 +746,11 @@ pub fn merge(
     timeout: Duration,
 ) -> Result<CommitSummary> {
     check_save_id(save_id)?;
+    if world_size == 0 {
+        return Err(Error::InvalidArgument(
+            "world_size must be at least 1".into(),
+        ));
+    }
     let already = || CommitSummary {
         already_committed: true,
         ..Default::default()

@@ -94,20 +94,26 @@ pub fn save_rank(
     // one process (tests, tools) cannot block each other.
     let ticket = SaveTicket::acquire();
     let loc = &opts.location;
-    loc.create_dir()?;
-    if loc.exists(".metadata") {
-        // A `.metadata` without a COMMITTED marker was left by a merger that died mid-commit: it is
-        // no checkpoint, and a rerun replaces it like any other leftover of the failed attempt.
-        if !opts.overwrite && rendezvous::is_committed(loc) {
-            return Err(Error::CheckpointExists(loc.display_path()));
+    let prepared = (|| {
+        loc.create_dir()?;
+        if loc.exists(".metadata") {
+            // A `.metadata` without a COMMITTED marker was left by a merger that died mid-commit:
+            // it is no checkpoint, and a rerun replaces it like any other leftover.
+            if !opts.overwrite && rendezvous::is_committed(loc) {
+                return Err(Error::CheckpointExists(loc.display_path()));
+            }
+            // Un-commit before touching any data, so the old .metadata never points at new bytes.
+            loc.remove("metadata.json")?;
+            loc.remove(".metadata")?;
         }
-        // Un-commit before touching any data, so the old .metadata never points at new bytes.
-        loc.remove("metadata.json")?;
-        loc.remove(".metadata")?;
-    }
-    // This rank's part of an earlier attempt with the same save id (a rerun after a failure) is
-    // stale: remove it before writing data it would describe wrongly.
-    loc.remove(&rendezvous::part_rel(&opts.save_id, opts.rank))?;
+        // State of an earlier attempt with the same save id (a rerun, or an overwrite from a new
+        // process whose derived id repeats) is stale: its COMMITTED marker would make the merger
+        // skip this commit, and this rank's old part would describe data about to be replaced. No
+        // rank of this attempt can have committed yet: the commit needs every rank's part.
+        loc.remove(&rendezvous::marker_rel(&opts.save_id, "COMMITTED"))?;
+        loc.remove(&rendezvous::part_rel(&opts.save_id, opts.rank))
+    })();
+    prepared.map_err(|e| rank_error(opts.rank, e))?;
 
     let t0 = Instant::now();
     let mut report = SaveReport {

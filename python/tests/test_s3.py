@@ -222,3 +222,28 @@ def test_bad_urls_are_clear_errors(s3_server):
                  timeout_s=5)
     with pytest.raises(shardwise.InvalidArgumentError, match="object store"):
         swm.save_checkpoint("s3://b/run", 1, {"w": row_shard("w", 0, 1)}, rank=0, world_size=1)
+    # keys are literal: URLs a parser would rewrite (and save elsewhere than s3fs reads) are refused
+    for url in ("s3://b/exp#2/iter_1", "s3://b/ck?v=2", "s3://b/a%20b", "s3://b/a/../c", "s3://b/a b", "s3://",
+                "s3:///x"):
+        with pytest.raises(shardwise.InvalidArgumentError):
+            swm.save({"w": row_shard("w", 0, 1)}, url, rank=0, world_size=1, save_id="z")
+    with pytest.raises(shardwise.InvalidArgumentError, match="local directory"):
+        shardwise.to_hf("s3://b/ck", "s3://b/hf")
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_overwrite_with_a_repeated_save_id_commits_the_new_data(where, tmp_path, s3_bucket):
+    """A new process derives the same default save id for the same URL: overwriting must still
+    commit the new save (the old COMMITTED marker of that id is stale), not report an empty one."""
+    url = str(tmp_path / "ck") if where == "local" else f"s3://{s3_bucket}/ow"
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    old, new = torch.zeros(4, 8), torch.arange(32.0).reshape(4, 8)
+    swm.save({"w": ShardedTensor.from_rank_offsets("w", old, replica_id=0)}, url, rank=0, world_size=1, save_id="same")
+    rep = swm.save({"w": ShardedTensor.from_rank_offsets("w", new, replica_id=0)}, url, rank=0, world_size=1,
+                   save_id="same", overwrite=True)
+    assert rep["committed"] and rep["keys"] == 1
+    assert torch.equal(shardwise.open(url).read("w"), new)
+    assert cli("verify", url).returncode == 0
+    zero = cli("merge", url, "--world-size", "0", "--save-id", "same")
+    assert zero.returncode == 1 and "world_size must be at least 1" in zero.stderr

@@ -132,6 +132,26 @@ impl Remote {
     ///
     /// Errors: [`Error::InvalidArgument`] for an unsupported scheme, a bad key or bad settings.
     pub fn open(url: &str) -> Result<Remote> {
+        // Keys are used literally, as s3fs and the cloud consoles show them: a URL that a parser
+        // would rewrite (query, fragment, percent-escapes, `.`/`..` segments, blanks) is refused
+        // rather than saved somewhere else than the user reads from.
+        let after_scheme = url.split_once("://").map_or(url, |(_, rest)| rest);
+        let rewritten = after_scheme.contains(['?', '#', '%'])
+            || after_scheme.chars().any(char::is_whitespace)
+            || after_scheme
+                .split('/')
+                .skip(1)
+                .any(|seg| seg == "." || seg == "..");
+        if rewritten {
+            return Err(Error::InvalidArgument(format!(
+                "URL {url:?}: object keys may not contain '?', '#', '%', blanks or '.'/'..' segments"
+            )));
+        }
+        if after_scheme.split('/').next().is_none_or(str::is_empty) {
+            return Err(Error::InvalidArgument(format!(
+                "URL {url:?} names no bucket or container (expected scheme://bucket/prefix)"
+            )));
+        }
         let parsed = url::Url::parse(url)
             .map_err(|e| Error::InvalidArgument(format!("bad URL {url:?}: {e}")))?;
         let part_bytes = env_num("SHARDWISE_MULTIPART_BYTES", 32 << 20)?;
