@@ -313,19 +313,14 @@ fn save_ids(dir: &Location) -> Result<Vec<String>> {
 
 /// `(rank, part or error, age in seconds)` of every part file of a save.
 fn read_parts(dir: &Location, save_id: &str) -> Vec<(u32, Result<RankPart>, f64)> {
-    let mut out = Vec::new();
-    if let Ok((files, _)) = dir.list(&rendezvous::save_rel(save_id)) {
-        for f in files {
-            if let Some(r) = f
-                .name
-                .strip_suffix(".part")
-                .and_then(|r| r.parse::<u32>().ok())
-            {
-                let rel = format!("{}/{}", rendezvous::save_rel(save_id), f.name);
-                out.push((r, rendezvous::read_part(dir, &rel), f.age_s));
-            }
-        }
-    }
+    let listed = rendezvous::listed_parts(dir, save_id).unwrap_or_default();
+    let mut out: Vec<_> = listed
+        .into_iter()
+        .map(|(r, f)| {
+            let rel = format!("{}/{}", rendezvous::save_rel(save_id), f.name);
+            (r, rendezvous::read_part(dir, &rel), f.age_s)
+        })
+        .collect();
     out.sort_by_key(|(r, _, _)| *r);
     out
 }

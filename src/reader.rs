@@ -52,9 +52,11 @@ impl Mapped {
     }
 }
 
-/// An item's bytes: a window on a mapped file, or decoded bytes when a stream transform applied.
+/// An item's bytes: a window on a mapped file, the body of a ranged GET, or decoded bytes when a
+/// stream transform applied.
 pub enum ItemBytes {
     Mapped(Arc<Mapped>, std::ops::Range<usize>),
+    Fetched(bytes::Bytes),
     Owned(Vec<u8>),
 }
 
@@ -63,6 +65,7 @@ impl std::ops::Deref for ItemBytes {
     fn deref(&self) -> &[u8] {
         match self {
             ItemBytes::Mapped(m, r) => &m.bytes()[r.clone()],
+            ItemBytes::Fetched(b) => b,
             ItemBytes::Owned(v) => v,
         }
     }
@@ -254,10 +257,9 @@ impl Checkpoint {
             .transforms
             .get(&(key.to_string(), offsets.map(|o| o.to_vec())));
         let raw = match &self.loc {
-            Location::Remote(r) => ItemBytes::Owned(
-                r.get_range(&storage.relative_path, storage.offset..end)?
-                    .to_vec(),
-            ),
+            Location::Remote(r) => {
+                ItemBytes::Fetched(r.get_range(&storage.relative_path, storage.offset..end)?)
+            }
             Location::Local(_) => ItemBytes::Mapped(file.clone(), range),
         };
         let Some(transforms) = transforms else {

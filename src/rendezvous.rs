@@ -27,7 +27,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{fmt_ranks, Error, Result};
 use crate::format::dtype::DType;
 use crate::format::metadata::{check_layout, emit_metadata, volume, Chunk, Entry, StorageInfo};
-use crate::storage::{fsync_dir, sweep_temp_files, Location};
+use crate::storage::{fsync_dir, sweep_temp_files, Listed, Location};
 
 const MAGIC: &[u8; 8] = b"SWPART01";
 pub const PART_FORMAT: u32 = 1;
@@ -219,17 +219,26 @@ pub fn missing_ranks(loc: &Location, save_id: &str, world_size: u32) -> Result<V
 /// `present[r]` is true when rank `r` has published its part (one directory listing).
 fn present_ranks(loc: &Location, save_id: &str, world_size: u32) -> Result<Vec<bool>> {
     let mut present = vec![false; world_size as usize];
-    let (files, _) = loc.list(&save_rel(save_id))?;
-    for f in files {
-        let rank = f
-            .name
-            .strip_suffix(".part")
-            .and_then(|r| r.parse::<u32>().ok());
-        if let Some(r) = rank.filter(|&r| r < world_size) {
+    for (r, _) in listed_parts(loc, save_id)? {
+        if r < world_size {
             present[r as usize] = true;
         }
     }
     Ok(present)
+}
+
+/// The part files published for `save_id` (one listing), as `(rank, file)`, any rank number.
+///
+/// Errors: storage errors when the save's directory cannot be listed.
+pub fn listed_parts(loc: &Location, save_id: &str) -> Result<Vec<(u32, Listed)>> {
+    let (files, _) = loc.list(&save_rel(save_id))?;
+    Ok(files
+        .into_iter()
+        .filter_map(|f| {
+            let rank = f.name.strip_suffix(".part")?.parse::<u32>().ok()?;
+            Some((rank, f))
+        })
+        .collect())
 }
 
 /// Waits up to `timeout` for the parts of all `world_size` ranks and reads them. Parts are read as
@@ -761,11 +770,7 @@ pub fn merge(
     }
     let Some(dir) = loc.as_local() else {
         loc.remove(&marker_rel(save_id, "FAILED"))?;
-        let result = commit(loc, save_id, world_size, timeout);
-        if let Err(e) = &result {
-            let _ = loc.write(&marker_rel(save_id, "FAILED"), e.to_string().into_bytes());
-        }
-        return result;
+        return commit(loc, save_id, world_size, timeout);
     };
     let sdir = save_dir(dir, save_id);
     crate::storage::create_dir_all(&sdir)?;
@@ -809,15 +814,26 @@ pub fn merge(
         s.took_over_dead_merger = took_over;
         s
     });
-    if let Err(e) = &result {
-        let _ = loc.write(&marker_rel(save_id, "FAILED"), e.to_string().into_bytes());
-    }
     drop(lock);
     result
 }
 
-/// The commit itself, by the lock holder (local) or by every merger (object store).
+/// The commit itself, by the lock holder (local) or by every merger (object store). On failure it
+/// publishes `FAILED` with the reason, so waiting ranks fail fast.
 fn commit(
+    loc: &Location,
+    save_id: &str,
+    world_size: u32,
+    timeout: Duration,
+) -> Result<CommitSummary> {
+    let result = commit_unguarded(loc, save_id, world_size, timeout);
+    if let Err(e) = &result {
+        let _ = loc.write(&marker_rel(save_id, "FAILED"), e.to_string().into_bytes());
+    }
+    result
+}
+
+fn commit_unguarded(
     loc: &Location,
     save_id: &str,
     world_size: u32,

@@ -196,11 +196,14 @@ pub fn write_rank_object(
         Some(st) => (Some(st.pool), Some(st.caller_streams)),
         None => (None, None),
     };
+    // Windows are built straight into the part being gathered: one copy out of a pinned buffer,
+    // none for host data.
     let mut pending: Vec<u8> = Vec::new();
     let mut multipart = false;
     for segs in &plan {
         let used = segs.last().map_or(0, |s| s.buf_at + s.len);
-        let mut out = match pool {
+        let start = pending.len();
+        match pool {
             Some(pool) => {
                 let mut buf = pool.take();
                 let filled = (|| {
@@ -208,19 +211,20 @@ pub fn write_rank_object(
                     for e in &events {
                         crate::gpu::wait(e)?;
                     }
-                    Ok(buf.as_slice()[..used].to_vec())
+                    pending.extend_from_slice(&buf.as_slice()[..used]);
+                    Ok(())
                 })();
                 pool.give_back(buf);
-                filled?
+                filled?;
             }
             None => {
-                let mut v = vec![0u8; used];
-                fill_window(segs, &mut v, &mut copiers, None)?;
-                v
+                pending.resize(start + used, 0);
+                fill_window(segs, &mut pending[start..], &mut copiers, None)?;
             }
-        };
+        }
+        let window = &mut pending[start..];
         for seg in segs {
-            let bytes = &mut out[seg.buf_at..seg.buf_at + seg.len];
+            let bytes = &mut window[seg.buf_at..seg.buf_at + seg.len];
             if let Some((item, _)) = seg.payload {
                 payload_crc[item].update(bytes);
             }
@@ -230,11 +234,6 @@ pub fn write_rank_object(
                 });
                 bytes.copy_from_slice(&suffix[at as usize..at as usize + seg.len]);
             }
-        }
-        if pending.is_empty() {
-            pending = out;
-        } else {
-            pending.extend_from_slice(&out);
         }
         if pending.len() >= part_bytes {
             upload.part(std::mem::take(&mut pending))?;
