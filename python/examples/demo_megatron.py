@@ -1,6 +1,7 @@
 """Demo: 4 CPU ranks (TP=2 x DP=2, gloo) save a real megatron-core GPT with shardwise, the
-`shardwise` CLI shows the layout, and unmodified Megatron loads it back into a freshly initialised
-model and reports equality.
+`shardwise` CLI shows the layout (`status --keys`, `inspect`) and checks it (`verify`), and
+unmodified Megatron loads it back into a freshly initialised model and reports equality. The
+checkpoint is kept; the last lines say where it is and what to try on it.
 
 Run: make demo   (or: python python/examples/demo_megatron.py [CHECKPOINT_DIR])
 """
@@ -46,6 +47,20 @@ def load_rank(rank, world, port, ckpt):
     return {"tensors": len(original), "equal": equal, "differed_before": differed}
 
 
+def shardwise_cli(*args):
+    """Runs the installed `shardwise` command, as a user would."""
+    sys.stdout.flush()
+    subprocess.run([os.path.join(os.path.dirname(sys.executable), "shardwise"), *args], check=True)
+
+
+def human(n: int) -> str:
+    """Bytes for people (binary units, as the CLI prints them)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+
+
 def main():
     ckpt = sys.argv[1] if len(sys.argv) > 1 else os.path.join(tempfile.mkdtemp(prefix="shardwise_demo_"), "iter_0000001")
     work = tempfile.mkdtemp(prefix="shardwise_demo_run_")
@@ -55,14 +70,19 @@ def main():
         if not r.get("ok"):
             sys.exit(f"rank {r['rank']} failed: {r.get('error')}\n{r.get('traceback', '')}")
         rep = r["report"]
-        print(f"   rank {r['rank']}: wrote {rep['data_bytes']} bytes to {rep['data_file']}, committed={rep['committed']}")
-    print(f"   files: {sorted(os.listdir(ckpt))}")
+        wrote = (f"wrote {human(rep['data_bytes'])} to {rep['data_file']}" if rep["data_file"]
+                 else "wrote no data file (a DP replica: its tensors' main replicas are on other ranks)")
+        print(f"   rank {r['rank']}: {wrote}; {'committed' if rep['committed'] else 'not committed'}")
+    print(f"   files: {', '.join(sorted(os.listdir(ckpt)))}")
 
-    print("== 2. shardwise status --keys (layout from the per-rank parts)")
-    sys.stdout.flush()
-    subprocess.run([os.path.join(os.path.dirname(sys.executable), "shardwise"), "status", "--keys", ckpt], check=True)
+    print("== 2. shardwise status --keys (the save's per-rank parts and the layout they describe)")
+    shardwise_cli("status", "--keys", ckpt)
+    print("== 3. shardwise inspect (the committed .metadata, as torch and Megatron will read it)")
+    shardwise_cli("inspect", ckpt)
+    print("== 4. shardwise verify (bounds, coverage, decoding, every CRC-32)")
+    shardwise_cli("verify", ckpt)
 
-    print("== 3. Loading with unmodified megatron.core.dist_checkpointing.load into a fresh model (same layout)")
+    print("== 5. Loading with unmodified megatron.core.dist_checkpointing.load into a fresh model (same layout)")
     results = spawn(load_rank, 4, os.path.join(work, "load"), ckpt, timeout_s=300)
     ok = True
     for r in results:
@@ -73,6 +93,13 @@ def main():
         print(f"   rank {r['rank']}: {r['equal']}/{r['tensors']} tensors bitwise equal after load "
               f"({r['differed_before']} differed before loading)")
     print("RESULT:", "all tensors equal" if ok else "MISMATCH")
+    print(f"""
+The checkpoint is in {ckpt}. Try:
+  .venv/bin/shardwise inspect --json {ckpt} | head -30
+  .venv/bin/shardwise status {ckpt}
+  .venv/bin/python -c "import shardwise; r = shardwise.open('{ckpt}'); print(r); print(r.read('embedding.word_embeddings.weight').shape)"
+  make test        # every test: cargo test + pytest (torch, megatron-core, gloo processes)
+The README covers the Python API (shardwise.megatron.save, the drop-in install()), to-hf and object stores.""")
     sys.exit(0 if ok else 1)
 
 

@@ -14,11 +14,48 @@ Index = Union[int, slice, tuple]
 class Reader:
     """An open checkpoint. Created by :func:`shardwise.open`.
 
-    Keys are the DCP keys (Megatron ShardedTensor keys and ShardedObject unique keys).
+    Keys are the DCP keys (Megatron ShardedTensor keys and ShardedObject unique keys):
+    ``len(r)`` counts them, ``key in r`` tests one, ``for key in r`` iterates them sorted.
+    ``with shardwise.open(path) as r: ...`` closes it (unmaps its data files) on exit; any use
+    after :meth:`close` raises ``InvalidArgumentError``.
     """
 
     def __init__(self, path):
-        self._ckpt = _native.open_checkpoint(os.fspath(path))
+        # os.fsdecode: a bytes path (or a str one holding surrogate escapes) reaches Rust as the
+        # original bytes, so directories whose names are not UTF-8 open too.
+        self.path = os.fsdecode(path)
+        self._native_ckpt = _native.open_checkpoint(self.path)
+
+    @property
+    def _ckpt(self):
+        if self._native_ckpt is None:
+            raise _native.InvalidArgumentError(f"checkpoint {self.path!r} is closed")
+        return self._native_ckpt
+
+    def close(self) -> None:
+        """Releases the checkpoint's mapped data files. Idempotent."""
+        self._native_ckpt = None
+
+    def __enter__(self) -> "Reader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __len__(self) -> int:
+        return len(self._ckpt)
+
+    def __contains__(self, key) -> bool:
+        return isinstance(key, str) and key in self._ckpt
+
+    def __iter__(self):
+        return iter(self.keys())
+
+    def __repr__(self) -> str:
+        if self._native_ckpt is None:
+            return f"<shardwise.Reader {self.path!r} (closed)>"
+        n = len(self._native_ckpt)
+        return f"<shardwise.Reader {self.path!r}: {n} key{'' if n == 1 else 's'}, {self._native_ckpt.format_name()}>"
 
     def keys(self) -> list[str]:
         """All keys, sorted."""
@@ -36,7 +73,10 @@ class Reader:
 
         Only the chunks that overlap the request are read; memory is the size of the result.
         Raises ``IndexError`` for an index outside the shape, ``ValidationError`` when the saved
-        chunks do not cover the request, ``CorruptFileError`` for damaged items."""
+        chunks do not cover the request, ``CorruptFileError`` for damaged items. On checkpoints
+        shardwise wrote, every item read is checked against the CRC-32 recorded at save time
+        (the whole item, even for a partial read; once per item per open checkpoint); a mismatch
+        is a ``CorruptFileError`` naming the key, the file and the item's offset."""
         import torch
 
         md = self._ckpt.metadata(key)
@@ -50,9 +90,19 @@ class Reader:
         self._ckpt.read_into(key, offsets, sizes, out.data_ptr(), out.numel() * out.element_size())
         return out.reshape([s for s, k in zip(sizes, keep) if k])
 
+    def read_common(self) -> Optional[tuple[str, bytes]]:
+        """The common (non-sharded) state a Megatron loader reads, as ``(source, raw bytes)``:
+        ``common.pt`` (megatron-core <= 0.18 layout), else the ``common_state`` byte object of
+        megatron-core 0.19 (``source`` is its key); None when there is neither. The bytes are a
+        torch.save archive whose zip records passed their CRC-32s; unpickling it runs code from
+        the file, so only ``torch.load`` it when you trust the checkpoint.
+        Raises ``CorruptFileError`` naming the file when it is damaged."""
+        return self._ckpt.read_common()
+
     def read_bytes(self, key: str) -> bytes:
         """The raw bytes of byte object ``key``: a torch.save archive. Unpickling it runs code
-        from the file: only ``torch.load`` it when you trust the checkpoint."""
+        from the file: only ``torch.load`` it when you trust the checkpoint. Checked against the
+        save-time CRC-32 as :meth:`read` is (``CorruptFileError`` naming key, file and offset)."""
         return self._ckpt.read_bytes(key)
 
 
@@ -87,6 +137,12 @@ def _region(shape: list[int], index: Optional[Index]) -> tuple[list[int], list[i
 
 
 def open(path) -> Reader:  # noqa: A001 - the public name is shardwise.open
-    """Opens the checkpoint at ``path`` (written by shardwise, torch DCP or Megatron): a directory or
-    an object-store URL (``s3://bucket/run/iter_0000100``; items are then read by ranged GETs)."""
+    """Opens the checkpoint at ``path`` (written by shardwise, torch DCP or Megatron): a directory
+    (``str``, ``bytes`` or ``os.PathLike``; the name need not be UTF-8) or an object-store URL
+    (``s3://bucket/run/iter_0000100``; items are then read by ranged GETs). Use it as a context
+    manager to release the mapped files at the end of the ``with`` block.
+
+    Raises ``StorageError`` when ``.metadata`` cannot be read (the message says what the directory
+    holds instead: a save root's ``iter_*`` directories, an uncommitted save), ``CorruptFileError``
+    when it is not DCP metadata."""
     return Reader(path)

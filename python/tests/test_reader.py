@@ -75,7 +75,7 @@ def test_reader_objects_and_errors(ckpt):
 
 def test_cli_inspect_verify_status(ckpt):
     out = cli("inspect", ckpt)
-    assert out.returncode == 0 and "w" in out.stdout and "2 tensors, 1 objects" in out.stdout
+    assert out.returncode == 0 and "w" in out.stdout and "2 tensors, 1 object," in out.stdout
     info = json.loads(cli("inspect", ckpt, "--json").stdout)
     assert {k["key"]: k["chunks"] for k in info["keys"]} == {"b": 1, "o/shard_0_1": 1, "w": 2}
     out = cli("verify", ckpt)
