@@ -3,23 +3,59 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup build demo test
+# Python 3.12 (megatron-core >= 0.17 needs it): python3.12 on PATH if it really runs (a pyenv shim
+# for a version that is not selected does not), else pyenv's own install. Evaluated only when used.
+PYTHON312 ?= $(firstword $(foreach p,python3.12 $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) $(wildcard /root/.pyenv/versions/3.12*/bin/python3.12),$(shell $(p) -c 'import sys; print(sys.executable if sys.version_info[:2] == (3, 12) else "")' 2>/dev/null)))
 
-$(VENV)/.installed: python/requirements-test.txt
-	python3 -m venv $(VENV)
+# Older megatron-core releases tested beside the primary one (python/requirements-test.txt): each
+# is installed without dependencies into $(VENV)/mcore/<version> and put first on PYTHONPATH.
+MCORE_MATRIX := 0.13.1 0.15.0 0.16.1
+MCORE_DIRS := $(foreach v,$(MCORE_MATRIX),$(VENV)/mcore/$(v)/.installed)
+# A side venv with torch 2.3.1 (the oldest torch whose DCP must load our output).
+TORCH231 := $(VENV)/torch231
+
+.PHONY: setup build demo test test-matrix
+
+# The stamp names the Python version: a venv made by another Python (the 3.11 one of earlier
+# releases) is removed and made again, never layered on.
+$(VENV)/.installed-py312: python/requirements-test.txt
+	@test -n "$(PYTHON312)" || { echo "error: Python 3.12 not found (looked for python3.12 on PATH and in ~/.pyenv/versions/3.12*); install it, or pass PYTHON312=/path/to/python3.12" >&2; exit 1; }
+	@if ! $(PY) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null; then \
+		echo "creating $(VENV) with $(PYTHON312)"; rm -rf $(VENV) && $(PYTHON312) -m venv $(VENV); fi
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r python/requirements-test.txt
 	touch $@
 
-setup: $(VENV)/.installed
+$(VENV)/mcore/%/.installed: $(VENV)/.installed-py312
+	rm -rf $(VENV)/mcore/$*
+	$(PY) -m pip install -q --no-deps --target $(VENV)/mcore/$* megatron-core==$*
+	touch $@
+
+$(TORCH231)/.installed: python/requirements-torch231.txt $(VENV)/.installed-py312
+	rm -rf $(TORCH231)
+	$(PYTHON312) -m venv $(TORCH231)
+	$(TORCH231)/bin/python -m pip install -q --no-deps -r python/requirements-torch231.txt
+	touch $@
+
+setup: $(VENV)/.installed-py312 $(MCORE_DIRS) $(TORCH231)/.installed
 
 # Builds the Rust extension and installs the package (and the `shardwise` command) into the venv.
+# Not -q: the first build takes minutes (BENCHMARKS.md "Build time") and cargo's lines show it moving.
 build: setup
-	VIRTUAL_ENV=$(abspath $(VENV)) $(VENV)/bin/maturin develop --release -q
+	VIRTUAL_ENV=$(abspath $(VENV)) $(VENV)/bin/maturin develop --release
 
 demo: build
 	$(PY) python/examples/demo_megatron.py
 
+# The version matrix: the same test file once per older megatron-core (the primary one runs it in
+# the full suite). SHARDWISE_MCORE tells the tests which version they must find.
+test-matrix: build
+	@for v in $(MCORE_MATRIX); do \
+		echo "== megatron-core $$v"; \
+		PYTHONPATH=$(abspath $(VENV))/mcore/$$v SHARDWISE_MCORE=$$v $(PY) -m pytest -q python/tests/test_megatron_versions.py || exit 1; \
+	done
+
 test: build
 	cargo test --release
 	$(PY) -m pytest python/tests
+	$(MAKE) --no-print-directory test-matrix VENV=$(VENV)

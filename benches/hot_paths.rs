@@ -67,7 +67,7 @@ fn write_rank_file(bencher: Bencher, gib: usize) {
     let path = dir.path().join("__0_0.distcp");
     bencher
         .counter(BytesCount::new(total))
-        .bench_local(|| shardwise::writer::write_rank_file(&path, 0, &chunks, &[], None).unwrap());
+        .bench_local(|| shardwise::writer::write_rank_file(&path, 0, &chunks, &[], None, false).unwrap());
 }
 
 #[divan::bench(sample_count = 3, sample_size = 1)]
@@ -96,11 +96,12 @@ fn merge(bencher: Bencher, (world, chunks): (u32, u64)) {
             dir
         })
         .bench_local_values(|dir| {
-            shardwise::rendezvous::merge(
+            shardwise::commit::merge(
                 &shardwise::storage::Location::local(dir.path()),
                 common::SAVE_ID,
                 world,
                 std::time::Duration::from_secs(60),
+                &shardwise::commit::wait::Freshness::from_now(),
             )
             .unwrap();
             dir // removed outside the timing

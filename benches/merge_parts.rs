@@ -9,7 +9,9 @@ mod common;
 use std::time::{Duration, Instant};
 
 use shardwise::format::metadata::emit_metadata;
-use shardwise::rendezvous::{build_global, collect_parts, merge};
+use shardwise::commit::validate::build_global;
+use shardwise::commit::wait::{collect_parts, Freshness};
+use shardwise::commit::merge;
 use shardwise::storage::Location;
 
 fn main() {
@@ -25,17 +27,17 @@ fn main() {
     common::publish_parts(dir.path(), world, chunks);
     let publish_s = t0.elapsed().as_secs_f64();
     let t = Instant::now();
-    let parts = collect_parts(&loc, common::SAVE_ID, world, Duration::from_secs(60)).unwrap();
+    let parts = collect_parts(&loc, common::SAVE_ID, world, Duration::from_secs(60), &Freshness::from_now()).unwrap();
     let collect_s = t.elapsed().as_secs_f64();
     let t = Instant::now();
-    let global = build_global(&loc, &parts).unwrap();
+    let global = build_global(&parts).unwrap();
     let validate_s = t.elapsed().as_secs_f64();
     let t = Instant::now();
     let meta = emit_metadata(&global);
     let emit_s = t.elapsed().as_secs_f64();
     println!("phases: read parts {collect_s:.2}s, validate {validate_s:.2}s, pickle .metadata {emit_s:.2}s ({} bytes)", meta.len());
     let t1 = Instant::now();
-    let summary = merge(&loc, common::SAVE_ID, world, Duration::from_secs(60)).unwrap();
+    let summary = merge(&loc, common::SAVE_ID, world, Duration::from_secs(60), &Freshness::from_now()).unwrap();
     let merge_s = t1.elapsed().as_secs_f64();
     println!(
         "ranks {world}, chunks/rank {chunks}: publish {publish_s:.2}s (all ranks, this machine), merge+validate+commit {merge_s:.2}s, \

@@ -1,19 +1,26 @@
 //! The `shardwise` command line: inspect, verify, status and merge checkpoints.
 
 use std::collections::BTreeMap;
+use std::ffi::OsString;
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
+use indicatif::HumanBytes;
 use serde::Serialize;
 
 use crate::error::{fmt_ranks, Error, Result};
 use crate::format::metadata::Entry;
 use crate::reader::Checkpoint;
-use crate::rendezvous::{self, RankPart};
+use crate::commit::part::{listed_parts, read_part, save_rel, RankPart, STATE_DIR};
+use crate::commit::state::{checkpoint_state, orphaned_data_files, save_state, CheckpointState};
+use crate::commit::wait::{missing_ranks, timeout_from_secs, Freshness};
 use crate::storage::Location;
 
-const EXIT_CODES: &str = "Exit codes:\n  0  success (verify: no problem found)\n  1  the operation failed, or verify found problems\n  2  bad command line";
+const EXIT_CODES: &str = "Exit codes:\n  0  success (verify: no problem found)\n  1  the operation failed, or verify found problems\n  2  bad command line\n  130  interrupted (Ctrl-C) during a wait; nothing committed\n  141  stdout was closed early (e.g. `| head`); nothing more is printed";
+/// Help of every `--json` flag (the README lists each command's fields).
+const JSON_HELP: &str = "Print one JSON object on stdout instead of text: sizes in plain bytes, durations in seconds";
 
 #[derive(Parser, Debug)]
 #[command(name = "shardwise", version, about = "Collective-free Megatron torch_dist / PyTorch DCP checkpoints", after_help = EXIT_CODES)]
@@ -28,36 +35,43 @@ enum Command {
     #[command(after_help = EXIT_CODES)]
     Inspect {
         /// Checkpoint directory or URL (s3://, gs://, az://); torch DCP or Megatron torch_dist, written by anyone.
-        dir: String,
-        /// Print JSON instead of a table.
-        #[arg(long)]
+        dir: PathBuf,
+        #[arg(long, help = JSON_HELP)]
         json: bool,
     },
     /// Check that a checkpoint is whole: layout, item bounds, decoding, zip CRCs and shardwise's per-item CRCs.
     #[command(after_help = EXIT_CODES)]
     Verify {
         /// Checkpoint directory or URL.
-        dir: String,
-        #[arg(long)]
+        dir: PathBuf,
+        #[arg(long, help = JSON_HELP)]
         json: bool,
+        /// Read no item data: check the layout, that every item lies inside its file (real file
+        /// sizes), the checksum sidecar's placements, metadata.json and that the common state exists.
+        #[arg(long)]
+        quick: bool,
     },
     /// Saves in a directory: save id, rank parts and their age, missing ranks, commit state, layout.
     #[command(after_help = EXIT_CODES)]
     Status {
         /// Checkpoint directory or URL.
-        dir: String,
+        dir: PathBuf,
         /// Also list every key with its dtype, global shape, chunk count and the ranks that saved it.
         #[arg(long)]
         keys: bool,
-        #[arg(long)]
+        #[arg(long, help = JSON_HELP)]
         json: bool,
+        /// First rebuild a damaged checkpoint (.metadata removed, replaced or truncated) from the
+        /// parts of the save that committed it, as `merge --repair` does.
+        #[arg(long)]
+        repair: bool,
     },
     /// Convert a checkpoint to Hugging Face safetensors, streaming: only the byte ranges each HF tensor
     /// needs are read, and memory stays at about threads x the largest HF tensor.
     #[command(name = "to-hf", after_help = EXIT_CODES)]
     ToHf {
         /// Checkpoint directory or URL (torch_dist / DCP).
-        dir: String,
+        dir: PathBuf,
         /// Output directory for model-0000k-of-0000n.safetensors and model.safetensors.index.json.
         out: PathBuf,
         /// HF config.json: hyperparameters (checked against common.pt args) and copied to the output.
@@ -78,15 +92,19 @@ enum Command {
         /// Skip checkpoint keys that no rule maps instead of failing.
         #[arg(long)]
         allow_unmapped: bool,
-        #[arg(long)]
+        #[arg(long, help = JSON_HELP)]
         json: bool,
     },
+    /// Compare two checkpoints key by key, across layouts (TP/PP/EP) and storage, or a checkpoint with
+    /// an HF safetensors folder through the to-hf mapping.
+    #[command(after_help = DIFF_EXIT_CODES)]
+    Diff(DiffArgs),
     /// Merge the per-rank parts of a save and commit `.metadata` (finishes a save whose merging rank died).
     /// Idempotent; when two mergers race, one commits and both succeed.
     #[command(after_help = EXIT_CODES)]
     Merge {
         /// Checkpoint directory or URL.
-        dir: String,
+        dir: PathBuf,
         /// Save id to merge (default: the only uncommitted save under `.shardwise/`).
         #[arg(long)]
         save_id: Option<String>,
@@ -96,13 +114,72 @@ enum Command {
         /// Seconds to wait for missing parts.
         #[arg(long, default_value_t = 0.0)]
         timeout: f64,
-        #[arg(long)]
+        #[arg(long, help = JSON_HELP)]
         json: bool,
+        /// Rebuild a damaged checkpoint (its .metadata removed, replaced or truncated, or
+        /// common.pt changed) from the parts of the save that committed it; its data files must
+        /// be unchanged.
+        #[arg(long)]
+        repair: bool,
     },
 }
 
-/// Runs the CLI on `args` (including the program name); returns the process exit code.
-pub fn run(args: Vec<String>) -> i32 {
+/// How a command stops short of success.
+enum Stop {
+    /// stdout was closed (`shardwise inspect --json DIR | head`): end quietly, as a Unix tool does.
+    Pipe,
+    Fail(Error),
+}
+
+impl From<Error> for Stop {
+    fn from(e: Error) -> Stop {
+        Stop::Fail(e)
+    }
+}
+
+impl From<std::io::Error> for Stop {
+    /// A failed write to stdout.
+    fn from(e: std::io::Error) -> Stop {
+        if e.kind() == std::io::ErrorKind::BrokenPipe {
+            Stop::Pipe
+        } else {
+            Stop::Fail(Error::Io {
+                op: "write",
+                path: PathBuf::from("<stdout>"),
+                source: e,
+            })
+        }
+    }
+}
+
+/// A command's exit code.
+type Outcome = std::result::Result<i32, Stop>;
+
+/// `println!` that returns a closed stdout as [`Stop::Pipe`] instead of panicking.
+macro_rules! out {
+    ($($arg:tt)*) => {
+        writeln!(std::io::stdout().lock(), $($arg)*)?
+    };
+}
+
+/// Exit code after Ctrl-C (SIGINT) stopped a wait: 128 + 2, as shells report it.
+pub const EXIT_INTERRUPTED: i32 = 130;
+
+/// Exit code of a command whose stdout was closed: what a C tool killed by SIGPIPE reports.
+pub const EXIT_PIPE: i32 = 141;
+
+/// The location a command-line argument names: a URL (UTF-8) or a local path (any bytes).
+fn location(dir: &Path) -> Result<Location> {
+    Location::from_os(dir.as_os_str())
+}
+
+/// Runs the CLI on `args` (including the program name); returns the process exit code. Arguments
+/// need not be UTF-8 (local paths are bytes on Unix).
+pub fn run<I, T>(args: I) -> i32
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
     let cli = match Cli::try_parse_from(args) {
         Ok(c) => c,
         Err(e) => {
@@ -111,16 +188,23 @@ pub fn run(args: Vec<String>) -> i32 {
         }
     };
     let result = (|| match cli.command {
-        Command::Inspect { dir, json } => inspect(&Location::parse(&dir)?, json),
-        Command::Verify { dir, json } => verify(&Location::parse(&dir)?, json),
-        Command::Status { dir, keys, json } => status(&Location::parse(&dir)?, keys, json),
+        Command::Inspect { dir, json } => inspect(&location(&dir)?, json),
+        Command::Verify { dir, json, quick } => verify(&location(&dir)?, json, quick),
+        Command::Status {
+            dir,
+            keys,
+            json,
+            repair,
+        } => status(&location(&dir)?, keys, json, repair),
         Command::Merge {
             dir,
             save_id,
             world_size,
             timeout,
             json,
-        } => merge(&Location::parse(&dir)?, save_id, world_size, timeout, json),
+            repair,
+        } => merge(&location(&dir)?, save_id, world_size, timeout, json, repair),
+        Command::Diff(args) => diff(args),
         Command::ToHf {
             dir,
             out,
@@ -132,7 +216,7 @@ pub fn run(args: Vec<String>) -> i32 {
             allow_unmapped,
             json,
         } => to_hf(
-            &Location::parse(&dir)?,
+            &location(&dir)?,
             &out,
             hf_config,
             arch,
@@ -145,18 +229,48 @@ pub fn run(args: Vec<String>) -> i32 {
     })();
     match result {
         Ok(code) => code,
-        Err(e) => {
-            eprintln!("shardwise: error: {e}");
+        Err(Stop::Pipe) => EXIT_PIPE,
+        Err(Stop::Fail(Error::Interrupted)) => {
+            let _ = writeln!(std::io::stderr(), "shardwise: interrupted; nothing committed");
+            EXIT_INTERRUPTED
+        }
+        Err(Stop::Fail(e)) => {
+            // stderr may be closed too; nothing is left to tell then.
+            let _ = writeln!(std::io::stderr(), "shardwise: error: {e}");
             1
         }
     }
 }
 
-fn print_json<T: Serialize>(value: &T) {
-    println!(
-        "{}",
-        serde_json::to_string_pretty(value).expect("serializable")
-    );
+fn print_json<T: Serialize>(value: &T) -> std::result::Result<(), Stop> {
+    let mut out = std::io::stdout().lock();
+    serde_json::to_writer_pretty(&mut out, value).map_err(std::io::Error::from)?;
+    writeln!(out)?;
+    Ok(())
+}
+
+/// `n` and `noun`, plural unless `n` is 1: `1 chunk`, `2 chunks`.
+fn count(n: usize, noun: &str) -> String {
+    if n == 1 {
+        format!("{n} {noun}")
+    } else {
+        format!("{n} {noun}s")
+    }
+}
+
+/// A size for people: `2.55 KiB`, `1.00 GiB` (JSON outputs keep plain bytes).
+fn size(bytes: u64) -> String {
+    HumanBytes(bytes).to_string()
+}
+
+/// A progress bar on stderr with `template`, drawn only when stderr is a terminal (indicatif's
+/// stderr target hides itself otherwise) and never with `--json`.
+fn progress(bar: indicatif::ProgressBar, template: &str, json: bool) -> indicatif::ProgressBar {
+    bar.set_style(indicatif::ProgressStyle::with_template(template).expect("template"));
+    if json {
+        bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    bar
 }
 
 #[derive(Serialize)]
@@ -169,7 +283,7 @@ struct KeyRow {
     bytes: u64,
 }
 
-fn inspect(dir: &Location, json: bool) -> Result<i32> {
+fn inspect(dir: &Location, json: bool) -> Outcome {
     let ckpt = Checkpoint::open(dir)?;
     let rows: Vec<KeyRow> = ckpt
         .metadata
@@ -217,13 +331,13 @@ fn inspect(dir: &Location, json: bool) -> Result<i32> {
             objects: rows.len() - tensors,
             bytes: total,
             keys: &rows,
-        });
+        })?;
         return Ok(0);
     }
     let width = rows.iter().map(|r| r.key.len()).max().unwrap_or(3).max(3);
-    println!(
-        "{:<width$}  {:<6}  {:<13}  {:<20}  {:>6}  {:>12}",
-        "key", "kind", "dtype", "global shape", "chunks", "bytes"
+    out!(
+        "{:<width$}  {:<6}  {:<13}  {:<20}  {:>6}  {:>11}",
+        "key", "kind", "dtype", "global shape", "chunks", "size"
     );
     for r in &rows {
         let shape = r
@@ -231,35 +345,45 @@ fn inspect(dir: &Location, json: bool) -> Result<i32> {
             .as_ref()
             .map(|s| format!("{s:?}"))
             .unwrap_or_default();
-        println!(
-            "{:<width$}  {:<6}  {:<13}  {:<20}  {:>6}  {:>12}",
+        out!(
+            "{:<width$}  {:<6}  {:<13}  {:<20}  {:>6}  {:>11}",
             r.key,
             r.kind,
             r.dtype.unwrap_or("-"),
             shape,
             r.chunks,
-            r.bytes
+            size(r.bytes)
         );
     }
-    println!(
-        "{} tensors, {} objects, {} bytes in items ({})",
-        tensors,
-        rows.len() - tensors,
-        total,
-        ckpt.metadata.class
+    out!(
+        "{}, {}, {} in items ({} metadata)",
+        count(tensors, "tensor"),
+        count(rows.len() - tensors, "object"),
+        size(total),
+        format_name(&ckpt.metadata.class)
     );
     Ok(0)
 }
 
-fn verify(dir: &Location, json: bool) -> Result<i32> {
-    let bar = indicatif::ProgressBar::new(0);
-    bar.set_style(
-        indicatif::ProgressStyle::with_template("verify {bar:40} {pos}/{len} items {elapsed}")
-            .expect("template"),
-    );
-    if json {
-        bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+/// The checkpoint format, in words, from the class of its pickled `.metadata`.
+pub fn format_name(class: &str) -> &'static str {
+    if class.ends_with(".MCoreMetadata") {
+        "Megatron-Core torch_dist"
+    } else {
+        "PyTorch DCP"
     }
+}
+
+fn verify(dir: &Location, json: bool, quick: bool) -> Outcome {
+    if quick {
+        let report = crate::verify::verify_quick(dir)?;
+        return verify_output(dir, &report, json);
+    }
+    let bar = progress(
+        indicatif::ProgressBar::new(0),
+        "verify {bar:40} {pos}/{len} items {elapsed}",
+        json,
+    );
     // The item count is known only once .metadata is read; verify() reports progress per item.
     let ckpt_items = Checkpoint::open(dir)?
         .metadata
@@ -273,30 +397,78 @@ fn verify(dir: &Location, json: bool) -> Result<i32> {
     bar.set_length(ckpt_items);
     let report = crate::verify::verify(dir, &|n| bar.inc(n))?;
     bar.finish_and_clear();
+    verify_output(dir, &report, json)
+}
+
+fn verify_output(dir: &Location, report: &crate::verify::Report, json: bool) -> Outcome {
     if json {
-        print_json(&report);
+        print_json(report)?;
     } else {
-        for p in &report.problems {
-            let at = match (&p.file, p.offset) {
-                (Some(f), Some(o)) => format!(" [{f} @ {o}]"),
-                _ => String::new(),
-            };
-            println!("PROBLEM {}{at}: {}", p.key, p.message);
+        for line in problem_lines(&report.problems) {
+            out!("{line}");
         }
-        println!(
-            "{}: {} keys, {} items, {} checked against save-time CRC-32s: {}",
+        out!(
+            "{}: {}, {}, {}: {}",
             dir,
-            report.keys,
-            report.items,
-            report.sidecar_checked,
+            count(report.keys, "key"),
+            count(report.items, "item"),
+            if report.quick {
+                "layout and sizes only (--quick: no data read)".to_string()
+            } else {
+                format!("{} checked against save-time CRC-32s", report.sidecar_checked)
+            },
             if report.problems.is_empty() {
                 "OK".to_string()
             } else {
-                format!("{} PROBLEMS", report.problems.len())
+                count(report.problems.len(), "problem").to_uppercase()
             }
         );
     }
     Ok(if report.problems.is_empty() { 0 } else { 1 })
+}
+
+/// `verify`'s problems for people, grouped per file: layout problems (no file) first, then each
+/// file's problems, where one message shared by many items (a missing or unreadable data file) is
+/// one line naming how many items and keys it hit.
+fn problem_lines(problems: &[crate::verify::Problem]) -> Vec<String> {
+    // file -> message -> (key, offset) of every item with that message, in report order.
+    let mut by_file: BTreeMap<&str, Vec<(&str, Vec<(&str, Option<u64>)>)>> = BTreeMap::new();
+    let mut lines = Vec::new();
+    for p in problems {
+        let Some(file) = p.file.as_deref() else {
+            lines.push(format!("PROBLEM {}: {}", p.key, p.message));
+            continue;
+        };
+        let messages = by_file.entry(file).or_default();
+        match messages.iter_mut().find(|(m, _)| *m == p.message) {
+            Some((_, items)) => items.push((&p.key, p.offset)),
+            None => messages.push((&p.message, vec![(&p.key, p.offset)])),
+        }
+    }
+    for (file, messages) in by_file {
+        for (message, items) in messages {
+            match items.as_slice() {
+                [(key, Some(o))] => lines.push(format!("PROBLEM {key} [{file} @ {o}]: {message}")),
+                [(key, None)] => lines.push(format!("PROBLEM {key} [{file}]: {message}")),
+                many => {
+                    let mut keys: Vec<&str> = many.iter().map(|(k, _)| *k).collect();
+                    keys.dedup();
+                    let shown = keys.len().min(3);
+                    let more = match keys.len() - shown {
+                        0 => String::new(),
+                        n => format!(" and {n} more"),
+                    };
+                    lines.push(format!(
+                        "PROBLEM {file}: {message} ({} of {}: {}{more})",
+                        count(many.len(), "item"),
+                        count(keys.len(), "key"),
+                        keys[..shown].join(", ")
+                    ));
+                }
+            }
+        }
+    }
+    lines
 }
 
 fn save_ids(dir: &Location) -> Result<Vec<String>> {
@@ -306,19 +478,17 @@ fn save_ids(dir: &Location) -> Result<Vec<String>> {
             d.display()
         )));
     }
-    let (_, mut ids) = dir.list(rendezvous::STATE_DIR)?;
-    ids.sort();
-    Ok(ids)
+    crate::commit::state::save_ids(dir)
 }
 
 /// `(rank, part or error, age in seconds)` of every part file of a save.
 fn read_parts(dir: &Location, save_id: &str) -> Vec<(u32, Result<RankPart>, f64)> {
-    let listed = rendezvous::listed_parts(dir, save_id).unwrap_or_default();
+    let listed = listed_parts(dir, save_id).unwrap_or_default();
     let mut out: Vec<_> = listed
         .into_iter()
         .map(|(r, f)| {
-            let rel = format!("{}/{}", rendezvous::save_rel(save_id), f.name);
-            (r, rendezvous::read_part(dir, &rel), f.age_s)
+            let rel = format!("{}/{}", save_rel(save_id), f.name);
+            (r, read_part(dir, &rel), f.age_s)
         })
         .collect();
     out.sort_by_key(|(r, _, _)| *r);
@@ -340,16 +510,35 @@ struct RankStatus {
 #[derive(Serialize)]
 struct SaveStatus {
     save_id: String,
-    state: String,
+    /// committed, merging, interrupted, failed or incomplete.
+    state: &'static str,
+    /// The state in words, with the reason and what to do.
+    detail: String,
     world_size: u32,
     present: usize,
     missing: Vec<u32>,
     ranks: Vec<RankStatus>,
-    keys: BTreeMap<String, (String, Vec<u64>, Vec<u32>)>,
+    keys: Vec<KeyLayout>,
 }
 
-fn status(dir: &Location, keys: bool, json: bool) -> Result<i32> {
-    let committed = rendezvous::is_committed(dir);
+/// A tensor key as the parts of a save describe it (fields named as in `inspect --json`).
+#[derive(Serialize)]
+struct KeyLayout {
+    key: String,
+    dtype: String,
+    global_shape: Vec<u64>,
+    /// Chunks published for this key.
+    chunks: usize,
+    /// Ranks that published them, ascending.
+    ranks: Vec<u32>,
+}
+
+fn status(dir: &Location, keys: bool, json: bool, repair: bool) -> Outcome {
+    if repair {
+        repair_checkpoint(dir, Duration::ZERO, false, json)?;
+    }
+    let checkpoint = checkpoint_state(dir)?;
+    let orphans = orphaned_data_files(dir)?;
     let mut saves = Vec::new();
     for id in save_ids(dir)? {
         let parts = read_parts(dir, &id);
@@ -357,19 +546,8 @@ fn status(dir: &Location, keys: bool, json: bool) -> Result<i32> {
             .iter()
             .find_map(|(_, p, _)| p.as_ref().ok().map(|p| p.world_size))
             .unwrap_or(0);
-        let marker = |m: &str| rendezvous::marker_rel(&id, m);
-        let state = if dir.exists(&marker("COMMITTED")) {
-            "committed".to_string()
-        } else if let Ok(Some(reason)) = dir.read(&marker("FAILED")) {
-            format!("failed: {}", String::from_utf8_lossy(&reason))
-        } else if let Some(holder) = rendezvous::dead_merger(dir, &id) {
-            format!("interrupted: its merger ({holder}) died holding the lock; `shardwise merge` takes over")
-        } else if dir.exists(&marker("COMMITTING")) {
-            "merging".to_string()
-        } else {
-            "not committed".to_string()
-        };
-        let mut layout: BTreeMap<String, (String, Vec<u64>, Vec<u32>)> = BTreeMap::new();
+        let state = save_state(dir, &id, world_size)?;
+        let mut layout: BTreeMap<&str, KeyLayout> = BTreeMap::new();
         let mut ranks = Vec::new();
         for (rank, p, age_s) in &parts {
             match p {
@@ -385,10 +563,17 @@ fn status(dir: &Location, keys: bool, json: bool) -> Result<i32> {
                 }),
                 Ok(p) => {
                     for t in &p.tensors {
-                        let e = layout.entry(t.fqn.clone()).or_insert_with(|| {
-                            (t.dtype.clone(), t.global_shape.clone(), Vec::new())
+                        let e = layout.entry(&t.fqn).or_insert_with(|| KeyLayout {
+                            key: t.fqn.clone(),
+                            dtype: t.dtype.clone(),
+                            global_shape: t.global_shape.clone(),
+                            chunks: 0,
+                            ranks: Vec::new(),
                         });
-                        e.2.push(*rank);
+                        e.chunks += 1;
+                        if e.ranks.last() != Some(rank) {
+                            e.ranks.push(*rank);
+                        }
                     }
                     ranks.push(RankStatus {
                         rank: *rank,
@@ -404,85 +589,141 @@ fn status(dir: &Location, keys: bool, json: bool) -> Result<i32> {
             }
         }
         let missing = if world_size > 0 {
-            rendezvous::missing_ranks(dir, &id, world_size)?
+            missing_ranks(dir, &id, world_size)?
         } else {
             Vec::new()
         };
         saves.push(SaveStatus {
             save_id: id,
-            state,
+            state: state.name(),
+            detail: state.describe(),
             world_size,
             present: parts.len(),
             missing,
             ranks,
-            keys: layout,
+            keys: layout.into_values().collect(),
         });
     }
     if json {
         #[derive(Serialize)]
         struct Out {
             dir: String,
-            metadata_present: bool,
+            /// committed, not_committed or damaged.
+            checkpoint: &'static str,
+            /// Why it is not committed or damaged; null when committed.
+            reason: Option<String>,
+            /// Data files no part and no commit names (ranks that died before publishing).
+            orphaned_data_files: Vec<String>,
             saves: Vec<SaveStatus>,
         }
+        let (checkpoint, reason) = match &checkpoint {
+            CheckpointState::Committed { .. } => ("committed", None),
+            CheckpointState::NotCommitted { reason } => ("not_committed", Some(reason.clone())),
+            CheckpointState::Damaged { reason, .. } => ("damaged", Some(reason.clone())),
+        };
         print_json(&Out {
             dir: dir.to_string(),
-            metadata_present: committed,
+            checkpoint,
+            reason,
+            orphaned_data_files: orphans,
             saves,
-        });
+        })?;
         return Ok(0);
     }
-    println!(
-        "{}: .metadata {}",
-        dir,
-        if committed {
-            "present (committed)"
-        } else {
-            "absent (not committed)"
-        }
-    );
+    match &checkpoint {
+        CheckpointState::Committed { record } => out!(
+            "{dir}: committed{}",
+            record
+                .as_ref()
+                .map_or(String::new(), |r| format!(" (save {})", r.save_id))
+        ),
+        CheckpointState::NotCommitted { reason } => out!("{dir}: not committed ({reason})"),
+        CheckpointState::Damaged { reason, repairable } => out!(
+            "{dir}: DAMAGED: {reason}{}",
+            repairable.as_ref().map_or(String::new(), |id| format!(
+                "; `shardwise merge --repair {dir}` rebuilds it from save {id}'s parts"
+            ))
+        ),
+    }
+    if !orphans.is_empty() {
+        out!(
+            "{} that no part names (ranks that died before publishing): {}",
+            count(orphans.len(), "data file"),
+            orphans.join(", ")
+        );
+    }
     if saves.is_empty() {
-        println!(
-            "no shardwise saves (no {} directory)",
-            rendezvous::STATE_DIR
+        out!(
+            "no shardwise saves (no {} directory){}",
+            STATE_DIR,
+            crate::hints::elsewhere(dir).map_or(String::new(), |h| format!("; {h}"))
         );
     }
     for s in &saves {
-        println!(
+        out!(
             "save {}: {}; {} of {} rank parts",
-            s.save_id, s.state, s.present, s.world_size
+            s.save_id,
+            s.detail,
+            s.present,
+            s.world_size
         );
         if !s.missing.is_empty() {
-            println!("  missing ranks: [{}]", fmt_ranks(&s.missing));
+            out!("  missing ranks: [{}]", fmt_ranks(&s.missing));
         }
         for r in &s.ranks {
+            let files = if r.files.is_empty() {
+                "no data file".to_string()
+            } else {
+                format!("{} in {}", size(r.bytes), r.files.join(", "))
+            };
             match &r.error {
-                Some(e) => println!("  rank {}: unreadable part ({:.0}s old): {e}", r.rank, r.age_s),
-                None => println!(
-                    "  rank {}: {} tensor chunks, {} byte objects, {} bytes in [{}]{}; part {:.0}s old",
+                Some(e) => out!("  rank {}: unreadable part ({:.0}s old): {e}", r.rank, r.age_s),
+                None => out!(
+                    "  rank {}: {}, {}, {}{}; part {:.0}s old",
                     r.rank,
-                    r.tensor_chunks,
-                    r.byte_objects,
-                    r.bytes,
-                    r.files.join(", "),
+                    count(r.tensor_chunks, "tensor chunk"),
+                    count(r.byte_objects, "byte object"),
+                    files,
                     if r.common { " + common.pt" } else { "" },
                     r.age_s
                 ),
             }
         }
-        println!("  {} tensor keys", s.keys.len());
+        out!("  {}", count(s.keys.len(), "tensor key"));
         if keys {
-            for (fqn, (dtype, shape, chunk_ranks)) in &s.keys {
-                let mut ranks = chunk_ranks.clone();
-                ranks.dedup();
-                println!(
-                    "  {fqn}  {dtype} {shape:?}: {} chunks from ranks [{}]",
-                    chunk_ranks.len(),
-                    fmt_ranks(&ranks)
+            for k in &s.keys {
+                out!(
+                    "  {}  {} {:?}: {} from {} [{}]",
+                    k.key,
+                    k.dtype,
+                    k.global_shape,
+                    count(k.chunks, "chunk"),
+                    if k.ranks.len() == 1 { "rank" } else { "ranks" },
+                    fmt_ranks(&k.ranks)
                 );
             }
         }
     }
+    Ok(0)
+}
+
+/// `merge --repair` / `status --repair`: rebuilds a damaged checkpoint from its save's parts and
+/// prints what it did (as a JSON summary with `json`, nothing when `quiet`).
+fn repair_checkpoint(dir: &Location, timeout: Duration, json: bool, quiet: bool) -> Outcome {
+    let (save_id, summary) = crate::commit::repair(dir, timeout)?;
+    if quiet {
+        return Ok(0);
+    }
+    if json {
+        print_json(&summary)?;
+        return Ok(0);
+    }
+    out!(
+        "repaired {dir} from save {save_id}: {}, {}, .metadata {}",
+        count(summary.keys, "key"),
+        count(summary.tensor_chunks, "tensor chunk"),
+        size(summary.metadata_bytes)
+    );
     Ok(0)
 }
 
@@ -492,13 +733,17 @@ fn merge(
     world_size: Option<u32>,
     timeout: f64,
     json: bool,
-) -> Result<i32> {
+    repair: bool,
+) -> Outcome {
+    if repair {
+        return repair_checkpoint(dir, timeout_from_secs("--timeout", timeout)?, json, false);
+    }
     let save_id = match save_id {
         Some(s) => s,
         None => {
             let ids: Vec<String> = save_ids(dir)?
                 .into_iter()
-                .filter(|id| !dir.exists(&rendezvous::marker_rel(id, "COMMITTED")))
+                .filter(|id| !dir.exists(&crate::commit::part::marker_rel(id, "COMMITTED")))
                 .collect();
             match ids.as_slice() {
                 [one] => one.clone(),
@@ -510,7 +755,8 @@ fn merge(
                             return Err(Error::InvalidArgument(format!(
                                 "no uncommitted save in {}",
                                 dir
-                            )))
+                            ))
+                            .into())
                         }
                     }
                 }
@@ -519,36 +765,65 @@ fn merge(
                         "several uncommitted saves in {}: {}; pick one with --save-id",
                         dir,
                         many.join(", ")
-                    )))
+                    ))
+                    .into())
                 }
             }
         }
     };
     let world_size = match world_size {
         Some(w) => w,
-        None => read_parts(dir, &save_id)
+        None => match read_parts(dir, &save_id)
             .into_iter()
             .find_map(|(_, p, _)| p.ok().map(|p| p.world_size))
-            .ok_or_else(|| {
-                Error::InvalidArgument(format!(
-                    "save {save_id} has no readable part; pass --world-size"
+        {
+            Some(w) => w,
+            None => {
+                let ids = save_ids(dir)?;
+                let why = if ids.contains(&save_id) {
+                    format!("save {save_id} has no readable part (`shardwise status {dir}` says why)")
+                } else if ids.is_empty() {
+                    format!("no save {save_id} in {dir}, which holds no shardwise save")
+                } else {
+                    format!("no save {save_id} in {dir} (its saves: {})", ids.join(", "))
+                };
+                return Err(Error::InvalidArgument(format!(
+                    "{why}; the number of ranks comes from the parts: to merge a save whose ranks \
+                     have not published their parts yet, pass --world-size N (and --timeout S to wait for them)"
                 ))
-            })?,
+                .into());
+            }
+        },
     };
-    if !(timeout.is_finite() && timeout >= 0.0) {
-        return Err(Error::InvalidArgument(format!(
-            "--timeout must be a number of seconds >= 0, got {timeout}"
-        )));
-    }
-    let summary = rendezvous::merge(dir, &save_id, world_size, Duration::from_secs_f64(timeout))?;
+    let timeout = timeout_from_secs("--timeout", timeout)?;
+    let bar = progress(
+        indicatif::ProgressBar::new_spinner(),
+        "merge {spinner} save {msg}: waiting for, validating and committing parts {elapsed}",
+        json,
+    );
+    bar.set_message(save_id.clone());
+    bar.enable_steady_tick(Duration::from_millis(100));
+    let summary = crate::commit::merge(dir, &save_id, world_size, timeout, &Freshness::from_now());
+    bar.finish_and_clear();
+    let summary = summary?;
     if json {
-        print_json(&summary);
+        print_json(&summary)?;
     } else if summary.already_committed {
-        println!("save {save_id} is committed (nothing to do)");
+        out!(
+            "save {save_id} is committed (nothing to do): {}, {}, {}, {} of data",
+            count(summary.keys, "key"),
+            count(summary.tensor_chunks, "tensor chunk"),
+            count(summary.byte_objects, "byte object"),
+            size(summary.data_bytes)
+        );
     } else {
-        println!(
-            "committed save {save_id}: {} keys, {} tensor chunks, {} byte objects, {} data bytes, .metadata {} bytes",
-            summary.keys, summary.tensor_chunks, summary.byte_objects, summary.data_bytes, summary.metadata_bytes
+        out!(
+            "committed save {save_id}: {}, {}, {}, {} of data, .metadata {}",
+            count(summary.keys, "key"),
+            count(summary.tensor_chunks, "tensor chunk"),
+            count(summary.byte_objects, "byte object"),
+            size(summary.data_bytes),
+            size(summary.metadata_bytes)
         );
     }
     Ok(0)
@@ -565,7 +840,7 @@ fn to_hf(
     threads: Option<usize>,
     allow_unmapped: bool,
     json: bool,
-) -> Result<i32> {
+) -> Outcome {
     let opts = crate::hf::HfOptions::from_user(
         hf_config,
         arch,
@@ -574,31 +849,154 @@ fn to_hf(
         threads,
         allow_unmapped,
     )?;
-    let bar = indicatif::ProgressBar::new_spinner();
-    bar.set_style(
-        indicatif::ProgressStyle::with_template(
-            "to-hf {spinner} {binary_bytes} written {binary_bytes_per_sec} {elapsed}",
-        )
-        .expect("template"),
+    let bar = progress(
+        indicatif::ProgressBar::new_spinner(),
+        "to-hf {spinner} {binary_bytes} written {binary_bytes_per_sec} {elapsed}",
+        json,
     );
-    if json {
-        bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
-    }
-    let summary = crate::hf::to_hf(dir, out, &opts, &|n| bar.inc(n))?;
+    bar.enable_steady_tick(Duration::from_millis(100));
+    let summary = crate::hf::to_hf(dir, out, &opts, &|n| bar.inc(n));
     bar.finish_and_clear();
+    let summary = summary?;
     if json {
-        print_json(&summary);
+        print_json(&summary)?;
     } else {
-        println!(
-            "wrote {} tensors, {} bytes in {} files to {} in {:.2}s ({:.2} GB/s); {} checkpoint keys skipped (optimizer, extra state, objects)",
-            summary.tensors,
-            summary.bytes,
-            summary.files,
+        out!(
+            "wrote {}, {} in {} to {} in {:.2}s ({:.2} GB/s); {} skipped (optimizer, extra state, objects)",
+            count(summary.tensors, "tensor"),
+            size(summary.bytes),
+            count(summary.files, "file"),
             out.display(),
             summary.seconds,
             summary.gb_per_s,
-            summary.skipped_keys
+            count(summary.skipped_keys, "checkpoint key")
         );
     }
     Ok(0)
+}
+
+// --- diff -----------------------------------------------------------------------------------
+
+const DIFF_EXIT_CODES: &str = "Exit codes:\n  0  same keys, dtypes and global shapes; every tensor within --atol/--rtol, every object equal\n  1  a difference (missing or extra key, dtype, shape, values, object bytes)\n  2  bad command line, or a checkpoint or key that cannot be read\n  141  stdout was closed early";
+
+#[derive(clap::Args, Debug)]
+struct DiffArgs {
+    /// First checkpoint: directory, URL (s3://, gs://, az://), or HF safetensors folder.
+    a: PathBuf,
+    /// Second checkpoint (at most one of the two an HF folder).
+    b: PathBuf,
+    /// Compare only keys matching this glob (`*`, `?`); repeatable. HF tensor names when one side
+    /// is an HF folder.
+    #[arg(long, value_name = "PATTERN")]
+    keys: Vec<String>,
+    /// Leave out keys matching this glob; repeatable.
+    #[arg(long, value_name = "PATTERN")]
+    exclude: Vec<String>,
+    /// Absolute tolerance: |a - b| <= atol + rtol * max(|a|, |b|).
+    #[arg(long, default_value_t = 0.0)]
+    atol: f64,
+    /// Relative tolerance.
+    #[arg(long, default_value_t = 0.0)]
+    rtol: f64,
+    /// HF config.json of the to-hf mapping (default: the HF folder's own config.json).
+    #[arg(long)]
+    hf_config: Option<PathBuf>,
+    /// Architecture of the to-hf mapping (default: the config's model_type).
+    #[arg(long)]
+    arch: Option<String>,
+    /// Skip checkpoint keys the to-hf mapping does not map instead of failing.
+    #[arg(long)]
+    allow_unmapped: bool,
+    /// Worker threads (default: the number of CPUs, at most 8); memory is about
+    /// threads x 2 x 32 MiB.
+    #[arg(long)]
+    threads: Option<usize>,
+    /// List every compared key, not only those that differ.
+    #[arg(long)]
+    all: bool,
+    #[arg(long, help = JSON_HELP)]
+    json: bool,
+}
+
+fn diff(args: DiffArgs) -> Outcome {
+    let report = (|| {
+        if !(args.atol >= 0.0 && args.rtol >= 0.0) {
+            return Err(Error::InvalidArgument(
+                "--atol and --rtol must be numbers >= 0".into(),
+            ));
+        }
+        let threads = args.threads.unwrap_or_else(|| {
+            std::thread::available_parallelism().map_or(4, |n| n.get().min(8))
+        });
+        let opts = crate::diff::DiffOptions {
+            atol: args.atol,
+            rtol: args.rtol,
+            keys: args.keys.clone(),
+            exclude: args.exclude.clone(),
+            hf: crate::hf::HfOptions::from_user(
+                args.hf_config.clone(),
+                args.arch.clone(),
+                None,
+                "5GB",
+                Some(threads),
+                args.allow_unmapped,
+            )?,
+            slab_bytes: 32 << 20,
+            threads,
+        };
+        crate::diff::diff(&location(&args.a)?, &location(&args.b)?, &opts)
+    })();
+    let report = match report {
+        Ok(r) => r,
+        Err(e) => {
+            let _ = writeln!(std::io::stderr(), "shardwise: error: {e}");
+            return Ok(2);
+        }
+    };
+    if args.json {
+        print_json(&report)?;
+        return Ok(report.exit_code);
+    }
+    use crate::diff::Status;
+    for k in &report.keys {
+        let label = match k.status {
+            Status::Equal if !args.all => continue,
+            Status::Equal => "EQUAL",
+            Status::Close => "CLOSE",
+            Status::Different => "DIFFERENT",
+            Status::OnlyInA => "ONLY IN A",
+            Status::OnlyInB => "ONLY IN B",
+            Status::Unreadable => "UNREADABLE",
+        };
+        let mut line = format!("{label} {}", k.key);
+        if let Some(m) = &k.message {
+            line += &format!(": {m}");
+        }
+        if let (Some(a), Some(r)) = (k.max_abs, k.max_rel) {
+            if k.status != Status::Equal {
+                line += &format!(" (max abs {a:.3e}, max rel {r:.3e})");
+            }
+        }
+        out!("{line}");
+    }
+    out!(
+        "{} vs {}: {} equal, {} close, {} different, {} only in A, {} only in B, {} unreadable{}",
+        report.a,
+        report.b,
+        report.equal,
+        report.close,
+        report.different,
+        report.only_in_a,
+        report.only_in_b,
+        report.unreadable,
+        if report.mode == "hf" {
+            format!(
+                " (through the to-hf mapping; {} skipped)",
+                count(report.skipped_keys, "checkpoint key")
+            )
+        } else {
+            String::new()
+        }
+    );
+    Ok(report.exit_code)
 }

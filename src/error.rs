@@ -18,16 +18,21 @@ pub enum Error {
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
 
-    /// The merged save is not a valid checkpoint: overlapping or missing chunks, shape, dtype or
-    /// world_size disagreements between ranks. Nothing was committed.
-    #[error("checkpoint validation failed, nothing committed: {0}")]
+    /// Inputs that do not fit together: a save being merged (overlapping or missing chunks, shape,
+    /// dtype or world_size disagreements between ranks; nothing was committed), a region a
+    /// checkpoint does not cover, a `to-hf` config that disagrees with the checkpoint. The message
+    /// says "nothing committed" only where a commit was at stake (the commit path adds it).
+    #[error("validation failed: {0}")]
     Validation(String),
 
-    /// Some ranks did not publish their metadata part within the timeout.
+    /// Some ranks did not publish a current metadata part within the timeout. `stale` lists the
+    /// ranks whose part was ignored, with the reason (an earlier attempt's, or its data file
+    /// changed since).
     #[error(
         "timed out after {timeout_s:.1}s waiting for the metadata parts of ranks [{}] (world_size {world_size}, \
-         save {save_id}) in {dir}; nothing committed",
-        fmt_ranks(missing)
+         save {save_id}) in {dir}{}; nothing committed",
+        fmt_ranks(missing),
+        fmt_stale(stale)
     )]
     MissingRanks {
         dir: PathBuf,
@@ -35,7 +40,12 @@ pub enum Error {
         world_size: u32,
         missing: Vec<u32>,
         timeout_s: f64,
+        stale: Vec<(u32, String)>,
     },
+
+    /// A wait was interrupted (Ctrl-C); nothing was committed by this process.
+    #[error("interrupted; nothing committed")]
+    Interrupted,
 
     /// The merging rank reported a failure, or no commit appeared within the timeout.
     #[error("save {save_id} in {dir} was not committed: {reason}")]
@@ -89,6 +99,13 @@ impl Error {
 }
 
 /// Formats a sorted rank list compactly: `[0, 2, 3, 4, 7]` → `0, 2-4, 7`.
+fn fmt_stale(stale: &[(u32, String)]) -> String {
+    stale
+        .iter()
+        .map(|(r, why)| format!("; ignored the part of rank {r}: {why}"))
+        .collect()
+}
+
 pub fn fmt_ranks(ranks: &[u32]) -> String {
     let mut out: Vec<String> = Vec::new();
     let mut i = 0;

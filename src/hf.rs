@@ -167,12 +167,16 @@ fn dims_from_config(cfg: &serde_json::Value, arch: Option<&str>) -> Result<Dims>
     })
 }
 
-/// Megatron's `args` (an `argparse.Namespace`) from `common.pt`, read as data: name → int/bool.
-fn megatron_args(loc: &Location) -> Result<Option<HashMap<String, i128>>> {
-    let path = loc.path_of("common.pt");
-    let Ok(Some(bytes)) = loc.read("common.pt") else {
+/// Megatron's `args` (an `argparse.Namespace`) from the common state (`common.pt`, or the
+/// `common_state` object of megatron-core 0.19), read as data: name → int/bool.
+///
+/// Errors: [`Error::Corrupt`] for a damaged common state (zip CRCs are checked by the reader).
+fn megatron_args(ckpt: &Checkpoint) -> Result<Option<HashMap<String, i128>>> {
+    let Some(common) = ckpt.read_common()? else {
         return Ok(None);
     };
+    let bytes = common.bytes;
+    let path = ckpt.dir().join(&common.source);
     let corrupt = |r: String| Error::Corrupt {
         path: path.clone(),
         reason: r,
@@ -258,19 +262,26 @@ fn dims_from_args(args: &HashMap<String, i128>, arch: Option<&str>) -> Result<Di
 
 /// A box of a checkpoint tensor (global offsets and sizes, in elements).
 #[derive(Clone, Debug)]
-struct Piece {
-    key: String,
-    offsets: Vec<u64>,
-    sizes: Vec<u64>,
+pub(crate) struct Piece {
+    pub key: String,
+    pub offsets: Vec<u64>,
+    pub sizes: Vec<u64>,
 }
 
 /// One HF tensor: the concatenation of its pieces (C order), reshaped to `shape`.
 #[derive(Clone, Debug)]
-struct HfTensor {
-    name: String,
-    shape: Vec<u64>,
-    src_dtype: DType,
-    pieces: Vec<Piece>,
+pub(crate) struct HfTensor {
+    pub name: String,
+    pub shape: Vec<u64>,
+    pub src_dtype: DType,
+    pub pieces: Vec<Piece>,
+}
+
+/// The HF tensors a checkpoint converts to, in output order, and how many checkpoint keys the
+/// mapping skips (optimizer state, extra state, objects, and unmapped keys when allowed).
+pub(crate) struct Plan {
+    pub tensors: Vec<HfTensor>,
+    pub skipped: usize,
 }
 
 enum Mapped {
@@ -664,6 +675,15 @@ fn st_dtype(d: DType) -> Result<safetensors::Dtype> {
     })
 }
 
+/// The checkpoint dtype of a safetensors dtype (the inverse of [`st_dtype`]); None for dtypes
+/// DCP has no name for.
+pub(crate) fn dtype_of_st(d: safetensors::Dtype) -> Option<DType> {
+    DType::READABLE
+        .iter()
+        .copied()
+        .find(|&t| st_dtype(t).ok() == Some(d))
+}
+
 /// Converts little-endian floats between float32, bfloat16 and float16.
 fn convert(bytes: &[u8], from: DType, to: DType) -> Result<Vec<u8>> {
     use half::{bf16, f16};
@@ -728,7 +748,13 @@ pub fn to_hf(
         )));
     }
     let ckpt = Checkpoint::open(ckpt)?;
-    let args = megatron_args(ckpt.location())?;
+    let Plan { tensors, skipped } = plan(&ckpt, opts)?;
+    write_safetensors(&ckpt, &tensors, skipped, out_dir, opts, progress, t0)
+}
+
+/// Maps every tensor of `ckpt` to HF tensors (see [`to_hf`] for the checks and errors).
+pub(crate) fn plan(ckpt: &Checkpoint, opts: &HfOptions) -> Result<Plan> {
+    let args = megatron_args(ckpt)?;
     let config: Option<serde_json::Value> = match &opts.config {
         Some(p) => Some(
             serde_json::from_slice(&std::fs::read(p).map_err(Error::io("read", p))?)
@@ -820,7 +846,31 @@ pub fn to_hf(
             .and_then(|i| i.parse::<u64>().ok())
     };
     tensors.sort_by(|a, b| (layer_of(&a.name), &a.name).cmp(&(layer_of(&b.name), &b.name)));
+    Ok(Plan { tensors, skipped })
+}
 
+/// Reads HF tensor `t` (its pieces, in order) into `buf` (`prod(shape) * itemsize` bytes of
+/// `t.src_dtype`).
+pub(crate) fn read_hf_tensor(ckpt: &Checkpoint, t: &HfTensor, buf: &mut [u8]) -> Result<()> {
+    let item = t.src_dtype.itemsize();
+    let mut at = 0usize;
+    for pc in &t.pieces {
+        let n = (pc.sizes.iter().product::<u64>() * item) as usize;
+        ckpt.read_region(&pc.key, &pc.offsets, &pc.sizes, &mut buf[at..at + n])?;
+        at += n;
+    }
+    Ok(())
+}
+
+fn write_safetensors(
+    ckpt: &Checkpoint,
+    tensors: &[HfTensor],
+    skipped: usize,
+    out_dir: &Path,
+    opts: &HfOptions,
+    progress: &(dyn Fn(u64) + Sync),
+    t0: Instant,
+) -> Result<HfSummary> {
     // Shards: greedy in order, each at most max_shard_bytes (a larger tensor gets its own file).
     let out_dtype = |t: &HfTensor| opts.dtype.unwrap_or(t.src_dtype);
     let nbytes = |t: &HfTensor| t.shape.iter().product::<u64>() * out_dtype(t).itemsize();
@@ -891,12 +941,7 @@ pub fn to_hf(
             .map(|(i, t)| -> Result<u64> {
                 let item = t.src_dtype.itemsize();
                 let mut buf = vec![0u8; (t.shape.iter().product::<u64>() * item) as usize];
-                let mut at = 0usize;
-                for pc in &t.pieces {
-                    let n = (pc.sizes.iter().product::<u64>() * item) as usize;
-                    ckpt.read_region(&pc.key, &pc.offsets, &pc.sizes, &mut buf[at..at + n])?;
-                    at += n;
-                }
+                read_hf_tensor(ckpt, t, &mut buf)?;
                 let out = out_dtype(t);
                 let bytes = if out == t.src_dtype {
                     buf

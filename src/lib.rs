@@ -1,14 +1,17 @@
 //! shardwise: collective-free writer for Megatron-Core `torch_dist` (PyTorch DCP) checkpoints.
 //!
 //! Each rank writes its own main-replica chunks ([`writer`]), publishes a metadata part, and a
-//! merging rank commits the global `.metadata` through a file-based rendezvous ([`rendezvous`]).
+//! merging rank commits the global `.metadata` through a file-based rendezvous ([`commit`]).
 pub mod cli;
+pub mod commit;
 pub mod error;
 pub mod format;
 pub mod gpu;
+pub mod diff;
 pub mod hf;
+pub mod hints;
+pub mod integrity;
 pub mod reader;
-pub mod rendezvous;
 pub mod save;
 pub mod staging;
 pub mod storage;

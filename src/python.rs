@@ -15,9 +15,10 @@ use crate::error::Error;
 use crate::format::dtype::DType;
 use crate::format::metadata::Entry;
 use crate::reader::Checkpoint;
-use crate::rendezvous::{self, ObjectShard};
+use crate::commit::part::ObjectShard;
+use crate::commit::wait::{timeout_from_secs, Freshness};
 use crate::save::{save_rank as rust_save_rank, ObjectItem, SaveOptions, SaveReport};
-use crate::staging::{self, DEFAULT_BUDGET_BYTES, DEFAULT_BUFFER_BYTES};
+use crate::staging::{self, DEFAULT_BUFFER_BYTES};
 use crate::storage::Location;
 use crate::writer::{ByteObject, Payload, Staging, TensorChunk};
 
@@ -43,7 +44,7 @@ create_exception!(
     shardwise,
     ValidationError,
     ShardwiseError,
-    "The merged save is not a valid checkpoint; nothing was committed."
+    "Inputs that do not fit together: a save's parts (nothing was committed), a region the chunks do not cover, a to-hf config."
 );
 create_exception!(
     shardwise,
@@ -95,6 +96,7 @@ fn to_py(e: Error) -> PyErr {
             StorageError::new_err(msg)
         }
         Error::Corrupt { .. } => CorruptFileError::new_err(msg),
+        Error::Interrupted => pyo3::exceptions::PyKeyboardInterrupt::new_err(msg),
         Error::Gpu(_) => GpuError::new_err(msg),
     }
 }
@@ -282,9 +284,11 @@ impl SaveHandle {
 ///
 /// Device tensors, and every tensor when `async_save`, go through the process's staging pool of
 /// `staging_budget` bytes (pinned when CUDA is there). Returns the report dict, or with
-/// `async_save` a `SaveHandle` as soon as every byte is staged. Raises a `ShardwiseError` subclass.
+/// `async_save` a `SaveHandle` as soon as every byte is staged. With `integrity`, the commit writes
+/// megatron-core 0.19's `integrity.json` (SHA-256 of every file, computed while writing). Raises a
+/// `ShardwiseError` subclass.
 #[pyfunction]
-#[pyo3(signature = (checkpoint_dir, rank, world_size, save_id, tensors, objects, common, megatron, merge_rank, timeout_s, wait_for_commit, overwrite, async_save=false, staging_budget=None, caller_streams=None))]
+#[pyo3(signature = (checkpoint_dir, rank, world_size, save_id, tensors, objects, common, megatron, merge_rank, timeout_s, wait_for_commit, overwrite, async_save=false, staging_budget=None, caller_streams=None, integrity=false, derived_save_id=false))]
 #[allow(clippy::too_many_arguments)]
 fn save_rank<'py>(
     py: Python<'py>,
@@ -303,11 +307,14 @@ fn save_rank<'py>(
     async_save: bool,
     staging_budget: Option<usize>,
     caller_streams: Option<HashMap<u32, u64>>,
+    integrity: bool,
+    derived_save_id: bool,
 ) -> PyResult<Py<PyAny>> {
-    if !(timeout_s.is_finite() && timeout_s >= 0.0) {
-        return Err(InvalidArgumentError::new_err(format!(
-            "timeout_s must be a finite number >= 0, got {timeout_s}"
-        )));
+    let timeout = timeout_from_secs("timeout_s", timeout_s).map_err(to_py)?;
+    if staging_budget == Some(0) {
+        return Err(InvalidArgumentError::new_err(
+            "staging_budget_bytes must be > 0 bytes (None: sized to this rank's bytes)",
+        ));
     }
     let raw = raw_chunks(&tensors)?;
     let opts = SaveOptions {
@@ -317,14 +324,27 @@ fn save_rank<'py>(
         save_id,
         megatron,
         merge_rank,
-        timeout: Duration::from_secs_f64(timeout_s),
+        timeout,
         wait_for_commit,
         overwrite,
+        integrity,
+        freshness: if derived_save_id {
+            Freshness::this_launch()
+        } else {
+            Freshness::from_now()
+        },
     };
+    // Argument errors are raised here, before any side effect, for async saves too (the thread
+    // would only report them at wait()).
+    crate::save::check_options(&opts).map_err(to_py)?;
+    // SAFETY: only the descriptions are read here, while the caller holds every tensor.
+    for c in unsafe { chunks_of(&raw) } {
+        crate::writer::check_chunk(&c).map_err(to_py)?;
+    }
     let staged_bytes: u64 = raw.iter().map(|r| r.nbytes as u64).sum();
     let first_device = raw.iter().find_map(|r| r.device);
     let streams = caller_streams.unwrap_or_default();
-    let budget = staging_budget.unwrap_or(DEFAULT_BUDGET_BYTES);
+    let budget = staging_budget.unwrap_or_else(|| staging::default_budget(staged_bytes));
     let t0 = std::time::Instant::now();
     if !async_save {
         let report = py
@@ -428,9 +448,51 @@ fn to_hf<'py>(
     Ok(d)
 }
 
-/// A checkpoint path or URL as Python passed it (`str` or `os.PathLike`).
+/// Compares checkpoints `a` and `b` (directories, URLs, or one HF safetensors folder); see
+/// `shardwise diff`. Returns the report as JSON text (the Python wrapper decodes it).
+#[pyfunction]
+#[pyo3(signature = (a, b, atol=0.0, rtol=0.0, keys=Vec::new(), exclude=Vec::new(), hf_config=None, arch=None, allow_unmapped=false, threads=None))]
+#[allow(clippy::too_many_arguments)]
+fn diff_json(
+    py: Python<'_>,
+    a: PathBuf,
+    b: PathBuf,
+    atol: f64,
+    rtol: f64,
+    keys: Vec<String>,
+    exclude: Vec<String>,
+    hf_config: Option<PathBuf>,
+    arch: Option<String>,
+    allow_unmapped: bool,
+    threads: Option<usize>,
+) -> PyResult<String> {
+    if !(atol >= 0.0 && rtol >= 0.0) {
+        return Err(InvalidArgumentError::new_err(
+            "atol and rtol must be numbers >= 0",
+        ));
+    }
+    let threads = threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(4, |n| n.get().min(8)));
+    let opts = crate::diff::DiffOptions {
+        atol,
+        rtol,
+        keys,
+        exclude,
+        hf: crate::hf::HfOptions::from_user(hf_config, arch, None, "5GB", Some(threads), allow_unmapped)
+            .map_err(to_py)?,
+        slab_bytes: 32 << 20,
+        threads,
+    };
+    let report = py
+        .detach(|| crate::diff::diff(&location(&a)?, &location(&b)?, &opts))
+        .map_err(to_py)?;
+    Ok(serde_json::to_string(&report).expect("serializable"))
+}
+
+/// A checkpoint path or URL as Python passed it (`str` or `os.PathLike`; a local path need not be
+/// UTF-8: its undecodable bytes arrive as Python's surrogate escapes and are restored here).
 fn location(p: &std::path::Path) -> crate::error::Result<Location> {
-    Location::parse(&p.to_string_lossy())
+    Location::from_os(p.as_os_str())
 }
 
 /// Whether a CUDA driver can be loaded here (the GPU path is used only then). Never raises.
@@ -441,7 +503,8 @@ fn cuda_available(py: Python<'_>) -> bool {
 
 /// Merges the parts of `save_id` and commits `.metadata`; see `shardwise merge`. Returns a dict:
 /// `keys`, `tensor_chunks`, `data_bytes` (bytes) and `already_committed` (a racing merger or an
-/// earlier merge committed; counts are then 0).
+/// earlier merge committed; the counts are then that commit's). Raises `KeyboardInterrupt` when
+/// Ctrl-C interrupts the wait (nothing committed).
 #[pyfunction]
 fn merge(
     py: Python<'_>,
@@ -450,11 +513,11 @@ fn merge(
     world_size: u32,
     timeout_s: f64,
 ) -> PyResult<Bound<'_, PyDict>> {
-    let timeout = Duration::from_secs_f64(timeout_s.max(0.0));
+    let timeout = timeout_from_secs("timeout_s", timeout_s).map_err(to_py)?;
     let s = py
         .detach(|| {
             let loc = location(&checkpoint_dir)?;
-            rendezvous::merge(&loc, &save_id, world_size, timeout)
+            crate::commit::merge(&loc, &save_id, world_size, timeout, &Freshness::from_now())
         })
         .map_err(to_py)?;
     let d = PyDict::new(py);
@@ -485,6 +548,21 @@ fn storage_dict<'py>(
 
 #[pymethods]
 impl PyCheckpoint {
+    /// Number of keys.
+    fn __len__(&self) -> usize {
+        self.inner.metadata.entries.len()
+    }
+
+    /// Whether `key` is a key of the checkpoint.
+    fn __contains__(&self, key: &str) -> bool {
+        self.inner.metadata.entries.contains_key(key)
+    }
+
+    /// The checkpoint format in words (`PyTorch DCP` or `Megatron-Core torch_dist`).
+    fn format_name(&self) -> &'static str {
+        crate::cli::format_name(&self.inner.metadata.class)
+    }
+
     /// Sorted keys (tensor fqns and byte-object keys).
     fn keys(&self) -> Vec<String> {
         self.inner.metadata.entries.keys().cloned().collect()
@@ -545,6 +623,14 @@ impl PyCheckpoint {
         .map_err(to_py)
     }
 
+    /// The common state as `(source, bytes)`: `common.pt`, or the `common_state` object of
+    /// megatron-core 0.19 (`source` is then its key); None when there is neither. Raw torch.save
+    /// bytes (never unpickled here) whose zip records passed their CRC-32s.
+    fn read_common<'py>(&self, py: Python<'py>) -> PyResult<Option<(String, Bound<'py, PyBytes>)>> {
+        let common = py.detach(|| self.inner.read_common()).map_err(to_py)?;
+        Ok(common.map(|c| (c.source, PyBytes::new(py, &c.bytes))))
+    }
+
     /// The raw bytes of byte object `key`: a torch.save archive (never unpickled here).
     fn read_bytes<'py>(&self, py: Python<'py>, key: &str) -> PyResult<Bound<'py, PyBytes>> {
         let bytes = py
@@ -563,15 +649,32 @@ fn open_checkpoint(py: Python<'_>, path: PathBuf) -> PyResult<PyCheckpoint> {
         .map_err(to_py)
 }
 
-/// Runs the `shardwise` command line with `argv` (program name first); returns the exit code.
+/// Runs the `shardwise` command line with `argv` (program name first; `str`, where the bytes of a
+/// non-UTF-8 path are surrogate escapes, as in `sys.argv` and `os.fsdecode`); returns the exit code.
 #[pyfunction]
-fn cli_main(py: Python<'_>, argv: Vec<String>) -> i32 {
+fn cli_main(py: Python<'_>, argv: Vec<std::ffi::OsString>) -> i32 {
     py.detach(|| crate::cli::run(argv))
+}
+
+/// Whether `checkpoint_dir` holds a committed, whole checkpoint: the one definition shared with
+/// the save and `shardwise status` (`crate::commit::state`). Never raises for a missing or
+/// unreadable directory (False).
+#[pyfunction]
+fn is_committed(py: Python<'_>, checkpoint_dir: PathBuf) -> bool {
+    py.detach(|| location(&checkpoint_dir).is_ok_and(|l| crate::commit::state::is_committed(&l)))
+}
+
+/// The interrupt check of every bounded wait: runs Python's signal handlers (in the main thread;
+/// elsewhere they never run) and reports whether one raised, e.g. `KeyboardInterrupt` on Ctrl-C.
+fn python_interrupted() -> bool {
+    Python::attach(|py| py.check_signals().is_err())
 }
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
+    crate::commit::wait::set_interrupt_check(python_interrupted);
+    m.add_function(wrap_pyfunction!(is_committed, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(save_rank, m)?)?;
     m.add_function(wrap_pyfunction!(merge, m)?)?;
@@ -600,5 +703,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<SaveHandle>()?;
     m.add_function(wrap_pyfunction!(cuda_available, m)?)?;
     m.add_function(wrap_pyfunction!(to_hf, m)?)?;
+    m.add_function(wrap_pyfunction!(diff_json, m)?)?;
     Ok(())
 }

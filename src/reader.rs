@@ -3,20 +3,42 @@
 //! Paths are confined to the checkpoint directory,
 //! every offset and size is checked against the real file, and memory use is bounded by what the
 //! caller asks for, not by what the file claims.
+//!
+//! Integrity: when the checkpoint has shardwise's checksum sidecar, every item read is checked
+//! against the CRC-32 recorded when it was written, on the bytes as they are read (the page-cache
+//! pages of the mapping or the body of the ranged GET; the file is not read twice). An item of a
+//! mapped file is hashed once per open [`Checkpoint`]. Checkpoints without a sidecar (written by
+//! torch or Megatron) are read unchecked: DCP records no checksum.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::io::Read;
 use std::path::{Component, Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use memmap2::Mmap;
+use rayon::prelude::*;
 
+use crate::commit::{part::COMMON_FILE, read_checksums};
 use crate::error::{Error, Result};
-use crate::format::archive::{stored_tensor, StoredTensor};
+use crate::format::archive::{bad_record_crcs, records, stored_tensor, StoredTensor};
 use crate::format::metadata::{Chunk, Entry, StorageInfo};
 use crate::format::read_metadata::{read_metadata, CheckpointMetadata};
+use crate::format::unpickle::unpickle;
 use crate::storage::Location;
+
+/// Where and with which CRC-32 the writer placed one item (from the checksum sidecar).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Recorded {
+    pub relative_path: String,
+    pub offset: u64,
+    pub length: u64,
+    pub crc32: u32,
+}
+
+/// Key prefix of the common state inside DCP (megatron-core 0.19: `common_state/shard_0_1`,
+/// megatron-torch-dist.md §1.2).
+pub const COMMON_STATE_PREFIX: &str = "common_state";
 
 /// An open checkpoint directory.
 pub struct Checkpoint {
@@ -24,6 +46,17 @@ pub struct Checkpoint {
     dir: PathBuf,
     pub metadata: CheckpointMetadata,
     files: Mutex<HashMap<String, Arc<Mapped>>>,
+    /// Save-time CRC-32s: key -> chunk offsets (None for a byte object) -> placement and CRC.
+    recorded: Option<HashMap<String, HashMap<Option<Vec<u64>>, Recorded>>>,
+    /// Items of mapped files already checked against their CRC: (relative_path, offset).
+    verified: Mutex<HashSet<(String, u64)>>,
+}
+
+/// The common (non-sharded) state a Megatron loader reads, as raw torch.save bytes.
+pub struct CommonState {
+    /// `common.pt` or the key of the `common_state` object.
+    pub source: String,
+    pub bytes: Vec<u8>,
 }
 
 /// A data file as the reader holds it.
@@ -142,18 +175,82 @@ impl Checkpoint {
             remote => remote.clone(),
         };
         let path = loc.path_of(".metadata");
-        let bytes = loc.read(".metadata")?.ok_or_else(|| Error::Io {
-            op: "read",
-            path: path.clone(),
-            source: std::io::ErrorKind::NotFound.into(),
-        })?;
+        let bytes = loc
+            .read(".metadata")?
+            .ok_or_else(|| crate::hints::no_metadata(&loc))?;
         let metadata = read_metadata(&bytes).map_err(|e| corrupt(&path, e.0))?;
+        let recorded = read_checksums(&loc)?.map(|sums| {
+            let mut by_key: HashMap<String, HashMap<Option<Vec<u64>>, Recorded>> = HashMap::new();
+            for i in sums.items {
+                by_key.entry(i.fqn).or_default().insert(
+                    i.offsets,
+                    Recorded {
+                        relative_path: i.relative_path,
+                        offset: i.offset,
+                        length: i.length,
+                        crc32: i.crc32,
+                    },
+                );
+            }
+            by_key
+        });
         Ok(Checkpoint {
             dir: loc.display_path(),
             loc,
             metadata,
             files: Mutex::new(HashMap::new()),
+            recorded,
+            verified: Mutex::new(HashSet::new()),
         })
+    }
+
+    /// Whether the checkpoint has shardwise's checksum sidecar (its reads are CRC-checked).
+    pub fn has_checksums(&self) -> bool {
+        self.recorded.is_some()
+    }
+
+    /// The save-time placement and CRC-32 of the item of `key` (`offsets`: the chunk's global
+    /// offsets, None for a byte object), when the sidecar records one.
+    pub fn recorded(&self, key: &str, offsets: Option<&[u64]>) -> Option<&Recorded> {
+        self.recorded
+            .as_ref()?
+            .get(key)?
+            .get(&offsets.map(<[u64]>::to_vec))
+    }
+
+    /// Size in bytes of the data file `rel` (a `relative_path` of `.metadata`).
+    ///
+    /// Errors: [`Error::Corrupt`] for a path leaving the directory; [`Error::Io`] / [`Error::Remote`]
+    /// when it cannot be opened.
+    pub fn file_size(&self, rel: &str) -> Result<u64> {
+        Ok(self.file(rel)?.len())
+    }
+
+    /// The common state: `common.pt` when present (megatron-core ≤ 0.18 layout), else the
+    /// `common_state` byte object (0.19, megatron-torch-dist.md §1.2); None when there is neither.
+    /// Raw torch.save bytes, never unpickled here; every zip record is checked against its CRC-32
+    /// and `data.pkl` must decode as a pickle (symbolically, nothing is executed).
+    ///
+    /// Errors: [`Error::Corrupt`] naming the file (and the key for `common_state`) for a damaged
+    /// archive; item errors as [`Checkpoint::read_bytes`].
+    pub fn read_common(&self) -> Result<Option<CommonState>> {
+        let (source, bytes, path) = match self.loc.read(COMMON_FILE)? {
+            Some(b) => (COMMON_FILE.to_string(), b, self.dir.join(COMMON_FILE)),
+            None => {
+                let key = self.metadata.entries.iter().find_map(|(k, e)| {
+                    (k.starts_with(COMMON_STATE_PREFIX) && matches!(e, Entry::Bytes { .. }))
+                        .then_some(k)
+                });
+                let Some(key) = key else { return Ok(None) };
+                let Entry::Bytes { storage } = &self.metadata.entries[key] else {
+                    unreachable!("filtered on Entry::Bytes")
+                };
+                let path = self.dir.join(&storage.relative_path);
+                (key.clone(), self.read_bytes(key, 1 << 34)?, path)
+            }
+        };
+        check_common(&bytes).map_err(|r| corrupt(path, format!("{source}: {r}")))?;
+        Ok(Some(CommonState { source, bytes }))
     }
 
     /// The checkpoint directory (canonical), or the URL of an object-store checkpoint.
@@ -262,6 +359,7 @@ impl Checkpoint {
             }
             Location::Local(_) => ItemBytes::Mapped(file.clone(), range),
         };
+        self.check_crc(key, offsets, storage, &raw)?;
         let Some(transforms) = transforms else {
             return Ok(raw);
         };
@@ -295,6 +393,66 @@ impl Checkpoint {
             data = out;
         }
         Ok(ItemBytes::Owned(data))
+    }
+
+    /// Checks an item's stored bytes against the sidecar's CRC-32 (our writer applies no stream
+    /// transform, so the stored bytes are the bytes it hashed).
+    fn check_crc(
+        &self,
+        key: &str,
+        offsets: Option<&[u64]>,
+        storage: &StorageInfo,
+        raw: &ItemBytes,
+    ) -> Result<()> {
+        let Some(rec) = self.recorded(key, offsets) else {
+            return Ok(());
+        };
+        let what = match offsets {
+            Some(o) => format!("{key} chunk {o:?}"),
+            None => key.to_string(),
+        };
+        let file = self.dir.join(&storage.relative_path);
+        if (rec.relative_path.as_str(), rec.offset, rec.length)
+            != (
+                storage.relative_path.as_str(),
+                storage.offset,
+                storage.length,
+            )
+        {
+            return Err(corrupt(
+                file,
+                format!(
+                    "{what}: the checksum sidecar places this item at {}@{}+{}, .metadata at {}@{}+{} \
+                     (the sidecar belongs to another save)",
+                    rec.relative_path,
+                    rec.offset,
+                    rec.length,
+                    storage.relative_path,
+                    storage.offset,
+                    storage.length
+                ),
+            ));
+        }
+        let mapped = matches!(raw, ItemBytes::Mapped(..));
+        let id = (storage.relative_path.clone(), storage.offset);
+        if mapped && self.verified.lock().unwrap().contains(&id) {
+            return Ok(());
+        }
+        let got = crc32(raw);
+        if got != rec.crc32 {
+            return Err(corrupt(
+                file,
+                format!(
+                    "{what} (item at offset {}, {} bytes) fails the CRC-32 recorded at save time \
+                     (recorded {:08x}, computed {got:08x})",
+                    storage.offset, storage.length, rec.crc32
+                ),
+            ));
+        }
+        if mapped {
+            self.verified.lock().unwrap().insert(id);
+        }
+        Ok(())
     }
 
     /// Decodes chunk `index` of tensor `key`, checking it against the metadata.
@@ -415,7 +573,19 @@ impl Checkpoint {
                 continue;
             }
             let (data, _) = self.chunk(key, i)?;
-            copy_box(&data, &c.offsets, offsets, sizes, &lo, &hi, item, out);
+            let t = &data.tensor;
+            copy_box(
+                data.storage(),
+                t.storage_offset,
+                &t.strides,
+                &c.offsets,
+                offsets,
+                sizes,
+                &lo,
+                &hi,
+                item,
+                out,
+            );
             covered += (0..n).map(|d| hi[d] - lo[d]).product::<u64>();
         }
         if covered != total {
@@ -427,11 +597,51 @@ impl Checkpoint {
     }
 }
 
-/// Copies the box `[lo, hi)` (global coordinates) from a stored chunk at `chunk_off` into `out`,
-/// a contiguous buffer for the region at `region_off` of `region_sizes`.
+/// CRC-32 of `bytes`; large items are hashed in 8 MiB blocks on rayon's pool and the block CRCs
+/// combined (page faults of a mapped item are then taken in parallel too).
+pub fn crc32(bytes: &[u8]) -> u32 {
+    const BLOCK: usize = 8 << 20;
+    if bytes.len() <= 2 * BLOCK {
+        return crc32fast::hash(bytes);
+    }
+    bytes
+        .par_chunks(BLOCK)
+        .map(|b| {
+            let mut h = crc32fast::Hasher::new();
+            h.update(b);
+            h
+        })
+        // rayon's reduce keeps the order of an indexed iterator: blocks combine left to right.
+        .reduce_with(|mut a, b| {
+            a.combine(&b);
+            a
+        })
+        .map_or(0, |h| h.finalize())
+}
+
+/// Checks a common-state archive: every zip record against its CRC-32, and `data.pkl` decodes.
+fn check_common(bytes: &[u8]) -> std::result::Result<(), String> {
+    let recs = records(bytes).map_err(|e| format!("not a torch.save archive: {}", e.0))?;
+    if let Some(bad) = bad_record_crcs(bytes, &recs).into_iter().next() {
+        return Err(bad);
+    }
+    let pkl = recs
+        .iter()
+        .find(|r| r.name.ends_with("data.pkl"))
+        .ok_or("no data.pkl record")?;
+    unpickle(&bytes[pkl.start..pkl.start + pkl.len])
+        .map(|_| ())
+        .map_err(|e| format!("data.pkl does not decode: {}", e.0))
+}
+
+/// Copies the box `[lo, hi)` (global coordinates) from a tensor stored in `src` (element 0 at
+/// `storage_offset`, `strides` in elements) whose origin is at `chunk_off`, into `out`, a
+/// contiguous buffer for the region at `region_off` of `region_sizes`.
 #[allow(clippy::too_many_arguments)]
-fn copy_box(
-    data: &ChunkData,
+pub(crate) fn copy_box(
+    src: &[u8],
+    storage_offset: u64,
+    strides: &[u64],
     chunk_off: &[u64],
     region_off: &[u64],
     region_sizes: &[u64],
@@ -440,12 +650,10 @@ fn copy_box(
     item: u64,
     out: &mut [u8],
 ) {
-    let t = &data.tensor;
-    let src = data.storage();
     let n = lo.len();
     let item = item as usize;
     if n == 0 {
-        let s = t.storage_offset as usize * item;
+        let s = storage_offset as usize * item;
         out[..item].copy_from_slice(&src[s..s + item]);
         return;
     }
@@ -456,17 +664,17 @@ fn copy_box(
     let run = (hi[n - 1] - lo[n - 1]) as usize;
     let mut idx = lo.to_vec();
     loop {
-        let mut s = t.storage_offset;
+        let mut s = storage_offset;
         let mut o = 0u64;
         for d in 0..n {
-            s += (idx[d] - chunk_off[d]) * t.strides[d];
+            s += (idx[d] - chunk_off[d]) * strides[d];
             o += (idx[d] - region_off[d]) * out_strides[d];
         }
         let (s, o) = (s as usize * item, o as usize * item);
-        if t.strides[n - 1] == 1 {
+        if strides[n - 1] == 1 {
             out[o..o + run * item].copy_from_slice(&src[s..s + run * item]);
         } else {
-            let st = t.strides[n - 1] as usize * item;
+            let st = strides[n - 1] as usize * item;
             for k in 0..run {
                 out[o + k * item..o + (k + 1) * item]
                     .copy_from_slice(&src[s + k * st..s + k * st + item]);

@@ -5,10 +5,14 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use crate::error::{Error, Result};
-use crate::rendezvous::{
-    self, CommitSummary, FileRecord, ObjectRecord, ObjectShard, RankPart, TensorRecord,
+use crate::commit::part::{
+    self, marker_rel, now_ns, part_rel, publish_failed, read_part, FileRecord, ObjectRecord,
+    ObjectShard, RankPart, TensorRecord, COMMON_FILE,
 };
+use crate::commit::state::{checkpoint_state, files_in_use, CheckpointState};
+use crate::commit::wait::{wait_for_commit, Freshness};
+use crate::commit::{self, CommitSummary};
+use crate::error::{Error, Result};
 use crate::staging::SaveTicket;
 use crate::storage::Location;
 use crate::writer::{
@@ -32,8 +36,16 @@ pub struct SaveOptions {
     pub timeout: Duration,
     /// Non-merging ranks wait for the commit before returning.
     pub wait_for_commit: bool,
-    /// Replace a committed checkpoint already in `dir`.
+    /// Replace a committed checkpoint already in `dir` (local directories only). The old
+    /// checkpoint stays loadable until the new `.metadata` replaces it.
     pub overwrite: bool,
+    /// Which parts and markers in the directory belong to this attempt:
+    /// [`Freshness::this_launch`] for a save id that every launch derives alike,
+    /// [`Freshness::from_now`] for an explicit one.
+    pub freshness: Freshness,
+    /// Record the SHA-256 of every file this rank writes, so that the commit writes megatron-core
+    /// 0.19's `integrity.json` ([`crate::integrity`]); every rank of a save must agree.
+    pub integrity: bool,
 }
 
 /// A byte object with its optional ShardedObject position.
@@ -55,17 +67,13 @@ pub struct SaveReport {
     pub commit: Option<CommitSummary>,
 }
 
-/// The data file of `rank`: `__{rank}_0.distcp`, the name torch and Megatron use.
-pub fn data_file_name(rank: u32) -> String {
-    format!("__{rank}_0.distcp")
-}
-
 /// Saves this rank's chunks and objects (and `common.pt` when `common` is given) and takes part in
-/// the file-based rendezvous.
+/// the file-based rendezvous ([`commit`]).
 ///
 /// Errors: [`Error::InvalidArgument`], [`Error::CheckpointExists`], [`Error::Io`] (unwritable
-/// directory, full disk), and the rendezvous errors of [`rendezvous::merge`] /
-/// [`rendezvous::wait_for_commit`]. A failed save never writes `.metadata`.
+/// directory, full disk), and the errors of [`commit::merge`] / [`wait_for_commit`]. A failed
+/// save never writes `.metadata`; when the merging rank fails it publishes `FAILED`, so the other
+/// ranks fail within a poll instead of at their timeout.
 pub fn save_rank(
     opts: &SaveOptions,
     tensors: &[TensorChunk],
@@ -73,6 +81,88 @@ pub fn save_rank(
     common: Option<&[u8]>,
     staging: Option<Staging>,
 ) -> Result<SaveReport> {
+    check_options(opts)?;
+    for t in tensors {
+        check_chunk(t)?; // before any side effect, so bad input changes nothing on disk
+    }
+    // One save at a time per process stages and writes; a second one waits here until the first
+    // has published its part. The rendezvous wait that follows needs no ticket, so ranks played by
+    // one process (tests, tools) cannot block each other.
+    let ticket = SaveTicket::acquire();
+    let loc = &opts.location;
+    let merger = opts.merge_rank == Some(opts.rank);
+    let t0 = Instant::now();
+    let published = write_and_publish(opts, tensors, objects, common, staging);
+    drop(ticket);
+    let mut report = match published {
+        Ok(r) => r,
+        Err(e) => {
+            // The other ranks would wait for this rank's merge until their timeout: tell them.
+            if merger && !matches!(e, Error::CheckpointExists(_) | Error::InvalidArgument(_)) {
+                publish_failed(
+                    loc,
+                    &opts.save_id,
+                    &format!("the merging rank {} failed: {e}", opts.rank),
+                );
+            }
+            return Err(e);
+        }
+    };
+    report.write_s = t0.elapsed().as_secs_f64();
+
+    let t1 = Instant::now();
+    if opts.merge_rank == Some(opts.rank) {
+        report.commit = Some(commit::merge(
+            loc,
+            &opts.save_id,
+            opts.world_size,
+            opts.timeout,
+            &opts.freshness,
+        )?);
+        report.committed = true;
+    } else if let (true, Some(m)) = (opts.wait_for_commit, opts.merge_rank) {
+        wait_for_commit(
+            loc,
+            &opts.save_id,
+            opts.world_size,
+            opts.timeout,
+            &opts.freshness,
+        )
+        .map_err(
+            |e| match e {
+                Error::NotCommitted {
+                    dir,
+                    save_id,
+                    reason,
+                } => Error::NotCommitted {
+                    dir,
+                    save_id,
+                    reason: format!("{reason} (merging rank {m})"),
+                },
+                other => other,
+            },
+        )?;
+        report.committed = true;
+    }
+    report.rendezvous_s = t1.elapsed().as_secs_f64();
+    Ok(report)
+}
+
+/// Names the rank in an I/O error of its own writes, so a full disk on one node is found at once.
+fn rank_error(rank: u32, e: Error) -> Error {
+    match e {
+        Error::Io { .. } | Error::Remote { .. } => Error::RankStorage {
+            rank,
+            source: Box::new(e),
+        },
+        other => other,
+    }
+}
+
+/// Checks the options that need no storage: rank, world_size, merge_rank, save id.
+///
+/// Errors: [`Error::InvalidArgument`].
+pub fn check_options(opts: &SaveOptions) -> Result<()> {
     if opts.world_size == 0 || opts.rank >= opts.world_size {
         return Err(Error::InvalidArgument(format!(
             "rank {} is not in 0..world_size ({})",
@@ -85,48 +175,32 @@ pub fn save_rank(
             opts.world_size
         )));
     }
-    rendezvous::check_save_id(&opts.save_id)?;
-    for t in tensors {
-        check_chunk(t)?; // before any side effect, so bad input changes nothing on disk
-    }
-    // One save at a time per process stages and writes; a second one waits here until the first
-    // has published its part. The rendezvous wait that follows needs no ticket, so ranks played by
-    // one process (tests, tools) cannot block each other.
-    let ticket = SaveTicket::acquire();
-    let loc = &opts.location;
-    let prepared = (|| {
-        loc.create_dir()?;
-        if loc.exists(".metadata") {
-            // A `.metadata` without a COMMITTED marker was left by a merger that died mid-commit:
-            // it is no checkpoint, and a rerun replaces it like any other leftover.
-            if !opts.overwrite && rendezvous::is_committed(loc) {
-                return Err(Error::CheckpointExists(loc.display_path()));
-            }
-            // Un-commit before touching any data, so the old .metadata never points at new bytes.
-            loc.remove("metadata.json")?;
-            loc.remove(".metadata")?;
-        }
-        // State of an earlier attempt with the same save id (a rerun, or an overwrite from a new
-        // process whose derived id repeats) is stale: its COMMITTED marker would make the merger
-        // skip this commit, and this rank's old part would describe data about to be replaced. No
-        // rank of this attempt can have committed yet: the commit needs every rank's part.
-        loc.remove(&rendezvous::marker_rel(&opts.save_id, "COMMITTED"))?;
-        loc.remove(&rendezvous::part_rel(&opts.save_id, opts.rank))
-    })();
-    prepared.map_err(|e| rank_error(opts.rank, e))?;
+    part::check_save_id(&opts.save_id)
+}
 
-    let t0 = Instant::now();
+/// Prepares the directory, writes this rank's data file (and `common.pt` when given) and publishes
+/// its part. Returns the report so far.
+fn write_and_publish(
+    opts: &SaveOptions,
+    tensors: &[TensorChunk],
+    objects: &[ObjectItem],
+    common: Option<&[u8]>,
+    staging: Option<Staging>,
+) -> Result<SaveReport> {
+    let loc = &opts.location;
+    let name = prepare(opts).map_err(|e| rank_error(opts.rank, e))?;
     let mut report = SaveReport {
         rank: opts.rank,
         save_id: opts.save_id.clone(),
         ..Default::default()
     };
     let mut part = RankPart {
-        format: rendezvous::PART_FORMAT,
+        format: part::PART_FORMAT,
         save_id: opts.save_id.clone(),
         rank: opts.rank,
         world_size: opts.world_size,
         megatron: opts.megatron,
+        published_at_ns: 0,
         files: Vec::new(),
         tensors: Vec::new(),
         objects: Vec::new(),
@@ -141,7 +215,6 @@ pub fn save_rank(
         }
     }
     if !tensors.is_empty() || !objects.is_empty() {
-        let name = data_file_name(opts.rank);
         let raw_objects: Vec<ByteObject> = objects
             .iter()
             .map(|o| ByteObject {
@@ -152,10 +225,10 @@ pub fn save_rank(
         let seed = opts.rank as u64;
         let written = match loc {
             Location::Local(dir) => {
-                write_rank_file(&dir.join(&name), seed, tensors, &raw_objects, staging)
+                write_rank_file(&dir.join(&name), seed, tensors, &raw_objects, staging, opts.integrity)
             }
             Location::Remote(r) => r.upload(&name).and_then(|up| {
-                write_rank_object(up, r.part_bytes, seed, tensors, &raw_objects, staging)
+                write_rank_object(up, r.part_bytes, seed, tensors, &raw_objects, staging, opts.integrity)
             }),
         };
         let written = match written {
@@ -196,20 +269,34 @@ pub fn save_rank(
         part.files.push(FileRecord {
             name: name.clone(),
             size: written.file_size,
+            stamp: String::new(),
+            sha256: written.sha256.as_ref().map(crate::integrity::hex),
         });
         report.data_file = Some(name);
         report.data_bytes = written.file_size;
     }
     let published = (|| {
         if let Some(bytes) = common {
-            loc.write(rendezvous::COMMON_FILE, bytes.to_vec())?;
-            written_files.push(rendezvous::COMMON_FILE.into());
+            // Locally staged under the save and renamed into place at commit, so the common
+            // state of a committed checkpoint being overwritten stays until the new commit.
+            let rel = match loc {
+                Location::Local(_) => marker_rel(&opts.save_id, COMMON_FILE),
+                Location::Remote(_) => COMMON_FILE.to_string(),
+            };
+            loc.write(&rel, bytes.to_vec())?;
+            written_files.push(rel.clone());
             part.common = Some(FileRecord {
-                name: rendezvous::COMMON_FILE.into(),
+                name: rel,
                 size: bytes.len() as u64,
+                stamp: String::new(),
+                sha256: opts.integrity.then(|| crate::integrity::sha256_hex(bytes)),
             });
         }
-        rendezvous::write_part(loc, &part)
+        for f in part.files.iter_mut().chain(part.common.iter_mut()) {
+            f.stamp = loc.stamp(&f.name)?.unwrap_or_default();
+        }
+        part.published_at_ns = now_ns();
+        part::write_part(loc, &part)
     })();
     if let Err(e) = published {
         // Without a part nothing will ever reference these files; leave no partial save behind.
@@ -218,57 +305,65 @@ pub fn save_rank(
         }
         return Err(rank_error(opts.rank, e));
     }
-    drop(ticket);
-    report.write_s = t0.elapsed().as_secs_f64();
-
-    let t1 = Instant::now();
-    if opts.merge_rank == Some(opts.rank) {
-        report.commit = Some(rendezvous::merge(
-            loc,
-            &opts.save_id,
-            opts.world_size,
-            opts.timeout,
-        )?);
-        report.committed = true;
-        remove_stale_attempts(loc, &opts.save_id);
-    } else if let (true, Some(m)) = (opts.wait_for_commit, opts.merge_rank) {
-        rendezvous::wait_for_commit(loc, &opts.save_id, opts.world_size, opts.timeout).map_err(
-            |e| match e {
-                Error::NotCommitted {
-                    dir,
-                    save_id,
-                    reason,
-                } => Error::NotCommitted {
-                    dir,
-                    save_id,
-                    reason: format!("{reason} (merging rank {m})"),
-                },
-                other => other,
-            },
-        )?;
-        report.committed = true;
-    }
-    report.rendezvous_s = t1.elapsed().as_secs_f64();
     Ok(report)
 }
 
-/// Names the rank in an I/O error of its own writes, so a full disk on one node is found at once.
-fn rank_error(rank: u32, e: Error) -> Error {
-    match e {
-        Error::Io { .. } | Error::Remote { .. } => Error::RankStorage {
-            rank,
-            source: Box::new(e),
-        },
-        other => other,
-    }
-}
-
-/// After a commit, parts of earlier attempts in the same directory are dead weight: remove them
-/// (best effort; they were never merged, because their save id differs).
-fn remove_stale_attempts(loc: &Location, keep: &str) {
-    if let Ok((_, saves)) = loc.list(rendezvous::STATE_DIR) {
-        for id in saves.iter().filter(|id| *id != keep) {
-            let _ = loc.remove_dir(&rendezvous::save_rel(id));
+/// Checks what the directory holds before any write and clears what an earlier attempt of this
+/// rank left; returns the name of this rank's data file.
+///
+/// The name is `__{rank}_{n}.distcp` (torch's `FileSystemWriter` names) with the smallest `n` that
+/// the committed checkpoint does not read, so an `overwrite` never touches the old checkpoint's
+/// files before the new commit (a save into a directory without a checkpoint uses `n` = 0).
+fn prepare(opts: &SaveOptions) -> Result<String> {
+    let loc = &opts.location;
+    loc.create_dir()?;
+    let state = checkpoint_state(loc)?;
+    match &state {
+        CheckpointState::Committed { record } => {
+            if !opts.overwrite {
+                return Err(Error::CheckpointExists(loc.display_path()));
+            }
+            if loc.as_local().is_none() {
+                return Err(Error::InvalidArgument(format!(
+                    "overwrite=True is refused on object stores ({loc}): they cannot switch a                      checkpoint atomically; save into a new prefix, or delete the old one first"
+                )));
+            }
+            if record.as_ref().is_some_and(|r| r.save_id == opts.save_id) {
+                return Err(Error::InvalidArgument(format!(
+                    "{loc} is committed by save {}: overwriting it needs a different save id",
+                    opts.save_id
+                )));
+            }
+        }
+        CheckpointState::Damaged { reason, .. } if !opts.overwrite => {
+            return Err(Error::InvalidArgument(format!(
+                "{loc} holds a damaged checkpoint ({reason}); `shardwise merge --repair {loc}`                  rebuilds it, overwrite=True replaces it"
+            )));
+        }
+        CheckpointState::Damaged { .. } => {}
+        CheckpointState::NotCommitted { .. } => {
+            // A `.metadata` without a commit record was left by a merger that died mid-commit: it
+            // is no checkpoint, and this attempt replaces it like any other leftover.
+            loc.remove("metadata.json")?;
+            loc.remove(".metadata")?;
         }
     }
+    // This rank's part of an earlier attempt with the same save id describes data about to be
+    // replaced; one of this attempt means a second process saves as this rank.
+    let own = part_rel(&opts.save_id, opts.rank);
+    if let Ok(p) = read_part(loc, &own) {
+        if opts.freshness.since_ns.is_some_and(|t| p.published_at_ns >= t) {
+            return Err(Error::Validation(format!(
+                "rank {} already published a part for save {} in {loc} during this launch: two                  processes save as the same rank",
+                opts.rank, opts.save_id
+            )));
+        }
+    }
+    loc.remove(&own)?;
+    let in_use = files_in_use(loc, &state)?;
+    let name = (0..)
+        .map(|n| format!("__{}_{n}.distcp", opts.rank))
+        .find(|n| !in_use.contains(n))
+        .expect("an unused name exists");
+    Ok(name)
 }

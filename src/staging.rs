@@ -15,8 +15,43 @@ use crate::gpu;
 
 /// Default bytes per staging buffer.
 pub const DEFAULT_BUFFER_BYTES: usize = 64 << 20;
-/// Default host staging budget in bytes.
+/// Smallest default host staging budget in bytes (see [`default_budget`]).
 pub const DEFAULT_BUDGET_BYTES: usize = 4 << 30;
+
+/// Staging budget in bytes when the caller gives none: the rank's bytes plus one buffer, so an
+/// async save stages every byte without waiting for a write (its stall is the copy alone), at
+/// least [`DEFAULT_BUDGET_BYTES`] and at most [`host_bound`]. Measured on an H200 (BENCHMARKS.md):
+/// a 16 GiB rank stalls 3.4 s with a 4 GiB budget and 0.33 s with one that holds the whole rank.
+pub fn default_budget(rank_bytes: u64) -> usize {
+    let want = (rank_bytes as usize).saturating_add(DEFAULT_BUFFER_BYTES);
+    want.max(DEFAULT_BUDGET_BYTES).min(host_bound().max(DEFAULT_BUDGET_BYTES))
+}
+
+/// The most host memory a default budget takes, in bytes: half of the machine's memory
+/// (`MemTotal`), shared by the ranks of this node (`LOCAL_WORLD_SIZE`, set by torchrun; 1 when
+/// unset). `SHARDWISE_STAGING_MAX_BYTES` overrides it.
+pub fn host_bound() -> usize {
+    if let Some(b) = std::env::var("SHARDWISE_STAGING_MAX_BYTES")
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+    {
+        return b;
+    }
+    let total_kib = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .find_map(|l| l.strip_prefix("MemTotal:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<usize>().ok())
+        })
+        .unwrap_or(0);
+    let local_ranks = std::env::var("LOCAL_WORLD_SIZE")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or(1);
+    total_kib.saturating_mul(1024) / 2 / local_ranks
+}
 
 /// One staging buffer.
 pub struct HostBuffer {
@@ -155,17 +190,26 @@ fn pool_slot() -> &'static Mutex<Option<Arc<StagingPool>>> {
     POOL.get_or_init(|| Mutex::new(None))
 }
 
-/// The process's staging pool for `budget` bytes, created on first use and reused while the
-/// budget, buffer size and pinning stay the same.
+/// The process's staging pool for `budget` bytes, created on first use and reused by every later
+/// save that fits in it (same buffer size, at least as many buffers, pinned when needed).
+///
+/// Errors: [`Error::InvalidArgument`] for a budget or buffer size of 0; [`Error::Gpu`].
 pub fn pool(
     budget: usize,
     buffer_size: usize,
     pinned_device: Option<u32>,
 ) -> Result<Arc<StagingPool>> {
+    if budget == 0 || buffer_size == 0 {
+        return Err(Error::InvalidArgument(
+            "staging budget and buffer size must be > 0 bytes".into(),
+        ));
+    }
     let mut slot = pool_slot().lock().unwrap();
     if let Some(p) = slot.as_ref() {
+        // A pool at least as large is reused: pinned allocations cost seconds per GiB.
         let (size, count) = pool_shape(budget, buffer_size);
-        if (p.buffer_size, p.all.len()) == (size, count)
+        if p.buffer_size == size
+            && p.all.len() >= count
             && (p.is_pinned() || pinned_device.is_none())
         {
             return Ok(p.clone());

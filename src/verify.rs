@@ -1,24 +1,34 @@
 //! `shardwise verify`: proves a checkpoint whole, or lists every problem with key, file and offset.
 //!
-//! Checks: the layout of every tensor key (bounds, overlaps, coverage), that every item lies inside
-//! its file and decodes (tensor items: dtype and shape as `.metadata` says), the CRC-32 of every zip
-//! record that carries one (torch writes real CRCs; its reader never checks them), and, for
-//! checkpoints shardwise wrote, the CRC-32 of every item recorded in the checksum sidecar.
-
-use std::collections::HashMap;
+//! Checks, for everything a loader reads:
+//! - `.metadata`: the layout of every tensor key (bounds, overlaps, coverage), every item inside
+//!   its file;
+//! - items: that they decode (tensor items: dtype and shape as `.metadata` says), the CRC-32 of
+//!   every zip record that carries one (torch writes real CRCs; its reader never checks them), and,
+//!   for checkpoints shardwise wrote, the CRC-32 recorded for the item in the checksum sidecar
+//!   (through the reader, which checks it on every read);
+//! - the common state: `common.pt` (megatron-core ≤ 0.18) or the `common_state` object (0.19):
+//!   zip CRCs and a `data.pkl` that decodes (megatron-torch-dist.md §1.2, §1.4);
+//! - `metadata.json`: a JSON object whose `sharded_backend` is `torch_dist` and with no field
+//!   megatron-core ≤ 0.18's `CheckpointingConfig(**config)` would refuse (§1.3).
+//!
+//! The quick mode reads no item: layout, file sizes, sidecar placement, `metadata.json`, and
+//! that the common state exists.
 
 use rayon::prelude::*;
 use serde::Serialize;
 
+use crate::commit::part::COMMON_FILE;
 use crate::error::{Error, Result};
-use crate::format::archive::records;
+use crate::format::archive::{bad_record_crcs, records};
 use crate::format::metadata::{check_layout, Chunk, Entry, StorageInfo};
-use crate::reader::{check_relative_path, Checkpoint};
-use crate::rendezvous::read_checksums;
+use crate::reader::{check_relative_path, Checkpoint, COMMON_STATE_PREFIX};
+use crate::storage::Location;
 
 /// One problem found.
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]
 pub struct Problem {
+    /// The item's key, or the file's name (`common.pt`, `metadata.json`) for a file outside DCP.
     pub key: String,
     pub file: Option<String>,
     pub offset: Option<u64>,
@@ -30,8 +40,10 @@ pub struct Problem {
 pub struct Report {
     pub keys: usize,
     pub items: usize,
-    /// Items whose CRC-32 was checked against the sidecar.
+    /// Items whose CRC-32 was checked against the sidecar (0 in quick mode).
     pub sidecar_checked: usize,
+    /// True when item data was not read (`--quick`).
+    pub quick: bool,
     pub problems: Vec<Problem>,
 }
 
@@ -43,15 +55,36 @@ struct Item<'a> {
     length: u64,
 }
 
-/// Verifies the checkpoint at `loc` (directory or object-store prefix); `progress(n)` is called
-/// as items complete.
+/// Fields of `metadata.json` that megatron-core ≤ 0.18 accepts (`CheckpointingConfig`, core.py).
+const METADATA_JSON_FIELDS: [&str; 4] = [
+    "sharded_backend",
+    "sharded_backend_version",
+    "common_backend",
+    "common_backend_version",
+];
+
+/// Verifies the checkpoint at `loc` (directory or object-store prefix), reading every item;
+/// `progress(n)` is called as items complete.
 ///
-/// Errors: only when `.metadata` itself cannot be read or decoded; every other finding is a
-/// [`Problem`] in the report.
-pub fn verify(loc: &crate::storage::Location, progress: &(dyn Fn(u64) + Sync)) -> Result<Report> {
+/// Errors: only when `.metadata` itself (or the checksum sidecar) cannot be read or decoded;
+/// every other finding is a [`Problem`] in the report.
+pub fn verify(loc: &Location, progress: &(dyn Fn(u64) + Sync)) -> Result<Report> {
+    run(loc, false, progress)
+}
+
+/// `verify --quick`: the checks that need no item data (layout, item bounds against the real file
+/// sizes, sidecar placement, `metadata.json`, presence of the common state).
+///
+/// Errors: as [`verify`].
+pub fn verify_quick(loc: &Location) -> Result<Report> {
+    run(loc, true, &|_| {})
+}
+
+fn run(loc: &Location, quick: bool, progress: &(dyn Fn(u64) + Sync)) -> Result<Report> {
     let ckpt = Checkpoint::open(loc)?;
     let mut report = Report {
         keys: ckpt.metadata.entries.len(),
+        quick,
         ..Default::default()
     };
     let mut items = Vec::new();
@@ -97,27 +130,16 @@ pub fn verify(loc: &crate::storage::Location, progress: &(dyn Fn(u64) + Sync)) -
         }
     }
     report.items = items.len();
-
-    let sidecar = read_checksums(ckpt.location())?;
-    let sums: HashMap<(&str, Option<&[u64]>), (&str, u64, u64, u32)> = sidecar
-        .as_ref()
-        .map(|s| {
-            s.items
-                .iter()
-                .map(|i| {
-                    (
-                        (i.fqn.as_str(), i.offsets.as_deref()),
-                        (i.relative_path.as_str(), i.offset, i.length, i.crc32),
-                    )
-                })
-                .collect()
-        })
-        .unwrap_or_default();
+    report.problems.extend(check_megatron_files(&ckpt, quick));
 
     let results: Vec<(Vec<Problem>, bool)> = items
         .par_iter()
         .map(|it| {
-            let r = check_item(&ckpt, it, &sums);
+            let r = if quick {
+                (check_placement(&ckpt, it), false)
+            } else {
+                check_item(&ckpt, it)
+            };
             progress(1);
             r
         })
@@ -129,34 +151,74 @@ pub fn verify(loc: &crate::storage::Location, progress: &(dyn Fn(u64) + Sync)) -
     Ok(report)
 }
 
-fn check_item(
-    ckpt: &Checkpoint,
-    it: &Item,
-    sums: &HashMap<(&str, Option<&[u64]>), (&str, u64, u64, u32)>,
-) -> (Vec<Problem>, bool) {
-    let problem = |message: String| Problem {
+fn item_problem(it: &Item, message: String) -> Problem {
+    Problem {
         key: it.key.to_string(),
         file: Some(it.path.to_string()),
         offset: Some(it.offset),
         message,
-    };
+    }
+}
+
+/// Problems an item has before any of its bytes is read.
+fn check_placement(ckpt: &Checkpoint, it: &Item) -> Vec<Problem> {
     if it.path.is_empty() {
-        let message = "no storage_data entry for this chunk in .metadata".to_string();
-        return (
-            vec![Problem {
-                key: it.key.to_string(),
-                file: None,
-                offset: None,
-                message,
-            }],
-            false,
-        );
+        return vec![Problem {
+            key: it.key.to_string(),
+            file: None,
+            offset: None,
+            message: "no storage_data entry for this chunk in .metadata".into(),
+        }];
     }
     if let Err(message) = check_relative_path(it.path) {
-        return (vec![problem(message)], false);
+        return vec![item_problem(it, message)];
     }
     let mut problems = Vec::new();
+    match ckpt.file_size(it.path) {
+        Err(e) => problems.push(item_problem(it, strip(e))),
+        Ok(size) if it.offset.checked_add(it.length).is_none_or(|e| e > size) => {
+            problems.push(item_problem(
+                it,
+                format!(
+                    "item at offset {} length {} passes the end of the file ({size} bytes)",
+                    it.offset, it.length
+                ),
+            ))
+        }
+        Ok(_) => {}
+    }
     let offsets = it.chunk.map(|(_, c)| c.offsets.as_slice());
+    if let Some(r) = ckpt.recorded(it.key, offsets) {
+        if (r.relative_path.as_str(), r.offset, r.length) != (it.path, it.offset, it.length) {
+            problems.push(item_problem(
+                it,
+                format!(
+                    "the checksum sidecar places this item at {}@{}+{}, .metadata at {}@{}+{}",
+                    r.relative_path, r.offset, r.length, it.path, it.offset, it.length
+                ),
+            ));
+        }
+    } else if ckpt.has_checksums() {
+        problems.push(item_problem(
+            it,
+            "the checksum sidecar has no CRC-32 for this item (the sidecar belongs to another save)"
+                .into(),
+        ));
+    }
+    problems
+}
+
+/// Reads one item: decoding, zip CRCs and (through the reader) the sidecar CRC.
+fn check_item(ckpt: &Checkpoint, it: &Item) -> (Vec<Problem>, bool) {
+    if it.path.is_empty() || check_relative_path(it.path).is_err() {
+        return (check_placement(ckpt, it), false);
+    }
+    let offsets = it.chunk.map(|(_, c)| c.offsets.as_slice());
+    let checked = ckpt.recorded(it.key, offsets).is_some();
+    let mut problems = Vec::new();
+    if !checked && ckpt.has_checksums() {
+        problems.extend(check_placement(ckpt, it));
+    }
     let blob = match it.chunk {
         Some((i, _)) => ckpt.chunk(it.key, i).map(|(d, _)| d.blob),
         None => ckpt.item(
@@ -172,38 +234,120 @@ fn check_item(
     };
     let blob = match blob {
         Ok(b) => b,
-        Err(e) => return (vec![problem(strip(e))], false),
+        Err(e) => {
+            problems.push(item_problem(it, strip(e)));
+            return (problems, checked);
+        }
     };
     match records(&blob) {
-        Ok(recs) => {
-            for r in recs.iter().filter(|r| r.crc != 0) {
-                let got = crc32fast::hash(&blob[r.start..r.start + r.len]);
-                if got != r.crc {
-                    problems.push(problem(format!(
-                        "record {} fails its zip CRC-32 (stored {:08x}, computed {got:08x})",
-                        r.name, r.crc
-                    )));
-                }
-            }
-        }
-        Err(e) => problems.push(problem(format!("not a torch.save archive: {}", e.0))),
-    }
-    let mut checked = false;
-    if let Some(&(path, offset, length, crc)) = sums.get(&(it.key, offsets)) {
-        checked = true;
-        if (path, offset, length) != (it.path, it.offset, it.length) {
-            problems.push(problem(format!("checksum sidecar places this item at {path}@{offset}+{length}, .metadata at {}@{}+{}", it.path, it.offset, it.length)));
-        } else {
-            // Our writer applies no stream transform, so the item bytes are the stored bytes.
-            let got = crc32fast::hash(&blob);
-            if got != crc {
-                problems.push(problem(format!(
-                    "item bytes fail the CRC-32 recorded at save time (recorded {crc:08x}, computed {got:08x})"
-                )));
-            }
-        }
+        Ok(recs) => problems.extend(
+            bad_record_crcs(&blob, &recs)
+                .into_iter()
+                .map(|m| item_problem(it, m)),
+        ),
+        Err(e) => problems.push(item_problem(
+            it,
+            format!("not a torch.save archive: {}", e.0),
+        )),
     }
     (problems, checked)
+}
+
+/// `metadata.json` and the common state.
+fn check_megatron_files(ckpt: &Checkpoint, quick: bool) -> Vec<Problem> {
+    let loc = ckpt.location();
+    let file_problem = |name: &str, message: String| Problem {
+        key: name.to_string(),
+        file: Some(name.to_string()),
+        offset: None,
+        message,
+    };
+    let mut problems = Vec::new();
+    let has_common_pt = match loc.size(COMMON_FILE) {
+        Ok(Some(0)) => {
+            problems.push(file_problem(COMMON_FILE, "empty file".into()));
+            true
+        }
+        Ok(Some(_)) => true,
+        Ok(None) => false,
+        Err(e) => {
+            problems.push(file_problem(COMMON_FILE, strip(e)));
+            true
+        }
+    };
+    let has_common_state = ckpt
+        .metadata
+        .entries
+        .keys()
+        .any(|k| k.starts_with(COMMON_STATE_PREFIX));
+    match loc.read("metadata.json") {
+        Err(e) => problems.push(file_problem("metadata.json", strip(e))),
+        Ok(None) if has_common_pt => problems.push(file_problem(
+            "metadata.json",
+            "missing: Megatron does not recognise the directory as a distributed checkpoint \
+             without it (common.pt is there)"
+                .into(),
+        )),
+        Ok(None) => {}
+        Ok(Some(bytes)) => {
+            if let Err(m) = check_metadata_json(&bytes) {
+                problems.push(file_problem("metadata.json", m));
+            }
+            if !has_common_pt && !has_common_state {
+                problems.push(file_problem(
+                    COMMON_FILE,
+                    "missing, and no common_state object either: Megatron's loader has no \
+                     common state to read"
+                        .into(),
+                ));
+            }
+        }
+    }
+    if !quick && (has_common_pt || has_common_state) {
+        if let Err(e) = ckpt.read_common() {
+            let (key, file) = match (&e, has_common_pt) {
+                (_, true) => (COMMON_FILE.to_string(), Some(COMMON_FILE.to_string())),
+                (Error::Corrupt { path, .. }, false) => (
+                    COMMON_STATE_PREFIX.to_string(),
+                    path.file_name().map(|f| f.to_string_lossy().into_owned()),
+                ),
+                _ => (COMMON_STATE_PREFIX.to_string(), None),
+            };
+            problems.push(Problem {
+                key,
+                file,
+                offset: None,
+                message: strip(e),
+            });
+        }
+    }
+    problems
+}
+
+fn check_metadata_json(bytes: &[u8]) -> std::result::Result<(), String> {
+    let v: serde_json::Value =
+        serde_json::from_slice(bytes).map_err(|e| format!("not JSON: {e}"))?;
+    let obj = v.as_object().ok_or("not a JSON object")?;
+    match obj.get("sharded_backend").and_then(|b| b.as_str()) {
+        Some("torch_dist") => {}
+        Some(other) => {
+            return Err(format!(
+                "sharded_backend is {other:?}; a torch_dist checkpoint says \"torch_dist\""
+            ))
+        }
+        None => return Err("no sharded_backend field".into()),
+    }
+    let unknown: Vec<&str> = obj
+        .keys()
+        .map(|k| k.as_str())
+        .filter(|k| !METADATA_JSON_FIELDS.contains(k))
+        .collect();
+    if !unknown.is_empty() {
+        return Err(format!(
+            "unknown fields {unknown:?}: megatron-core ≤ 0.18 refuses to load the checkpoint"
+        ));
+    }
+    Ok(())
 }
 
 fn strip(e: Error) -> String {

@@ -2,7 +2,8 @@
 //! a self-contained torch.save archive at a precomputed offset (dcp-format.md §2.1), byte objects
 //! first, then tensors, as torch's `_write_files_from_queue` orders them. Payloads are split into
 //! pieces that rayon copies with positioned writes while computing their CRC-32s; the CRCs are
-//! combined per archive and the archive tails written last.
+//! combined per archive and the archive tails written last. On request, the SHA-256 of the whole
+//! file is computed from the bytes as they are written (never read back): see [`InOrder`].
 
 use rayon::prelude::*;
 
@@ -73,6 +74,95 @@ pub struct Written {
     pub tensors: Vec<Placed>,
     pub objects: Vec<Placed>,
     pub file_size: u64,
+    /// SHA-256 of the whole file, when asked for (`digest`).
+    pub sha256: Option<[u8; 32]>,
+}
+
+/// The file's bytes fed in file order as they are written: the running payload CRC-32 of each
+/// tensor (an archive tail holds its payload's CRC, so it is known once the payload has passed)
+/// and, when asked for, the SHA-256 of the whole file, for megatron-core 0.19's integrity manifest
+/// (`integrity.json`, see [`crate::integrity`]). SHA-256 cannot be combined from pieces as CRC-32
+/// can, hence the order.
+struct InOrder {
+    sha: Option<sha2::Sha256>,
+    payload_crc: Vec<crc32fast::Hasher>,
+    suffixes: Vec<Option<Vec<u8>>>,
+}
+
+impl InOrder {
+    fn new(tensors: usize, digest: bool) -> InOrder {
+        use sha2::Digest;
+        InOrder {
+            sha: digest.then(sha2::Sha256::new),
+            payload_crc: (0..tensors).map(|_| crc32fast::Hasher::new()).collect(),
+            suffixes: vec![None; tensors],
+        }
+    }
+
+    /// Feeds the next segment of the file; `bytes` are its bytes, except for an archive tail,
+    /// which this fills in (a window leaves tails as zeros, [`fill_window`]).
+    fn feed(&mut self, lay: &FileLayout, seg: &Segment, bytes: &mut [u8]) {
+        if let Fill::Hole { item, at } = seg.fill {
+            let tail = self.tail(lay, item, at, seg.len);
+            bytes.copy_from_slice(tail);
+        }
+        self.feed_bytes(seg, bytes);
+    }
+
+    /// [`InOrder::feed`] for a segment whose bytes are the caller's (read only), or a tail.
+    fn feed_ref(&mut self, lay: &FileLayout, seg: &Segment, bytes: &[u8]) {
+        match seg.fill {
+            Fill::Hole { item, at } => {
+                let tail = self.tail(lay, item, at, seg.len).to_vec();
+                self.feed_bytes(seg, &tail);
+            }
+            _ => self.feed_bytes(seg, bytes),
+        }
+    }
+
+    fn feed_bytes(&mut self, seg: &Segment, bytes: &[u8]) {
+        use sha2::Digest;
+        if let Some((item, _)) = seg.payload {
+            self.payload_crc[item].update(bytes);
+        }
+        if let Some(sha) = &mut self.sha {
+            sha.update(bytes);
+        }
+    }
+
+    /// Bytes `at..at + len` of tensor `item`'s archive tail; its payload must have been fed.
+    fn tail(&mut self, lay: &FileLayout, item: usize, at: u64, len: usize) -> &[u8] {
+        let crc = &self.payload_crc[item];
+        let suffix = self.suffixes[item]
+            .get_or_insert_with(|| lay.layouts[item].suffix(crc.clone().finalize()));
+        &suffix[at as usize..at as usize + len]
+    }
+
+    fn sha256(self) -> Option<[u8; 32]> {
+        use sha2::Digest;
+        self.sha.map(|s| s.finalize().into())
+    }
+}
+
+/// SHA-256 of the file [`write_direct`] writes, from the same host bytes in file order (run beside
+/// the parallel writes). None when a payload is in device memory (the write refuses it anyway).
+fn digest_direct(
+    tensors: &[TensorChunk],
+    objects: &[ByteObject],
+    lay: &FileLayout,
+) -> Option<[u8; 32]> {
+    let mut order = InOrder::new(tensors.len(), true);
+    for seg in plan_windows(tensors, objects, lay, lay.total.max(1))
+        .iter()
+        .flatten()
+    {
+        match seg.fill {
+            Fill::Bytes(b) => order.feed_ref(lay, seg, b),
+            Fill::Hole { .. } => order.feed_ref(lay, seg, &[]),
+            Fill::Device { .. } => return None,
+        }
+    }
+    order.sha256()
 }
 
 /// Checks a chunk's dtype, shapes and byte count.
@@ -123,6 +213,8 @@ type PieceCrc = (usize, u64, crc32fast::Hasher);
 /// Writes all items of one rank into `file_path` and fsyncs it. `seed` makes the archives'
 /// `serialization_id`s distinct per rank. Without `staging`, host payloads are written straight from
 /// the caller's memory by parallel positioned writes; with it, payloads go through the staging pool.
+/// With `digest`, [`Written::sha256`] is the file's SHA-256, computed from the bytes written (host
+/// memory or staging buffers, in file order), not by reading the file back.
 ///
 /// Errors: [`Error::InvalidArgument`] for malformed chunks or device payloads without staging,
 /// [`Error::Gpu`] for CUDA failures, [`Error::Io`] for any write failure (including a full disk at
@@ -133,12 +225,20 @@ pub fn write_rank_file(
     tensors: &[TensorChunk],
     objects: &[ByteObject],
     staging: Option<Staging>,
+    digest: bool,
 ) -> Result<Written> {
     let lay = FileLayout::new(seed, tensors, objects)?;
     let file = DataFile::create(file_path, lay.total)?;
-    let mut pieces = match staging {
-        None => write_direct(&file, tensors, objects, &lay)?,
-        Some(st) => write_staged(&file, tensors, objects, &lay, st)?,
+    let (mut pieces, sha256) = match staging {
+        None if digest => {
+            let (pieces, sha) = rayon::join(
+                || write_direct(&file, tensors, objects, &lay),
+                || digest_direct(tensors, objects, &lay),
+            );
+            (pieces?, sha)
+        }
+        None => (write_direct(&file, tensors, objects, &lay)?, None),
+        Some(st) => write_staged(&file, tensors, objects, &lay, st, digest)?,
     };
 
     // Combine piece CRCs in payload order and write the archive tails.
@@ -161,7 +261,7 @@ pub fn write_rank_file(
         })
         .collect::<Result<Vec<u32>>>()?;
     file.sync()?;
-    Ok(lay.written(objects, tensor_crcs))
+    Ok(lay.written(objects, tensor_crcs, sha256))
 }
 
 /// Writes the same bytes as [`write_rank_file`] strictly in file order, one window after the
@@ -181,16 +281,14 @@ pub fn write_rank_object(
     tensors: &[TensorChunk],
     objects: &[ByteObject],
     staging: Option<Staging>,
+    digest: bool,
 ) -> Result<Written> {
     let lay = FileLayout::new(seed, tensors, objects)?;
     let bsize = staging
         .as_ref()
         .map_or(part_bytes, |st| st.pool.buffer_size) as u64;
     let plan = plan_windows(tensors, objects, &lay, bsize);
-    let mut payload_crc: Vec<crc32fast::Hasher> = (0..tensors.len())
-        .map(|_| crc32fast::Hasher::new())
-        .collect();
-    let mut suffixes: Vec<Option<Vec<u8>>> = vec![None; tensors.len()];
+    let mut order = InOrder::new(tensors.len(), digest);
     let mut copiers = std::collections::HashMap::new();
     let (pool, streams) = match &staging {
         Some(st) => (Some(st.pool), Some(st.caller_streams)),
@@ -224,16 +322,7 @@ pub fn write_rank_object(
         }
         let window = &mut pending[start..];
         for seg in segs {
-            let bytes = &mut window[seg.buf_at..seg.buf_at + seg.len];
-            if let Some((item, _)) = seg.payload {
-                payload_crc[item].update(bytes);
-            }
-            if let Fill::Hole { item, at } = seg.fill {
-                let suffix = suffixes[item].get_or_insert_with(|| {
-                    lay.layouts[item].suffix(payload_crc[item].clone().finalize())
-                });
-                bytes.copy_from_slice(&suffix[at as usize..at as usize + seg.len]);
-            }
+            order.feed(&lay, seg, &mut window[seg.buf_at..seg.buf_at + seg.len]);
         }
         if pending.len() >= part_bytes {
             upload.part(std::mem::take(&mut pending))?;
@@ -253,11 +342,11 @@ pub fn write_rank_object(
     }
     let tensor_crcs = (0..tensors.len())
         .map(|i| {
-            let suffix = suffixes[i].take().unwrap_or_default();
-            item_crc(&lay.layouts[i], &payload_crc[i], &suffix)
+            let suffix = order.suffixes[i].take().unwrap_or_default();
+            item_crc(&lay.layouts[i], &order.payload_crc[i], &suffix)
         })
         .collect();
-    Ok(lay.written(objects, tensor_crcs))
+    Ok(lay.written(objects, tensor_crcs, order.sha256()))
 }
 
 /// CRC-32 of a whole tensor item: archive head, payload, tail.
@@ -307,7 +396,12 @@ impl FileLayout {
         })
     }
 
-    fn written(&self, objects: &[ByteObject], tensor_crcs: Vec<u32>) -> Written {
+    fn written(
+        &self,
+        objects: &[ByteObject],
+        tensor_crcs: Vec<u32>,
+        sha256: Option<[u8; 32]>,
+    ) -> Written {
         let place = |&(offset, length): &(u64, u64), crc32| Placed {
             offset,
             length,
@@ -327,6 +421,7 @@ impl FileLayout {
                 .map(|(p, o)| place(p, crc32fast::hash(o.bytes)))
                 .collect(),
             file_size: self.total,
+            sha256,
         }
     }
 }
@@ -517,14 +612,18 @@ fn fill_window(
 
 /// The file is cut into windows of one buffer each, in file order, so each buffer becomes one
 /// large positioned write however small the items in it are. The caller's thread fills buffers
-/// while writer threads wait for each buffer's copies, CRC its payload bytes and write it.
+/// while writer threads wait for each buffer's copies, CRC its payload bytes and write it. With
+/// `digest`, each writer then feeds its window to the file's SHA-256 when the windows before it
+/// have been fed (windows are handed out in file order, so the next one is always held by a
+/// writer), and returns the digest.
 fn write_staged(
     file: &DataFile,
     tensors: &[TensorChunk],
     objects: &[ByteObject],
     lay: &FileLayout,
     st: Staging,
-) -> Result<Vec<PieceCrc>> {
+    digest: bool,
+) -> Result<(Vec<PieceCrc>, Option<[u8; 32]>)> {
     use std::collections::HashMap;
     use std::sync::mpsc;
 
@@ -548,10 +647,16 @@ fn write_staged(
     // and the driver. Otherwise buffers must be written to be reused, so writes overlap copies.
     let defer = plan.len() <= st.pool.capacity();
     let mut held = Vec::new();
+    // (next window to feed, the digest state, whether a writer failed), and its wake-up.
+    let turn = (
+        std::sync::Mutex::new((0u64, InOrder::new(tensors.len(), true), false)),
+        std::sync::Condvar::new(),
+    );
     let result: Result<Vec<PieceCrc>> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..workers)
             .map(|_| {
                 let rx = &rx;
+                let turn = &turn;
                 scope.spawn(move || -> Result<Vec<PieceCrc>> {
                     let mut crcs = Vec::new();
                     let mut first_err = None;
@@ -578,6 +683,24 @@ fn write_staged(
                             if let Err(e) = r {
                                 first_err = Some(e);
                             }
+                        }
+                        if digest {
+                            let (lock, wake) = turn;
+                            let mut g = lock.lock().unwrap();
+                            while g.0 != w && !g.2 {
+                                g = wake.wait(g).unwrap();
+                            }
+                            if first_err.is_some() {
+                                g.2 = true; // nobody will feed this window: stop waiting for it
+                            } else if !g.2 {
+                                let bytes = &buf.as_slice()[..used];
+                                for seg in &plan_ref[w as usize] {
+                                    let b = &bytes[seg.buf_at..seg.buf_at + seg.len];
+                                    g.1.feed_ref(lay, seg, b);
+                                }
+                                g.0 += 1;
+                            }
+                            wake.notify_all();
                         }
                         st.pool.give_back(buf);
                     }
@@ -635,5 +758,57 @@ fn write_staged(
             None => Ok(pieces),
         }
     });
-    result
+    let sha256 = digest
+        .then(|| turn.0.into_inner().unwrap().1.sha256())
+        .flatten();
+    Ok((result?, sha256))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sha2::Digest;
+
+    /// The digest computed while writing equals the SHA-256 of the file on disk, on the direct path
+    /// and on the staged path with windows written out of order (more windows than buffers).
+    #[test]
+    fn sha256_while_writing_equals_the_file_digest() {
+        let dir = tempfile::tempdir().unwrap();
+        let data: Vec<Vec<u8>> = (0..5u32)
+            .map(|i| (0..(9_000 * (i + 1))).map(|k| (k * 31 + i) as u8).collect())
+            .collect();
+        let tensors: Vec<TensorChunk> = data
+            .iter()
+            .enumerate()
+            .map(|(i, d)| TensorChunk {
+                fqn: format!("t{i}"),
+                dtype: DType::from_torch_name("torch.uint8").unwrap(),
+                global_shape: vec![d.len() as u64],
+                offsets: vec![0],
+                sizes: vec![d.len() as u64],
+                data: Payload::Host(d),
+            })
+            .collect();
+        let obj = b"PK object bytes".to_vec();
+        let objects = [ByteObject {
+            fqn: "o".into(),
+            bytes: &obj,
+        }];
+        let streams = std::collections::HashMap::new();
+        for (name, budget) in [("direct", 0), ("staged", 3 * 4096), ("deferred", 64 << 20)] {
+            let path = dir.path().join(name);
+            let pool =
+                (budget > 0).then(|| crate::staging::StagingPool::new(budget, 4096, None).unwrap());
+            let st = pool.as_ref().map(|pool| Staging {
+                pool,
+                caller_streams: &streams,
+                on_staged: None,
+            });
+            let w = write_rank_file(&path, 1, &tensors, &objects, st, true).unwrap();
+            let on_disk: [u8; 32] = sha2::Sha256::digest(std::fs::read(&path).unwrap()).into();
+            assert_eq!(w.sha256, Some(on_disk), "{name}");
+            let none = write_rank_file(&path, 1, &tensors, &objects, None, false).unwrap();
+            assert_eq!(none.sha256, None);
+        }
+    }
 }

@@ -8,6 +8,7 @@ use std::time::Duration;
 use shardwise::format::dtype::DType;
 use shardwise::reader::Checkpoint;
 use shardwise::save::{save_rank, SaveOptions};
+use shardwise::commit::wait::Freshness;
 use shardwise::storage::Location;
 use shardwise::writer::{Payload, TensorChunk};
 
@@ -53,6 +54,8 @@ fn save(location: Location) -> shardwise::Result<()> {
         timeout: Duration::from_secs(10),
         wait_for_commit: true,
         overwrite: false,
+        integrity: false,
+        freshness: Freshness::from_now(),
     };
     let report = save_rank(&opts, &chunks(&data), &[], None, None)?;
     assert!(report.committed);
@@ -68,7 +71,7 @@ fn streamed_object_is_byte_identical_to_the_local_file() {
     let remote = Location::parse("memory://bucket/run/iter_0000001").unwrap();
     save(local.clone()).unwrap();
     save(remote.clone()).unwrap();
-    for name in ["__0_0.distcp", ".metadata", ".shardwise/checksums"] {
+    for name in ["__0_0.distcp", ".metadata", ".shardwise/s1/checksums"] {
         let a = local.read(name).unwrap().unwrap();
         let b = remote.read(name).unwrap().unwrap();
         assert!(

@@ -9,7 +9,7 @@ use std::path::Path;
 use rayon::prelude::*;
 use shardwise::format::dtype::DType;
 use shardwise::format::metadata::{Chunk, Entry, StorageInfo};
-use shardwise::rendezvous::{write_part, FileRecord, RankPart, TensorRecord, PART_FORMAT};
+use shardwise::commit::part::{now_ns, write_part, FileRecord, RankPart, TensorRecord, PART_FORMAT};
 use shardwise::storage::Location;
 use shardwise::writer::{Payload, TensorChunk};
 
@@ -22,6 +22,8 @@ pub fn publish_parts(dir: &Path, world: u32, chunks: u64) {
     (0..world).into_par_iter().for_each(|rank| {
         let name = format!("__{rank}_0.distcp");
         std::fs::write(dir.join(&name), b"x").unwrap();
+        let loc = Location::local(dir);
+        let stamp = loc.stamp(&name).unwrap().unwrap();
         let tensors = (0..chunks)
             .map(|k| TensorRecord {
                 fqn: format!("decoder.layers.{k}.mlp.linear_fc1.weight"),
@@ -41,12 +43,18 @@ pub fn publish_parts(dir: &Path, world: u32, chunks: u64) {
             rank,
             world_size: world,
             megatron: false,
-            files: vec![FileRecord { name, size: 1 }],
+            published_at_ns: now_ns(),
+            files: vec![FileRecord {
+                name,
+                size: 1,
+                stamp,
+                sha256: None,
+            }],
             tensors,
             objects: Vec::new(),
             common: None,
         };
-        write_part(&Location::local(dir), &part).unwrap();
+        write_part(&loc, &part).unwrap();
     });
 }
 

@@ -25,6 +25,7 @@ from ._native import (
     to_hf,
 )
 from .barriers import BarrierTimeoutError, barrier, record_phase
+from .diff import diff
 from .reader import Reader, open
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
     "__version__",
     "merge",
     "to_hf",
+    "diff",
     "open",
     "Reader",
 ]

@@ -7,6 +7,7 @@ loaded by unmodified ``megatron.core.dist_checkpointing.load`` and ``torch.distr
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import hashlib
@@ -14,6 +15,8 @@ import io
 import os
 import re
 import shutil
+import sys
+import threading
 import zlib
 from collections import defaultdict
 from typing import Any, Iterator, Optional
@@ -53,11 +56,11 @@ def default_save_id(checkpoint_dir: str) -> str:
     how many times this process has saved into that directory. Pass ``save_id`` explicitly when
     ranks may call :func:`save` a different number of times for the same directory.
     """
-    path = os.fspath(checkpoint_dir)
+    path = os.fsdecode(checkpoint_dir)
     if not is_url(path):
         path = os.path.abspath(path)
     _ATTEMPTS[path] += 1
-    h = hashlib.sha256(path.encode())
+    h = hashlib.sha256(os.fsencode(path))  # the path's own bytes: it need not be UTF-8
     for name in _LAUNCH_ENV:
         h.update(f"\0{name}={os.environ.get(name, '')}".encode())
     h.update(f"\0attempt={_ATTEMPTS[path]}".encode())
@@ -197,6 +200,7 @@ def save(
     async_save: bool = False,
     staging_budget_bytes: Optional[int] = None,
     balance_dp: Optional[DPBalance] = None,
+    verify_integrity: bool = False,
 ) -> dict:
     """Save this rank's part of a Megatron sharded state dict, with no collective communication.
 
@@ -218,24 +222,37 @@ def save(
             ``WORLD_SIZE``. When the default group also holds processes that do not save (rollout or
             inference workers), pass the saving ranks' own ``rank`` and ``world_size``.
         timeout_s: bound in seconds on every wait: the merging rank's wait for all parts, and the other
-            ranks' wait for the commit.
+            ranks' wait for the commit. Ctrl-C ends a wait at its next poll (at most 0.5 s) with
+            ``KeyboardInterrupt``; a merging rank then publishes the failure so the others stop too.
         content_metadata: stored in ``common.pt`` under ``content_metadata``, as Megatron does.
         save_id: identifies this save attempt; must be equal on every rank. Default: derived from the
-            directory, the launch environment and the attempt count (:func:`default_save_id`).
+            directory, the launch environment and the attempt count (:func:`default_save_id`); a
+            relaunch with the same environment derives the same id again, and parts and markers
+            written before this process started are then ignored as an earlier attempt's
+            (``docs/guarantees.md``, "Attempts").
         merge_rank: the rank that merges the parts and commits ``.metadata``; ``None`` leaves the
             commit to ``shardwise merge``.
         wait_for_commit: other ranks return only once the save is committed.
-        overwrite: replace a committed checkpoint in ``checkpoint_dir`` instead of raising.
+        overwrite: replace a committed checkpoint in ``checkpoint_dir`` instead of raising (local
+            directories only; refused on object stores). The new data goes to file names the old
+            checkpoint does not use, so the old one stays loadable until the new ``.metadata``
+            replaces it; its files are removed after the commit. A failed save leaves it intact.
         async_save: return a :class:`shardwise.SaveHandle` as soon as every tensor byte of this rank
             is staged in host memory (the caller may then modify its tensors); writing, fsync and the
             rendezvous go on in a Rust thread. ``handle.wait(timeout_s)`` returns the report or
             raises the save's error; ``handle.done()``; ``handle.stall_s`` (seconds blocked) and
             ``handle.staged_bytes``. A second save on this rank waits for the first to finish.
-        staging_budget_bytes: host memory for staging (default 4 GiB), pinned when CUDA is there,
-            allocated once per process and reused. CUDA tensors and async saves go through it; when
-            a rank's bytes exceed it, staging waits for writes to free buffers (the stall grows).
+        staging_budget_bytes: host memory for staging, pinned when CUDA is there, allocated once per
+            process and reused by later saves that fit. CUDA tensors and async saves go through it;
+            when a rank's bytes exceed it, staging waits for writes to free buffers (the stall
+            grows). Default: this rank's bytes plus one 64 MiB buffer (so an async save stalls only
+            for the copy), at least 4 GiB and at most half of the machine's memory divided by
+            ``LOCAL_WORLD_SIZE`` (``SHARDWISE_STAGING_MAX_BYTES`` overrides that bound).
         balance_dp: spread the writes of DP-replicated tensors over the DP ranks by a stable hash
             (see :class:`DPBalance`) instead of DP rank 0 writing them all. Default: off.
+        verify_integrity: also write megatron-core 0.19's ``integrity.json`` (SHA-256 of every file
+            of the checkpoint, computed from the bytes as they are written), which
+            ``dist_checkpointing.load(..., verify_integrity=True)`` checks. Every rank must agree.
 
     Returns:
         A dict report: ``rank``, ``save_id``, ``data_file``, ``data_bytes`` (bytes), ``write_s`` and
@@ -267,8 +284,9 @@ def save(
     rank, world_size = _rank_and_world(rank, world_size)
     if not 0 <= rank < world_size:
         raise InvalidArgumentError(f"rank {rank} is not in 0..world_size ({world_size})")
-    checkpoint_dir = os.fspath(checkpoint_dir)
-    if save_id is None:
+    checkpoint_dir = os.fsdecode(checkpoint_dir)  # str, bytes or PathLike; need not be UTF-8
+    derived_save_id = save_id is None
+    if derived_save_id:
         save_id = default_save_id(checkpoint_dir)
 
     if content_metadata is not None:
@@ -339,9 +357,92 @@ def save(
         async_save=async_save,
         staging_budget=staging_budget_bytes,
         caller_streams=_caller_streams(keep_alive),
+        integrity=verify_integrity,
+        derived_save_id=derived_save_id,
     )
     del keep_alive  # the tensors must outlive the native call, which reads their memory
+    if async_save:
+        _track_pending(report, checkpoint_dir, timeout_s)
     return report
+
+
+# Async saves not yet waited for: (handle, checkpoint_dir, timeout_s). At interpreter exit each is
+# waited for, bounded by its timeout, as concurrent.futures waits for its workers; a save that
+# fails or does not finish makes the exit status 1, so a lost checkpoint is never an exit 0.
+_PENDING: list = []
+_PENDING_LOCK = threading.Lock()
+_EXIT_FAILED = False
+
+
+def _track_pending(handle, checkpoint_dir: str, timeout_s: float) -> None:
+    with _PENDING_LOCK:
+        _PENDING[:] = [p for p in _PENDING if not p[0].done()]
+        _PENDING.append((handle, checkpoint_dir, timeout_s))
+
+
+def _finish_pending_saves() -> None:
+    """atexit: waits for every async save still in flight and reports failures on stderr."""
+    global _EXIT_FAILED
+    with _PENDING_LOCK:
+        pending, _PENDING[:] = list(_PENDING), []
+    for handle, checkpoint_dir, timeout_s in pending:
+        if not handle.done():
+            print(
+                f"shardwise: waiting for the async save to {checkpoint_dir} to finish "
+                f"(at most {timeout_s:g} s)",
+                file=sys.stderr,
+                flush=True,
+            )
+        try:
+            # The save's own waits are bounded by timeout_s; the extra bounds its write.
+            handle.wait(timeout_s + 60.0)
+        except BaseException as e:  # noqa: BLE001 - reported, then the exit status says so
+            _EXIT_FAILED = True
+            print(f"shardwise: the async save to {checkpoint_dir} FAILED at exit: {e}", file=sys.stderr, flush=True)
+
+
+def _exit_status_on_failure() -> None:
+    """atexit, registered first so it runs last: exit 1 when a pending save failed."""
+    if _EXIT_FAILED:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+atexit.register(_exit_status_on_failure)
+atexit.register(_finish_pending_saves)
+
+
+class CheckpointHandle:
+    """An asynchronous :func:`save_checkpoint` in flight.
+
+    ``wait(timeout_s=None)`` waits for the save (seconds; None: as long as the save's own bounds
+    allow), then on the merging rank moves the tracker and applies retention, and returns the
+    report dict of :func:`save_checkpoint`; it raises the save's error, and the tracker stays
+    where it was. ``done()`` tells whether the save itself has finished; ``stall_s`` (seconds the
+    call blocked) and ``staged_bytes`` come from the save's :class:`shardwise.SaveHandle`. An
+    unwaited handle is waited for at interpreter exit (see :func:`save`).
+    """
+
+    def __init__(self, handle, finish):
+        self._handle = handle
+        self._finish = finish
+        self._report = None
+        self._lock = threading.Lock()
+        self.stall_s = handle.stall_s
+        self.staged_bytes = handle.staged_bytes
+
+    def done(self) -> bool:
+        return self._handle.done()
+
+    def wait(self, timeout_s: Optional[float] = None) -> dict:
+        with self._lock:
+            if self._report is None:
+                self._report = self._finish(dict(self._handle.wait(timeout_s)))
+            return self._report
+
+    def __repr__(self) -> str:
+        return f"<shardwise CheckpointHandle {'done' if self.done() else 'in flight'}>"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -357,27 +458,72 @@ def _async_save_done() -> None:
     """
 
 
-def dist_checkpointing_save(
-    sharded_state_dict: dict,
-    checkpoint_dir: str,
-    sharded_strategy=None,
-    common_strategy=None,
-    validate_access_integrity: bool = True,
-    async_sharded_save: bool = False,
-    preprocess_common_before_consistancy_check=None,
-    content_metadata: Optional[dict] = None,
-    **save_kwargs,
-):
-    """``megatron.core.dist_checkpointing.save`` (megatron-core 0.13-0.19 signature) done by shardwise.
+# Megatron's save parameters that steer only Megatron's own machinery: accepted, ignored (see
+# dist_checkpointing_save). Every other parameter of the installed release must be handled below.
+_IGNORED_MEGATRON_PARAMS = frozenset(
+    {"validate_access_integrity", "preprocess_common_before_consistancy_check", "async_strategy"}
+)
+_HANDLED_MEGATRON_PARAMS = _IGNORED_MEGATRON_PARAMS | {
+    "sharded_strategy",
+    "common_strategy",
+    "async_sharded_save",
+    "content_metadata",
+    "verify_integrity",
+}
 
-    Writes what Megatron's ``torch_dist`` save writes (the pre-0.19 layout with ``common.pt``) through
-    :func:`save`, with no collective. Keyword arguments beyond Megatron's go to :func:`save`
-    (``timeout_s``, ``overwrite``, ``balance_dp``, ...). Arguments that only steer Megatron's own
-    machinery are accepted and ignored: ``sharded_strategy`` (any ``torch_dist`` strategy, the
-    fully-parallel wrapper included, whose distribution needs an ``all_gather``),
-    ``validate_access_integrity`` (the merge validates coverage and overlaps of every chunk anyway)
-    and ``preprocess_common_before_consistancy_check`` (only used by Megatron's cross-rank
-    comparison of the common dict, a ``broadcast_object_list`` shardwise does not run).
+
+def _original_megatron_save():
+    """The installed megatron-core's own ``save`` (the one :func:`install` replaced, if it did)."""
+    import megatron.core.dist_checkpointing.serialization as mser
+
+    return next((orig for mod, _, orig in _INSTALLED if mod is mser), mser.save)
+
+
+def megatron_save_parameters() -> list:
+    """The parameters of the installed megatron-core's ``dist_checkpointing.save`` after
+    ``sharded_state_dict`` and ``checkpoint_dir``, in order (``inspect.Parameter`` objects).
+
+    Read from the signature of the installed release's function, not from a version table:
+    0.13-0.18 take ``sharded_strategy, common_strategy, validate_access_integrity,
+    async_sharded_save, preprocess_common_before_consistancy_check, content_metadata``; 0.19 dropped
+    ``common_strategy`` and appended ``async_strategy, verify_integrity`` (megatron-core 0.19.2
+    ``dist_checkpointing/serialization.py``), so the 4th positional argument changed meaning.
+    """
+    import inspect
+
+    return list(inspect.signature(_original_megatron_save()).parameters.values())[2:]
+
+
+def dist_checkpointing_save(sharded_state_dict: dict, checkpoint_dir: str, *args, **kwargs):
+    """``megatron.core.dist_checkpointing.save`` done by shardwise, with the installed megatron-core's
+    own signature (0.13-0.19): positional arguments are bound to that release's parameters in its
+    order (:func:`megatron_save_parameters`), so 0.19's ``save(sd, dir, strategy,
+    validate_access_integrity)`` and 0.18's ``save(sd, dir, strategy, common_strategy)`` both mean
+    what they mean to Megatron.
+
+    Writes what Megatron's ``torch_dist`` save writes (the pre-0.19 layout with ``common.pt``, which
+    0.19's loader also reads) through :func:`save`, with no collective. Keyword arguments beyond
+    Megatron's go to :func:`save` (``timeout_s``, ``overwrite``, ``balance_dp``, ...).
+
+    Megatron's parameters:
+        sharded_strategy: any ``torch_dist`` strategy (the fully-parallel wrapper included, whose
+            distribution needs an ``all_gather``; shardwise needs none); another backend raises.
+        common_strategy (<= 0.18): must be None (Megatron raises NotImplementedError otherwise).
+        async_sharded_save: return an ``AsyncRequest`` (see Returns).
+        content_metadata: stored in ``common.pt`` as Megatron does.
+        verify_integrity (0.19): also write megatron-core 0.19's integrity manifest
+            (``integrity.json``: the SHA-256 of every file of the checkpoint), which
+            ``load(..., verify_integrity=True)`` checks. The digests are computed from the bytes as
+            they are written, with no second read of the files (Megatron's rank 0 reads the whole
+            checkpoint back for it); the manifest is written by the commit, before the save counts
+            as committed.
+        async_strategy (0.19): accepted, any value, and ignored. In Megatron it picks which
+            machinery runs the write in the background (``"nvrx"``'s persistent worker, or
+            megatron-core's own); shardwise writes from its own Rust thread whatever the value, and
+            the returned request's ``async_fn`` does nothing in whichever worker runs it.
+        validate_access_integrity, preprocess_common_before_consistancy_check: ignored. The merge
+            validates coverage and overlaps of every chunk anyway, and the preprocessing only feeds
+            Megatron's cross-rank comparison of the common dict (a ``broadcast_object_list``).
 
     Returns:
         None; with ``async_sharded_save=True`` a
@@ -388,21 +534,47 @@ def dist_checkpointing_save(
         save to be committed (re-raising its error), before any finalize function the caller appends.
 
     Raises:
-        InvalidArgumentError: ``common_strategy`` given (Megatron raises NotImplementedError), or a
-            ``sharded_strategy`` whose backend is not ``torch_dist``.
+        TypeError: more positional arguments than the installed release takes, or an argument given
+            both by position and by name (as Megatron's own function would).
+        InvalidArgumentError: ``common_strategy`` given, a ``sharded_strategy`` whose backend is not
+            ``torch_dist``, or a parameter of a newer megatron-core that shardwise does not know,
+            given with a value other than its default.
         Everything :func:`save` raises.
     """
-    if common_strategy is not None:
+    params = megatron_save_parameters()
+    if len(args) > len(params):
+        raise TypeError(
+            f"megatron.core.dist_checkpointing.save takes at most {len(params) + 2} positional arguments "
+            f"({len(args) + 2} given)"
+        )
+    megatron_args = {p.name: a for p, a in zip(params, args)}
+    for p in params:
+        if p.name in kwargs:
+            if p.name in megatron_args:
+                raise TypeError(f"megatron.core.dist_checkpointing.save got multiple values for argument {p.name!r}")
+            megatron_args[p.name] = kwargs.pop(p.name)
+    for p in params:
+        value = megatron_args.get(p.name, p.default)
+        if p.name not in _HANDLED_MEGATRON_PARAMS and not (value is p.default or value == p.default):
+            raise InvalidArgumentError(
+                f"megatron.core.dist_checkpointing.save parameter {p.name!r} is not supported by shardwise "
+                "(a megatron-core newer than 0.19?)"
+            )
+    sharded_strategy = megatron_args.get("sharded_strategy")
+    if megatron_args.get("common_strategy") is not None:
         raise InvalidArgumentError("common_strategy is not supported (megatron-core supports only the default torch one)")
     backend = sharded_strategy[0] if isinstance(sharded_strategy, tuple) else getattr(sharded_strategy, "backend", None)
     if sharded_strategy is not None and backend != "torch_dist":
         raise InvalidArgumentError(f"shardwise writes the torch_dist format; sharded_strategy has backend {backend!r}")
-    if not async_sharded_save:
-        save(sharded_state_dict, checkpoint_dir, content_metadata=content_metadata, **save_kwargs)
+    if megatron_args.get("verify_integrity"):
+        kwargs["verify_integrity"] = True
+    content_metadata = megatron_args.get("content_metadata")
+    if not megatron_args.get("async_sharded_save"):
+        save(sharded_state_dict, checkpoint_dir, content_metadata=content_metadata, **kwargs)
         return None
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 
-    handle = save(sharded_state_dict, checkpoint_dir, content_metadata=content_metadata, async_save=True, **save_kwargs)
+    handle = save(sharded_state_dict, checkpoint_dir, content_metadata=content_metadata, async_save=True, **kwargs)
     # Megatron runs finalize_fns in the training process once the request is done; ours comes
     # first, so the functions save_checkpoint appends (metadata, tracker) run after the commit.
     return AsyncRequest(_async_save_done, (), [handle.wait])
@@ -554,8 +726,9 @@ def update_tracker(save_root: str, iteration: int) -> bool:
 
 
 def _is_committed(ckpt_dir: str) -> bool:
-    # The merge writes metadata.json after .metadata (src/rendezvous.rs), so both mean committed.
-    return os.path.isfile(os.path.join(ckpt_dir, ".metadata")) and os.path.isfile(os.path.join(ckpt_dir, "metadata.json"))
+    # The one definition of "committed" (src/commit/state.rs): the commit's .metadata and every
+    # file it needs are there and unchanged.
+    return _native.is_committed(ckpt_dir)
 
 
 def apply_retention(save_root: str, current_iteration: int, keep_last: int) -> list[str]:
@@ -666,7 +839,9 @@ def save_checkpoint(
 
     Returns:
         :func:`save`'s report, plus ``checkpoint_dir``, and on the merging rank ``tracker`` (the
-        iteration written) and ``deleted`` (paths removed by retention).
+        iteration written) and ``deleted`` (paths removed by retention). With
+        ``async_save=True``: a :class:`CheckpointHandle` as soon as this rank's tensors are staged;
+        its ``wait()`` returns that report once the save committed and the tracker moved.
 
     Raises:
         InvalidArgumentError: negative ``iteration``, ``keep_last`` < 1, or ``common_state`` keys
@@ -690,20 +865,28 @@ def save_checkpoint(
     rank, world_size = _rank_and_world(rank, world_size)
     os.makedirs(os.fspath(save_root), exist_ok=True)
     ckpt = checkpoint_name(save_root, iteration)
-    report = dict(
-        save(
-            sharded_state_dict,
-            ckpt,
-            rank=rank,
-            world_size=world_size,
-            timeout_s=timeout_s,
-            merge_rank=merge_rank,
-            **save_kwargs,
-        )
+    result = save(
+        sharded_state_dict,
+        ckpt,
+        rank=rank,
+        world_size=world_size,
+        timeout_s=timeout_s,
+        merge_rank=merge_rank,
+        **save_kwargs,
     )
-    report["checkpoint_dir"] = ckpt
-    if rank == merge_rank:
-        update_tracker(save_root, iteration)
-        report["tracker"] = read_tracker(save_root)
-        report["deleted"] = apply_retention(save_root, iteration, keep_last) if keep_last is not None else []
-    return report
+
+    def finish(report: dict) -> dict:
+        report["checkpoint_dir"] = ckpt
+        if rank == merge_rank:
+            update_tracker(save_root, iteration)
+            report["tracker"] = read_tracker(save_root)
+            report["deleted"] = apply_retention(save_root, iteration, keep_last) if keep_last is not None else []
+        return report
+
+    if not save_kwargs.get("async_save"):
+        return finish(dict(result))
+    handle = CheckpointHandle(result, finish)
+    with _PENDING_LOCK:  # the tracker must move at exit too: wait for this handle, not the save's
+        _PENDING[:] = [p for p in _PENDING if p[0] is not result]
+    _track_pending(handle, ckpt, timeout_s)
+    return handle

@@ -13,6 +13,20 @@ from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 
+def _load(sd, reader) -> None:
+    """``dcp.load`` in one process. torch < 2.5's public ``load`` has no ``no_dist`` and puts every
+    top-level value back as it was, so byte objects never arrive; its ``_load_state_dict`` (what
+    the public one calls) loads them into ``sd``."""
+    import inspect
+
+    if "no_dist" in inspect.signature(dcp_load).parameters:
+        dcp_load(sd, storage_reader=reader, no_dist=True)
+    else:
+        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+        _load_state_dict(sd, reader, no_dist=True)
+
+
 def read_all(ckpt: str, reader=None) -> tuple[dict, dict]:
     """(full tensors by key, byte objects by key as unpickled values), via ``dcp.load(no_dist=True)``
     with ``reader`` (a ``StorageReader`` factory taking no argument; default: ``FileSystemReader(ckpt)``)."""
@@ -25,7 +39,7 @@ def read_all(ckpt: str, reader=None) -> tuple[dict, dict]:
         else:
             assert isinstance(m, BytesStorageMetadata)
             sd[key] = io.BytesIO()
-    dcp_load(sd, storage_reader=reader(), no_dist=True)
+    _load(sd, reader())
     tensors = {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
     objects = {}
     for k, v in sd.items():

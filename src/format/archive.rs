@@ -149,6 +149,24 @@ pub fn records(blob: &[u8]) -> R<Vec<Record>> {
     Ok(out)
 }
 
+/// Records whose data fails the CRC-32 the central directory records for them, as messages
+/// (records with CRC 0, which a writer may leave out, are skipped). torch writes real CRCs
+/// (caffe2/serialize/inline_container.cc) but its reader never checks them.
+pub fn bad_record_crcs(blob: &[u8], recs: &[Record]) -> Vec<String> {
+    recs.iter()
+        .filter(|r| r.crc != 0)
+        .filter_map(|r| {
+            let got = crc32fast::hash(&blob[r.start..r.start + r.len]);
+            (got != r.crc).then(|| {
+                format!(
+                    "record {} fails its zip CRC-32 (stored {:08x}, computed {got:08x})",
+                    r.name, r.crc
+                )
+            })
+        })
+        .collect()
+}
+
 /// A decoded tensor item: what `torch.load` would rebuild, as a view on the archive's storage.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StoredTensor {

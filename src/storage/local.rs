@@ -27,12 +27,7 @@ pub fn fsync_dir(dir: &Path) -> Result<()> {
 /// rename over `path`, fsync of the directory. Readers see the old file or the whole new one.
 pub fn atomic_write(path: &Path, bytes: &[u8]) -> Result<()> {
     let dir = path.parent().unwrap_or(Path::new("."));
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let seq = TMP_SEQ.fetch_add(1, Ordering::Relaxed);
-    let tmp = dir.join(format!(".{name}{TMP_INFIX}{}.{seq}", std::process::id()));
+    let tmp = temp_name(path);
     let result = (|| {
         let mut f = File::create(&tmp).map_err(Error::io("create", &tmp))?;
         f.write_all(bytes).map_err(Error::io("write", &tmp))?;
@@ -44,6 +39,39 @@ pub fn atomic_write(path: &Path, bytes: &[u8]) -> Result<()> {
         let _ = std::fs::remove_file(&tmp);
     }
     result
+}
+
+/// Like [`atomic_write`] but only if `path` does not exist yet: the temporary file is hard-linked
+/// to `path` (`link` fails with `EEXIST` instead of replacing, unlike `rename`). `Ok(true)` when
+/// this call created `path`, `Ok(false)` when it was already there (nothing changed).
+pub fn atomic_create(path: &Path, bytes: &[u8]) -> Result<bool> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let tmp = temp_name(path);
+    let result = (|| {
+        let mut f = File::create(&tmp).map_err(Error::io("create", &tmp))?;
+        f.write_all(bytes).map_err(Error::io("write", &tmp))?;
+        f.sync_all().map_err(Error::io("fsync", &tmp))?;
+        match std::fs::hard_link(&tmp, path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => return Ok(false),
+            Err(e) => return Err(Error::io("link", path)(e)),
+        }
+        fsync_dir(dir)?;
+        Ok(true)
+    })();
+    let _ = std::fs::remove_file(&tmp);
+    result
+}
+
+/// `.<name>.tmp.<pid>.<n>` beside `path`.
+fn temp_name(path: &Path) -> PathBuf {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let seq = TMP_SEQ.fetch_add(1, Ordering::Relaxed);
+    dir.join(format!(".{name}{TMP_INFIX}{}.{seq}", std::process::id()))
 }
 
 /// Removes the temporary files that [`atomic_write`] calls killed mid-write left directly in `dir`

@@ -9,7 +9,7 @@ pub mod remote;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-pub use local::{atomic_write, create_dir_all, fsync_dir, sweep_temp_files, DataFile};
+pub use local::{atomic_create, atomic_write, create_dir_all, fsync_dir, sweep_temp_files, DataFile};
 
 use crate::error::{Error, Result};
 
@@ -40,6 +40,17 @@ impl Location {
             None => Ok(Location::Local(PathBuf::from(s))),
             Some(("file", rest)) => Ok(Location::Local(PathBuf::from(rest))),
             Some(_) => Ok(Location::Remote(Arc::new(remote::Remote::open(s)?))),
+        }
+    }
+
+    /// [`Location::parse`] for a path as the OS gives it (a command-line argument, a Python
+    /// `str` or `bytes` path): a local path need not be UTF-8; a URL must be.
+    ///
+    /// Errors: as [`Location::parse`].
+    pub fn from_os(s: &std::ffi::OsStr) -> Result<Location> {
+        match s.to_str() {
+            Some(s) => Location::parse(s),
+            None => Ok(Location::Local(PathBuf::from(s))),
         }
     }
 
@@ -132,6 +143,64 @@ impl Location {
         }
     }
 
+    /// Publishes `bytes` as `rel` only if `rel` does not exist yet (local: [`atomic_create`];
+    /// object stores: a conditional create). `Ok(false)` when it already existed.
+    pub fn write_new(&self, rel: &str, bytes: Vec<u8>) -> Result<bool> {
+        match self {
+            Location::Local(p) => {
+                let path = p.join(rel);
+                if let Some(parent) = path.parent() {
+                    create_dir_all(parent)?;
+                }
+                atomic_create(&path, &bytes)
+            }
+            Location::Remote(r) => r.put_new(rel, bytes),
+        }
+    }
+
+    /// The identity of the file `rel` as storage sees it now, `None` when absent: locally device,
+    /// inode, size and modification time in ns (a rewrite or replacement changes it); on object
+    /// stores the ETag (or version, or size and modification time when the store gives neither).
+    /// A part records the stamps of its data files, so a merger can tell that a data file was
+    /// replaced after its part was published.
+    pub fn stamp(&self, rel: &str) -> Result<Option<String>> {
+        match self {
+            Location::Local(p) => {
+                use std::os::unix::fs::MetadataExt;
+                match std::fs::metadata(p.join(rel)) {
+                    Ok(m) if m.is_file() => Ok(Some(format!(
+                        "{}:{}:{}:{}.{:09}",
+                        m.dev(),
+                        m.ino(),
+                        m.len(),
+                        m.mtime(),
+                        m.mtime_nsec()
+                    ))),
+                    Ok(_) => Ok(None),
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+                    Err(e) => Err(Error::io("stat", p.join(rel))(e)),
+                }
+            }
+            Location::Remote(r) => r.stamp(rel),
+        }
+    }
+
+    /// Renames `from` to `to` inside the checkpoint, replacing `to` (local only: object stores
+    /// have no rename, and shardwise never calls this on them).
+    ///
+    /// Errors: [`Error::Io`]; [`Error::InvalidArgument`] on an object store.
+    pub fn rename(&self, from: &str, to: &str) -> Result<()> {
+        match self {
+            Location::Local(p) => {
+                std::fs::rename(p.join(from), p.join(to)).map_err(Error::io("rename", p.join(to)))
+            }
+            Location::Remote(r) => Err(Error::InvalidArgument(format!(
+                "cannot rename {from} in {}: object stores have no rename",
+                r.url
+            ))),
+        }
+    }
+
     /// Removes `rel`; absent is fine.
     pub fn remove(&self, rel: &str) -> Result<()> {
         match self {
@@ -161,12 +230,18 @@ impl Location {
 
     /// Files directly under `rel_dir` and the names of its subdirectories; a missing directory
     /// lists as empty.
+    ///
+    /// Errors: [`Error::Io`] when `rel_dir` exists but cannot be listed (permissions, not a
+    /// directory): that must not read as "no such directory".
     pub fn list(&self, rel_dir: &str) -> Result<(Vec<Listed>, Vec<String>)> {
         match self {
             Location::Local(p) => {
                 let (mut files, mut dirs) = (Vec::new(), Vec::new());
-                let Ok(rd) = std::fs::read_dir(p.join(rel_dir)) else {
-                    return Ok((files, dirs));
+                let path = p.join(rel_dir);
+                let rd = match std::fs::read_dir(&path) {
+                    Ok(rd) => rd,
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok((files, dirs)),
+                    Err(e) => return Err(Error::io("list", path)(e)),
                 };
                 for e in rd.flatten() {
                     let name = e.file_name().to_string_lossy().into_owned();

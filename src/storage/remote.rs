@@ -297,6 +297,20 @@ impl Remote {
         }
     }
 
+    /// The object's identity (see [`super::Location::stamp`]), `None` when absent.
+    pub fn stamp(&self, rel: &str) -> Result<Option<String>> {
+        let key = self.key(rel)?;
+        match block_on(self.store.head(&key)) {
+            Ok(m) => Ok(Some(match (m.e_tag, m.version) {
+                (Some(e), _) => format!("etag:{e}"),
+                (None, Some(v)) => format!("version:{v}"),
+                (None, None) => format!("{}:{}", m.size, m.last_modified.timestamp_nanos_opt().unwrap_or(0)),
+            })),
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(self.err("head", rel)(e)),
+        }
+    }
+
     /// Deletes `rel`; absent is fine.
     pub fn delete(&self, rel: &str) -> Result<()> {
         let key = self.key(rel)?;

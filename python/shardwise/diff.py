@@ -1,0 +1,36 @@
+"""Comparing two checkpoints key by key (``shardwise diff``)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Iterable, Optional
+
+from . import _native
+
+
+def diff(a, b, *, atol: float = 0.0, rtol: float = 0.0, keys: Optional[Iterable[str]] = None,
+         exclude: Optional[Iterable[str]] = None, hf_config=None, arch: Optional[str] = None,
+         allow_unmapped: bool = False, threads: Optional[int] = None) -> dict:
+    """Compares checkpoints ``a`` and ``b`` key by key, as ``shardwise diff`` does.
+
+    Each side is a checkpoint directory or object-store URL (torch_dist / DCP, any layout: tensors
+    are compared as global tensors, region by region, in bounded memory), or, for at most one side,
+    a Hugging Face safetensors folder, compared through the ``to-hf`` mapping (``hf_config``
+    defaults to the folder's ``config.json``). ``keys`` / ``exclude`` are glob patterns (``*``,
+    ``?``). An element is within tolerance when ``|a - b| <= atol + rtol * max(|a|, |b|)``.
+
+    Returns the report: ``{"equal", "close", "different", "only_in_a", "only_in_b", "unreadable"``
+    (counts), ``"keys": [{"key", "status", "dtype_a", "dtype_b", "shape_a", "shape_b", "elements",
+    "mismatched", "max_abs", "max_rel", "message"}], "exit_code"}``, ``status`` being ``equal``,
+    ``close``, ``different``, ``only_in_a``, ``only_in_b`` or ``unreadable`` and ``exit_code`` what
+    the command would return (0 same, 1 different, 2 unreadable).
+
+    Raises ``StorageError`` / ``CorruptFileError`` when a side cannot be opened, ``InvalidArgumentError``
+    for bad arguments, the ``to-hf`` mapping's ``ValidationError`` in HF mode.
+    """
+    return json.loads(_native.diff_json(
+        os.fsdecode(a), os.fsdecode(b),
+        atol=float(atol), rtol=float(rtol), keys=list(keys or []), exclude=list(exclude or []),
+        hf_config=None if hf_config is None else os.fspath(hf_config), arch=arch,
+        allow_unmapped=allow_unmapped, threads=threads))

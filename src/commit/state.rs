@@ -1,0 +1,421 @@
+//! What state a checkpoint directory and each of its saves are in: the one definition of
+//! "committed", used by the save itself, `shardwise status`/`merge`, and the Python side (tracker,
+//! retention).
+//!
+//! A directory is **committed** when its `.metadata` is the one a commit wrote and every file that
+//! commit names is there:
+//! - written by shardwise: a save's `COMMITTED` record ([`CommitRecord`]) whose `.metadata` size
+//!   and CRC-32 equal the file's, whose data files all have their recorded sizes, whose
+//!   `common.pt` has its recorded size and CRC-32, and whose `metadata.json` is there for Megatron
+//!   saves;
+//! - written by torch or Megatron (no `COMMITTED` record): `.metadata` parses as DCP metadata (as
+//!   data, nothing executed), and every file it names lies inside the directory and is long enough
+//!   for every item stored in it.
+//!
+//! A `.metadata` that a merger wrote before dying (no record yet) is not a checkpoint.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use super::lock::dead_merger;
+use super::part::{
+    listed_parts, marker_rel, read_failed, read_part, COMMON_FILE, STATE_DIR,
+};
+use super::wait::{stale_reason, Freshness};
+use super::CommitSummary;
+use crate::error::{fmt_ranks, Result};
+use crate::format::metadata::Entry;
+use crate::storage::Location;
+
+/// Size in bytes and CRC-32 of a file's whole content.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Digest {
+    pub size: u64,
+    pub crc32: u32,
+}
+
+impl Digest {
+    pub fn of(bytes: &[u8]) -> Digest {
+        Digest {
+            size: bytes.len() as u64,
+            crc32: crc32fast::hash(bytes),
+        }
+    }
+}
+
+/// `.shardwise/S/COMMITTED` (JSON): what the commit of save `S` wrote.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct CommitRecord {
+    pub save_id: String,
+    /// Wall-clock time of the commit, ns since the Unix epoch (the merger's clock).
+    pub committed_at_ns: u64,
+    pub metadata: Digest,
+    /// `common.pt`, when the save has one.
+    pub common: Option<Digest>,
+    /// Megatron save: `metadata.json` is part of the checkpoint.
+    pub megatron: bool,
+    /// The data files (name inside the checkpoint, size in bytes).
+    pub files: Vec<(String, u64)>,
+    pub summary: CommitSummary,
+}
+
+/// The `COMMITTED` record of `save_id`, if it has one that parses.
+pub fn read_commit_record(loc: &Location, save_id: &str) -> Option<CommitRecord> {
+    let bytes = loc.read(&marker_rel(save_id, "COMMITTED")).ok()??;
+    serde_json::from_slice(&bytes).ok()
+}
+
+/// The state of a checkpoint directory.
+#[derive(Clone, Debug, PartialEq)]
+pub enum CheckpointState {
+    /// `.metadata` and every file it needs are there. `record` is the commit's, `None` for a
+    /// checkpoint written by torch or Megatron.
+    Committed { record: Option<CommitRecord> },
+    /// No checkpoint: no `.metadata`, or one that a merger left before committing.
+    NotCommitted { reason: String },
+    /// A checkpoint was committed here but is no longer whole (`.metadata` or a file it needs was
+    /// removed, replaced or truncated). `repairable` names the save whose parts can rebuild it.
+    Damaged {
+        reason: String,
+        repairable: Option<String>,
+    },
+}
+
+/// Save ids under `.shardwise`, sorted.
+///
+/// Errors: storage errors when the directory exists but cannot be listed.
+pub fn save_ids(loc: &Location) -> Result<Vec<String>> {
+    let (_, mut ids) = loc.list(STATE_DIR)?;
+    ids.sort();
+    Ok(ids)
+}
+
+/// The state of `loc` (see the module docs for the rules).
+///
+/// Errors: storage errors when `.metadata` or the state directory cannot be read.
+pub fn checkpoint_state(loc: &Location) -> Result<CheckpointState> {
+    let meta = loc.read(".metadata")?;
+    let ids = save_ids(loc)?;
+    let mut records: Vec<CommitRecord> = Vec::new();
+    let mut legacy_marker = false;
+    for id in &ids {
+        if let Some(r) = read_commit_record(loc, id) {
+            records.push(r);
+        } else if loc.exists(&marker_rel(id, "COMMITTED")) {
+            legacy_marker = true; // shardwise < 0.2 wrote an empty marker
+        }
+    }
+    records.sort_by_key(|r| std::cmp::Reverse(r.committed_at_ns));
+    let damaged = |reason: String, save: Option<&CommitRecord>| CheckpointState::Damaged {
+        reason,
+        repairable: save.map(|r| r.save_id.clone()),
+    };
+    let Some(meta) = meta else {
+        return Ok(match records.first() {
+            Some(r) => damaged(
+                format!(".metadata is missing, although save {} committed it", r.save_id),
+                Some(r),
+            ),
+            None => CheckpointState::NotCommitted {
+                reason: ".metadata is absent".into(),
+            },
+        });
+    };
+    if !records.is_empty() {
+        let digest = Digest::of(&meta);
+        let Some(r) = records.iter().find(|r| r.metadata == digest) else {
+            let r = &records[0];
+            return Ok(damaged(
+                format!(
+                    ".metadata ({} bytes, CRC-32 {:08x}) is not the one save {} committed ({} bytes, \
+                     CRC-32 {:08x}): replaced or damaged",
+                    digest.size, digest.crc32, r.save_id, r.metadata.size, r.metadata.crc32
+                ),
+                Some(r),
+            ));
+        };
+        if let Some(problem) = missing_committed_file(loc, r)? {
+            return Ok(damaged(problem, Some(r)));
+        }
+        return Ok(CheckpointState::Committed {
+            record: Some(r.clone()),
+        });
+    }
+    if !ids.is_empty() && !legacy_marker {
+        return Ok(CheckpointState::NotCommitted {
+            reason: ".metadata was written by a merger that did not finish the commit (no COMMITTED \
+                     record); `shardwise merge` finishes it"
+                .into(),
+        });
+    }
+    Ok(match foreign_problem(loc, &meta)? {
+        None => CheckpointState::Committed { record: None },
+        Some(reason) => damaged(reason, None),
+    })
+}
+
+/// Whether `loc` holds a committed checkpoint ([`checkpoint_state`]); unreadable counts as not.
+pub fn is_committed(loc: &Location) -> bool {
+    matches!(checkpoint_state(loc), Ok(CheckpointState::Committed { .. }))
+}
+
+/// The first file a shardwise commit needs that is missing or has changed.
+fn missing_committed_file(loc: &Location, r: &CommitRecord) -> Result<Option<String>> {
+    for (name, size) in &r.files {
+        let found = loc.size(name)?;
+        if found != Some(*size) {
+            let found = found.map_or("is missing".into(), |s| format!("has {s} bytes"));
+            return Ok(Some(format!(
+                "data file {name} {found}, save {} committed {size} bytes",
+                r.save_id
+            )));
+        }
+    }
+    if let Some(d) = r.common {
+        let now = loc.read(COMMON_FILE)?.map(|b| Digest::of(&b));
+        if now != Some(d) {
+            return Ok(Some(format!(
+                "{COMMON_FILE} is {} (save {} committed {} bytes, CRC-32 {:08x})",
+                now.map_or("missing".into(), |n| format!(
+                    "{} bytes, CRC-32 {:08x}",
+                    n.size, n.crc32
+                )),
+                r.save_id,
+                d.size,
+                d.crc32
+            )));
+        }
+    }
+    if r.megatron && !loc.exists("metadata.json") {
+        return Ok(Some(format!(
+            "metadata.json is missing (save {} is a Megatron save)",
+            r.save_id
+        )));
+    }
+    Ok(None)
+}
+
+/// The files a torch or Megatron `.metadata` names, each with the length it needs (bytes), or why
+/// it is not DCP metadata.
+fn needed_files(meta: &[u8]) -> std::result::Result<BTreeMap<String, u64>, String> {
+    let parsed = crate::format::read_metadata::read_metadata(meta)
+        .map_err(|e| format!(".metadata is not DCP metadata: {}", e.0))?;
+    let mut need: BTreeMap<String, u64> = BTreeMap::new();
+    for entry in parsed.entries.values() {
+        let storages: Vec<_> = match entry {
+            Entry::Tensor { chunks, .. } => chunks.iter().map(|c| &c.storage).collect(),
+            Entry::Bytes { storage } => vec![storage],
+        };
+        for s in storages {
+            let end = s.offset.saturating_add(s.length);
+            let e = need.entry(s.relative_path.clone()).or_default();
+            *e = (*e).max(end);
+        }
+    }
+    Ok(need)
+}
+
+/// For a checkpoint without a commit record: why its `.metadata` is not a whole checkpoint.
+fn foreign_problem(loc: &Location, meta: &[u8]) -> Result<Option<String>> {
+    let need = match needed_files(meta) {
+        Ok(n) => n,
+        Err(why) => return Ok(Some(why)),
+    };
+    for (name, end) in need {
+        if let Err(why) = crate::reader::check_relative_path(&name) {
+            return Ok(Some(format!(".metadata names file {name:?}: {why}")));
+        }
+        match loc.size(&name)? {
+            Some(size) if size >= end => {}
+            found => {
+                let found = found.map_or("is missing".into(), |s| format!("has {s} bytes"));
+                return Ok(Some(format!(
+                    "data file {name} {found}; .metadata needs {end} bytes"
+                )));
+            }
+        }
+    }
+    Ok(None)
+}
+
+/// The data files a committed checkpoint in state `state` reads, by name (empty when not
+/// committed): what a save with `overwrite` must not write to before its own commit.
+///
+/// Errors: storage errors reading `.metadata`.
+pub fn files_in_use(loc: &Location, state: &CheckpointState) -> Result<Vec<String>> {
+    Ok(match state {
+        CheckpointState::Committed { record: Some(r) } => {
+            r.files.iter().map(|(n, _)| n.clone()).collect()
+        }
+        CheckpointState::Committed { record: None } => match loc.read(".metadata")? {
+            Some(meta) => needed_files(&meta).unwrap_or_default().into_keys().collect(),
+            None => Vec::new(),
+        },
+        _ => Vec::new(),
+    })
+}
+
+/// The state of one save (`.shardwise/<save_id>`), for `shardwise status`.
+#[derive(Clone, Debug, PartialEq)]
+pub enum SaveState {
+    Committed,
+    /// A live merger holds the `COMMITTING` lock.
+    Merging,
+    /// The merger died holding the lock (`holder`: its pid and host); `shardwise merge` takes over.
+    Interrupted { holder: String },
+    /// The merger gave up; `mergeable` when every rank's part is now present and its data files
+    /// are unchanged, so `shardwise merge` would commit.
+    Failed { reason: String, mergeable: bool },
+    /// Waiting for parts; `missing` ranks have none, `stale` parts describe files that changed.
+    Incomplete {
+        missing: Vec<u32>,
+        stale: Vec<(u32, String)>,
+    },
+}
+
+impl SaveState {
+    /// One line for people.
+    pub fn describe(&self) -> String {
+        match self {
+            SaveState::Committed => "committed".into(),
+            SaveState::Merging => "merging".into(),
+            SaveState::Interrupted { holder } => format!(
+                "interrupted: its merger ({holder}) died holding the lock; `shardwise merge` takes over"
+            ),
+            SaveState::Failed { reason, mergeable } => {
+                if *mergeable {
+                    format!(
+                        "failed earlier ({reason}), but every rank's part is now present: \
+                         `shardwise merge` would commit it"
+                    )
+                } else {
+                    format!("failed: {reason}")
+                }
+            }
+            SaveState::Incomplete { missing, stale } => {
+                let mut s = "not committed".to_string();
+                if !missing.is_empty() {
+                    s += &format!("; no part from ranks [{}]", fmt_ranks(missing));
+                }
+                for (r, why) in stale {
+                    s += &format!("; rank {r}: {why}");
+                }
+                s
+            }
+        }
+    }
+
+    /// A short name for `--json`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            SaveState::Committed => "committed",
+            SaveState::Merging => "merging",
+            SaveState::Interrupted { .. } => "interrupted",
+            SaveState::Failed { .. } => "failed",
+            SaveState::Incomplete { .. } => "incomplete",
+        }
+    }
+}
+
+/// The state of save `save_id` with `world_size` ranks (0 when unknown: no part is readable).
+///
+/// Errors: storage errors when the save cannot be listed.
+pub fn save_state(loc: &Location, save_id: &str, world_size: u32) -> Result<SaveState> {
+    if loc.exists(&marker_rel(save_id, "COMMITTED")) {
+        return Ok(SaveState::Committed);
+    }
+    if let Some(holder) = dead_merger(loc, save_id) {
+        return Ok(SaveState::Interrupted { holder });
+    }
+    if loc.exists(&marker_rel(save_id, "COMMITTING")) {
+        return Ok(SaveState::Merging);
+    }
+    let any = Freshness {
+        since_ns: None,
+        failed_since_ns: 0,
+    };
+    let mut present = vec![false; world_size as usize];
+    let mut stale = Vec::new();
+    for (r, _) in listed_parts(loc, save_id)? {
+        if r >= world_size {
+            continue;
+        }
+        let why = match read_part(loc, &super::part::part_rel(save_id, r)) {
+            Ok(p) => stale_reason(loc, &p, &any)?,
+            Err(e) => Some(format!("unreadable part: {e}")),
+        };
+        match why {
+            None => present[r as usize] = true,
+            Some(why) => stale.push((r, why)),
+        }
+    }
+    let missing: Vec<u32> = (0..world_size)
+        .filter(|&r| !present[r as usize] && !stale.iter().any(|(s, _)| *s == r))
+        .collect();
+    let complete = world_size > 0 && present.iter().all(|&p| p);
+    if let Some(f) = read_failed(loc, save_id) {
+        return Ok(SaveState::Failed {
+            reason: f.reason,
+            mergeable: complete,
+        });
+    }
+    Ok(SaveState::Incomplete { missing, stale })
+}
+
+/// Data files (`__<rank>_<n>.distcp`) in `loc` that no committed record and no part names: what
+/// ranks that died before publishing their part left behind.
+///
+/// Errors: storage errors when `loc` cannot be listed.
+pub fn orphaned_data_files(loc: &Location) -> Result<Vec<String>> {
+    let (files, _) = loc.list("")?;
+    let mut named = std::collections::HashSet::new();
+    for id in save_ids(loc)? {
+        if let Some(r) = read_commit_record(loc, &id) {
+            named.extend(r.files.into_iter().map(|(n, _)| n));
+        }
+        for (rank, _) in listed_parts(loc, &id)? {
+            if let Ok(p) = read_part(loc, &super::part::part_rel(&id, rank)) {
+                named.extend(p.files.into_iter().map(|f| f.name));
+            }
+        }
+    }
+    if named.is_empty() && loc.exists(".metadata") {
+        // A torch or Megatron checkpoint: its files are named by .metadata.
+        return Ok(Vec::new());
+    }
+    let mut orphans: Vec<String> = files
+        .into_iter()
+        .map(|f| f.name)
+        .filter(|n| is_data_file_name(n) && !named.contains(n))
+        .collect();
+    orphans.sort();
+    Ok(orphans)
+}
+
+/// `__<rank>_<n>.distcp`, the data-file names torch's `FileSystemWriter` and shardwise use.
+pub fn is_data_file_name(name: &str) -> bool {
+    let Some(stem) = name.strip_prefix("__").and_then(|s| s.strip_suffix(".distcp")) else {
+        return false;
+    };
+    let mut it = stem.split('_');
+    matches!(
+        (it.next(), it.next(), it.next()),
+        (Some(a), Some(b), None) if !a.is_empty() && !b.is_empty()
+            && a.bytes().all(|c| c.is_ascii_digit()) && b.bytes().all(|c| c.is_ascii_digit())
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn data_file_names() {
+        assert!(is_data_file_name("__0_0.distcp"));
+        assert!(is_data_file_name("__12_3.distcp"));
+        for n in ["__0.distcp", "__a_0.distcp", "_0_0.distcp", "__0_0_0.distcp", "__0_0.distcp.tmp"] {
+            assert!(!is_data_file_name(n), "{n}");
+        }
+    }
+}

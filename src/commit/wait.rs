@@ -1,0 +1,319 @@
+//! Bounded waits: the merger's wait for every rank's part, the other ranks' wait for the commit,
+//! and which parts and markers belong to the attempt that waits ([`Freshness`]).
+//!
+//! Every wait polls with a backoff of at most 500 ms, ends at its deadline with an error naming what
+//! is missing, and stops at the next poll when the user interrupts (Ctrl-C): see
+//! [`set_interrupt_check`].
+
+use std::collections::BTreeMap;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use rayon::prelude::*;
+
+use super::part::{
+    listed_parts, part_rel, read_failed, read_part, RankPart, COMMON_FILE,
+};
+use super::state::read_commit_record;
+use crate::error::{fmt_ranks, Error, Result};
+use crate::storage::Location;
+
+/// A bound in seconds as a [`Duration`].
+///
+/// Errors: [`Error::InvalidArgument`] naming `what` for a negative, NaN or unrepresentably large
+/// value (`Duration::from_secs_f64` would panic).
+pub fn timeout_from_secs(what: &str, secs: f64) -> Result<Duration> {
+    if secs < 0.0 {
+        return Err(Error::InvalidArgument(format!(
+            "{what} must be a number of seconds >= 0, got {secs}"
+        )));
+    }
+    Duration::try_from_secs_f64(secs).map_err(|_| {
+        Error::InvalidArgument(format!(
+            "{what} must be a finite number of seconds >= 0, got {secs}"
+        ))
+    })
+}
+
+static INTERRUPT_CHECK: OnceLock<fn() -> bool> = OnceLock::new();
+
+/// Installs the function every wait calls at each poll; when it returns true the wait ends with
+/// [`Error::Interrupted`]. The Python binding installs one that runs Python's signal handlers
+/// (Ctrl-C raises `KeyboardInterrupt` there), the `shardwise` binary one that reads its SIGINT flag.
+/// Only the first call takes effect.
+pub fn set_interrupt_check(check: fn() -> bool) {
+    let _ = INTERRUPT_CHECK.set(check);
+}
+
+fn interrupted() -> bool {
+    INTERRUPT_CHECK.get().is_some_and(|f| f())
+}
+
+/// Polling schedule: exponential backoff from 2 ms to 500 ms, interruptible.
+pub(super) struct Backoff(Duration);
+impl Backoff {
+    pub(super) fn new() -> Self {
+        Backoff(Duration::from_millis(2))
+    }
+    /// Sleeps until the next poll (never past `deadline`).
+    ///
+    /// Errors: [`Error::Interrupted`] when the interrupt check fires.
+    pub(super) fn sleep(&mut self, deadline: Instant) -> Result<()> {
+        if interrupted() {
+            return Err(Error::Interrupted);
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        std::thread::sleep(self.0.min(left));
+        self.0 = (self.0 * 2).min(Duration::from_millis(500));
+        if interrupted() {
+            return Err(Error::Interrupted);
+        }
+        Ok(())
+    }
+}
+
+/// Which parts and markers belong to the attempt that is waiting.
+///
+/// The ranks of one save cannot agree on a fresh id without talking, and a default save id
+/// repeats when a job is relaunched with the same environment. What tells attempts apart without
+/// talking is time: a launcher (torchrun, Slurm) ends every process of a launch before it starts
+/// the next, and no rank of a launch can reach a save before every process of that launch exists
+/// (they first form a process group). So a part or marker written before this process started
+/// is an earlier launch's, and one written after it is this launch's (`this_launch`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Freshness {
+    /// Parts published, and `COMMITTED` markers written, before this instant (ns since the Unix
+    /// epoch) belong to an earlier attempt; `None`: any part counts (checked against its files).
+    pub since_ns: Option<u64>,
+    /// `FAILED` markers written before this instant belong to an earlier attempt or merge.
+    pub failed_since_ns: u64,
+}
+
+impl Freshness {
+    /// For a save with a derived id: this launch began when this process started.
+    pub fn this_launch() -> Self {
+        let t = process_start_ns();
+        Freshness {
+            since_ns: Some(t),
+            failed_since_ns: t,
+        }
+    }
+
+    /// For an explicit save id or a `shardwise merge`: any part counts, `FAILED` from now on.
+    pub fn from_now() -> Self {
+        Freshness {
+            since_ns: None,
+            failed_since_ns: super::part::now_ns(),
+        }
+    }
+
+    fn part_is_current(&self, p: &RankPart) -> bool {
+        self.since_ns.is_none_or(|t| p.published_at_ns >= t)
+    }
+
+    pub(super) fn commit_is_current(&self, committed_at_ns: u64) -> bool {
+        committed_at_ns >= self.since_ns.unwrap_or(0)
+    }
+}
+
+/// Wall-clock start of this process, ns since the Unix epoch (Linux: `/proc/self/stat` start time
+/// on the boot clock, carried over to the wall clock; 10 ms resolution). Falls back to now.
+pub fn process_start_ns() -> u64 {
+    static START: OnceLock<u64> = OnceLock::new();
+    *START.get_or_init(|| {
+        let now = super::part::now_ns();
+        let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+        // Field 22 (starttime, clock ticks since boot); the command name (field 2) may hold
+        // spaces, so count from the closing parenthesis.
+        let ticks = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(19))
+            .and_then(|s| s.parse::<u64>().ok());
+        // SAFETY: plain libc calls with valid out-pointers.
+        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        let boot_ok = unsafe { libc::clock_gettime(libc::CLOCK_BOOTTIME, &mut ts) } == 0;
+        match (ticks, hz > 0, boot_ok) {
+            (Some(ticks), true, true) => {
+                let since_boot = ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64;
+                let started = ticks.saturating_mul(1_000_000_000) / hz as u64;
+                now.saturating_sub(since_boot.saturating_sub(started))
+            }
+            _ => now,
+        }
+    })
+}
+
+/// Ranks in `0..world_size` with no part yet.
+///
+/// Errors: storage errors when the save's directory cannot be listed (object store unreachable).
+pub fn missing_ranks(loc: &Location, save_id: &str, world_size: u32) -> Result<Vec<u32>> {
+    let mut present = vec![false; world_size as usize];
+    for (r, _) in listed_parts(loc, save_id)? {
+        if r < world_size {
+            present[r as usize] = true;
+        }
+    }
+    Ok((0..world_size).filter(|&r| !present[r as usize]).collect())
+}
+
+/// Why `p` cannot be merged by an attempt with freshness `fresh`, or `None` when it can: it was
+/// published before this attempt, or a file it describes was replaced or changed since it was
+/// published (a rerun or a second process saving as the same rank).
+///
+/// Errors: storage errors when a file cannot be checked.
+pub(super) fn stale_reason(loc: &Location, p: &RankPart, fresh: &Freshness) -> Result<Option<String>> {
+    if !fresh.part_is_current(p) {
+        return Ok(Some(
+            "its part was published before this process started (an earlier attempt's)".into(),
+        ));
+    }
+    for f in p.files.iter().chain(p.common.iter()) {
+        let mut now = loc.stamp(&f.name)?;
+        if now.is_none() && p.common.as_ref() == Some(f) {
+            // A merger that died after renaming the staged common state into place.
+            now = loc.stamp(COMMON_FILE)?;
+        }
+        if now.as_deref() != Some(f.stamp.as_str()) {
+            let what = match now {
+                None => "is missing".to_string(),
+                Some(_) => "was replaced or changed".to_string(),
+            };
+            return Ok(Some(format!(
+                "its data file {} {what} since the part was published",
+                f.name
+            )));
+        }
+    }
+    Ok(None)
+}
+
+/// Waits up to `timeout` for a current part of every rank in `0..world_size` and reads them. Parts
+/// are read as they arrive, so a `world_size` or save-id disagreement fails at once instead of at
+/// the timeout. A stale part (see [`stale_reason`]) is ignored and waited past: its rank may still
+/// publish a current one.
+///
+/// Errors: [`Error::MissingRanks`] at the timeout (naming stale parts too); [`Error::Validation`]
+/// when a current part disagrees on `world_size`; [`Error::Corrupt`]/[`Error::Io`] for unreadable
+/// parts; [`Error::Interrupted`].
+pub fn collect_parts(
+    loc: &Location,
+    save_id: &str,
+    world_size: u32,
+    timeout: Duration,
+    fresh: &Freshness,
+) -> Result<Vec<RankPart>> {
+    super::part::check_save_id(save_id)?;
+    let deadline = Instant::now() + timeout;
+    let mut parts: Vec<Option<RankPart>> = vec![None; world_size as usize];
+    let mut stale: BTreeMap<u32, String> = BTreeMap::new();
+    let mut backoff = Backoff::new();
+    loop {
+        // An unreachable store is retried by the client; what still fails is reported at once.
+        let arrived: Vec<u32> = listed_parts(loc, save_id)?
+            .into_iter()
+            .map(|(r, _)| r)
+            .filter(|&r| r < world_size && parts[r as usize].is_none())
+            .collect();
+        let read: Vec<(RankPart, Option<String>)> = arrived
+            .par_iter()
+            .map(|&r| {
+                let p = read_part(loc, &part_rel(save_id, r))?;
+                let why = stale_reason(loc, &p, fresh)?;
+                Ok((p, why))
+            })
+            .collect::<Result<_>>()?;
+        for (p, why) in read {
+            if let Some(why) = why {
+                stale.insert(p.rank, why);
+                continue;
+            }
+            if p.world_size != world_size {
+                return Err(Error::Validation(format!(
+                    "world_size disagrees across ranks: rank {} saved with world_size {}, the merger expects {}",
+                    p.rank, p.world_size, world_size
+                )));
+            }
+            if p.save_id != save_id || p.rank as usize >= parts.len() {
+                return Err(Error::Validation(format!(
+                    "part of rank {} carries save id {} but lies under save {save_id}",
+                    p.rank, p.save_id
+                )));
+            }
+            stale.remove(&p.rank);
+            let r = p.rank as usize;
+            parts[r] = Some(p);
+        }
+        let missing: Vec<u32> = (0..world_size)
+            .filter(|&r| parts[r as usize].is_none())
+            .collect();
+        if missing.is_empty() {
+            return Ok(parts.into_iter().flatten().collect());
+        }
+        if Instant::now() >= deadline {
+            return Err(Error::MissingRanks {
+                dir: loc.display_path(),
+                save_id: save_id.to_string(),
+                world_size,
+                missing,
+                timeout_s: timeout.as_secs_f64(),
+                stale: stale.into_iter().collect(),
+            });
+        }
+        backoff.sleep(deadline)?;
+    }
+}
+
+/// Waits up to `timeout` for the merger to commit `save_id`. Markers of earlier attempts (see
+/// [`Freshness`]) are ignored.
+///
+/// Errors: [`Error::NotCommitted`] with the merger's reason when it published `FAILED`, or with the
+/// ranks whose parts are still missing at the timeout; [`Error::Interrupted`].
+pub fn wait_for_commit(
+    loc: &Location,
+    save_id: &str,
+    world_size: u32,
+    timeout: Duration,
+    fresh: &Freshness,
+) -> Result<()> {
+    super::part::check_save_id(save_id)?;
+    let deadline = Instant::now() + timeout;
+    let mut backoff = Backoff::new();
+    loop {
+        if read_commit_record(loc, save_id).is_some_and(|c| fresh.commit_is_current(c.committed_at_ns)) {
+            return Ok(());
+        }
+        if let Some(f) = read_failed(loc, save_id).filter(|f| f.at_ns >= fresh.failed_since_ns) {
+            return Err(super::not_committed(loc, save_id, f.reason));
+        }
+        if Instant::now() >= deadline {
+            let t = timeout.as_secs_f64();
+            let missing = match missing_ranks(loc, save_id, world_size) {
+                Ok(m) => m,
+                Err(e) => {
+                    let reason =
+                        format!("no commit within {t:.1}s, and the parts cannot be listed: {e}");
+                    return Err(super::not_committed(loc, save_id, reason));
+                }
+            };
+            let reason = if let Some(holder) = super::lock::dead_merger(loc, save_id) {
+                format!(
+                    "no commit within {t:.1}s: the merger ({holder}) died while holding the \
+                     COMMITTING lock; `shardwise merge` takes it over"
+                )
+            } else if missing.is_empty() {
+                format!("no commit within {t:.1}s although all parts are present (is the merging rank alive?)")
+            } else {
+                format!(
+                    "no commit within {t:.1}s; parts still missing from ranks [{}]",
+                    fmt_ranks(&missing)
+                )
+            };
+            return Err(super::not_committed(loc, save_id, reason));
+        }
+        backoff.sleep(deadline)?;
+    }
+}
