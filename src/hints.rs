@@ -54,11 +54,16 @@ pub fn elsewhere(loc: &Location) -> Option<String> {
 /// The error for a checkpoint location without `.metadata`, saying what is there instead.
 pub fn no_metadata(loc: &Location) -> Error {
     let hint = elsewhere(loc).unwrap_or_else(|| {
-        format!("not a committed checkpoint; `shardwise status {loc}` shows any save in progress there")
+        format!(
+            "not a committed checkpoint; `shardwise status {loc}` shows any save in progress there"
+        )
     });
     Error::Io {
         op: "read",
         path: PathBuf::from(loc.path_of(".metadata")),
-        source: std::io::Error::new(std::io::ErrorKind::NotFound, format!("no such file: {hint}")),
+        source: std::io::Error::new(
+            std::io::ErrorKind::NotFound,
+            format!("no such file: {hint}"),
+        ),
     }
 }
