@@ -20,7 +20,8 @@ use crate::storage::Location;
 
 const EXIT_CODES: &str = "Exit codes:\n  0  success (verify: no problem found)\n  1  the operation failed, or verify found problems\n  2  bad command line\n  130  interrupted (Ctrl-C) during a wait; nothing committed\n  141  stdout was closed early (e.g. `| head`); nothing more is printed";
 /// Help of every `--json` flag (the README lists each command's fields).
-const JSON_HELP: &str = "Print one JSON object on stdout instead of text: sizes in plain bytes, durations in seconds";
+const JSON_HELP: &str =
+    "Print one JSON object on stdout instead of text: sizes in plain bytes, durations in seconds";
 
 #[derive(Parser, Debug)]
 #[command(name = "shardwise", version, about = "Collective-free Megatron torch_dist / PyTorch DCP checkpoints", after_help = EXIT_CODES)]
@@ -337,7 +338,12 @@ fn inspect(dir: &Location, json: bool) -> Outcome {
     let width = rows.iter().map(|r| r.key.len()).max().unwrap_or(3).max(3);
     out!(
         "{:<width$}  {:<6}  {:<13}  {:<20}  {:>6}  {:>11}",
-        "key", "kind", "dtype", "global shape", "chunks", "size"
+        "key",
+        "kind",
+        "dtype",
+        "global shape",
+        "chunks",
+        "size"
     );
     for r in &rows {
         let shape = r
@@ -677,7 +683,11 @@ fn status(dir: &Location, keys: bool, json: bool, repair: bool) -> Outcome {
                 format!("{} in {}", size(r.bytes), r.files.join(", "))
             };
             match &r.error {
-                Some(e) => out!("  rank {}: unreadable part ({:.0}s old): {e}", r.rank, r.age_s),
+                Some(e) => out!(
+                    "  rank {}: unreadable part ({:.0}s old): {e}",
+                    r.rank,
+                    r.age_s
+                ),
                 None => out!(
                     "  rank {}: {}, {}, {}{}; part {:.0}s old",
                     r.rank,
@@ -727,6 +737,31 @@ fn repair_checkpoint(dir: &Location, timeout: Duration, json: bool, quiet: bool)
     Ok(0)
 }
 
+/// The world_size the parts of `save_id` record.
+///
+/// Errors: [`Error::InvalidArgument`] naming the saves in `dir` when `save_id` is not one of them
+/// (or has no readable part), and what `--world-size` is for.
+fn recorded_world_size(dir: &Location, save_id: &str) -> Result<u32> {
+    if let Some(w) = read_parts(dir, save_id)
+        .into_iter()
+        .find_map(|(_, p, _)| p.ok().map(|p| p.world_size))
+    {
+        return Ok(w);
+    }
+    let ids = save_ids(dir)?;
+    let why = if ids.iter().any(|id| id == save_id) {
+        format!("save {save_id} has no readable part (`shardwise status {dir}` says why)")
+    } else if ids.is_empty() {
+        format!("no save {save_id} in {dir}, which holds no shardwise save")
+    } else {
+        format!("no save {save_id} in {dir} (its saves: {})", ids.join(", "))
+    };
+    Err(Error::InvalidArgument(format!(
+        "{why}; the number of ranks comes from the parts: to merge a save whose ranks have not \
+         published their parts yet, pass --world-size N (and --timeout S to wait for them)"
+    )))
+}
+
 fn merge(
     dir: &Location,
     save_id: Option<String>,
@@ -773,27 +808,7 @@ fn merge(
     };
     let world_size = match world_size {
         Some(w) => w,
-        None => match read_parts(dir, &save_id)
-            .into_iter()
-            .find_map(|(_, p, _)| p.ok().map(|p| p.world_size))
-        {
-            Some(w) => w,
-            None => {
-                let ids = save_ids(dir)?;
-                let why = if ids.contains(&save_id) {
-                    format!("save {save_id} has no readable part (`shardwise status {dir}` says why)")
-                } else if ids.is_empty() {
-                    format!("no save {save_id} in {dir}, which holds no shardwise save")
-                } else {
-                    format!("no save {save_id} in {dir} (its saves: {})", ids.join(", "))
-                };
-                return Err(Error::InvalidArgument(format!(
-                    "{why}; the number of ranks comes from the parts: to merge a save whose ranks \
-                     have not published their parts yet, pass --world-size N (and --timeout S to wait for them)"
-                ))
-                .into());
-            }
-        },
+        None => recorded_world_size(dir, &save_id)?,
     };
     let timeout = timeout_from_secs("--timeout", timeout)?;
     let bar = progress(
