@@ -75,11 +75,23 @@ def test_install_uninstall_and_context_manager():
     assert mdc.save is original
 
 
-def test_drop_in_rejects_other_backends(tmp_path):
+def test_drop_in_rejects_other_backends_and_other_signatures(tmp_path):
+    params = [p.name for p in swm.megatron_save_parameters()]
     with pytest.raises(shardwise.InvalidArgumentError, match="zarr"):
         swm.dist_checkpointing_save({}, str(tmp_path), sharded_strategy=("zarr", 1), rank=0, world_size=1)
-    with pytest.raises(shardwise.InvalidArgumentError, match="common_strategy"):
-        swm.dist_checkpointing_save({}, str(tmp_path), common_strategy=("torch", 1), rank=0, world_size=1)
+    if "common_strategy" in params:  # megatron-core <= 0.18
+        with pytest.raises(shardwise.InvalidArgumentError, match="common_strategy"):
+            swm.dist_checkpointing_save({}, str(tmp_path), common_strategy=("torch", 1), rank=0, world_size=1)
+        with pytest.raises(shardwise.InvalidArgumentError, match="common_strategy"):
+            swm.dist_checkpointing_save({}, str(tmp_path), None, ("torch", 1), rank=0, world_size=1)
+    else:  # 0.19 has no common_strategy, as Megatron's own save
+        with pytest.raises(TypeError, match="common_strategy"):
+            swm.dist_checkpointing_save({}, str(tmp_path), common_strategy=("torch", 1), rank=0, world_size=1)
+    with pytest.raises(TypeError, match="positional"):
+        swm.dist_checkpointing_save({}, str(tmp_path), *[None] * (len(params) + 1), rank=0, world_size=1)
+    with pytest.raises(TypeError, match="multiple values"):
+        swm.dist_checkpointing_save({}, str(tmp_path), None, sharded_strategy=None, rank=0, world_size=1)
+    assert not any(tmp_path.iterdir()), "a refused call writes nothing"
 
 
 def _save_iteration(root, it, keep_last):
