@@ -479,10 +479,16 @@ fn problem_lines(problems: &[crate::verify::Problem]) -> Vec<String> {
 
 fn save_ids(dir: &Location) -> Result<Vec<String>> {
     if let Some(d) = dir.as_local().filter(|d| !d.is_dir()) {
-        return Err(Error::InvalidArgument(format!(
-            "{} is not a directory",
-            d.display()
-        )));
+        // Missing, not a directory and not allowed to look are three different answers.
+        return Err(match std::fs::metadata(d) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Error::Io {
+                op: "open checkpoint directory",
+                path: d.to_path_buf(),
+                source: e,
+            },
+            Err(e) => Error::io("stat", d)(e),
+            Ok(_) => Error::InvalidArgument(format!("{} is not a directory", d.display())),
+        });
     }
     crate::commit::state::save_ids(dir)
 }
@@ -818,7 +824,7 @@ fn merge(
     );
     bar.set_message(save_id.clone());
     bar.enable_steady_tick(Duration::from_millis(100));
-    let summary = crate::commit::merge(dir, &save_id, world_size, timeout, &Freshness::from_now());
+    let summary = crate::commit::merge(dir, &save_id, world_size, timeout, &Freshness::any_part());
     bar.finish_and_clear();
     let summary = summary?;
     if json {

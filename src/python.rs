@@ -331,7 +331,7 @@ fn save_rank<'py>(
         freshness: if derived_save_id {
             Freshness::this_launch()
         } else {
-            Freshness::from_now()
+            Freshness::any_part()
         },
     };
     // Argument errors are raised here, before any side effect, for async saves too (the thread
@@ -517,7 +517,7 @@ fn merge(
     let s = py
         .detach(|| {
             let loc = location(&checkpoint_dir)?;
-            crate::commit::merge(&loc, &save_id, world_size, timeout, &Freshness::from_now())
+            crate::commit::merge(&loc, &save_id, world_size, timeout, &Freshness::any_part())
         })
         .map_err(to_py)?;
     let d = PyDict::new(py);

@@ -10,7 +10,7 @@ use crate::commit::part::{
     ObjectShard, RankPart, TensorRecord, COMMON_FILE,
 };
 use crate::commit::state::{checkpoint_state, files_in_use, CheckpointState};
-use crate::commit::wait::{wait_for_commit, Freshness};
+use crate::commit::wait::{process_start_ns, wait_for_commit, Freshness};
 use crate::commit::{self, CommitSummary};
 use crate::error::{Error, Result};
 use crate::staging::SaveTicket;
@@ -41,7 +41,7 @@ pub struct SaveOptions {
     pub overwrite: bool,
     /// Which parts and markers in the directory belong to this attempt:
     /// [`Freshness::this_launch`] for a save id that every launch derives alike,
-    /// [`Freshness::from_now`] for an explicit one.
+    /// [`Freshness::any_part`] for an explicit one.
     pub freshness: Freshness,
     /// Record the SHA-256 of every file this rank writes, so that the commit writes megatron-core
     /// 0.19's `integrity.json` ([`crate::integrity`]); every rank of a save must agree.
@@ -201,6 +201,7 @@ fn write_and_publish(
         world_size: opts.world_size,
         megatron: opts.megatron,
         published_at_ns: 0,
+        publisher: part::publisher(),
         files: Vec::new(),
         tensors: Vec::new(),
         objects: Vec::new(),
@@ -325,7 +326,7 @@ fn prepare(opts: &SaveOptions) -> Result<String> {
             }
             if loc.as_local().is_none() {
                 return Err(Error::InvalidArgument(format!(
-                    "overwrite=True is refused on object stores ({loc}): they cannot switch a                      checkpoint atomically; save into a new prefix, or delete the old one first"
+                    "overwrite=True is refused on object stores ({loc}): they cannot switch a checkpoint atomically; save into a new prefix, or delete the old one first"
                 )));
             }
             if record.as_ref().is_some_and(|r| r.save_id == opts.save_id) {
@@ -337,7 +338,7 @@ fn prepare(opts: &SaveOptions) -> Result<String> {
         }
         CheckpointState::Damaged { reason, .. } if !opts.overwrite => {
             return Err(Error::InvalidArgument(format!(
-                "{loc} holds a damaged checkpoint ({reason}); `shardwise merge --repair {loc}`                  rebuilds it, overwrite=True replaces it"
+                "{loc} holds a damaged checkpoint ({reason}); `shardwise merge --repair {loc}` rebuilds it, overwrite=True replaces it"
             )));
         }
         CheckpointState::Damaged { .. } => {}
@@ -348,14 +349,15 @@ fn prepare(opts: &SaveOptions) -> Result<String> {
             loc.remove(".metadata")?;
         }
     }
-    // This rank's part of an earlier attempt with the same save id describes data about to be
-    // replaced; one of this attempt means a second process saves as this rank.
+    // This rank's part of an earlier attempt with the same save id (by this process, or published
+    // before this process started) describes data about to be replaced; one that another process
+    // published while this one runs means two live processes save as this rank.
     let own = part_rel(&opts.save_id, opts.rank);
     if let Ok(p) = read_part(loc, &own) {
-        if opts.freshness.since_ns.is_some_and(|t| p.published_at_ns >= t) {
+        if p.publisher != part::publisher() && p.published_at_ns >= process_start_ns() {
             return Err(Error::Validation(format!(
-                "rank {} already published a part for save {} in {loc} during this launch: two                  processes save as the same rank",
-                opts.rank, opts.save_id
+                "rank {} already published a part for save {} in {loc} (process {}) while this process runs: two processes save as the same rank",
+                opts.rank, opts.save_id, p.publisher
             )));
         }
     }

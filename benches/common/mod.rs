@@ -44,6 +44,7 @@ pub fn publish_parts(dir: &Path, world: u32, chunks: u64) {
             world_size: world,
             megatron: false,
             published_at_ns: now_ns(),
+            publisher: String::new(),
             files: vec![FileRecord {
                 name,
                 size: 1,

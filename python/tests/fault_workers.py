@@ -20,9 +20,11 @@ import shardwise.megatron as swm
 from dcp_util import row_shard
 
 
-def save_rank(ckpt: str, rank: int, world: int, save_id: str, rows: int, timeout_s: float, result_path: str,
-              merge_rank=0, wait_for_commit=True, trap_sigint=False) -> None:
-    """One rank of a save: ``rows`` x 1024 float32 rows of ``w`` (4 KiB a row), plus a small ``b``.
+def save_rank(ckpt: str, rank: int, world: int, save_id, rows: int, timeout_s: float, result_path: str,
+              merge_rank=0, wait_for_commit=True, trap_sigint=False, offset: float = 0.0, **save_kw) -> None:
+    """One rank of a save: ``rows`` x 1024 float32 rows of ``w`` (4 KiB a row, plus ``offset``, so two
+    attempts can save different values), plus a small ``b``. ``save_id=None`` derives the id as a
+    launch would; ``save_kw`` go to ``shardwise.megatron.save``.
 
     Writes ``{"ok", "type", "error", "report", "elapsed_s"}`` to ``result_path``. With
     ``trap_sigint``, SIGINT is recorded instead of raising KeyboardInterrupt (which could otherwise
@@ -30,13 +32,14 @@ def save_rank(ckpt: str, rank: int, world: int, save_id: str, rows: int, timeout
     handler and ``returned_s`` when the save call returned, both seconds after the save began.
     """
     state = {"w": row_shard("w", rank, world, rows=rows, cols=1024), "b": row_shard("b", rank, world, rows=2, cols=4)}
+    state["w"].data.add_(offset)
     t0 = time.monotonic()
     out: dict = {"rank": rank}
     if trap_sigint:
         signal.signal(signal.SIGINT, lambda *_: out.setdefault("sigint_s", time.monotonic() - t0))
     try:
         out["report"] = swm.save(state, ckpt, rank=rank, world_size=world, save_id=save_id, timeout_s=timeout_s,
-                                 merge_rank=merge_rank, wait_for_commit=wait_for_commit)
+                                 merge_rank=merge_rank, wait_for_commit=wait_for_commit, **save_kw)
         out["ok"] = True
     except BaseException as e:  # noqa: BLE001 - reported to the test as data
         out.update(ok=False, type=type(e).__name__, error=str(e), shardwise_error=isinstance(e, shardwise.ShardwiseError))

@@ -82,7 +82,7 @@ def test_cli_inspect_verify_status(ckpt):
     assert out.returncode == 0, out.stdout + out.stderr
     assert "4 items, 4 checked against save-time CRC-32s: OK" in out.stdout
     st = json.loads(cli("status", ckpt, "--json").stdout)
-    assert st["metadata_present"] and st["saves"][0]["state"] == "committed"
+    assert st["checkpoint"] == "committed" and st["saves"][0]["state"] == "committed"
     assert cli("frobnicate", ckpt).returncode == 2
 
 

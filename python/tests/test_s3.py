@@ -51,7 +51,7 @@ def s3_llama(s3_server, tmp_path_factory):
 def test_save_to_s3_then_merge_and_verify(s3_llama, s3_server):
     url, base, before, merged = s3_llama
     assert before.returncode == 0, before.stderr
-    assert ".metadata absent (not committed)" in before.stdout and "2 of 2 rank parts" in before.stdout
+    assert "not committed (.metadata is absent)" in before.stdout and "2 of 2 rank parts" in before.stdout
     assert merged.returncode == 0, merged.stderr
     summary = json.loads(merged.stdout)
     assert summary["already_committed"] is False and summary["keys"] > 10

@@ -34,7 +34,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
-use crate::format::metadata::{emit_metadata, Entry};
+use crate::format::metadata::{emit_metadata_from, MetadataSource};
 use crate::storage::{fsync_dir, sweep_temp_files, Location};
 use lock::{CommitLock, Lock};
 use part::{
@@ -241,7 +241,7 @@ pub fn repair(loc: &Location, timeout: Duration) -> Result<(String, CommitSummar
             ))
         })?;
     loc.remove(&marker_rel(&save_id, "COMMITTED"))?;
-    let summary = merge(loc, &save_id, world_size, timeout, &Freshness::from_now())?;
+    let summary = merge(loc, &save_id, world_size, timeout, &Freshness::any_part())?;
     Ok((save_id, summary))
 }
 
@@ -270,8 +270,12 @@ fn commit_unguarded(
 ) -> Result<CommitSummary> {
     use rayon::prelude::*;
 
-    let parts = collect_parts(loc, save_id, world_size, timeout, fresh)?;
-    let global = validate::build_global(&parts)?;
+    // Each part is folded into the index as it is read, then dropped.
+    let fold = validate::Fold::default();
+    let parts = collect_parts(loc, save_id, world_size, timeout, fresh, &|p, items| {
+        fold.add_part(p, items)
+    })?;
+    let global = fold.finish(&parts)?;
     // A data file may have been rewritten while the merger waited for the last part.
     let any = Freshness {
         since_ns: None,
@@ -298,12 +302,12 @@ fn commit_unguarded(
         }
         None => None,
     };
-    let meta = emit_metadata(&global);
-    let integrity = integrity_manifest(&parts, &meta, megatron)?;
-    let sums = rmp_serde::to_vec(&validate::checksums(save_id, &parts))
-        .map_err(|e| Error::InvalidArgument(format!("cannot encode checksums: {e}")))?;
-    loc.write(&marker_rel(save_id, CHECKSUMS_FILE), sums)?;
+    // The sidecar is written, and dropped, before `.metadata` is pickled: at scale each is ~1 GB.
+    loc.write(&marker_rel(save_id, CHECKSUMS_FILE), global.checksums(save_id)?)?;
+    let meta = emit_metadata_from(&global);
     let record = commit_record(save_id, &parts, &global, &meta, common_digest, megatron);
+    drop(global);
+    let integrity = integrity_manifest(&parts, &meta, megatron)?;
     let record_bytes = serde_json::to_vec(&record)
         .map_err(|e| Error::InvalidArgument(format!("cannot encode the commit record: {e}")))?;
     let committed_rel = marker_rel(save_id, "COMMITTED");
@@ -375,22 +379,19 @@ fn write_integrity(loc: &Location, manifest: Option<Vec<u8>>) -> Result<()> {
 fn commit_record(
     save_id: &str,
     parts: &[RankPart],
-    global: &std::collections::BTreeMap<String, Entry>,
+    global: &validate::Global,
     meta: &[u8],
     common: Option<Digest>,
     megatron: bool,
 ) -> CommitRecord {
+    let (tensor_chunks, byte_objects) = global.counts();
     let mut summary = CommitSummary {
-        keys: global.len(),
+        keys: global.keys(),
+        tensor_chunks,
+        byte_objects,
         metadata_bytes: meta.len() as u64,
         ..Default::default()
     };
-    for e in global.values() {
-        match e {
-            Entry::Tensor { chunks, .. } => summary.tensor_chunks += chunks.len(),
-            Entry::Bytes { .. } => summary.byte_objects += 1,
-        }
-    }
     let files: Vec<(String, u64)> = parts
         .iter()
         .flat_map(|p| p.files.iter())

@@ -82,6 +82,9 @@ pub struct RankPart {
     pub megatron: bool,
     /// Wall-clock time of publication, ns since the Unix epoch (the publisher's clock).
     pub published_at_ns: u64,
+    /// The publishing process ([`publisher`]): tells a rank's own earlier attempt from a second
+    /// process saving as the same rank.
+    pub publisher: String,
     pub files: Vec<FileRecord>,
     pub tensors: Vec<TensorRecord>,
     pub objects: Vec<ObjectRecord>,
@@ -94,6 +97,18 @@ pub fn now_ns() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos() as u64)
+}
+
+/// This process as a part records it: `host:pid:start` (start in ns since the epoch), unique
+/// among the processes of a cluster.
+pub fn publisher() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    format!(
+        "{}:{}:{}",
+        host.trim(),
+        std::process::id(),
+        super::wait::process_start_ns()
+    )
 }
 
 /// `.shardwise/<save_id>`, relative to the checkpoint.
@@ -161,8 +176,15 @@ pub fn write_part(loc: &Location, part: &RankPart) -> Result<String> {
 ///
 /// Errors: [`Error::Corrupt`] on a bad magic, CRC, encoding or format version.
 pub fn decode_part(bytes: &[u8], path: std::path::PathBuf) -> Result<RankPart> {
+    let part: RankPart = decode_body(bytes, &path)?;
+    check_format(part.format, &path)?;
+    Ok(part)
+}
+
+/// The MessagePack body of a part file after its magic and CRC check, decoded as `T`.
+fn decode_body<'a, T: Deserialize<'a>>(bytes: &'a [u8], path: &std::path::Path) -> Result<T> {
     let corrupt = |reason: String| Error::Corrupt {
-        path: path.clone(),
+        path: path.to_path_buf(),
         reason,
     };
     if bytes.len() < 12 || &bytes[..8] != MAGIC {
@@ -177,27 +199,197 @@ pub fn decode_part(bytes: &[u8], path: std::path::PathBuf) -> Result<RankPart> {
     if crc32fast::hash(&bytes[12..]) != crc {
         return Err(corrupt("CRC mismatch".into()));
     }
-    let part: RankPart =
-        rmp_serde::from_slice(&bytes[12..]).map_err(|e| corrupt(format!("undecodable: {e}")))?;
-    if part.format != PART_FORMAT {
-        return Err(corrupt(format!(
-            "part format {} is not {PART_FORMAT}",
-            part.format
-        )));
+    rmp_serde::from_slice(&bytes[12..]).map_err(|e| corrupt(format!("undecodable: {e}")))
+}
+
+fn check_format(format: u32, path: &std::path::Path) -> Result<()> {
+    if format != PART_FORMAT {
+        return Err(Error::Corrupt {
+            path: path.to_path_buf(),
+            reason: format!("part format {format} is not {PART_FORMAT}"),
+        });
     }
-    Ok(part)
+    Ok(())
+}
+
+/// A part decoded for a merge: its items borrow their strings from the part file's bytes and
+/// keep up to four dimensions inline, so that decoding millions of chunks allocates per part,
+/// not per chunk. The same MessagePack as [`RankPart`], field for field.
+#[derive(Deserialize)]
+pub struct PartView<'a> {
+    format: u32,
+    save_id: String,
+    rank: u32,
+    world_size: u32,
+    megatron: bool,
+    published_at_ns: u64,
+    publisher: String,
+    files: Vec<FileRecord>,
+    #[serde(borrow)]
+    tensors: Vec<TensorView<'a>>,
+    #[serde(borrow)]
+    objects: Vec<ObjectView<'a>>,
+    common: Option<FileRecord>,
+}
+
+/// [`TensorRecord`] borrowed from a part file's bytes.
+#[derive(Debug, Deserialize)]
+pub struct TensorView<'a> {
+    pub fqn: &'a str,
+    pub dtype: &'a str,
+    pub global_shape: Dims,
+    pub offsets: Dims,
+    pub sizes: Dims,
+    pub file: u32,
+    pub offset: u64,
+    pub length: u64,
+    pub crc32: u32,
+}
+
+/// [`ObjectRecord`] borrowed from a part file's bytes.
+#[derive(Debug, Deserialize)]
+pub struct ObjectView<'a> {
+    pub fqn: &'a str,
+    pub shard: Option<ObjectShard>,
+    pub file: u32,
+    pub offset: u64,
+    pub length: u64,
+    pub crc32: u32,
+}
+
+impl<'a> From<&'a TensorRecord> for TensorView<'a> {
+    fn from(t: &'a TensorRecord) -> Self {
+        TensorView {
+            fqn: &t.fqn,
+            dtype: &t.dtype,
+            global_shape: Dims::from(&t.global_shape[..]),
+            offsets: Dims::from(&t.offsets[..]),
+            sizes: Dims::from(&t.sizes[..]),
+            file: t.file,
+            offset: t.offset,
+            length: t.length,
+            crc32: t.crc32,
+        }
+    }
+}
+
+impl<'a> From<&'a ObjectRecord> for ObjectView<'a> {
+    fn from(o: &'a ObjectRecord) -> Self {
+        ObjectView {
+            fqn: &o.fqn,
+            shard: o.shard.clone(),
+            file: o.file,
+            offset: o.offset,
+            length: o.length,
+            crc32: o.crc32,
+        }
+    }
+}
+
+/// The items of a part, as a merge folds them.
+pub type PartItems<'a> = (Vec<TensorView<'a>>, Vec<ObjectView<'a>>);
+
+/// Decodes a part file's bytes for a merge: the part without its items (`tensors` and `objects`
+/// empty), and its items borrowed from `bytes`.
+///
+/// Errors: as [`decode_part`].
+pub fn decode_part_items(bytes: &[u8], path: std::path::PathBuf) -> Result<(RankPart, PartItems<'_>)> {
+    let v: PartView = decode_body(bytes, &path)?;
+    check_format(v.format, &path)?;
+    let header = RankPart {
+        format: v.format,
+        save_id: v.save_id,
+        rank: v.rank,
+        world_size: v.world_size,
+        megatron: v.megatron,
+        published_at_ns: v.published_at_ns,
+        publisher: v.publisher,
+        files: v.files,
+        tensors: Vec::new(),
+        objects: Vec::new(),
+        common: v.common,
+    };
+    Ok((header, (v.tensors, v.objects)))
+}
+
+/// A shape, offsets or sizes: up to four dimensions inline, more on the heap.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Dims {
+    Inline(u8, [u64; 4]),
+    Heap(Vec<u64>),
+}
+
+impl std::ops::Deref for Dims {
+    type Target = [u64];
+    fn deref(&self) -> &[u64] {
+        match self {
+            Dims::Inline(n, a) => &a[..*n as usize],
+            Dims::Heap(v) => v,
+        }
+    }
+}
+
+impl From<&[u64]> for Dims {
+    fn from(d: &[u64]) -> Self {
+        if d.len() <= 4 {
+            let mut a = [0; 4];
+            a[..d.len()].copy_from_slice(d);
+            Dims::Inline(d.len() as u8, a)
+        } else {
+            Dims::Heap(d.to_vec())
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Dims {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        struct Visit;
+        impl<'de> serde::de::Visitor<'de> for Visit {
+            type Value = Dims;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a list of dimensions")
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> std::result::Result<Dims, A::Error> {
+                let mut a = [0u64; 4];
+                let mut n = 0;
+                while let Some(x) = seq.next_element::<u64>()? {
+                    if n == a.len() {
+                        let mut v = a.to_vec();
+                        v.push(x);
+                        while let Some(x) = seq.next_element::<u64>()? {
+                            v.push(x);
+                        }
+                        return Ok(Dims::Heap(v));
+                    }
+                    a[n] = x;
+                    n += 1;
+                }
+                Ok(Dims::Inline(n as u8, a))
+            }
+        }
+        d.deserialize_seq(Visit)
+    }
 }
 
 /// Reads and checks one part file (`rel` inside the checkpoint).
 ///
 /// Errors: as [`decode_part`]; [`Error::Io`]/[`Error::Remote`] if unreadable or gone.
 pub fn read_part(loc: &Location, rel: &str) -> Result<RankPart> {
-    let bytes = loc.read(rel)?.ok_or_else(|| Error::Io {
+    decode_part(&read_part_bytes(loc, rel)?, loc.path_of(rel))
+}
+
+/// The bytes of one part file (`rel` inside the checkpoint).
+///
+/// Errors: [`Error::Io`]/[`Error::Remote`] if unreadable or gone.
+pub fn read_part_bytes(loc: &Location, rel: &str) -> Result<Vec<u8>> {
+    loc.read(rel)?.ok_or_else(|| Error::Io {
         op: "read",
         path: loc.path_of(rel),
         source: std::io::ErrorKind::NotFound.into(),
-    })?;
-    decode_part(&bytes, loc.path_of(rel))
+    })
 }
 
 /// The part files published for `save_id` (one listing), as `(rank, file)`, any rank number.
@@ -256,6 +448,7 @@ mod tests {
             world_size: 4,
             megatron: true,
             published_at_ns: 7,
+            publisher: "h:1:2".into(),
             files: vec![FileRecord {
                 name: "__3_0.distcp".into(),
                 size: 10,
@@ -284,6 +477,61 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("older shardwise"));
+    }
+
+    #[test]
+    fn a_part_decodes_the_same_for_a_merge() {
+        let mut p = part();
+        p.tensors.push(TensorRecord {
+            fqn: "w".into(),
+            dtype: "torch.float32".into(),
+            global_shape: vec![8, 4, 2, 2, 2],
+            offsets: vec![4, 0],
+            sizes: vec![4, 4],
+            file: 0,
+            offset: 10,
+            length: 20,
+            crc32: 30,
+        });
+        p.objects.push(ObjectRecord {
+            fqn: "o".into(),
+            shard: None,
+            file: 0,
+            offset: 1,
+            length: 2,
+            crc32: 3,
+        });
+        let bytes = encode_part(&p).unwrap();
+        let (header, (tensors, objects)) = decode_part_items(&bytes, "p".into()).unwrap();
+        let back = RankPart {
+            tensors: tensors
+                .iter()
+                .map(|t| TensorRecord {
+                    fqn: t.fqn.into(),
+                    dtype: t.dtype.into(),
+                    global_shape: t.global_shape.to_vec(),
+                    offsets: t.offsets.to_vec(),
+                    sizes: t.sizes.to_vec(),
+                    file: t.file,
+                    offset: t.offset,
+                    length: t.length,
+                    crc32: t.crc32,
+                })
+                .collect(),
+            objects: objects
+                .iter()
+                .map(|o| ObjectRecord {
+                    fqn: o.fqn.into(),
+                    shard: o.shard.clone(),
+                    file: o.file,
+                    offset: o.offset,
+                    length: o.length,
+                    crc32: o.crc32,
+                })
+                .collect(),
+            ..header
+        };
+        assert_eq!(back, p);
     }
 
     #[test]

@@ -24,7 +24,7 @@ use super::part::{
 };
 use super::wait::{stale_reason, Freshness};
 use super::CommitSummary;
-use crate::error::{fmt_ranks, Result};
+use crate::error::Result;
 use crate::format::metadata::Entry;
 use crate::storage::Location;
 
@@ -267,11 +267,9 @@ pub enum SaveState {
     /// The merger gave up; `mergeable` when every rank's part is now present and its data files
     /// are unchanged, so `shardwise merge` would commit.
     Failed { reason: String, mergeable: bool },
-    /// Waiting for parts; `missing` ranks have none, `stale` parts describe files that changed.
-    Incomplete {
-        missing: Vec<u32>,
-        stale: Vec<(u32, String)>,
-    },
+    /// Waiting for parts (see [`crate::commit::wait::missing_ranks`]); `stale` parts describe
+    /// files that changed since they were published.
+    Incomplete { stale: Vec<(u32, String)> },
 }
 
 impl SaveState {
@@ -293,11 +291,8 @@ impl SaveState {
                     format!("failed: {reason}")
                 }
             }
-            SaveState::Incomplete { missing, stale } => {
+            SaveState::Incomplete { stale } => {
                 let mut s = "not committed".to_string();
-                if !missing.is_empty() {
-                    s += &format!("; no part from ranks [{}]", fmt_ranks(missing));
-                }
                 for (r, why) in stale {
                     s += &format!("; rank {r}: {why}");
                 }
@@ -350,9 +345,6 @@ pub fn save_state(loc: &Location, save_id: &str, world_size: u32) -> Result<Save
             Some(why) => stale.push((r, why)),
         }
     }
-    let missing: Vec<u32> = (0..world_size)
-        .filter(|&r| !present[r as usize] && !stale.iter().any(|(s, _)| *s == r))
-        .collect();
     let complete = world_size > 0 && present.iter().all(|&p| p);
     if let Some(f) = read_failed(loc, save_id) {
         return Ok(SaveState::Failed {
@@ -360,7 +352,7 @@ pub fn save_state(loc: &Location, save_id: &str, world_size: u32) -> Result<Save
             mergeable: complete,
         });
     }
-    Ok(SaveState::Incomplete { missing, stale })
+    Ok(SaveState::Incomplete { stale })
 }
 
 /// Data files (`__<rank>_<n>.distcp`) in `loc` that no committed record and no part names: what

@@ -1,146 +1,388 @@
 //! Pure validation of a save's parts: the checks of DCP's `_validate_global_plan` and Megatron's
 //! `validate_sharding_integrity` (bounds, overlaps, coverage, dtype/shape agreement, ShardedObject
 //! completeness), done on the parts alone, without storage or a collective.
+//!
+//! A merge folds each part into a [`Fold`] as soon as it is read and drops it: keys are interned
+//! once, and a chunk is kept as its dimensions and where its item is (no strings), so a save of
+//! millions of chunks merges in a bounded, compact index. [`Fold::finish`] runs the checks that need
+//! every part and gives the [`Global`] index, from which `.metadata` and the checksum sidecar are
+//! written.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
+use std::sync::Mutex;
 
 use rayon::prelude::*;
+use serde::ser::{SerializeSeq, SerializeStruct};
+use serde::Serialize;
 
-use super::part::{ObjectRecord, RankPart};
-use super::{Checksums, ItemChecksum};
+use super::part::{ObjectShard, ObjectView, PartItems, RankPart, TensorView};
 use crate::error::{Error, Result};
 use crate::format::dtype::DType;
-use crate::format::metadata::{check_layout, volume, Chunk, Entry, StorageInfo};
+use crate::format::metadata::{check_bounds, check_layout_boxes, volume, MetadataSource};
 
-/// Validates the parts and builds the global entries; the checks of DCP's
-/// `_validate_global_plan` and Megatron's `validate_sharding_integrity`, done without a collective.
-///
-/// Errors: [`Error::Validation`] naming keys and ranks.
-pub fn build_global(parts: &[RankPart]) -> Result<BTreeMap<String, Entry>> {
-    struct Agg {
-        dtype: String,
-        shape: Vec<u64>,
+/// Where one item is: its rank, the index of its file in that rank's part, the byte offset and
+/// length of its archive, and its CRC-32.
+#[derive(Clone, Copy, Debug)]
+struct Item {
+    rank: u32,
+    file: u32,
+    offset: u64,
+    length: u64,
+    crc32: u32,
+}
+
+enum Kind {
+    Tensor {
+        dtype: DType,
+        dtype_name: Box<str>,
+        shape: Box<[u64]>,
         first_rank: u32,
-        chunks: Vec<(u32, Chunk)>,
-    }
-    let megatron = parts.first().map(|p| p.megatron).unwrap_or(false);
-    if let Some(p) = parts.iter().find(|p| p.megatron != megatron) {
-        return Err(Error::Validation(format!(
-            "rank {} disagrees with rank 0 on the Megatron layout flag",
-            p.rank
-        )));
-    }
-    if megatron && !parts.iter().any(|p| p.common.is_some()) {
-        return Err(Error::Validation(
-            "no rank wrote common.pt (Megatron loaders require it)".into(),
-        ));
-    }
+        /// Per chunk, its offsets then its sizes (`2 * shape.len()` values).
+        dims: Vec<u64>,
+        items: Vec<Item>,
+    },
+    Object {
+        item: Item,
+        shard: Option<ObjectShard>,
+    },
+}
 
-    let mut tensors: HashMap<&str, Agg> = HashMap::new();
-    let mut objects: HashMap<&str, (u32, &ObjectRecord, StorageInfo)> = HashMap::new();
-    for p in parts {
-        let file_name = |i: u32| -> Result<&str> {
-            p.files
-                .get(i as usize)
-                .map(|f| f.name.as_str())
-                .ok_or_else(|| {
-                    Error::Validation(format!(
-                        "rank {}: item refers to file #{i}, which the part does not list",
-                        p.rank
-                    ))
-                })
+struct Key {
+    fqn: Box<str>,
+    kind: Kind,
+}
+
+#[derive(Default)]
+struct Index {
+    ids: HashMap<Box<str>, u32>,
+    keys: Vec<Key>,
+}
+
+/// The parts of a save folded as they are read; [`Fold::add_part`] may be called from several
+/// threads at once, in any rank order.
+#[derive(Default)]
+pub struct Fold(Mutex<Index>);
+
+impl Fold {
+    /// Folds the items of `part` (a part without its items, as [`super::part::decode_part_items`]
+    /// gives it). The checks that need only this part and the keys seen so far run here.
+    ///
+    /// Errors: [`Error::Validation`] naming keys and ranks (an item whose file the part does not
+    /// list, an unknown dtype, a dtype or global shape another rank disagrees with, a chunk
+    /// outside its global shape, a byte object saved twice, a key both tensor and object).
+    pub fn add_part(&self, part: &RankPart, (tensors, objects): PartItems<'_>) -> Result<()> {
+        let rank = part.rank;
+        let file = |i: u32| -> Result<u32> {
+            if (i as usize) < part.files.len() {
+                Ok(i)
+            } else {
+                Err(Error::Validation(format!(
+                    "rank {rank}: item refers to file #{i}, which the part does not list"
+                )))
+            }
         };
-        for t in &p.tensors {
-            DType::from_torch_name(&t.dtype)?;
-            let storage = StorageInfo {
-                relative_path: file_name(t.file)?.to_string(),
+        let mut index = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        for t in &tensors {
+            let item = Item {
+                rank,
+                file: file(t.file)?,
                 offset: t.offset,
                 length: t.length,
+                crc32: t.crc32,
             };
-            let agg = tensors.entry(t.fqn.as_str()).or_insert_with(|| Agg {
-                dtype: t.dtype.clone(),
-                shape: t.global_shape.clone(),
-                first_rank: p.rank,
-                chunks: Vec::new(),
-            });
-            if agg.dtype != t.dtype || agg.shape != t.global_shape {
-                return Err(Error::Validation(format!(
-                    "key {}: rank {} saves it as {} {:?}, rank {} as {} {:?}",
-                    t.fqn, agg.first_rank, agg.dtype, agg.shape, p.rank, t.dtype, t.global_shape
-                )));
-            }
-            agg.chunks.push((
-                p.rank,
-                Chunk {
-                    offsets: t.offsets.clone(),
-                    sizes: t.sizes.clone(),
-                    storage,
-                },
-            ));
+            index.add_tensor(rank, t, item)?;
         }
-        for o in &p.objects {
-            let storage = StorageInfo {
-                relative_path: file_name(o.file)?.to_string(),
+        for o in objects {
+            let item = Item {
+                rank,
+                file: file(o.file)?,
                 offset: o.offset,
                 length: o.length,
+                crc32: o.crc32,
             };
-            if let Some((other, _, _)) = objects.get(o.fqn.as_str()) {
-                return Err(Error::Validation(format!(
-                    "byte object {} is written by ranks {other} and {}; exactly one main replica may save it",
-                    o.fqn, p.rank
-                )));
+            index.add_object(o, item)?;
+        }
+        Ok(())
+    }
+
+    /// Runs the checks that need every part (bounds, overlaps and coverage per key, ShardedObject
+    /// completeness, agreement on the Megatron flag, `common.pt`) and gives the global index, keys
+    /// sorted, each key's chunks in rank order (within a rank, in its part's order). `parts` are
+    /// the folded parts (their items are not read).
+    ///
+    /// Errors: [`Error::Validation`] naming keys and ranks.
+    pub fn finish(self, parts: &[RankPart]) -> Result<Global> {
+        let megatron = parts.first().map(|p| p.megatron).unwrap_or(false);
+        if let Some(p) = parts.iter().find(|p| p.megatron != megatron) {
+            return Err(Error::Validation(format!(
+                "rank {} disagrees with rank 0 on the Megatron layout flag",
+                p.rank
+            )));
+        }
+        if megatron && !parts.iter().any(|p| p.common.is_some()) {
+            return Err(Error::Validation(
+                "no rank wrote common.pt (Megatron loaders require it)".into(),
+            ));
+        }
+        let mut keys = self.0.into_inner().unwrap_or_else(|e| e.into_inner()).keys;
+        keys.par_sort_unstable_by(|a, b| a.fqn.cmp(&b.fqn));
+        // Tensors: rank order, then bounds, overlaps and coverage, per key in parallel.
+        keys.par_iter_mut().try_for_each(|k| match &mut k.kind {
+            Kind::Tensor {
+                shape, dims, items, ..
+            } => {
+                let n = 2 * shape.len();
+                if !items.windows(2).all(|w| w[0].rank <= w[1].rank) {
+                    let mut order: Vec<usize> = (0..items.len()).collect();
+                    order.sort_by_key(|&i| items[i].rank);
+                    *dims = order
+                        .iter()
+                        .flat_map(|&i| dims[i * n..(i + 1) * n].iter().copied())
+                        .collect();
+                    *items = order.iter().map(|&i| items[i]).collect();
+                }
+                let half = shape.len();
+                check_layout_boxes(
+                    &k.fqn,
+                    shape,
+                    items.len(),
+                    &|i| (&dims[i * n..i * n + half], &dims[i * n + half..(i + 1) * n]),
+                    &|i| format!("rank {}", items[i].rank),
+                )
+                .map_err(Error::Validation)
             }
-            if tensors.contains_key(o.fqn.as_str()) {
-                return Err(Error::Validation(format!(
-                    "key {} is both a tensor and a byte object",
-                    o.fqn
-                )));
+            Kind::Object { .. } => Ok(()),
+        })?;
+        check_sharded_objects(keys.iter().filter_map(|k| match &k.kind {
+            Kind::Object {
+                item,
+                shard: Some(s),
+            } => Some((item.rank, s)),
+            _ => None,
+        }))?;
+        let mut files: Vec<Vec<String>> = Vec::new();
+        for p in parts {
+            let r = p.rank as usize;
+            if files.len() <= r {
+                files.resize(r + 1, Vec::new());
             }
-            objects.insert(o.fqn.as_str(), (p.rank, o, storage));
+            files[r] = p.files.iter().map(|f| f.name.clone()).collect();
+        }
+        Ok(Global { keys, files })
+    }
+}
+
+impl Index {
+    fn id(&mut self, fqn: &str, new: impl FnOnce() -> Kind) -> (u32, bool) {
+        if let Some(&id) = self.ids.get(fqn) {
+            return (id, false);
+        }
+        let id = self.keys.len() as u32;
+        self.ids.insert(fqn.into(), id);
+        self.keys.push(Key {
+            fqn: fqn.into(),
+            kind: new(),
+        });
+        (id, true)
+    }
+
+    fn add_tensor(&mut self, rank: u32, t: &TensorView, item: Item) -> Result<()> {
+        let dtype = match self.ids.get(t.fqn).map(|&id| &self.keys[id as usize].kind) {
+            Some(Kind::Tensor { dtype_name, dtype, .. }) if **dtype_name == *t.dtype => *dtype,
+            _ => DType::from_torch_name(t.dtype)?,
+        };
+        let (id, _) = self.id(t.fqn, || Kind::Tensor {
+            dtype,
+            dtype_name: t.dtype.into(),
+            shape: t.global_shape.to_vec().into(),
+            first_rank: rank,
+            dims: Vec::new(),
+            items: Vec::new(),
+        });
+        let key = &mut self.keys[id as usize];
+        let Kind::Tensor {
+            dtype_name,
+            shape,
+            first_rank,
+            dims,
+            items,
+            ..
+        } = &mut key.kind
+        else {
+            return Err(Error::Validation(format!(
+                "key {} is both a tensor and a byte object",
+                t.fqn
+            )));
+        };
+        if **dtype_name != *t.dtype || **shape != *t.global_shape {
+            return Err(Error::Validation(format!(
+                "key {}: rank {} saves it as {} {:?}, rank {} as {} {:?}",
+                t.fqn, first_rank, dtype_name, shape, rank, t.dtype, &*t.global_shape
+            )));
+        }
+        // Bounds now: the chunks of a key are stored with the key's number of dimensions.
+        check_bounds(&key.fqn, shape, &t.offsets, &t.sizes, &|| format!("rank {rank}"))
+            .map_err(Error::Validation)?;
+        dims.extend_from_slice(&t.offsets);
+        dims.extend_from_slice(&t.sizes);
+        items.push(item);
+        Ok(())
+    }
+
+    fn add_object(&mut self, o: ObjectView, item: Item) -> Result<()> {
+        let (id, new) = self.id(o.fqn, || Kind::Object {
+            item,
+            shard: o.shard.clone(),
+        });
+        if new {
+            return Ok(());
+        }
+        match &self.keys[id as usize].kind {
+            Kind::Object { item: other, .. } => Err(Error::Validation(format!(
+                "byte object {} is written by ranks {} and {}; exactly one main replica may save it",
+                o.fqn, other.rank, item.rank
+            ))),
+            Kind::Tensor { .. } => Err(Error::Validation(format!(
+                "key {} is both a tensor and a byte object",
+                o.fqn
+            ))),
         }
     }
-    if let Some(k) = objects.keys().find(|k| tensors.contains_key(*k)) {
-        return Err(Error::Validation(format!(
-            "key {k} is both a tensor and a byte object"
-        )));
+}
+
+/// The global index of a save, validated: what `.metadata` and the checksum sidecar are written
+/// from ([`MetadataSource`], [`Global::checksums`]).
+pub struct Global {
+    keys: Vec<Key>,
+    /// File names of each rank's part, by rank.
+    files: Vec<Vec<String>>,
+}
+
+impl Global {
+    /// Number of tensor chunks and of byte objects.
+    pub fn counts(&self) -> (usize, usize) {
+        self.keys.iter().fold((0, 0), |(t, o), k| match &k.kind {
+            Kind::Tensor { items, .. } => (t + items.len(), o),
+            Kind::Object { .. } => (t, o + 1),
+        })
     }
 
-    // Tensors: bounds, overlaps and coverage, per key in parallel.
-    let mut checked: Vec<(String, Entry)> = tensors
-        .into_par_iter()
-        .map(|(fqn, agg)| {
-            let refs: Vec<&Chunk> = agg.chunks.iter().map(|(_, c)| c).collect();
-            check_layout(fqn, &agg.shape, &refs, &|i| {
-                format!("rank {}", agg.chunks[i].0)
-            })
-            .map_err(Error::Validation)?;
-            let dtype = DType::from_torch_name(&agg.dtype)?;
-            let chunks = agg.chunks.into_iter().map(|(_, c)| c).collect();
-            Ok((
-                fqn.to_string(),
-                Entry::Tensor {
-                    dtype,
-                    global_shape: agg.shape,
-                    chunks,
-                },
-            ))
-        })
-        .collect::<Result<_>>()?;
+    fn item(&self, key: usize, chunk: usize) -> &Item {
+        match &self.keys[key].kind {
+            Kind::Tensor { items, .. } => &items[chunk],
+            Kind::Object { item, .. } => item,
+        }
+    }
 
-    check_sharded_objects(objects.values().map(|(r, o, _)| (*r, *o)))?;
-    checked.extend(
-        objects
-            .into_iter()
-            .map(|(k, (_, _, storage))| (k.to_string(), Entry::Bytes { storage })),
-    );
-    Ok(checked.into_iter().collect())
+    /// The checksum sidecar ([`super::Checksums`], MessagePack), keys in sorted order.
+    ///
+    /// Errors: [`Error::InvalidArgument`] if it cannot be encoded.
+    pub fn checksums(&self, save_id: &str) -> Result<Vec<u8>> {
+        rmp_serde::to_vec(&Sidecar { save_id, g: self })
+            .map_err(|e| Error::InvalidArgument(format!("cannot encode checksums: {e}")))
+    }
+}
+
+impl MetadataSource for Global {
+    fn keys(&self) -> usize {
+        self.keys.len()
+    }
+    fn fqn(&self, key: usize) -> &str {
+        &self.keys[key].fqn
+    }
+    fn tensor(&self, key: usize) -> Option<(DType, &[u64], usize)> {
+        match &self.keys[key].kind {
+            Kind::Tensor {
+                dtype,
+                shape,
+                items,
+                ..
+            } => Some((*dtype, shape, items.len())),
+            Kind::Object { .. } => None,
+        }
+    }
+    fn chunk(&self, key: usize, chunk: usize) -> (&[u64], &[u64]) {
+        match &self.keys[key].kind {
+            Kind::Tensor { shape, dims, .. } => {
+                let n = shape.len();
+                let d = &dims[chunk * 2 * n..(chunk + 1) * 2 * n];
+                (&d[..n], &d[n..])
+            }
+            Kind::Object { .. } => (&[], &[]),
+        }
+    }
+    fn storage(&self, key: usize, chunk: usize) -> (&str, u64, u64) {
+        let i = self.item(key, chunk);
+        (&self.files[i.rank as usize][i.file as usize], i.offset, i.length)
+    }
+}
+
+/// Serialises as [`super::Checksums`] does (field for field), from the index.
+struct Sidecar<'a> {
+    save_id: &'a str,
+    g: &'a Global,
+}
+
+impl Serialize for Sidecar<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        struct Items<'a>(&'a Global);
+        #[derive(Serialize)]
+        struct ItemRef<'a> {
+            fqn: &'a str,
+            offsets: Option<&'a [u64]>,
+            relative_path: &'a str,
+            offset: u64,
+            length: u64,
+            crc32: u32,
+        }
+        impl Serialize for Items<'_> {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+                let g = self.0;
+                let (t, o) = g.counts();
+                let mut seq = s.serialize_seq(Some(t + o))?;
+                for k in 0..g.keys.len() {
+                    let chunks = g.tensor(k).map(|(_, _, n)| n);
+                    for c in 0..chunks.unwrap_or(1) {
+                        let (relative_path, offset, length) = g.storage(k, c);
+                        seq.serialize_element(&ItemRef {
+                            fqn: g.fqn(k),
+                            offsets: chunks.map(|_| g.chunk(k, c).0),
+                            relative_path,
+                            offset,
+                            length,
+                            crc32: g.item(k, c).crc32,
+                        })?;
+                    }
+                }
+                seq.end()
+            }
+        }
+        let mut st = s.serialize_struct("Checksums", 2)?;
+        st.serialize_field("save_id", self.save_id)?;
+        st.serialize_field("items", &Items(self.g))?;
+        st.end()
+    }
+}
+
+/// Validates whole parts and builds their global index ([`Fold`] over parts held in memory).
+///
+/// Errors: as [`Fold::add_part`] and [`Fold::finish`].
+pub fn build_global(parts: &[RankPart]) -> Result<Global> {
+    let fold = Fold::default();
+    for p in parts {
+        let items = (
+            p.tensors.iter().map(TensorView::from).collect(),
+            p.objects.iter().map(ObjectView::from).collect(),
+        );
+        fold.add_part(p, items)?;
+    }
+    fold.finish(parts)
 }
 
 /// Every ShardedObject key must be saved at every offset of its global shape, exactly once.
-fn check_sharded_objects<'a>(objects: impl Iterator<Item = (u32, &'a ObjectRecord)>) -> Result<()> {
+fn check_sharded_objects<'a>(objects: impl Iterator<Item = (u32, &'a ObjectShard)>) -> Result<()> {
     let mut by_key: HashMap<&str, (Vec<u64>, Vec<Vec<u64>>)> = HashMap::new();
-    for (rank, o) in objects {
-        let Some(s) = &o.shard else { continue };
+    for (rank, s) in objects {
         let e = by_key
             .entry(s.key.as_str())
             .or_insert_with(|| (s.global_shape.clone(), Vec::new()));
@@ -179,43 +421,6 @@ fn check_sharded_objects<'a>(objects: impl Iterator<Item = (u32, &'a ObjectRecor
     Ok(())
 }
 
-pub fn checksums(save_id: &str, parts: &[RankPart]) -> Checksums {
-    let mut items = Vec::new();
-    for p in parts {
-        let name = |i: u32| {
-            p.files
-                .get(i as usize)
-                .map(|f| f.name.clone())
-                .unwrap_or_default()
-        };
-        for t in &p.tensors {
-            items.push(ItemChecksum {
-                fqn: t.fqn.clone(),
-                offsets: Some(t.offsets.clone()),
-                relative_path: name(t.file),
-                offset: t.offset,
-                length: t.length,
-                crc32: t.crc32,
-            });
-        }
-        for o in &p.objects {
-            items.push(ItemChecksum {
-                fqn: o.fqn.clone(),
-                offsets: None,
-                relative_path: name(o.file),
-                offset: o.offset,
-                length: o.length,
-                crc32: o.crc32,
-            });
-        }
-    }
-    Checksums {
-        save_id: save_id.to_string(),
-        items,
-    }
-}
-
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -229,6 +434,7 @@ mod tests {
             world_size: 2,
             megatron: false,
             published_at_ns: 1,
+            publisher: String::new(),
             files: vec![FileRecord {
                 name: format!("__{rank}_0.distcp"),
                 size: 100,
@@ -257,10 +463,8 @@ mod tests {
     #[test]
     fn a_complete_layout_merges() {
         let g = build_global(&[part(0, &[("w", 0, 2)]), part(1, &[("w", 2, 2)])]).unwrap();
-        match &g["w"] {
-            Entry::Tensor { chunks, .. } => assert_eq!(chunks.len(), 2),
-            _ => panic!("not a tensor"),
-        }
+        assert_eq!(g.counts(), (2, 0));
+        assert_eq!(g.tensor(0).map(|(_, shape, n)| (shape.to_vec(), n)), Some((vec![4], 2)));
     }
 
     #[test]

@@ -12,7 +12,8 @@ use std::time::{Duration, Instant};
 use rayon::prelude::*;
 
 use super::part::{
-    listed_parts, part_rel, read_failed, read_part, RankPart, COMMON_FILE,
+    decode_part_items, listed_parts, part_rel, read_failed, read_part_bytes, PartItems, RankPart,
+    COMMON_FILE,
 };
 use super::state::read_commit_record;
 use crate::error::{fmt_ranks, Error, Result};
@@ -99,11 +100,14 @@ impl Freshness {
         }
     }
 
-    /// For an explicit save id or a `shardwise merge`: any part counts, `FAILED` from now on.
-    pub fn from_now() -> Self {
+    /// For an explicit save id or a `shardwise merge`: any part counts (checked against its
+    /// files), and `FAILED` markers written since this process started. (A `FAILED` left by an
+    /// earlier attempt of the same explicit id in this same process can end a wait early: give
+    /// every attempt its own id.)
+    pub fn any_part() -> Self {
         Freshness {
             since_ns: None,
-            failed_since_ns: super::part::now_ns(),
+            failed_since_ns: process_start_ns(),
         }
     }
 
@@ -192,19 +196,22 @@ pub(super) fn stale_reason(loc: &Location, p: &RankPart, fresh: &Freshness) -> R
 }
 
 /// Waits up to `timeout` for a current part of every rank in `0..world_size` and reads them. Parts
-/// are read as they arrive, so a `world_size` or save-id disagreement fails at once instead of at
-/// the timeout. A stale part (see [`stale_reason`]) is ignored and waited past: its rank may still
-/// publish a current one.
+/// are read as they arrive, in parallel, so a `world_size` or save-id disagreement fails at once
+/// instead of at the timeout. A stale part (see [`stale_reason`]) is ignored and waited past: its
+/// rank may still publish a current one. Each current part's items are handed to `fold` as soon as
+/// it is read (from several threads, in any rank order) and dropped; the parts are returned
+/// without their items, in rank order.
 ///
 /// Errors: [`Error::MissingRanks`] at the timeout (naming stale parts too); [`Error::Validation`]
-/// when a current part disagrees on `world_size`; [`Error::Corrupt`]/[`Error::Io`] for unreadable
-/// parts; [`Error::Interrupted`].
+/// when a current part disagrees on `world_size` or lies under another rank's or save's name;
+/// [`Error::Corrupt`]/[`Error::Io`] for unreadable parts; `fold`'s errors; [`Error::Interrupted`].
 pub fn collect_parts(
     loc: &Location,
     save_id: &str,
     world_size: u32,
     timeout: Duration,
     fresh: &Freshness,
+    fold: &(dyn Fn(&RankPart, PartItems<'_>) -> Result<()> + Sync),
 ) -> Result<Vec<RankPart>> {
     super::part::check_save_id(save_id)?;
     let deadline = Instant::now() + timeout;
@@ -218,34 +225,42 @@ pub fn collect_parts(
             .map(|(r, _)| r)
             .filter(|&r| r < world_size && parts[r as usize].is_none())
             .collect();
-        let read: Vec<(RankPart, Option<String>)> = arrived
+        let read: Vec<std::result::Result<RankPart, (u32, String)>> = arrived
             .par_iter()
             .map(|&r| {
-                let p = read_part(loc, &part_rel(save_id, r))?;
-                let why = stale_reason(loc, &p, fresh)?;
-                Ok((p, why))
+                let rel = part_rel(save_id, r);
+                let bytes = read_part_bytes(loc, &rel)?;
+                let (p, items) = decode_part_items(&bytes, loc.path_of(&rel))?;
+                if let Some(why) = stale_reason(loc, &p, fresh)? {
+                    return Ok(Err((p.rank, why)));
+                }
+                if p.world_size != world_size {
+                    return Err(Error::Validation(format!(
+                        "world_size disagrees across ranks: rank {} saved with world_size {}, the merger expects {}",
+                        p.rank, p.world_size, world_size
+                    )));
+                }
+                if p.save_id != save_id || p.rank != r {
+                    return Err(Error::Validation(format!(
+                        "part of rank {} carries save id {} but lies under save {save_id} as rank {r}",
+                        p.rank, p.save_id
+                    )));
+                }
+                fold(&p, items)?;
+                Ok(Ok(p))
             })
             .collect::<Result<_>>()?;
-        for (p, why) in read {
-            if let Some(why) = why {
-                stale.insert(p.rank, why);
-                continue;
+        for p in read {
+            match p {
+                Err((rank, why)) => {
+                    stale.insert(rank, why);
+                }
+                Ok(p) => {
+                    stale.remove(&p.rank);
+                    let r = p.rank as usize;
+                    parts[r] = Some(p);
+                }
             }
-            if p.world_size != world_size {
-                return Err(Error::Validation(format!(
-                    "world_size disagrees across ranks: rank {} saved with world_size {}, the merger expects {}",
-                    p.rank, p.world_size, world_size
-                )));
-            }
-            if p.save_id != save_id || p.rank as usize >= parts.len() {
-                return Err(Error::Validation(format!(
-                    "part of rank {} carries save id {} but lies under save {save_id}",
-                    p.rank, p.save_id
-                )));
-            }
-            stale.remove(&p.rank);
-            let r = p.rank as usize;
-            parts[r] = Some(p);
         }
         let missing: Vec<u32> = (0..world_size)
             .filter(|&r| parts[r as usize].is_none())
