@@ -255,6 +255,15 @@ def test_merge_of_an_unknown_save_id_names_the_saves_and_world_size(small):
     assert_clean_error(r, "no save nonexistent", sid, "--world-size")
 
 
+def test_a_missing_directory_reads_as_missing_for_every_command(tmp_path):
+    for cmd in ("inspect", "verify", "status", "merge"):
+        assert_clean_error(sw(cmd, tmp_path / "nope"), str(tmp_path / "nope"), "No such file or directory")
+    (tmp_path / "file").write_text("x")
+    for cmd in ("status", "merge", "inspect"):
+        r = sw(cmd, tmp_path / "file")
+        assert r.returncode == 1 and "not a directory" in r.stderr.lower() and "Traceback" not in r.stderr, (cmd, r.stderr)
+
+
 # --- paths that are not UTF-8 -------------------------------------------------------------------
 
 
