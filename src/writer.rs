@@ -649,7 +649,7 @@ fn write_staged(
     let mut held = Vec::new();
     // (next window to feed, the digest state, whether a writer failed), and its wake-up.
     let turn = (
-        std::sync::Mutex::new((0u64, InOrder::new(tensors.len(), true), false)),
+        std::sync::Mutex::new((0u64, InOrder::new(tensors.len(), digest), false)),
         std::sync::Condvar::new(),
     );
     let result: Result<Vec<PieceCrc>> = std::thread::scope(|scope| {
