@@ -810,5 +810,22 @@ mod tests {
             let none = write_rank_file(&path, 1, &tensors, &objects, None, false).unwrap();
             assert_eq!(none.sha256, None);
         }
+        // The object-store writer, in parts of 4 KiB: the same digest as the uploaded object's.
+        let loc = crate::storage::Location::parse("memory://b/sha256").unwrap();
+        let crate::storage::Location::Remote(r) = &loc else {
+            panic!("memory:// is an object store")
+        };
+        let w = write_rank_object(
+            r.upload("f").unwrap(),
+            4096,
+            1,
+            &tensors,
+            &objects,
+            None,
+            true,
+        )
+        .unwrap();
+        let uploaded: [u8; 32] = sha2::Sha256::digest(loc.read("f").unwrap().unwrap()).into();
+        assert_eq!(w.sha256, Some(uploaded));
     }
 }
