@@ -47,6 +47,58 @@ pub enum Entry {
 /// Pickles the global metadata; keys are emitted in sorted order, chunks in the given order
 /// (their position is the `MetadataIndex.index` hint).
 pub fn emit_metadata(entries: &BTreeMap<String, Entry>) -> Vec<u8> {
+    struct Map<'a>(Vec<(&'a str, &'a Entry)>);
+    impl MetadataSource for Map<'_> {
+        fn keys(&self) -> usize {
+            self.0.len()
+        }
+        fn fqn(&self, key: usize) -> &str {
+            self.0[key].0
+        }
+        fn tensor(&self, key: usize) -> Option<(DType, &[u64], usize)> {
+            match self.0[key].1 {
+                Entry::Tensor {
+                    dtype,
+                    global_shape,
+                    chunks,
+                } => Some((*dtype, global_shape, chunks.len())),
+                Entry::Bytes { .. } => None,
+            }
+        }
+        fn chunk(&self, key: usize, chunk: usize) -> (&[u64], &[u64]) {
+            match self.0[key].1 {
+                Entry::Tensor { chunks, .. } => (&chunks[chunk].offsets, &chunks[chunk].sizes),
+                Entry::Bytes { .. } => (&[], &[]),
+            }
+        }
+        fn storage(&self, key: usize, chunk: usize) -> (&str, u64, u64) {
+            let s = match self.0[key].1 {
+                Entry::Tensor { chunks, .. } => &chunks[chunk].storage,
+                Entry::Bytes { storage } => storage,
+            };
+            (&s.relative_path, s.offset, s.length)
+        }
+    }
+    emit_metadata_from(&Map(entries.iter().map(|(k, e)| (k.as_str(), e)).collect()))
+}
+
+/// The keys of a global `.metadata`, read by index, so that a merger can pickle its own compact
+/// structures without building [`Entry`] values (millions of chunks at scale).
+pub trait MetadataSource {
+    /// Number of keys.
+    fn keys(&self) -> usize;
+    /// Key `key`'s fqn; keys must come in sorted order.
+    fn fqn(&self, key: usize) -> &str;
+    /// `(dtype, global_shape, number of chunks)` for a tensor key, `None` for a byte object.
+    fn tensor(&self, key: usize) -> Option<(DType, &[u64], usize)>;
+    /// Global `(offsets, sizes)` of a tensor key's chunk, in elements.
+    fn chunk(&self, key: usize, chunk: usize) -> (&[u64], &[u64]);
+    /// `(relative_path, offset, length)` of a chunk's archive (chunk 0 for a byte object).
+    fn storage(&self, key: usize, chunk: usize) -> (&str, u64, u64);
+}
+
+/// [`emit_metadata`] for any [`MetadataSource`]: the same bytes for the same keys and chunks.
+pub fn emit_metadata_from(src: &impl MetadataSource) -> Vec<u8> {
     let mut p = Pickler::new(true);
     object_start(&mut p, M, "Metadata");
     p.empty_dict();
@@ -55,32 +107,29 @@ pub fn emit_metadata(entries: &BTreeMap<String, Entry>) -> Vec<u8> {
     p.str("state_dict_metadata");
     p.empty_dict();
     p.mark();
-    for (fqn, entry) in entries {
-        p.str(fqn);
-        match entry {
-            Entry::Tensor {
-                dtype,
-                global_shape,
-                chunks,
-            } => {
+    for k in 0..src.keys() {
+        p.str(src.fqn(k));
+        match src.tensor(k) {
+            Some((dtype, global_shape, chunks)) => {
                 object_start(&mut p, M, "TensorStorageMetadata");
                 p.empty_dict();
                 p.mark();
                 p.str("properties");
-                tensor_properties(&mut p, *dtype);
+                tensor_properties(&mut p, dtype);
                 p.str("size");
                 torch_size(&mut p, global_shape);
                 p.str("chunks");
                 p.empty_list();
                 p.mark();
-                for c in chunks {
+                for c in 0..chunks {
+                    let (offsets, sizes) = src.chunk(k, c);
                     object_start(&mut p, M, "ChunkStorageMetadata");
                     p.empty_dict();
                     p.mark();
                     p.str("offsets");
-                    torch_size(&mut p, &c.offsets);
+                    torch_size(&mut p, offsets);
                     p.str("sizes");
-                    torch_size(&mut p, &c.sizes);
+                    torch_size(&mut p, sizes);
                     p.setitems();
                     p.build();
                 }
@@ -89,7 +138,7 @@ pub fn emit_metadata(entries: &BTreeMap<String, Entry>) -> Vec<u8> {
                 p.build();
             }
             // torch writes BytesStorageMetadata as GLOBAL, EMPTY_TUPLE, NEWOBJ with no BUILD.
-            Entry::Bytes { .. } => object_start(&mut p, M, "BytesStorageMetadata"),
+            None => object_start(&mut p, M, "BytesStorageMetadata"),
         }
     }
     p.setitems();
@@ -99,7 +148,8 @@ pub fn emit_metadata(entries: &BTreeMap<String, Entry>) -> Vec<u8> {
     p.str("planner_data");
     p.empty_dict();
     p.mark();
-    for fqn in entries.keys() {
+    for k in 0..src.keys() {
+        let fqn = src.fqn(k);
         p.str(fqn);
         p.str(fqn);
         p.tuple(1);
@@ -109,17 +159,18 @@ pub fn emit_metadata(entries: &BTreeMap<String, Entry>) -> Vec<u8> {
     p.str("storage_data");
     p.empty_dict();
     p.mark();
-    for (fqn, entry) in entries {
-        match entry {
-            Entry::Tensor { chunks, .. } => {
-                for (i, c) in chunks.iter().enumerate() {
-                    metadata_index(&mut p, fqn, Some(&c.offsets), Some(i));
-                    storage_info(&mut p, &c.storage);
+    for k in 0..src.keys() {
+        let fqn = src.fqn(k);
+        match src.tensor(k) {
+            Some((_, _, chunks)) => {
+                for c in 0..chunks {
+                    metadata_index(&mut p, fqn, Some(src.chunk(k, c).0), Some(c));
+                    storage_info(&mut p, src.storage(k, c));
                 }
             }
-            Entry::Bytes { storage } => {
+            None => {
                 metadata_index(&mut p, fqn, None, None);
-                storage_info(&mut p, storage);
+                storage_info(&mut p, src.storage(k, 0));
             }
         }
     }
@@ -184,16 +235,16 @@ fn metadata_index(p: &mut Pickler, fqn: &str, offsets: Option<&[u64]>, index: Op
     p.build();
 }
 
-fn storage_info(p: &mut Pickler, s: &StorageInfo) {
+fn storage_info(p: &mut Pickler, (relative_path, offset, length): (&str, u64, u64)) {
     object_start(p, FS, "_StorageInfo");
     p.empty_dict();
     p.mark();
     p.str("relative_path");
-    p.str(&s.relative_path);
+    p.str(relative_path);
     p.str("offset");
-    p.int(s.offset as i128);
+    p.int(offset as i128);
     p.str("length");
-    p.int(s.length as i128);
+    p.int(length as i128);
     p.setitems();
     p.build();
 }
@@ -214,65 +265,61 @@ pub fn check_layout(
     chunks: &[&Chunk],
     origin: &dyn Fn(usize) -> String,
 ) -> Result<(), String> {
-    for (i, c) in chunks.iter().enumerate() {
-        let inside = c.offsets.len() == shape.len()
-            && c.sizes.len() == shape.len()
-            && c.offsets
-                .iter()
-                .zip(&c.sizes)
-                .zip(shape)
-                .all(|((&o, &s), &g)| o.checked_add(s).is_some_and(|e| e <= g));
-        if !inside {
-            return Err(format!(
-                "key {fqn}: {} saves chunk offsets {:?} sizes {:?}, outside the global shape {shape:?}",
-                origin(i),
-                c.offsets,
-                c.sizes
-            ));
-        }
+    check_layout_boxes(
+        fqn,
+        shape,
+        chunks.len(),
+        &|i| (&chunks[i].offsets, &chunks[i].sizes),
+        origin,
+    )
+}
+
+/// [`check_layout`] for `n` chunks given as `(offsets, sizes)` by `chunk(i)`.
+///
+/// Errors: as [`check_layout`].
+pub fn check_layout_boxes<'a>(
+    fqn: &str,
+    shape: &[u64],
+    n: usize,
+    chunk: &dyn Fn(usize) -> (&'a [u64], &'a [u64]),
+    origin: &dyn Fn(usize) -> String,
+) -> Result<(), String> {
+    for i in 0..n {
+        let (offsets, sizes) = chunk(i);
+        check_bounds(fqn, shape, offsets, sizes, &|| origin(i))?;
     }
     // Sweep along dimension 0: only chunks whose dim-0 ranges intersect are compared.
-    let mut order: Vec<usize> = (0..chunks.len())
-        .filter(|&i| volume(&chunks[i].sizes) > 0)
-        .collect();
-    let start0 = |i: usize| chunks[i].offsets.first().copied().unwrap_or(0);
+    let mut order: Vec<usize> = (0..n).filter(|&i| volume(chunk(i).1) > 0).collect();
+    let start0 = |i: usize| chunk(i).0.first().copied().unwrap_or(0);
     let end0 = |i: usize| {
-        chunks[i]
-            .offsets
-            .first()
-            .map(|o| o + chunks[i].sizes[0])
-            .unwrap_or(1)
+        let (offsets, sizes) = chunk(i);
+        offsets.first().map(|o| o + sizes[0]).unwrap_or(1)
     };
-    order.sort_by(|&i, &j| chunks[i].offsets.cmp(&chunks[j].offsets));
+    order.sort_by(|&i, &j| chunk(i).0.cmp(chunk(j).0));
     let mut active: Vec<usize> = Vec::new();
     for &i in &order {
         active.retain(|&j| end0(j) > start0(i));
         for &j in &active {
-            let (a, b) = (chunks[i], chunks[j]);
-            let overlap = (0..shape.len()).all(|d| {
-                a.offsets[d] < b.offsets[d] + b.sizes[d] && b.offsets[d] < a.offsets[d] + a.sizes[d]
-            });
+            let ((ao, asz), (bo, bsz)) = (chunk(i), chunk(j));
+            let overlap =
+                (0..shape.len()).all(|d| ao[d] < bo[d] + bsz[d] && bo[d] < ao[d] + asz[d]);
             if overlap {
-                let what = if a.offsets == b.offsets && a.sizes == b.sizes {
+                let what = if ao == bo && asz == bsz {
                     "the same chunk"
                 } else {
                     "overlapping chunks"
                 };
                 return Err(format!(
-                    "key {fqn}: {} and {} both save {what} (offsets {:?} sizes {:?} and offsets {:?} sizes {:?}); \
+                    "key {fqn}: {} and {} both save {what} (offsets {bo:?} sizes {bsz:?} and offsets {ao:?} sizes {asz:?}); \
                      exactly one main replica (replica_id all zeros) may save each chunk",
                     origin(j),
                     origin(i),
-                    b.offsets,
-                    b.sizes,
-                    a.offsets,
-                    a.sizes
                 ));
             }
         }
         active.push(i);
     }
-    let covered: u128 = chunks.iter().map(|c| volume(&c.sizes)).sum();
+    let covered: u128 = (0..n).map(|i| volume(chunk(i).1)).sum();
     let total = volume(shape);
     if covered != total {
         return Err(format!(
@@ -280,4 +327,31 @@ pub fn check_layout(
         ));
     }
     Ok(())
+}
+
+/// The bounds part of [`check_layout`] for one chunk: its offsets and sizes have the rank of
+/// `shape` and lie inside it. `origin()` names the chunk in the message.
+///
+/// Errors: a message naming the key, the chunk's origin and its box.
+pub fn check_bounds(
+    fqn: &str,
+    shape: &[u64],
+    offsets: &[u64],
+    sizes: &[u64],
+    origin: &dyn Fn() -> String,
+) -> Result<(), String> {
+    let inside = offsets.len() == shape.len()
+        && sizes.len() == shape.len()
+        && offsets
+            .iter()
+            .zip(sizes)
+            .zip(shape)
+            .all(|((&o, &s), &g)| o.checked_add(s).is_some_and(|e| e <= g));
+    if inside {
+        return Ok(());
+    }
+    Err(format!(
+        "key {fqn}: {} saves chunk offsets {offsets:?} sizes {sizes:?}, outside the global shape {shape:?}",
+        origin(),
+    ))
 }
