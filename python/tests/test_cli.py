@@ -25,7 +25,7 @@ from dcp_util import row_shard, save_ranks
 
 SHARDWISE = str(Path(sys.executable).parent / "shardwise")
 README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-COMMANDS = ["inspect", "verify", "status", "merge", "to-hf"]
+COMMANDS = ["inspect", "verify", "status", "merge", "to-hf", "diff"]
 
 
 def sw(*args, **kw):
@@ -137,12 +137,14 @@ def test_every_json_flag_is_in_help_and_every_field_in_the_readme(small, tmp_pat
         "verify": json.loads(sw("verify", "--json", small).stdout),
         "status": json.loads(sw("status", "--keys", "--json", small).stdout),
         "merge": json.loads(sw("merge", "--json", small).stdout),
+        "diff": json.loads(sw("diff", "--json", small, small).stdout),
     }
     fields = {f"inspect.{k}" for k in outputs["inspect"]} | {f"inspect.keys[].{k}" for k in outputs["inspect"]["keys"][0]}
     fields |= {f"verify.{k}" for k in outputs["verify"]} | {f"merge.{k}" for k in outputs["merge"]}
     fields |= {f"status.{k}" for k in outputs["status"]} | {f"status.saves[].{k}" for k in outputs["status"]["saves"][0]}
     fields |= {f"status.saves[].ranks[].{k}" for k in outputs["status"]["saves"][0]["ranks"][0]}
     fields |= {f"status.saves[].keys[].{k}" for k in outputs["status"]["saves"][0]["keys"][0]}
+    fields |= {f"diff.{k}" for k in outputs["diff"]} | {f"diff.keys[].{k}" for k in outputs["diff"]["keys"][0]}
     undocumented = sorted(f for f in fields if f"`{f.rsplit('.', 1)[1]}`" not in section)
     assert not undocumented, f"README's JSON section misses {undocumented}"
 
