@@ -652,6 +652,23 @@ fn diff_checkpoints(a: &Checkpoint, b: &Checkpoint, opts: &DiffOptions) -> Vec<K
         Target::Flat(_) => unreachable!("checkpoint targets are regions"),
     };
     run_tasks(tasks, &mut out, &types, opts, &read_a, &read_b);
+    // Intersections only cover what both sides saved: a chunk missing from one side would leave
+    // elements uncompared.
+    for k in &mut out {
+        if let (Some(s), Status::Equal | Status::Close | Status::Different) = (
+            k.shape_a.as_ref().filter(|_| k.shape_a == k.shape_b),
+            k.status,
+        ) {
+            let total = volume(s);
+            if k.elements != total {
+                k.status = Status::Unreadable;
+                k.message = Some(format!(
+                    "the saved chunks of A and B together cover {} of the {total} elements",
+                    k.elements
+                ));
+            }
+        }
+    }
     out
 }
 
