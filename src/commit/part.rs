@@ -293,7 +293,10 @@ pub type PartItems<'a> = (Vec<TensorView<'a>>, Vec<ObjectView<'a>>);
 /// empty), and its items borrowed from `bytes`.
 ///
 /// Errors: as [`decode_part`].
-pub fn decode_part_items(bytes: &[u8], path: std::path::PathBuf) -> Result<(RankPart, PartItems<'_>)> {
+pub fn decode_part_items(
+    bytes: &[u8],
+    path: std::path::PathBuf,
+) -> Result<(RankPart, PartItems<'_>)> {
     let v: PartView = decode_body(bytes, &path)?;
     check_format(v.format, &path)?;
     let header = RankPart {

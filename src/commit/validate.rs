@@ -12,13 +12,13 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 
 use rayon::prelude::*;
-use serde::ser::{SerializeSeq, SerializeStruct};
 use serde::Serialize;
 
 use super::part::{ObjectShard, ObjectView, PartItems, RankPart, TensorView};
 use crate::error::{Error, Result};
 use crate::format::dtype::DType;
 use crate::format::metadata::{check_bounds, check_layout_boxes, volume, MetadataSource};
+use crate::format::pickle::FxBuildHasher;
 
 /// Where one item is: its rank, the index of its file in that rank's part, the byte offset and
 /// length of its archive, and its CRC-32.
@@ -31,6 +31,7 @@ struct Item {
     crc32: u32,
 }
 
+#[derive(Debug)]
 enum Kind {
     Tensor {
         dtype: DType,
@@ -47,6 +48,7 @@ enum Kind {
     },
 }
 
+#[derive(Debug)]
 struct Key {
     fqn: Box<str>,
     kind: Kind,
@@ -54,7 +56,7 @@ struct Key {
 
 #[derive(Default)]
 struct Index {
-    ids: HashMap<Box<str>, u32>,
+    ids: HashMap<Box<str>, u32, FxBuildHasher>,
     keys: Vec<Key>,
 }
 
@@ -188,7 +190,9 @@ impl Index {
 
     fn add_tensor(&mut self, rank: u32, t: &TensorView, item: Item) -> Result<()> {
         let dtype = match self.ids.get(t.fqn).map(|&id| &self.keys[id as usize].kind) {
-            Some(Kind::Tensor { dtype_name, dtype, .. }) if **dtype_name == *t.dtype => *dtype,
+            Some(Kind::Tensor {
+                dtype_name, dtype, ..
+            }) if **dtype_name == *t.dtype => *dtype,
             _ => DType::from_torch_name(t.dtype)?,
         };
         let (id, _) = self.id(t.fqn, || Kind::Tensor {
@@ -221,8 +225,10 @@ impl Index {
             )));
         }
         // Bounds now: the chunks of a key are stored with the key's number of dimensions.
-        check_bounds(&key.fqn, shape, &t.offsets, &t.sizes, &|| format!("rank {rank}"))
-            .map_err(Error::Validation)?;
+        check_bounds(&key.fqn, shape, &t.offsets, &t.sizes, &|| {
+            format!("rank {rank}")
+        })
+        .map_err(Error::Validation)?;
         dims.extend_from_slice(&t.offsets);
         dims.extend_from_slice(&t.sizes);
         items.push(item);
@@ -252,6 +258,7 @@ impl Index {
 
 /// The global index of a save, validated: what `.metadata` and the checksum sidecar are written
 /// from ([`MetadataSource`], [`Global::checksums`]).
+#[derive(Debug)]
 pub struct Global {
     keys: Vec<Key>,
     /// File names of each rank's part, by rank.
@@ -274,12 +281,76 @@ impl Global {
         }
     }
 
-    /// The checksum sidecar ([`super::Checksums`], MessagePack), keys in sorted order.
+    /// The checksum sidecar ([`super::Checksums`], MessagePack), keys in sorted order. Items are
+    /// encoded in parallel, in ranges of keys, after the headers of the struct and the item array.
     ///
     /// Errors: [`Error::InvalidArgument`] if it cannot be encoded.
     pub fn checksums(&self, save_id: &str) -> Result<Vec<u8>> {
-        rmp_serde::to_vec(&Sidecar { save_id, g: self })
-            .map_err(|e| Error::InvalidArgument(format!("cannot encode checksums: {e}")))
+        #[derive(Serialize)]
+        struct ItemRef<'a> {
+            fqn: &'a str,
+            offsets: Option<&'a [u64]>,
+            relative_path: &'a str,
+            offset: u64,
+            length: u64,
+            crc32: u32,
+        }
+        let encode = |e: rmp_serde::encode::Error| {
+            Error::InvalidArgument(format!("cannot encode checksums: {e}"))
+        };
+        let ranges = (rayon::current_num_threads() * 4)
+            .min(self.keys.len())
+            .max(1);
+        let per = self.keys.len().div_ceil(ranges);
+        let pieces: Vec<Vec<u8>> = (0..ranges)
+            .into_par_iter()
+            .map(|r| {
+                let mut buf = Vec::new();
+                for k in r * per..((r + 1) * per).min(self.keys.len()) {
+                    let chunks = self.tensor(k).map(|(_, _, n)| n);
+                    for c in 0..chunks.unwrap_or(1) {
+                        let (relative_path, offset, length) = self.storage(k, c);
+                        let item = ItemRef {
+                            fqn: self.fqn(k),
+                            offsets: chunks.map(|_| self.chunk(k, c).0),
+                            relative_path,
+                            offset,
+                            length,
+                            crc32: self.item(k, c).crc32,
+                        };
+                        rmp_serde::encode::write(&mut buf, &item).map_err(encode)?;
+                    }
+                }
+                Ok(buf)
+            })
+            .collect::<Result<_>>()?;
+        // `Checksums` as rmp_serde writes a struct: an array of its 2 fields.
+        let (t, o) = self.counts();
+        let n = t + o;
+        let mut out = vec![0x92];
+        out.extend(rmp_serde::to_vec(save_id).map_err(encode)?);
+        match n {
+            0..=15 => out.push(0x90 | n as u8),
+            16..=0xffff => {
+                out.push(0xdc);
+                out.extend((n as u16).to_be_bytes());
+            }
+            _ => {
+                out.push(0xdd);
+                out.extend(
+                    u32::try_from(n)
+                        .map_err(|_| {
+                            Error::InvalidArgument(format!("cannot encode checksums: {n} items"))
+                        })?
+                        .to_be_bytes(),
+                );
+            }
+        }
+        out.reserve_exact(pieces.iter().map(Vec::len).sum());
+        for p in pieces {
+            out.extend_from_slice(&p);
+        }
+        Ok(out)
     }
 }
 
@@ -313,54 +384,11 @@ impl MetadataSource for Global {
     }
     fn storage(&self, key: usize, chunk: usize) -> (&str, u64, u64) {
         let i = self.item(key, chunk);
-        (&self.files[i.rank as usize][i.file as usize], i.offset, i.length)
-    }
-}
-
-/// Serialises as [`super::Checksums`] does (field for field), from the index.
-struct Sidecar<'a> {
-    save_id: &'a str,
-    g: &'a Global,
-}
-
-impl Serialize for Sidecar<'_> {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
-        struct Items<'a>(&'a Global);
-        #[derive(Serialize)]
-        struct ItemRef<'a> {
-            fqn: &'a str,
-            offsets: Option<&'a [u64]>,
-            relative_path: &'a str,
-            offset: u64,
-            length: u64,
-            crc32: u32,
-        }
-        impl Serialize for Items<'_> {
-            fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
-                let g = self.0;
-                let (t, o) = g.counts();
-                let mut seq = s.serialize_seq(Some(t + o))?;
-                for k in 0..g.keys.len() {
-                    let chunks = g.tensor(k).map(|(_, _, n)| n);
-                    for c in 0..chunks.unwrap_or(1) {
-                        let (relative_path, offset, length) = g.storage(k, c);
-                        seq.serialize_element(&ItemRef {
-                            fqn: g.fqn(k),
-                            offsets: chunks.map(|_| g.chunk(k, c).0),
-                            relative_path,
-                            offset,
-                            length,
-                            crc32: g.item(k, c).crc32,
-                        })?;
-                    }
-                }
-                seq.end()
-            }
-        }
-        let mut st = s.serialize_struct("Checksums", 2)?;
-        st.serialize_field("save_id", self.save_id)?;
-        st.serialize_field("items", &Items(self.g))?;
-        st.end()
+        (
+            &self.files[i.rank as usize][i.file as usize],
+            i.offset,
+            i.length,
+        )
     }
 }
 
@@ -464,7 +492,10 @@ mod tests {
     fn a_complete_layout_merges() {
         let g = build_global(&[part(0, &[("w", 0, 2)]), part(1, &[("w", 2, 2)])]).unwrap();
         assert_eq!(g.counts(), (2, 0));
-        assert_eq!(g.tensor(0).map(|(_, shape, n)| (shape.to_vec(), n)), Some((vec![4], 2)));
+        assert_eq!(
+            g.tensor(0).map(|(_, shape, n)| (shape.to_vec(), n)),
+            Some((vec![4], 2))
+        );
     }
 
     #[test]
@@ -482,10 +513,120 @@ mod tests {
         assert!(build_global(&[part(0, &[("w", 0, 2)]), flag]).is_err());
     }
 
+    /// Parts folded in any order give the `.metadata` of the chunks in rank order, and a sidecar
+    /// that reads back as [`super::super::Checksums`] with every item.
+    #[test]
+    fn folded_parts_emit_the_metadata_and_sidecar_of_their_chunks() {
+        use crate::commit::part::ObjectRecord;
+        use crate::commit::{Checksums, ItemChecksum};
+        use crate::format::metadata::{
+            emit_metadata, emit_metadata_from, Chunk, Entry, StorageInfo,
+        };
+        let mut parts: Vec<RankPart> = (0..3)
+            .map(|r| part(r, &[("w", 0, 0), ("b", 0, 0)]))
+            .collect();
+        for p in &mut parts {
+            let r = p.rank as u64;
+            p.tensors[0].global_shape = vec![6, 70_000];
+            p.tensors[0].offsets = vec![2 * r, 0];
+            p.tensors[0].sizes = vec![2, 70_000];
+            p.tensors[0].offset = 5_000_000_000 + r;
+            p.tensors[0].crc32 = r as u32;
+            p.tensors[1].offsets = vec![r];
+            p.tensors[1].sizes = vec![if r == 2 { 2 } else { 1 }];
+        }
+        parts[1].objects.push(ObjectRecord {
+            fqn: "o".into(),
+            shard: None,
+            file: 0,
+            offset: 3,
+            length: 4,
+            crc32: 9,
+        });
+        // Arrival order 2, 0, 1.
+        let fold = Fold::default();
+        for i in [2, 0, 1] {
+            let p = &parts[i];
+            let items = (
+                p.tensors.iter().map(TensorView::from).collect(),
+                p.objects.iter().map(ObjectView::from).collect(),
+            );
+            fold.add_part(p, items).unwrap();
+        }
+        let g = fold.finish(&parts).unwrap();
+
+        let mut want = std::collections::BTreeMap::new();
+        let mut items = Vec::new();
+        for key in ["b", "o", "w"] {
+            let mut chunks = Vec::new();
+            for p in &parts {
+                let path = p.files[0].name.clone();
+                for t in p.tensors.iter().filter(|t| t.fqn == key) {
+                    chunks.push(Chunk {
+                        offsets: t.offsets.clone(),
+                        sizes: t.sizes.clone(),
+                        storage: StorageInfo {
+                            relative_path: path.clone(),
+                            offset: t.offset,
+                            length: t.length,
+                        },
+                    });
+                    items.push(ItemChecksum {
+                        fqn: key.into(),
+                        offsets: Some(t.offsets.clone()),
+                        relative_path: path.clone(),
+                        offset: t.offset,
+                        length: t.length,
+                        crc32: t.crc32,
+                    });
+                }
+                for o in p.objects.iter().filter(|o| o.fqn == key) {
+                    let storage = StorageInfo {
+                        relative_path: path.clone(),
+                        offset: o.offset,
+                        length: o.length,
+                    };
+                    want.insert(key.to_string(), Entry::Bytes { storage });
+                    items.push(ItemChecksum {
+                        fqn: key.into(),
+                        offsets: None,
+                        relative_path: path.clone(),
+                        offset: o.offset,
+                        length: o.length,
+                        crc32: o.crc32,
+                    });
+                }
+            }
+            if !chunks.is_empty() {
+                let shape = parts[0].tensors.iter().find(|t| t.fqn == key).unwrap();
+                want.insert(
+                    key.to_string(),
+                    Entry::Tensor {
+                        dtype: DType::F32,
+                        global_shape: shape.global_shape.clone(),
+                        chunks,
+                    },
+                );
+            }
+        }
+        assert_eq!(emit_metadata_from(&g), emit_metadata(&want));
+        let sums: Checksums = rmp_serde::from_slice(&g.checksums("s").unwrap()).unwrap();
+        assert_eq!(
+            sums,
+            Checksums {
+                save_id: "s".into(),
+                items
+            }
+        );
+    }
+
     #[test]
     fn an_item_pointing_past_the_files_list_is_refused() {
         let mut p = part(0, &[("w", 0, 4)]);
         p.tensors[0].file = 5;
-        assert!(build_global(&[p]).unwrap_err().to_string().contains("file #5"));
+        assert!(build_global(&[p])
+            .unwrap_err()
+            .to_string()
+            .contains("file #5"));
     }
 }
