@@ -31,7 +31,7 @@ from dcp_util import read_all, row_shard, save_ranks, tree_digest
 
 WORLD = 3
 ROWS = 16384  # 64 MiB of w per rank: the write lasts long enough to be killed in the middle of it
-TIMEOUT_S = 2.0
+TIMEOUT_S = 5.0  # generous: 3 ranks start and write 64 MiB each on a 2-core machine, maybe loaded
 CLI = [sys.executable, "-m", "shardwise.cli"]
 
 
@@ -224,9 +224,9 @@ def test_cli_mergers_race_commit_once_with_identical_metadata(ctx, tmp_path):
     for copy in ("a", "b"):
         d = tmp_path / copy
         shutil.copytree(src, d)
-        racers = [subprocess.Popen([*CLI, "merge", str(d), "--timeout", "30"], stdout=subprocess.PIPE, text=True)
+        racers = [subprocess.Popen([*CLI, "merge", str(d), "--timeout", "30"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                   for _ in range(4)]
-        outs = [(p.wait(120), p.stdout.read()) for p in racers]
+        outs = [(p.wait(120), p.stdout.read() + p.stderr.read()) for p in racers]
         assert all(rc == 0 for rc, _ in outs), outs
         assert sum("committed save" in o for _, o in outs) == 1, outs
         assert_committed_and_whole(d)
@@ -282,7 +282,8 @@ def test_disk_full_at_part_publication_removes_the_data_file(small_fs):
     with pytest.raises(shardwise.StorageError, match=r"rank 0: .*No space left on device"):
         swm.save(state, str(ckpt), rank=0, world_size=1, save_id="p")
     assert sorted(p.name for p in ckpt.iterdir()) == [".shardwise"]
-    assert not [p for p in ckpt.rglob("*") if p.is_file()]
+    # Only the merging rank's notice to the other ranks (FAILED, when it still fits) is left.
+    assert [p.name for p in ckpt.rglob("*") if p.is_file()] in ([], ["FAILED"])
 
 
 def _committed_iters(root: Path, iters, uncommitted=()):

@@ -244,7 +244,7 @@ def test_merge_refuses_a_hostile_part(tmp_path, valid):
 
     d = tmp_path / "c"
     swm.save({"w": row_shard("w", 1, 2)}, str(d), rank=1, world_size=2, save_id="s", wait_for_commit=False)
-    (d / ".shardwise" / "s" / "1.part").write_bytes(b"SWPART01" + b"\0" * 4 + b"\xc1" * 64)
+    (d / ".shardwise" / "s" / "1.part").write_bytes(b"SWPART02" + b"\0" * 4 + b"\xc1" * 64)
     digest = tree_digest(valid)
     with pytest.raises(shardwise.CorruptFileError, match=r"1\.part.*CRC mismatch"):
         swm.save({"w": row_shard("w", 0, 2)}, str(d), rank=0, world_size=2, save_id="s", timeout_s=2)

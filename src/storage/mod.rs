@@ -158,20 +158,18 @@ impl Location {
         }
     }
 
-    /// The identity of the file `rel` as storage sees it now, `None` when absent: locally device,
-    /// inode, size and modification time in ns (a rewrite or replacement changes it); on object
-    /// stores the ETag (or version, or size and modification time when the store gives neither).
-    /// A part records the stamps of its data files, so a merger can tell that a data file was
-    /// replaced after its part was published.
+    /// The identity of the file `rel` as storage sees it now, `None` when absent: locally its size
+    /// and modification time in ns (a rewrite or a replacement changes them; a copy that keeps
+    /// timestamps, `cp -a` or `rsync -a`, keeps them); on object stores the ETag (or version, or
+    /// size and modification time when the store gives neither). A part records the stamps of its
+    /// data files, so a merger can tell that a data file was replaced after its part was published.
     pub fn stamp(&self, rel: &str) -> Result<Option<String>> {
         match self {
             Location::Local(p) => {
                 use std::os::unix::fs::MetadataExt;
                 match std::fs::metadata(p.join(rel)) {
                     Ok(m) if m.is_file() => Ok(Some(format!(
-                        "{}:{}:{}:{}.{:09}",
-                        m.dev(),
-                        m.ino(),
+                        "{}:{}.{:09}",
                         m.len(),
                         m.mtime(),
                         m.mtime_nsec()
