@@ -49,13 +49,17 @@ demo: build
 
 # The version matrix: the same test file once per older megatron-core (the primary one runs it in
 # the full suite). SHARDWISE_MCORE tells the tests which version they must find.
-test-matrix: build
+define run_matrix
 	@for v in $(MCORE_MATRIX); do \
 		echo "== megatron-core $$v"; \
 		PYTHONPATH=$(abspath $(VENV))/mcore/$$v SHARDWISE_MCORE=$$v $(PY) -m pytest -q python/tests/test_megatron_versions.py || exit 1; \
 	done
+endef
+
+test-matrix: build
+	$(run_matrix)
 
 test: build
 	cargo test --release
 	$(PY) -m pytest python/tests
-	$(MAKE) --no-print-directory test-matrix VENV=$(VENV)
+	$(run_matrix)
