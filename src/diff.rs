@@ -109,7 +109,7 @@ pub struct DiffReport {
 
 /// One side of a diff.
 enum Side {
-    Dcp(Checkpoint),
+    Dcp(Box<Checkpoint>),
     Hf(HfFolder),
 }
 
@@ -121,7 +121,7 @@ fn open_side(loc: &Location) -> Result<Side> {
             return Ok(Side::Hf(HfFolder::open(dir)?));
         }
     }
-    Ok(Side::Dcp(Checkpoint::open(loc)?))
+    Ok(Side::Dcp(Box::new(Checkpoint::open(loc)?)))
 }
 
 /// Compares checkpoint `a` with `b` (directories, object-store URLs, or one HF safetensors folder).
@@ -325,7 +325,7 @@ fn compare(a: &[u8], da: DType, b: &[u8], db: DType, atol: f64, rtol: f64) -> Ac
             };
             acc.max_abs = acc.max_abs.max(d);
             acc.max_rel = acc.max_rel.max(rel);
-            if !(d <= atol + rtol * scale) || !d.is_finite() {
+            if !d.is_finite() || d > atol + rtol * scale {
                 acc.mismatched += 1;
             }
         }
@@ -460,14 +460,19 @@ fn entry_kind(e: &Entry) -> &'static str {
     }
 }
 
+/// Reads a region (offsets, sizes) of a key of side A into a buffer.
+type ReadRegion<'a> = dyn Fn(&str, &[u64], &[u64], &mut [u8]) -> Result<()> + Sync + 'a;
+/// Reads the elements matching a task's A region (its sizes) from side B into a buffer.
+type ReadTarget<'a> = dyn Fn(&str, &Target, &[u64], &mut [u8]) -> Result<()> + Sync + 'a;
+
 /// Runs `tasks` on the current pool and folds them per key into `out` (index = `Task::key`).
 fn run_tasks(
     tasks: Vec<Task>,
     out: &mut [KeyDiff],
     types: &[(DType, DType)],
     opts: &DiffOptions,
-    read_a: &(dyn Fn(&str, &[u64], &[u64], &mut [u8]) -> Result<()> + Sync),
-    read_b: &(dyn Fn(&str, &Target, &[u64], &mut [u8]) -> Result<()> + Sync),
+    read_a: &ReadRegion,
+    read_b: &ReadTarget,
 ) {
     let names: Vec<&str> = out.iter().map(|k| k.key.as_str()).collect();
     let results: Vec<(usize, std::result::Result<Acc, String>)> = tasks
