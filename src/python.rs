@@ -664,15 +664,22 @@ fn is_committed(py: Python<'_>, checkpoint_dir: PathBuf) -> bool {
     py.detach(|| location(&checkpoint_dir).is_ok_and(|l| crate::commit::state::is_committed(&l)))
 }
 
-/// The interrupt check of every bounded wait: runs Python's signal handlers (in the main thread;
-/// elsewhere they never run) and reports whether one raised, e.g. `KeyboardInterrupt` on Ctrl-C.
+/// The thread that imported the module: Python's main thread, the only one that runs signal
+/// handlers.
+static MAIN_THREAD: std::sync::OnceLock<std::thread::ThreadId> = std::sync::OnceLock::new();
+
+/// The interrupt check of every bounded wait: in Python's main thread, runs Python's signal handlers
+/// and reports whether one raised (`KeyboardInterrupt` on Ctrl-C). Other threads (an async save's)
+/// never run handlers, so they do not take the GIL for it.
 fn python_interrupted() -> bool {
-    Python::attach(|py| py.check_signals().is_err())
+    MAIN_THREAD.get() == Some(&std::thread::current().id())
+        && Python::attach(|py| py.check_signals().is_err())
 }
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
+    let _ = MAIN_THREAD.set(std::thread::current().id());
     crate::commit::wait::set_interrupt_check(python_interrupted);
     m.add_function(wrap_pyfunction!(is_committed, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

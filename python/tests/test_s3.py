@@ -232,18 +232,26 @@ def test_bad_urls_are_clear_errors(s3_server):
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])
-def test_overwrite_with_a_repeated_save_id_commits_the_new_data(where, tmp_path, s3_bucket):
-    """A new process derives the same default save id for the same URL: overwriting must still
-    commit the new save (the old COMMITTED marker of that id is stale), not report an empty one."""
+def test_overwrite_needs_a_new_save_id_and_a_filesystem(where, tmp_path, s3_bucket):
+    """overwrite=True replaces a committed checkpoint only where it can switch atomically (a local
+    directory) and only with a save id other than the committed one's (a relaunch derives a new one
+    or ignores the old one's markers); otherwise it is refused before anything is written, and the
+    committed checkpoint is untouched."""
     url = str(tmp_path / "ck") if where == "local" else f"s3://{s3_bucket}/ow"
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     old, new = torch.zeros(4, 8), torch.arange(32.0).reshape(4, 8)
     swm.save({"w": ShardedTensor.from_rank_offsets("w", old, replica_id=0)}, url, rank=0, world_size=1, save_id="same")
-    rep = swm.save({"w": ShardedTensor.from_rank_offsets("w", new, replica_id=0)}, url, rank=0, world_size=1,
-                   save_id="same", overwrite=True)
-    assert rep["committed"] and rep["keys"] == 1
-    assert torch.equal(shardwise.open(url).read("w"), new)
+    refused = "refused on object stores" if where == "s3" else "needs a different save id"
+    with pytest.raises(shardwise.InvalidArgumentError, match=refused):
+        swm.save({"w": ShardedTensor.from_rank_offsets("w", new, replica_id=0)}, url, rank=0, world_size=1,
+                 save_id="same", overwrite=True)
+    assert torch.equal(shardwise.open(url).read("w"), old)
+    if where == "local":
+        rep = swm.save({"w": ShardedTensor.from_rank_offsets("w", new, replica_id=0)}, url, rank=0, world_size=1,
+                       save_id="other", overwrite=True)
+        assert rep["committed"] and rep["keys"] == 1
+        assert torch.equal(shardwise.open(url).read("w"), new)
     assert cli("verify", url).returncode == 0
     zero = cli("merge", url, "--world-size", "0", "--save-id", "same")
     assert zero.returncode == 1 and "world_size must be at least 1" in zero.stderr

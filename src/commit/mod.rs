@@ -81,18 +81,28 @@ pub struct Checksums {
     pub items: Vec<ItemChecksum>,
 }
 
-/// Reads the checksum sidecar of the committed save of a checkpoint, if it has one (the newest
-/// `COMMITTED` record's; `.shardwise/checksums` of shardwise < 0.2 otherwise).
+/// Reads the checksum sidecar of the save that committed the checkpoint's current `.metadata` (the
+/// `COMMITTED` record whose `.metadata` size and CRC-32 match), if it has one; `.shardwise/checksums`
+/// of shardwise < 0.2 when there is no record at all. None when another writer (torch, Megatron)
+/// replaced the `.metadata` a record describes: its sidecar would describe other bytes.
 ///
 /// Errors: [`Error::Corrupt`] for an undecodable sidecar; storage errors.
 pub fn read_checksums(loc: &Location) -> Result<Option<Checksums>> {
-    let newest = state::save_ids(loc)?
+    let records: Vec<CommitRecord> = state::save_ids(loc)?
         .into_iter()
         .filter_map(|id| read_commit_record(loc, &id))
-        .max_by_key(|r| r.committed_at_ns);
-    let rel = match newest {
-        Some(r) => marker_rel(&r.save_id, CHECKSUMS_FILE),
-        None => format!("{STATE_DIR}/{CHECKSUMS_FILE}"),
+        .collect();
+    let rel = if records.is_empty() {
+        format!("{STATE_DIR}/{CHECKSUMS_FILE}")
+    } else {
+        let Some(meta) = loc.read(".metadata")? else {
+            return Ok(None);
+        };
+        let digest = Digest::of(&meta);
+        match records.iter().find(|r| r.metadata == digest) {
+            Some(r) => marker_rel(&r.save_id, CHECKSUMS_FILE),
+            None => return Ok(None),
+        }
     };
     match loc.read(&rel)? {
         Some(bytes) => rmp_serde::from_slice(&bytes)
