@@ -30,6 +30,9 @@ use crate::storage::Location;
 /// Where and with which CRC-32 the writer placed one item (from the checksum sidecar).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Recorded {
+    pub fqn: String,
+    /// The chunk's global offsets; None for a byte object.
+    pub offsets: Option<Vec<u64>>,
     pub relative_path: String,
     pub offset: u64,
     pub length: u64,
@@ -47,9 +50,11 @@ pub struct Checkpoint {
     pub metadata: CheckpointMetadata,
     files: Mutex<HashMap<String, Arc<Mapped>>>,
     /// Save-time CRC-32s: key -> chunk offsets (None for a byte object) -> placement and CRC.
-    recorded: Option<HashMap<String, HashMap<Option<Vec<u64>>, Recorded>>>,
-    /// Items of mapped files already checked against their CRC: (relative_path, offset).
-    verified: Mutex<HashSet<(String, u64)>>,
+    /// Save-time CRC-32s: key -> records sorted by chunk offsets (None, a byte object, first).
+    /// Never changed after `open`, so a record's address identifies its item.
+    recorded: Option<HashMap<String, Vec<Recorded>>>,
+    /// Items of mapped files already checked against their CRC (addresses of their records).
+    verified: Mutex<HashSet<usize>>,
 }
 
 /// The common (non-sharded) state a Megatron loader reads, as raw torch.save bytes.
@@ -180,17 +185,19 @@ impl Checkpoint {
             .ok_or_else(|| crate::hints::no_metadata(&loc))?;
         let metadata = read_metadata(&bytes).map_err(|e| corrupt(&path, e.0))?;
         let recorded = read_checksums(&loc)?.map(|sums| {
-            let mut by_key: HashMap<String, HashMap<Option<Vec<u64>>, Recorded>> = HashMap::new();
+            let mut by_key: HashMap<String, Vec<Recorded>> = HashMap::new();
             for i in sums.items {
-                by_key.entry(i.fqn).or_default().insert(
-                    i.offsets,
-                    Recorded {
-                        relative_path: i.relative_path,
-                        offset: i.offset,
-                        length: i.length,
-                        crc32: i.crc32,
-                    },
-                );
+                by_key.entry(i.fqn.clone()).or_default().push(Recorded {
+                    fqn: i.fqn,
+                    offsets: i.offsets,
+                    relative_path: i.relative_path,
+                    offset: i.offset,
+                    length: i.length,
+                    crc32: i.crc32,
+                });
+            }
+            for v in by_key.values_mut() {
+                v.sort_by(|a, b| a.offsets.cmp(&b.offsets));
             }
             by_key
         });
@@ -212,10 +219,12 @@ impl Checkpoint {
     /// The save-time placement and CRC-32 of the item of `key` (`offsets`: the chunk's global
     /// offsets, None for a byte object), when the sidecar records one.
     pub fn recorded(&self, key: &str, offsets: Option<&[u64]>) -> Option<&Recorded> {
-        self.recorded
-            .as_ref()?
-            .get(key)?
-            .get(&offsets.map(<[u64]>::to_vec))
+        // Binary search on borrowed offsets: no allocation on the read path.
+        let v = self.recorded.as_ref()?.get(key)?;
+        let at = v
+            .binary_search_by(|r| r.offsets.as_deref().cmp(&offsets))
+            .ok()?;
+        Some(&v[at])
     }
 
     /// Size in bytes of the data file `rel` (a `relative_path` of `.metadata`).
@@ -315,10 +324,11 @@ impl Checkpoint {
         Ok(mapped)
     }
 
-    /// The bytes of one item (after its stream transforms), at most `limit` bytes once decoded.
+    /// The bytes of one item (after its stream transforms), at most `limit` bytes once decoded,
+    /// checked against the save-time CRC-32 when the checkpoint records one.
     ///
-    /// Errors: [`Error::Corrupt`] when the item lies outside its file, uses an unknown transform or
-    /// decodes to more than `limit` bytes.
+    /// Errors: [`Error::Corrupt`] when the item lies outside its file, fails its CRC-32, uses an
+    /// unknown transform or decodes to more than `limit` bytes.
     pub fn item(
         &self,
         key: &str,
@@ -326,6 +336,22 @@ impl Checkpoint {
         storage: &StorageInfo,
         limit: u64,
     ) -> Result<ItemBytes> {
+        let (bytes, pending) = self.item_deferred(key, offsets, storage, limit)?;
+        if let Some(p) = pending {
+            self.finish_check(p, &bytes)?;
+        }
+        Ok(bytes)
+    }
+
+    /// [`Checkpoint::item`] with the CRC-32 check of an untransformed item left to the caller
+    /// (so that it can run alongside the copy out of the item).
+    fn item_deferred(
+        &self,
+        key: &str,
+        offsets: Option<&[u64]>,
+        storage: &StorageInfo,
+        limit: u64,
+    ) -> Result<(ItemBytes, Option<PendingCrc<'_>>)> {
         if storage.relative_path.is_empty() {
             return Err(corrupt(
                 self.dir.join(".metadata"),
@@ -359,10 +385,14 @@ impl Checkpoint {
             }
             Location::Local(_) => ItemBytes::Mapped(file.clone(), range),
         };
-        self.check_crc(key, offsets, storage, &raw)?;
+        let pending = self.pending_check(key, offsets, storage, &raw)?;
         let Some(transforms) = transforms else {
-            return Ok(raw);
+            return Ok((raw, pending));
         };
+        // The CRC covers the stored bytes, which decoding does not keep: check them first.
+        if let Some(p) = pending {
+            self.finish_check(p, &raw)?;
+        }
         let mut data = raw.to_vec();
         // Descriptors are stored in reverse order of application, so decode in list order.
         for t in transforms {
@@ -372,18 +402,34 @@ impl Checkpoint {
                     format!("{key}: unknown stream transform {t:?}"),
                 ));
             }
-            let zerr = |e: std::io::Error| {
+            let zerr = |e: String| {
                 corrupt(
                     self.dir.join(&storage.relative_path),
                     format!("{key}: zstd: {e}"),
                 )
             };
             let mut out = Vec::new();
-            zstd::stream::read::Decoder::new(&data[..])
-                .map_err(zerr)?
-                .take(limit + 1)
-                .read_to_end(&mut out)
-                .map_err(zerr)?;
+            // One frame after another (a stream may hold several), each checked against its
+            // content checksum when it carries one.
+            let mut src: &[u8] = &data;
+            while !src.is_empty() && out.len() as u64 <= limit {
+                let mut frame = ruzstd::decoding::StreamingDecoder::new(&mut src)
+                    .map_err(|e| zerr(e.to_string()))?;
+                (&mut frame)
+                    .take(limit + 1 - out.len() as u64)
+                    .read_to_end(&mut out)
+                    .map_err(|e| zerr(e.to_string()))?;
+                if let (Some(stored), Some(computed)) = (
+                    frame.decoder.get_checksum_from_data(),
+                    frame.decoder.get_calculated_checksum(),
+                ) {
+                    if stored != computed {
+                        return Err(zerr(format!(
+                            "content checksum {stored:08x} does not match the decoded bytes ({computed:08x})"
+                        )));
+                    }
+                }
+            }
             if out.len() as u64 > limit {
                 return Err(corrupt(
                     self.dir.join(&storage.relative_path),
@@ -392,26 +438,24 @@ impl Checkpoint {
             }
             data = out;
         }
-        Ok(ItemBytes::Owned(data))
+        Ok((ItemBytes::Owned(data), None))
     }
 
-    /// Checks an item's stored bytes against the sidecar's CRC-32 (our writer applies no stream
-    /// transform, so the stored bytes are the bytes it hashed).
-    fn check_crc(
+    /// The CRC-32 check an item's stored bytes still need (our writer applies no stream
+    /// transform, so the stored bytes are the bytes it hashed): None without a sidecar record, or
+    /// for an item of a mapped file already checked.
+    ///
+    /// Errors: [`Error::Corrupt`] when the sidecar places the item elsewhere than `.metadata`.
+    fn pending_check(
         &self,
         key: &str,
         offsets: Option<&[u64]>,
         storage: &StorageInfo,
         raw: &ItemBytes,
-    ) -> Result<()> {
+    ) -> Result<Option<PendingCrc<'_>>> {
         let Some(rec) = self.recorded(key, offsets) else {
-            return Ok(());
+            return Ok(None);
         };
-        let what = match offsets {
-            Some(o) => format!("{key} chunk {o:?}"),
-            None => key.to_string(),
-        };
-        let file = self.dir.join(&storage.relative_path);
         if (rec.relative_path.as_str(), rec.offset, rec.length)
             != (
                 storage.relative_path.as_str(),
@@ -420,10 +464,11 @@ impl Checkpoint {
             )
         {
             return Err(corrupt(
-                file,
+                self.dir.join(&storage.relative_path),
                 format!(
-                    "{what}: the checksum sidecar places this item at {}@{}+{}, .metadata at {}@{}+{} \
+                    "{}: the checksum sidecar places this item at {}@{}+{}, .metadata at {}@{}+{} \
                      (the sidecar belongs to another save)",
+                    rec.what(),
                     rec.relative_path,
                     rec.offset,
                     rec.length,
@@ -433,24 +478,34 @@ impl Checkpoint {
                 ),
             ));
         }
-        let mapped = matches!(raw, ItemBytes::Mapped(..));
-        let id = (storage.relative_path.clone(), storage.offset);
-        if mapped && self.verified.lock().unwrap().contains(&id) {
-            return Ok(());
+        let remember = matches!(raw, ItemBytes::Mapped(..));
+        if remember && self.verified.lock().unwrap().contains(&rec.id()) {
+            return Ok(None);
         }
+        Ok(Some(PendingCrc { rec, remember }))
+    }
+
+    /// Runs a pending check on the item's stored bytes.
+    ///
+    /// Errors: [`Error::Corrupt`] naming key, file and offset when the CRC-32 differs.
+    fn finish_check(&self, p: PendingCrc, raw: &[u8]) -> Result<()> {
+        let rec = p.rec;
         let got = crc32(raw);
         if got != rec.crc32 {
             return Err(corrupt(
-                file,
+                self.dir.join(&rec.relative_path),
                 format!(
-                    "{what} (item at offset {}, {} bytes) fails the CRC-32 recorded at save time \
+                    "{} (item at offset {}, {} bytes) fails the CRC-32 recorded at save time \
                      (recorded {:08x}, computed {got:08x})",
-                    storage.offset, storage.length, rec.crc32
+                    rec.what(),
+                    rec.offset,
+                    rec.length,
+                    rec.crc32
                 ),
             ));
         }
-        if mapped {
-            self.verified.lock().unwrap().insert(id);
+        if p.remember {
+            self.verified.lock().unwrap().insert(rec.id());
         }
         Ok(())
     }
@@ -460,6 +515,20 @@ impl Checkpoint {
     /// Errors: [`Error::Corrupt`] naming key, file and offset when the item is not a tensor of the
     /// chunk's shape and the key's dtype.
     pub fn chunk(&self, key: &str, index: usize) -> Result<(ChunkData, &Chunk)> {
+        let (data, c, pending) = self.chunk_deferred(key, index)?;
+        if let Some(p) = pending {
+            self.finish_check(p, &data.blob)?;
+        }
+        Ok((data, c))
+    }
+
+    /// [`Checkpoint::chunk`] with the item's CRC-32 check left to the caller (a decoding error is
+    /// reported as the CRC failure when the item fails its CRC).
+    fn chunk_deferred(
+        &self,
+        key: &str,
+        index: usize,
+    ) -> Result<(ChunkData, &Chunk, Option<PendingCrc<'_>>)> {
         let Entry::Tensor { dtype, chunks, .. } = self.entry(key)? else {
             return Err(Error::InvalidArgument(format!(
                 "{key} is a byte object, not a tensor"
@@ -476,7 +545,7 @@ impl Checkpoint {
                     format!("{key}: absurd chunk sizes {:?}", c.sizes),
                 )
             })?;
-        let blob = self.item(
+        let (blob, pending) = self.item_deferred(
             key,
             Some(&c.offsets),
             &c.storage,
@@ -491,21 +560,32 @@ impl Checkpoint {
                 ),
             )
         };
-        let tensor = stored_tensor(&blob).map_err(|e| at(e.0))?;
-        if tensor.dtype != *dtype {
-            return Err(at(format!(
-                "item holds {} but .metadata says {}",
-                tensor.dtype.torch_name(),
-                dtype.torch_name()
-            )));
+        let decoded = stored_tensor(&blob).map_err(|e| e.0).and_then(|tensor| {
+            if tensor.dtype != *dtype {
+                return Err(format!(
+                    "item holds {} but .metadata says {}",
+                    tensor.dtype.torch_name(),
+                    dtype.torch_name()
+                ));
+            }
+            if tensor.shape != c.sizes {
+                return Err(format!(
+                    "item has shape {:?} but the chunk is {:?}",
+                    tensor.shape, c.sizes
+                ));
+            }
+            Ok(tensor)
+        });
+        match decoded {
+            Ok(tensor) => Ok((ChunkData { tensor, blob }, c, pending)),
+            Err(reason) => {
+                // Damage explains a decoding failure best as the CRC mismatch it is.
+                if let Some(p) = pending {
+                    self.finish_check(p, &blob)?;
+                }
+                Err(at(reason))
+            }
         }
-        if tensor.shape != c.sizes {
-            return Err(at(format!(
-                "item has shape {:?} but the chunk is {:?}",
-                tensor.shape, c.sizes
-            )));
-        }
-        Ok((ChunkData { tensor, blob }, c))
     }
 
     /// The raw bytes of byte object `key` (a torch.save archive).
@@ -572,20 +652,34 @@ impl Checkpoint {
             if c.offsets.len() != n || c.sizes.len() != n || (0..n).any(|d| lo[d] >= hi[d]) {
                 continue;
             }
-            let (data, _) = self.chunk(key, i)?;
+            let (data, _, pending) = self.chunk_deferred(key, i)?;
             let t = &data.tensor;
-            copy_box(
-                data.storage(),
-                t.storage_offset,
-                &t.strides,
-                &c.offsets,
-                offsets,
-                sizes,
-                &lo,
-                &hi,
-                item,
-                out,
-            );
+            let copy = |out: &mut [u8]| {
+                copy_box(
+                    data.storage(),
+                    t.storage_offset,
+                    &t.strides,
+                    &c.offsets,
+                    offsets,
+                    sizes,
+                    &lo,
+                    &hi,
+                    item,
+                    out,
+                )
+            };
+            match pending {
+                // A large item is hashed while it is copied (on another core, when there is one);
+                // `out` holds damaged bytes only when the error below is returned.
+                Some(p) if data.blob.len() >= PARALLEL_CHECK_BYTES => {
+                    rayon::join(|| self.finish_check(p, &data.blob), || copy(out)).0?
+                }
+                Some(p) => {
+                    self.finish_check(p, &data.blob)?;
+                    copy(out)
+                }
+                None => copy(out),
+            }
             covered += (0..n).map(|d| hi[d] - lo[d]).product::<u64>();
         }
         if covered != total {
@@ -594,6 +688,31 @@ impl Checkpoint {
             )));
         }
         Ok(())
+    }
+}
+
+/// Items at least this large are hashed alongside the copy out of them.
+const PARALLEL_CHECK_BYTES: usize = 1 << 20;
+
+/// A CRC-32 check an item still needs.
+struct PendingCrc<'a> {
+    rec: &'a Recorded,
+    /// Remember the item as checked (a mapped file, whose bytes cannot change under us).
+    remember: bool,
+}
+
+impl Recorded {
+    /// The key, with the chunk's offsets for a tensor chunk.
+    fn what(&self) -> String {
+        match &self.offsets {
+            Some(o) => format!("{} chunk {o:?}", self.fqn),
+            None => self.fqn.clone(),
+        }
+    }
+
+    /// Identity of the item for the checked set: the record's address (records never move).
+    fn id(&self) -> usize {
+        self as *const Recorded as usize
     }
 }
 
@@ -692,6 +811,17 @@ pub(crate) fn copy_box(
                 break;
             }
             idx[d] = lo[d];
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn blockwise_crc_equals_the_sequential_one() {
+        for n in [0usize, 5, 16 << 20, (16 << 20) + 1, (40 << 20) + 12_345] {
+            let bytes: Vec<u8> = (0..n).map(|i| (i * 31 % 251) as u8).collect();
+            assert_eq!(super::crc32(&bytes), crc32fast::hash(&bytes), "{n} bytes");
         }
     }
 }
