@@ -14,7 +14,7 @@ MCORE_DIRS := $(foreach v,$(MCORE_MATRIX),$(VENV)/mcore/$(v)/.installed)
 # A side venv with torch 2.3.1 (the oldest torch whose DCP must load our output).
 TORCH231 := $(VENV)/torch231
 
-.PHONY: setup build demo test test-matrix
+.PHONY: setup setup-test build demo test test-matrix
 
 # The stamp names the Python version: a venv made by another Python (the 3.11 one of earlier
 # releases) is removed and made again, never layered on.
@@ -37,7 +37,9 @@ $(TORCH231)/.installed: python/requirements-torch231.txt $(VENV)/.installed-py31
 	$(TORCH231)/bin/python -m pip install -q --no-deps -r python/requirements-torch231.txt
 	touch $@
 
-setup: $(VENV)/.installed-py312 $(MCORE_DIRS) $(TORCH231)/.installed
+# The demo needs the main venv only; the tests also need the older releases and torch 2.3.1.
+setup: $(VENV)/.installed-py312
+setup-test: setup $(MCORE_DIRS) $(TORCH231)/.installed
 
 # Builds the Rust extension and installs the package (and the `shardwise` command) into the venv.
 # Not -q: the first build takes minutes (BENCHMARKS.md "Build time") and cargo's lines show it moving.
@@ -56,10 +58,10 @@ define run_matrix
 	done
 endef
 
-test-matrix: build
+test-matrix: build setup-test
 	$(run_matrix)
 
-test: build
+test: build setup-test
 	cargo test --release
 	$(PY) -m pytest python/tests
 	$(run_matrix)

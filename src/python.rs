@@ -668,6 +668,14 @@ fn is_committed(py: Python<'_>, checkpoint_dir: PathBuf) -> bool {
 /// handlers.
 static MAIN_THREAD: std::sync::OnceLock<std::thread::ThreadId> = std::sync::OnceLock::new();
 
+/// Whether two checkpoints hold the same tensors by their save-time CRC-32s (sidecars only, no
+/// data read); None when either was not saved by shardwise. See `crate::commit::same_tensor_crcs`.
+#[pyfunction]
+fn same_tensor_crcs(py: Python<'_>, a: PathBuf, b: PathBuf) -> PyResult<Option<bool>> {
+    py.detach(|| crate::commit::same_tensor_crcs(&location(&a)?, &location(&b)?))
+        .map_err(to_py)
+}
+
 /// The interrupt check of every bounded wait: in Python's main thread, runs Python's signal handlers
 /// and reports whether one raised (`KeyboardInterrupt` on Ctrl-C). Other threads (an async save's)
 /// never run handlers, so they do not take the GIL for it.
@@ -682,6 +690,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let _ = MAIN_THREAD.set(std::thread::current().id());
     crate::commit::wait::set_interrupt_check(python_interrupted);
     m.add_function(wrap_pyfunction!(is_committed, m)?)?;
+    m.add_function(wrap_pyfunction!(same_tensor_crcs, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(save_rank, m)?)?;
     m.add_function(wrap_pyfunction!(merge, m)?)?;

@@ -804,6 +804,35 @@ def retain(save_root: str, keep: int) -> list[str]:
     return apply_retention(save_root, committed[-1], keep)
 
 
+class UnchangedSaveWarning(UserWarning):
+    """A save whose tensors all equal (by save-time CRC-32) those of the previous committed iteration."""
+
+
+def _unchanged_since(save_root: str, iteration: int, on_unchanged: str) -> Optional[int]:
+    """The newest committed iteration before ``iteration`` whose tensors this save repeats, acting on
+    it as ``on_unchanged`` says (see :func:`save_checkpoint`)."""
+    if on_unchanged == "ignore":
+        return None
+    earlier = [it for it in committed_iterations(save_root) if it < iteration]
+    if not earlier:
+        return None
+    prev = earlier[-1]
+    if not _native.same_tensor_crcs(checkpoint_name(save_root, prev), checkpoint_name(save_root, iteration)):
+        return None
+    msg = (
+        f"iteration {iteration} saved exactly the tensors of iteration {prev} (every tensor's save-time "
+        "CRC-32 is equal): were the weights updated, or is a stale copy being saved?"
+    )
+    if on_unchanged == "error":
+        from ._native import ValidationError
+
+        raise ValidationError(msg + f" The checkpoint is committed; the tracker stays at {read_tracker(save_root)}.")
+    import warnings
+
+    warnings.warn(msg, UnchangedSaveWarning, stacklevel=4)
+    return prev
+
+
 def save_checkpoint(
     save_root: str,
     iteration: int,
@@ -815,6 +844,7 @@ def save_checkpoint(
     timeout_s: float = 600.0,
     keep_last: Optional[int] = None,
     merge_rank: int = 0,
+    on_unchanged: str = "warn",
     **save_kwargs,
 ) -> dict:
     """One training-loop checkpoint, collective-free: ``save_root/iter_{iteration:07d}``, then the
@@ -835,11 +865,19 @@ def save_checkpoint(
         rank, world_size, timeout_s: as for :func:`save` (seconds).
         keep_last: keep this many newest committed ``iter_*`` directories (>= 1), None keeps all.
         merge_rank: the rank that commits, writes the tracker and applies retention.
+        on_unchanged: what the merging rank does when every tensor of this save has the same
+            save-time CRC-32 as in the newest earlier committed iteration of ``save_root`` (same keys
+            and chunks; compared from the two checksum sidecars, no data read): ``"warn"`` (default:
+            a :class:`UnchangedSaveWarning`; a frozen model saved without optimizer state is a
+            legitimate case), ``"error"`` (raise ``ValidationError`` after the commit, and leave the
+            tracker where it was), or ``"ignore"``. Such saves are how a training loop that keeps
+            saving a stale copy of its weights shows (NeMo-RL #3312).
         save_kwargs: passed to :func:`save` (``balance_dp``, ``content_metadata``, ``save_id``...).
 
     Returns:
         :func:`save`'s report, plus ``checkpoint_dir``, and on the merging rank ``tracker`` (the
-        iteration written) and ``deleted`` (paths removed by retention). With
+        iteration written), ``deleted`` (paths removed by retention) and ``unchanged_since`` (the
+        earlier iteration whose tensors this save repeats, or None). With
         ``async_save=True``: a :class:`CheckpointHandle` as soon as this rank's tensors are staged;
         its ``wait()`` returns that report once the save committed and the tracker moved.
 
@@ -852,6 +890,8 @@ def save_checkpoint(
         raise InvalidArgumentError(f"iteration must be an integer >= 0, got {iteration!r}")
     if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
         raise InvalidArgumentError(f"keep_last must be an integer >= 1, got {keep_last!r}")
+    if on_unchanged not in ("warn", "error", "ignore"):
+        raise InvalidArgumentError(f"on_unchanged must be 'warn', 'error' or 'ignore', got {on_unchanged!r}")
     if common_state:
         clash = sorted(set(common_state) & set(sharded_state_dict))
         if clash:
@@ -878,6 +918,7 @@ def save_checkpoint(
     def finish(report: dict) -> dict:
         report["checkpoint_dir"] = ckpt
         if rank == merge_rank:
+            report["unchanged_since"] = _unchanged_since(save_root, iteration, on_unchanged)
             update_tracker(save_root, iteration)
             report["tracker"] = read_tracker(save_root)
             report["deleted"] = apply_retention(save_root, iteration, keep_last) if keep_last is not None else []

@@ -115,6 +115,29 @@ pub fn read_checksums(loc: &Location) -> Result<Option<Checksums>> {
     }
 }
 
+/// Whether checkpoints `a` and `b` hold the same tensors bit for bit by their save-time CRC-32s:
+/// the same set of tensor chunks (key and global offsets) with equal CRCs, read from the two
+/// checksum sidecars alone (no data is read). Byte objects are not compared (RNG states and the
+/// like change every save). `None` when either has no sidecar (not saved by shardwise).
+///
+/// Used to catch saves that did not change (NeMo-RL #3312: every save after the first rewrote the
+/// first one's tensors). A CRC-32 match is evidence, not proof, of equal bytes.
+///
+/// Errors: as [`read_checksums`].
+pub fn same_tensor_crcs(a: &Location, b: &Location) -> Result<Option<bool>> {
+    let (Some(a), Some(b)) = (read_checksums(a)?, read_checksums(b)?) else {
+        return Ok(None);
+    };
+    let tensors = |c: Checksums| -> std::collections::HashMap<(String, Vec<u64>), u32> {
+        c.items
+            .into_iter()
+            .filter_map(|i| i.offsets.map(|o| ((i.fqn, o), i.crc32)))
+            .collect()
+    };
+    let (a, b) = (tensors(a), tensors(b));
+    Ok(Some(!a.is_empty() && a == b))
+}
+
 pub(crate) fn not_committed(loc: &Location, save_id: &str, reason: String) -> Error {
     Error::NotCommitted {
         dir: loc.display_path(),
@@ -264,7 +287,10 @@ fn commit(
     timeout: Duration,
     fresh: &Freshness,
 ) -> Result<CommitSummary> {
-    let result = commit_unguarded(loc, save_id, world_size, timeout, fresh);
+    let result = commit_unguarded(loc, save_id, world_size, timeout, fresh).map_err(|e| match e {
+        Error::Validation(m) => Error::Validation(format!("{m}; nothing committed")),
+        other => other,
+    });
     if let Err(e) = &result {
         publish_failed(loc, save_id, &e.to_string());
     }
