@@ -349,14 +349,17 @@ fn prepare(opts: &SaveOptions) -> Result<String> {
             loc.remove(".metadata")?;
         }
     }
-    // This rank's part of an earlier attempt with the same save id (by this process, or published
-    // before this process started) describes data about to be replaced; one that another process
-    // published while this one runs means two live processes save as this rank.
+    // This rank's part of an earlier attempt with the same save id (by this process, or by one that
+    // is gone) describes data about to be replaced. One whose process is alive (on this host), or
+    // that another host published while this process runs, means two live processes save as this
+    // rank.
     let own = part_rel(&opts.save_id, opts.rank);
     if let Ok(p) = read_part(loc, &own) {
-        if p.publisher != part::publisher() && p.published_at_ns >= process_start_ns() {
+        let other = p.publisher != part::publisher();
+        if other && (part::publisher_alive(&p.publisher) || p.published_at_ns >= process_start_ns()) {
             return Err(Error::Validation(format!(
-                "rank {} already published a part for save {} in {loc} (process {}) while this process runs: two processes save as the same rank",
+                "rank {} already published a part for save {} in {loc} (process {}), which is still \
+                 running: two processes save as the same rank",
                 opts.rank, opts.save_id, p.publisher
             )));
         }

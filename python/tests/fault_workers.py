@@ -37,6 +37,10 @@ def save_rank(ckpt: str, rank: int, world: int, save_id, rows: int, timeout_s: f
     out: dict = {"rank": rank}
     if trap_sigint:
         signal.signal(signal.SIGINT, lambda *_: out.setdefault("sigint_s", time.monotonic() - t0))
+    else:
+        # A training process's own disposition, whatever this test run inherited (a shell runs
+        # background jobs with SIGINT ignored).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         out["report"] = swm.save(state, ckpt, rank=rank, world_size=world, save_id=save_id, timeout_s=timeout_s,
                                  merge_rank=merge_rank, wait_for_commit=wait_for_commit, **save_kw)

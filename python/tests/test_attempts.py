@@ -330,8 +330,10 @@ def test_ctrl_c_stops_a_cli_merge_within_a_poll(ctx, tmp_path):
     ckpt, out = tmp_path / "c", tmp_path / "out"
     assert finish(start_ranks(ctx, ckpt, "int", out, ranks=[0, 1], timeout_s=60.0, merge_rank=None, wait_for_commit=False),
                   out, "int")[0]["ok"]
+    # SIGINT as a terminal gives it, whatever this test run inherited (background jobs ignore it).
     merger = subprocess.Popen([*CLI, "merge", str(ckpt), "--world-size", str(WORLD), "--timeout", "60"],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     wait_for(ckpt / ".shardwise" / "int" / "COMMITTING")
     t0 = time.monotonic()
     merger.send_signal(signal.SIGINT)

@@ -111,6 +111,22 @@ pub fn publisher() -> String {
     )
 }
 
+/// Whether the process a part names as its publisher is alive: it runs on this host, and a process
+/// with its pid started when it did (within 0.1 s; a reused pid started later). `false` when it is
+/// gone or runs on another host (not knowable from here).
+pub fn publisher_alive(publisher: &str) -> bool {
+    let mut it = publisher.rsplitn(3, ':');
+    let (Some(start), Some(pid), Some(host)) = (it.next(), it.next(), it.next()) else {
+        return false;
+    };
+    let (Ok(start), Ok(pid)) = (start.parse::<u64>(), pid.parse::<u32>()) else {
+        return false;
+    };
+    let my_host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    host == my_host.trim()
+        && super::wait::process_start_of(pid).is_some_and(|s| s.abs_diff(start) < 100_000_000)
+}
+
 /// `.shardwise/<save_id>`, relative to the checkpoint.
 pub fn save_rel(save_id: &str) -> String {
     format!("{STATE_DIR}/{save_id}")

@@ -120,35 +120,37 @@ impl Freshness {
     }
 }
 
-/// Wall-clock start of this process, ns since the Unix epoch (Linux: `/proc/self/stat` start time
-/// on the boot clock, carried over to the wall clock; 10 ms resolution). Falls back to now.
+/// Wall-clock start of this process, ns since the Unix epoch (see [`process_start_of`]); falls
+/// back to now.
 pub fn process_start_ns() -> u64 {
     static START: OnceLock<u64> = OnceLock::new();
-    *START.get_or_init(|| {
-        let now = super::part::now_ns();
-        let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
-        // Field 22 (starttime, clock ticks since boot); the command name (field 2) may hold
-        // spaces, so count from the closing parenthesis.
-        let ticks = stat
-            .rsplit_once(')')
-            .and_then(|(_, rest)| rest.split_whitespace().nth(19))
-            .and_then(|s| s.parse::<u64>().ok());
-        // SAFETY: plain libc calls with valid out-pointers.
-        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
-        let mut ts = libc::timespec {
-            tv_sec: 0,
-            tv_nsec: 0,
-        };
-        let boot_ok = unsafe { libc::clock_gettime(libc::CLOCK_BOOTTIME, &mut ts) } == 0;
-        match (ticks, hz > 0, boot_ok) {
-            (Some(ticks), true, true) => {
-                let since_boot = ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64;
-                let started = ticks.saturating_mul(1_000_000_000) / hz as u64;
-                now.saturating_sub(since_boot.saturating_sub(started))
-            }
-            _ => now,
-        }
-    })
+    *START.get_or_init(|| process_start_of(std::process::id()).unwrap_or_else(super::part::now_ns))
+}
+
+/// Wall-clock start of process `pid` on this machine, ns since the Unix epoch (Linux:
+/// `/proc/<pid>/stat` start time on the boot clock, carried over to the wall clock; 10 ms
+/// resolution); `None` when there is no such process.
+pub fn process_start_of(pid: u32) -> Option<u64> {
+    let now = super::part::now_ns();
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Field 22 (starttime, clock ticks since boot); the command name (field 2) may hold spaces,
+    // so count from the closing parenthesis.
+    let ticks = stat
+        .rsplit_once(')')
+        .and_then(|(_, rest)| rest.split_whitespace().nth(19))
+        .and_then(|s| s.parse::<u64>().ok())?;
+    // SAFETY: plain libc calls with valid out-pointers.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    if hz <= 0 || unsafe { libc::clock_gettime(libc::CLOCK_BOOTTIME, &mut ts) } != 0 {
+        return None;
+    }
+    let since_boot = ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64;
+    let started = ticks.saturating_mul(1_000_000_000) / hz as u64;
+    Some(now.saturating_sub(since_boot.saturating_sub(started)))
 }
 
 /// Ranks in `0..world_size` with no part yet.
