@@ -128,8 +128,10 @@ pub fn process_start_ns() -> u64 {
 }
 
 /// Wall-clock start of process `pid` on this machine, ns since the Unix epoch (Linux:
-/// `/proc/<pid>/stat` start time on the boot clock, carried over to the wall clock; 10 ms
-/// resolution); `None` when there is no such process.
+/// `/proc/<pid>/stat` start time on the boot clock, carried over to the wall clock), rounded up to
+/// the end of its clock tick (10 ms): the latest instant it can have started, so that a marker
+/// written just before the process started is never taken for one written after. `None` when
+/// there is no such process.
 pub fn process_start_of(pid: u32) -> Option<u64> {
     let now = super::part::now_ns();
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
@@ -149,7 +151,7 @@ pub fn process_start_of(pid: u32) -> Option<u64> {
         return None;
     }
     let since_boot = ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64;
-    let started = ticks.saturating_mul(1_000_000_000) / hz as u64;
+    let started = (ticks + 1).saturating_mul(1_000_000_000) / hz as u64;
     Some(now.saturating_sub(since_boot.saturating_sub(started)))
 }
 
