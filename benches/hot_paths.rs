@@ -65,9 +65,9 @@ fn write_rank_file(bencher: Bencher, gib: usize) {
     let chunks = common::chunks_of(&buf, piece);
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("__0_0.distcp");
-    bencher
-        .counter(BytesCount::new(total))
-        .bench_local(|| shardwise::writer::write_rank_file(&path, 0, &chunks, &[], None, false).unwrap());
+    bencher.counter(BytesCount::new(total)).bench_local(|| {
+        shardwise::writer::write_rank_file(&path, 0, &chunks, &[], None, false).unwrap()
+    });
 }
 
 #[divan::bench(sample_count = 3, sample_size = 1)]

@@ -74,7 +74,14 @@ fn main() {
     );
     drop((meta, global, parts));
     let (t1, c1) = (Instant::now(), cpu_s());
-    let summary = merge(&loc, common::SAVE_ID, world, Duration::from_secs(60), &Freshness::any_part()).unwrap();
+    let summary = merge(
+        &loc,
+        common::SAVE_ID,
+        world,
+        Duration::from_secs(60),
+        &Freshness::any_part(),
+    )
+    .unwrap();
     let merge_s = t1.elapsed().as_secs_f64();
     let merge_cpu = cpu_s() - c1;
     println!(

@@ -35,11 +35,16 @@ fn noise(n: usize, seed: u64) -> Vec<u8> {
 
 fn main() {
     let dir = std::path::PathBuf::from(std::env::args().nth(1).expect("DIR"));
-    let (big, big_mib, small, small_kib, reps) = (arg(2, 16), arg(3, 64), arg(4, 4000), arg(5, 16), arg(6, 7));
+    let (big, big_mib, small, small_kib, reps) =
+        (arg(2, 16), arg(3, 64), arg(4, 4000), arg(5, 16), arg(6, 7));
     let _ = std::fs::remove_dir_all(&dir);
     let (checked, unchecked) = (dir.join("checked"), dir.join("unchecked"));
-    let big_data: Vec<Vec<u8>> = (0..big).map(|i| noise((big_mib << 20) as usize, i + 1)).collect();
-    let small_data: Vec<Vec<u8>> = (0..small).map(|i| noise((small_kib << 10) as usize, i + 1000)).collect();
+    let big_data: Vec<Vec<u8>> = (0..big)
+        .map(|i| noise((big_mib << 20) as usize, i + 1))
+        .collect();
+    let small_data: Vec<Vec<u8>> = (0..small)
+        .map(|i| noise((small_kib << 10) as usize, i + 1000))
+        .collect();
     let obj_data = noise(600, 7);
     let mut tensors = Vec::new();
     for (i, d) in big_data.iter().enumerate() {
@@ -101,14 +106,16 @@ fn main() {
         let t0 = Instant::now();
         for i in 0..big {
             let rows = (big_mib << 20) / 4 / 1024;
-            ckpt.read_region(&format!("big.{i}"), &[0, 0], &[rows, 1024], buf).unwrap();
+            ckpt.read_region(&format!("big.{i}"), &[0, 0], &[rows, 1024], buf)
+                .unwrap();
         }
         let t_big = t0.elapsed().as_secs_f64();
         let n = (small_kib << 10) / 4;
         let t0 = Instant::now();
         for i in 0..small {
             let out = &mut buf[..(small_kib << 10) as usize];
-            ckpt.read_region(&format!("small.{i}"), &[0], &[n], out).unwrap();
+            ckpt.read_region(&format!("small.{i}"), &[0], &[n], out)
+                .unwrap();
         }
         let t_small = t0.elapsed().as_secs_f64();
         let t0 = Instant::now();
@@ -138,8 +145,18 @@ fn main() {
         std::thread::available_parallelism().map_or(0, |n| n.get()),
         small / 10
     );
-    println!("{:<28} {:>12} {:>12} {:>8}", "metric", "unchecked", "checked", "ratio");
-    for (m, name) in ["large tensors GB/s", "small tensor reads/s", "object reads/s"].iter().enumerate() {
+    println!(
+        "{:<28} {:>12} {:>12} {:>8}",
+        "metric", "unchecked", "checked", "ratio"
+    );
+    for (m, name) in [
+        "large tensors GB/s",
+        "small tensor reads/s",
+        "object reads/s",
+    ]
+    .iter()
+    .enumerate()
+    {
         let (u, c) = (med(&res[0], m), med(&res[1], m));
         println!("{name:<28} {u:>12.2} {c:>12.2} {:>8.3}", c / u);
     }

@@ -10,12 +10,12 @@ use clap::{Parser, Subcommand};
 use indicatif::HumanBytes;
 use serde::Serialize;
 
-use crate::error::{fmt_ranks, Error, Result};
-use crate::format::metadata::Entry;
-use crate::reader::Checkpoint;
 use crate::commit::part::{listed_parts, read_part, save_rel, RankPart, STATE_DIR};
 use crate::commit::state::{checkpoint_state, orphaned_data_files, save_state, CheckpointState};
 use crate::commit::wait::{missing_ranks, timeout_from_secs, Freshness};
+use crate::error::{fmt_ranks, Error, Result};
+use crate::format::metadata::Entry;
+use crate::reader::Checkpoint;
 use crate::storage::Location;
 
 const EXIT_CODES: &str = "Exit codes:\n  0  success (verify: no problem found)\n  1  the operation failed, or verify found problems\n  2  bad command line\n  130  interrupted (Ctrl-C) during a wait; nothing committed\n  141  stdout was closed early (e.g. `| head`); nothing more is printed";
@@ -232,7 +232,10 @@ where
         Ok(code) => code,
         Err(Stop::Pipe) => EXIT_PIPE,
         Err(Stop::Fail(Error::Interrupted)) => {
-            let _ = writeln!(std::io::stderr(), "shardwise: interrupted; nothing committed");
+            let _ = writeln!(
+                std::io::stderr(),
+                "shardwise: interrupted; nothing committed"
+            );
             EXIT_INTERRUPTED
         }
         Err(Stop::Fail(e)) => {
@@ -421,7 +424,10 @@ fn verify_output(dir: &Location, report: &crate::verify::Report, json: bool) -> 
             if report.quick {
                 "layout and sizes only (--quick: no data read)".to_string()
             } else {
-                format!("{} checked against save-time CRC-32s", report.sidecar_checked)
+                format!(
+                    "{} checked against save-time CRC-32s",
+                    report.sidecar_checked
+                )
             },
             if report.problems.is_empty() {
                 "OK".to_string()
@@ -946,9 +952,9 @@ fn diff(args: DiffArgs) -> Outcome {
                 "--atol and --rtol must be numbers >= 0".into(),
             ));
         }
-        let threads = args.threads.unwrap_or_else(|| {
-            std::thread::available_parallelism().map_or(4, |n| n.get().min(8))
-        });
+        let threads = args
+            .threads
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(4, |n| n.get().min(8)));
         let opts = crate::diff::DiffOptions {
             atol: args.atol,
             rtol: args.rtol,

@@ -4,10 +4,10 @@
 //! merging rank commits the global `.metadata` through a file-based rendezvous ([`commit`]).
 pub mod cli;
 pub mod commit;
+pub mod diff;
 pub mod error;
 pub mod format;
 pub mod gpu;
-pub mod diff;
 pub mod hf;
 pub mod hints;
 pub mod integrity;

@@ -11,12 +11,12 @@ use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 
+use crate::commit::part::ObjectShard;
+use crate::commit::wait::{timeout_from_secs, Freshness};
 use crate::error::Error;
 use crate::format::dtype::DType;
 use crate::format::metadata::Entry;
 use crate::reader::Checkpoint;
-use crate::commit::part::ObjectShard;
-use crate::commit::wait::{timeout_from_secs, Freshness};
 use crate::save::{save_rank as rust_save_rank, ObjectItem, SaveOptions, SaveReport};
 use crate::staging::{self, DEFAULT_BUFFER_BYTES};
 use crate::storage::Location;
@@ -478,8 +478,15 @@ fn diff_json(
         rtol,
         keys,
         exclude,
-        hf: crate::hf::HfOptions::from_user(hf_config, arch, None, "5GB", Some(threads), allow_unmapped)
-            .map_err(to_py)?,
+        hf: crate::hf::HfOptions::from_user(
+            hf_config,
+            arch,
+            None,
+            "5GB",
+            Some(threads),
+            allow_unmapped,
+        )
+        .map_err(to_py)?,
         slab_bytes: 32 << 20,
         threads,
     };

@@ -128,20 +128,18 @@ pub fn save_rank(
             opts.timeout,
             &opts.freshness,
         )
-        .map_err(
-            |e| match e {
-                Error::NotCommitted {
-                    dir,
-                    save_id,
-                    reason,
-                } => Error::NotCommitted {
-                    dir,
-                    save_id,
-                    reason: format!("{reason} (merging rank {m})"),
-                },
-                other => other,
+        .map_err(|e| match e {
+            Error::NotCommitted {
+                dir,
+                save_id,
+                reason,
+            } => Error::NotCommitted {
+                dir,
+                save_id,
+                reason: format!("{reason} (merging rank {m})"),
             },
-        )?;
+            other => other,
+        })?;
         report.committed = true;
     }
     report.rendezvous_s = t1.elapsed().as_secs_f64();
@@ -225,11 +223,24 @@ fn write_and_publish(
             .collect();
         let seed = opts.rank as u64;
         let written = match loc {
-            Location::Local(dir) => {
-                write_rank_file(&dir.join(&name), seed, tensors, &raw_objects, staging, opts.integrity)
-            }
+            Location::Local(dir) => write_rank_file(
+                &dir.join(&name),
+                seed,
+                tensors,
+                &raw_objects,
+                staging,
+                opts.integrity,
+            ),
             Location::Remote(r) => r.upload(&name).and_then(|up| {
-                write_rank_object(up, r.part_bytes, seed, tensors, &raw_objects, staging, opts.integrity)
+                write_rank_object(
+                    up,
+                    r.part_bytes,
+                    seed,
+                    tensors,
+                    &raw_objects,
+                    staging,
+                    opts.integrity,
+                )
             }),
         };
         let written = match written {
@@ -356,7 +367,8 @@ fn prepare(opts: &SaveOptions) -> Result<String> {
     let own = part_rel(&opts.save_id, opts.rank);
     if let Ok(p) = read_part(loc, &own) {
         let other = p.publisher != part::publisher();
-        if other && (part::publisher_alive(&p.publisher) || p.published_at_ns >= process_start_ns()) {
+        if other && (part::publisher_alive(&p.publisher) || p.published_at_ns >= process_start_ns())
+        {
             return Err(Error::Validation(format!(
                 "rank {} already published a part for save {} in {loc} (process {}), which is still \
                  running: two processes save as the same rank",

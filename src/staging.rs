@@ -24,7 +24,8 @@ pub const DEFAULT_BUDGET_BYTES: usize = 4 << 30;
 /// a 16 GiB rank stalls 3.4 s with a 4 GiB budget and 0.33 s with one that holds the whole rank.
 pub fn default_budget(rank_bytes: u64) -> usize {
     let want = (rank_bytes as usize).saturating_add(DEFAULT_BUFFER_BYTES);
-    want.max(DEFAULT_BUDGET_BYTES).min(host_bound().max(DEFAULT_BUDGET_BYTES))
+    want.max(DEFAULT_BUDGET_BYTES)
+        .min(host_bound().max(DEFAULT_BUDGET_BYTES))
 }
 
 /// The most host memory a default budget takes, in bytes: half of the machine's memory

@@ -5,10 +5,10 @@
 
 use std::time::Duration;
 
+use shardwise::commit::wait::Freshness;
 use shardwise::format::dtype::DType;
 use shardwise::reader::Checkpoint;
 use shardwise::save::{save_rank, SaveOptions};
-use shardwise::commit::wait::Freshness;
 use shardwise::storage::Location;
 use shardwise::writer::{Payload, TensorChunk};
 

@@ -7,9 +7,11 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use rayon::prelude::*;
+use shardwise::commit::part::{
+    now_ns, write_part, FileRecord, RankPart, TensorRecord, PART_FORMAT,
+};
 use shardwise::format::dtype::DType;
 use shardwise::format::metadata::{Chunk, Entry, StorageInfo};
-use shardwise::commit::part::{now_ns, write_part, FileRecord, RankPart, TensorRecord, PART_FORMAT};
 use shardwise::storage::Location;
 use shardwise::writer::{Payload, TensorChunk};
 

@@ -139,4 +139,3 @@ pub fn dead_merger(loc: &Location, save_id: &str) -> Option<String> {
         None
     }
 }
-

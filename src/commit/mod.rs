@@ -317,10 +317,12 @@ fn commit_unguarded(
         since_ns: None,
         failed_since_ns: 0,
     };
-    parts.par_iter().try_for_each(|p| match stale_reason(loc, p, &any)? {
-        None => Ok(()),
-        Some(why) => Err(Error::Validation(format!("rank {}: {why}", p.rank))),
-    })?;
+    parts
+        .par_iter()
+        .try_for_each(|p| match stale_reason(loc, p, &any)? {
+            None => Ok(()),
+            Some(why) => Err(Error::Validation(format!("rank {}: {why}", p.rank))),
+        })?;
     let megatron = parts.first().is_some_and(|p| p.megatron);
     let common = parts.iter().find_map(|p| p.common.as_ref());
     if megatron && common.is_none() {
@@ -339,7 +341,10 @@ fn commit_unguarded(
         None => None,
     };
     // The sidecar is written, and dropped, before `.metadata` is pickled: at scale each is ~1 GB.
-    loc.write(&marker_rel(save_id, CHECKSUMS_FILE), global.checksums(save_id)?)?;
+    loc.write(
+        &marker_rel(save_id, CHECKSUMS_FILE),
+        global.checksums(save_id)?,
+    )?;
     let meta = emit_metadata_from(&global);
     let record = commit_record(save_id, &parts, &global, &meta, common_digest, megatron);
     drop(global);

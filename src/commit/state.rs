@@ -19,9 +19,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use super::lock::dead_merger;
-use super::part::{
-    listed_parts, marker_rel, read_failed, read_part, COMMON_FILE, STATE_DIR,
-};
+use super::part::{listed_parts, marker_rel, read_failed, read_part, COMMON_FILE, STATE_DIR};
 use super::wait::{stale_reason, Freshness};
 use super::CommitSummary;
 use crate::error::Result;
@@ -114,7 +112,10 @@ pub fn checkpoint_state(loc: &Location) -> Result<CheckpointState> {
     let Some(meta) = meta else {
         return Ok(match records.first() {
             Some(r) => damaged(
-                format!(".metadata is missing, although save {} committed it", r.save_id),
+                format!(
+                    ".metadata is missing, although save {} committed it",
+                    r.save_id
+                ),
                 Some(r),
             ),
             None => CheckpointState::NotCommitted {
@@ -144,9 +145,10 @@ pub fn checkpoint_state(loc: &Location) -> Result<CheckpointState> {
     }
     if !ids.is_empty() && !legacy_marker {
         return Ok(CheckpointState::NotCommitted {
-            reason: ".metadata was written by a merger that did not finish the commit (no COMMITTED \
+            reason:
+                ".metadata was written by a merger that did not finish the commit (no COMMITTED \
                      record); `shardwise merge` finishes it"
-                .into(),
+                    .into(),
         });
     }
     Ok(match foreign_problem(loc, &meta)? {
@@ -249,7 +251,10 @@ pub fn files_in_use(loc: &Location, state: &CheckpointState) -> Result<Vec<Strin
             r.files.iter().map(|(n, _)| n.clone()).collect()
         }
         CheckpointState::Committed { record: None } => match loc.read(".metadata")? {
-            Some(meta) => needed_files(&meta).unwrap_or_default().into_keys().collect(),
+            Some(meta) => needed_files(&meta)
+                .unwrap_or_default()
+                .into_keys()
+                .collect(),
             None => Vec::new(),
         },
         _ => Vec::new(),
@@ -263,13 +268,20 @@ pub enum SaveState {
     /// A live merger holds the `COMMITTING` lock.
     Merging,
     /// The merger died holding the lock (`holder`: its pid and host); `shardwise merge` takes over.
-    Interrupted { holder: String },
+    Interrupted {
+        holder: String,
+    },
     /// The merger gave up; `mergeable` when every rank's part is now present and its data files
     /// are unchanged, so `shardwise merge` would commit.
-    Failed { reason: String, mergeable: bool },
+    Failed {
+        reason: String,
+        mergeable: bool,
+    },
     /// Waiting for parts (see [`crate::commit::wait::missing_ranks`]); `stale` parts describe
     /// files that changed since they were published.
-    Incomplete { stale: Vec<(u32, String)> },
+    Incomplete {
+        stale: Vec<(u32, String)>,
+    },
 }
 
 impl SaveState {
@@ -387,7 +399,10 @@ pub fn orphaned_data_files(loc: &Location) -> Result<Vec<String>> {
 
 /// `__<rank>_<n>.distcp`, the data-file names torch's `FileSystemWriter` and shardwise use.
 pub fn is_data_file_name(name: &str) -> bool {
-    let Some(stem) = name.strip_prefix("__").and_then(|s| s.strip_suffix(".distcp")) else {
+    let Some(stem) = name
+        .strip_prefix("__")
+        .and_then(|s| s.strip_suffix(".distcp"))
+    else {
         return false;
     };
     let mut it = stem.split('_');
@@ -406,7 +421,13 @@ mod tests {
     fn data_file_names() {
         assert!(is_data_file_name("__0_0.distcp"));
         assert!(is_data_file_name("__12_3.distcp"));
-        for n in ["__0.distcp", "__a_0.distcp", "_0_0.distcp", "__0_0_0.distcp", "__0_0.distcp.tmp"] {
+        for n in [
+            "__0.distcp",
+            "__a_0.distcp",
+            "_0_0.distcp",
+            "__0_0_0.distcp",
+            "__0_0.distcp.tmp",
+        ] {
             assert!(!is_data_file_name(n), "{n}");
         }
     }

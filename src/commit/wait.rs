@@ -173,7 +173,11 @@ pub fn missing_ranks(loc: &Location, save_id: &str, world_size: u32) -> Result<V
 /// published (a rerun or a second process saving as the same rank).
 ///
 /// Errors: storage errors when a file cannot be checked.
-pub(super) fn stale_reason(loc: &Location, p: &RankPart, fresh: &Freshness) -> Result<Option<String>> {
+pub(super) fn stale_reason(
+    loc: &Location,
+    p: &RankPart,
+    fresh: &Freshness,
+) -> Result<Option<String>> {
     if !fresh.part_is_current(p) {
         return Ok(Some(
             "its part was published before this process started (an earlier attempt's)".into(),
@@ -302,7 +306,9 @@ pub fn wait_for_commit(
     let deadline = Instant::now() + timeout;
     let mut backoff = Backoff::new();
     loop {
-        if read_commit_record(loc, save_id).is_some_and(|c| fresh.commit_is_current(c.committed_at_ns)) {
+        if read_commit_record(loc, save_id)
+            .is_some_and(|c| fresh.commit_is_current(c.committed_at_ns))
+        {
             return Ok(());
         }
         if let Some(f) = read_failed(loc, save_id).filter(|f| f.at_ns >= fresh.failed_since_ns) {

@@ -9,7 +9,9 @@ pub mod remote;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-pub use local::{atomic_create, atomic_write, create_dir_all, fsync_dir, sweep_temp_files, DataFile};
+pub use local::{
+    atomic_create, atomic_write, create_dir_all, fsync_dir, sweep_temp_files, DataFile,
+};
 
 use crate::error::{Error, Result};
 

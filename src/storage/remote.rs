@@ -304,7 +304,11 @@ impl Remote {
             Ok(m) => Ok(Some(match (m.e_tag, m.version) {
                 (Some(e), _) => format!("etag:{e}"),
                 (None, Some(v)) => format!("version:{v}"),
-                (None, None) => format!("{}:{}", m.size, m.last_modified.timestamp_nanos_opt().unwrap_or(0)),
+                (None, None) => format!(
+                    "{}:{}",
+                    m.size,
+                    m.last_modified.timestamp_nanos_opt().unwrap_or(0)
+                ),
             })),
             Err(object_store::Error::NotFound { .. }) => Ok(None),
             Err(e) => Err(self.err("head", rel)(e)),
