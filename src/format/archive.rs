@@ -26,20 +26,63 @@ pub struct Record {
     pub crc: u32,
 }
 
-fn le16(b: &[u8], at: usize) -> R<u16> {
-    b.get(at..at + 2)
-        .map(|s| u16::from_le_bytes(s.try_into().unwrap()))
+/// An item's bytes, whole or in part: the loader decodes an item from its first and last bytes
+/// alone (the zip structures torch writes sit there) to find where its tensor data lies before
+/// reading it. Offsets are those of the whole item; a range that is not held reads as `None`,
+/// which decoding reports as a truncated structure.
+pub trait Blob {
+    /// Length of the whole item in bytes.
+    fn size(&self) -> usize;
+    /// Bytes `r` of the item, when held.
+    fn range(&self, r: std::ops::Range<usize>) -> Option<&[u8]>;
+}
+
+impl Blob for [u8] {
+    fn size(&self) -> usize {
+        self.len()
+    }
+    fn range(&self, r: std::ops::Range<usize>) -> Option<&[u8]> {
+        self.get(r)
+    }
+}
+
+/// The first and the last bytes of an item of `size` bytes.
+pub struct HeadTail<'a> {
+    pub size: usize,
+    pub head: &'a [u8],
+    pub tail: &'a [u8],
+}
+
+impl Blob for HeadTail<'_> {
+    fn size(&self) -> usize {
+        self.size
+    }
+    fn range(&self, r: std::ops::Range<usize>) -> Option<&[u8]> {
+        let tail_start = self.size.checked_sub(self.tail.len())?;
+        if r.end <= self.head.len() {
+            self.head.get(r)
+        } else if r.start >= tail_start {
+            self.tail
+                .get(r.start - tail_start..r.end.checked_sub(tail_start)?)
+        } else {
+            None
+        }
+    }
+}
+
+fn field<const N: usize>(b: &(impl Blob + ?Sized), at: usize) -> R<[u8; N]> {
+    b.range(at..at + N)
+        .map(|s| s.try_into().unwrap())
         .ok_or_else(|| ArchiveError("truncated zip structure".into()))
 }
-fn le32(b: &[u8], at: usize) -> R<u32> {
-    b.get(at..at + 4)
-        .map(|s| u32::from_le_bytes(s.try_into().unwrap()))
-        .ok_or_else(|| ArchiveError("truncated zip structure".into()))
+fn le16(b: &(impl Blob + ?Sized), at: usize) -> R<u16> {
+    field(b, at).map(u16::from_le_bytes)
 }
-fn le64(b: &[u8], at: usize) -> R<u64> {
-    b.get(at..at + 8)
-        .map(|s| u64::from_le_bytes(s.try_into().unwrap()))
-        .ok_or_else(|| ArchiveError("truncated zip structure".into()))
+fn le32(b: &(impl Blob + ?Sized), at: usize) -> R<u32> {
+    field(b, at).map(u32::from_le_bytes)
+}
+fn le64(b: &(impl Blob + ?Sized), at: usize) -> R<u64> {
+    field(b, at).map(u64::from_le_bytes)
 }
 
 /// Lists the records of a zip archive. Only STORED (method 0) records are accepted, as torch writes.
@@ -47,11 +90,16 @@ fn le64(b: &[u8], at: usize) -> R<u64> {
 /// Errors: [`ArchiveError`] when the blob is not a complete zip (truncated, wrong `length` in the
 /// metadata, compressed records, offsets outside the blob).
 pub fn records(blob: &[u8]) -> R<Vec<Record>> {
+    records_in(blob)
+}
+
+/// [`records`] of an item held in part ([`Blob`]).
+pub fn records_in(blob: &(impl Blob + ?Sized)) -> R<Vec<Record>> {
     // End of central directory: the last "PK\5\6" within the final 64 KiB + 22 bytes.
-    let lo = blob.len().saturating_sub(22 + 65535);
-    let eocd = (lo..=blob.len().saturating_sub(22))
+    let lo = blob.size().saturating_sub(22 + 65535);
+    let eocd = (lo..=blob.size().saturating_sub(22))
         .rev()
-        .find(|&i| blob[i..].starts_with(b"PK\x05\x06"))
+        .find(|&i| blob.range(i..i + 4) == Some(b"PK\x05\x06"))
         .ok_or_else(|| {
             ArchiveError(
                 "no zip end-of-central-directory record (item truncated or length wrong)".into(),
@@ -60,14 +108,11 @@ pub fn records(blob: &[u8]) -> R<Vec<Record>> {
     let mut entries = le16(blob, eocd + 10)? as u64;
     let mut cd_size = le32(blob, eocd + 12)? as u64;
     let mut cd_offset = le32(blob, eocd + 16)? as u64;
-    if eocd >= 20 && blob[eocd - 20..].starts_with(b"PK\x06\x07") {
+    if eocd >= 20 && blob.range(eocd - 20..eocd - 16) == Some(b"PK\x06\x07") {
         let z64 = le64(blob, eocd - 20 + 8)?;
         let z64 = usize::try_from(z64)
             .map_err(|_| ArchiveError("zip64 record offset out of range".into()))?;
-        if !blob
-            .get(z64..)
-            .is_some_and(|s| s.starts_with(b"PK\x06\x06"))
-        {
+        if blob.range(z64..z64.saturating_add(4)) != Some(b"PK\x06\x06") {
             return bad("zip64 locator points at no zip64 end record");
         }
         entries = le64(blob, z64 + 32)?;
@@ -76,7 +121,7 @@ pub fn records(blob: &[u8]) -> R<Vec<Record>> {
     }
     let cd_end = cd_offset
         .checked_add(cd_size)
-        .filter(|&e| e <= blob.len() as u64);
+        .filter(|&e| e <= blob.size() as u64);
     if cd_end.is_none() {
         return bad("central directory lies outside the item");
     }
@@ -98,11 +143,11 @@ pub fn records(blob: &[u8]) -> R<Vec<Record>> {
         let comment_len = le16(blob, at + 32)? as usize;
         let mut local = le32(blob, at + 42)? as u64;
         let name = blob
-            .get(at + 46..at + 46 + name_len)
+            .range(at + 46..at + 46 + name_len)
             .ok_or_else(|| ArchiveError("truncated file name".into()))?;
         let name = String::from_utf8_lossy(name).into_owned();
         let extra = blob
-            .get(at + 46 + name_len..at + 46 + name_len + extra_len)
+            .range(at + 46 + name_len..at + 46 + name_len + extra_len)
             .ok_or_else(|| ArchiveError("truncated extra field".into()))?;
         // zip64 extended information: values present only for fields saturated at 0xFFFFFFFF.
         let mut e = 0;
@@ -134,7 +179,7 @@ pub fn records(blob: &[u8]) -> R<Vec<Record>> {
             local + 30 + le16(blob, local + 26)? as usize + le16(blob, local + 28)? as usize;
         let end = (start as u64)
             .checked_add(usize_)
-            .filter(|&e| e <= blob.len() as u64);
+            .filter(|&e| e <= blob.size() as u64);
         if end.is_none() {
             return bad(format!("record {name} extends past the end of the item"));
         }
@@ -199,14 +244,22 @@ fn ints(v: &Value, what: &str) -> R<Vec<u64>> {
 ///
 /// Errors: [`ArchiveError`] for anything else, or a storage too small for shape/strides/offset.
 pub fn stored_tensor(blob: &[u8]) -> R<StoredTensor> {
-    let recs = records(blob)?;
+    stored_tensor_in(blob)
+}
+
+/// [`stored_tensor`] of an item held in part ([`Blob`]): its first bytes (local headers and
+/// `data.pkl`) and its last ones (central directory) suffice.
+pub fn stored_tensor_in(blob: &(impl Blob + ?Sized)) -> R<StoredTensor> {
+    let recs = records_in(blob)?;
     let pkl = recs
         .iter()
         .find(|r| r.name.ends_with("/data.pkl") || r.name == "data.pkl")
         .ok_or_else(|| ArchiveError("no data.pkl record".into()))?;
     let prefix = &pkl.name[..pkl.name.len() - "data.pkl".len()];
-    let value = unpickle(&blob[pkl.start..pkl.start + pkl.len])
-        .map_err(|e| ArchiveError(format!("data.pkl: {e}")))?;
+    let pkl_bytes = blob
+        .range(pkl.start..pkl.start + pkl.len)
+        .ok_or_else(|| ArchiveError("truncated zip structure".into()))?;
+    let value = unpickle(pkl_bytes).map_err(|e| ArchiveError(format!("data.pkl: {e}")))?;
     let Value::Call(call) = &*value else {
         return bad(format!("data.pkl holds {}, not a tensor", value.kind()));
     };
@@ -323,6 +376,29 @@ mod tests {
                 t.storage.crc,
                 crc32fast::hash(&b[t.storage.start..t.storage.start + 48])
             );
+        }
+    }
+
+    #[test]
+    fn head_and_tail_decode_like_the_whole_item() {
+        for threshold in [u64::from(u32::MAX), 8] {
+            let b = archive(threshold);
+            let whole = stored_tensor(&b).unwrap();
+            let start = whole.storage.start;
+            // The payload bytes are not needed: head up to the data, tail after it.
+            let ht = HeadTail {
+                size: b.len(),
+                head: &b[..start],
+                tail: &b[start + 48..],
+            };
+            assert_eq!(stored_tensor_in(&ht).unwrap(), whole);
+            // Too short a head is reported as truncation, not misread.
+            let short = HeadTail {
+                size: b.len(),
+                head: &b[..20],
+                tail: &b[start + 48..],
+            };
+            assert!(stored_tensor_in(&short).is_err());
         }
     }
 
