@@ -18,6 +18,10 @@ pub enum Error {
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
 
+    /// A requested key is not in the checkpoint.
+    #[error("no key {key:?} in the checkpoint {dir}")]
+    MissingKey { key: String, dir: PathBuf },
+
     /// Inputs that do not fit together: a save being merged (overlapping or missing chunks, shape,
     /// dtype or world_size disagreements between ranks; nothing was committed), a region a
     /// checkpoint does not cover, a `to-hf` config that disagrees with the checkpoint. The message

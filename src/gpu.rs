@@ -80,8 +80,8 @@ pub unsafe fn free_pinned(ctx: &Arc<CudaContext>, ptr: *mut u8) {
     });
 }
 
-/// Copies from one device into host memory on a side stream that starts after all work already
-/// queued on the caller's stream (so kernels still writing the tensors finish first).
+/// Copies between one device and host memory on a side stream that starts after all work already
+/// queued on the caller's stream (so kernels still using the tensors finish first).
 pub struct DeviceCopier {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
@@ -116,6 +116,71 @@ impl DeviceCopier {
         guarded("queue device-to-host copy", || {
             self.ctx.bind_to_thread()?;
             result::memcpy_dtoh_async(dst, src as sys::CUdeviceptr, self.stream.cu_stream())
+        })
+    }
+
+    /// Queues a copy of `height` rows of `width` bytes from host memory at `src` (rows `src_pitch`
+    /// bytes apart) to device address `dst` (rows `dst_pitch` bytes apart); one row is a plain
+    /// contiguous copy.
+    ///
+    /// # Safety
+    /// The host rows must stay valid and unmodified until the copy completes (pinned memory makes
+    /// it asynchronous); the device rows must be memory of this device that nothing else uses
+    /// until then.
+    pub unsafe fn upload(
+        &self,
+        dst: u64,
+        dst_pitch: usize,
+        src: *const u8,
+        src_pitch: usize,
+        width: usize,
+        height: usize,
+    ) -> Result<()> {
+        guarded("queue host-to-device copy", || {
+            self.ctx.bind_to_thread()?;
+            let stream = self.stream.cu_stream();
+            if height == 1 {
+                return result::memcpy_htod_async(
+                    dst as sys::CUdeviceptr,
+                    std::slice::from_raw_parts(src, width),
+                    stream,
+                );
+            }
+            let p = sys::CUDA_MEMCPY2D {
+                srcXInBytes: 0,
+                srcY: 0,
+                srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_HOST,
+                srcHost: src as *const std::ffi::c_void,
+                srcDevice: 0,
+                srcArray: std::ptr::null_mut(),
+                srcPitch: src_pitch,
+                dstXInBytes: 0,
+                dstY: 0,
+                dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+                dstHost: std::ptr::null_mut(),
+                dstDevice: dst as sys::CUdeviceptr,
+                dstArray: std::ptr::null_mut(),
+                dstPitch: dst_pitch,
+                WidthInBytes: width,
+                Height: height,
+            };
+            sys::cuMemcpy2DAsync_v2(&p, stream).result()
+        })
+    }
+
+    /// Orders the caller's stream (`caller_stream`, a raw `CUstream`) after every copy queued so
+    /// far, then waits for them on this thread (host buffers they read are free to reuse after).
+    pub fn finish_into(&self, caller_stream: u64) -> Result<()> {
+        guarded("order the caller's stream after the copies", || {
+            self.ctx.bind_to_thread()?;
+            let done = self.stream.record_event(None)?;
+            // SAFETY: the caller's stream belongs to this primary context and outlives this call.
+            let caller = unsafe {
+                self.ctx
+                    .wrap_borrowed_stream(caller_stream as sys::CUstream)
+            };
+            caller.wait(&done)?;
+            self.stream.synchronize()
         })
     }
 

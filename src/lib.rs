@@ -11,6 +11,7 @@ pub mod gpu;
 pub mod hf;
 pub mod hints;
 pub mod integrity;
+pub mod load;
 pub mod reader;
 pub mod save;
 pub mod staging;

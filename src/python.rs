@@ -42,6 +42,12 @@ create_exception!(
 );
 create_exception!(
     shardwise,
+    MissingKeyError,
+    ShardwiseError,
+    "A requested key is not in the checkpoint."
+);
+create_exception!(
+    shardwise,
     ValidationError,
     ShardwiseError,
     "Inputs that do not fit together: a save's parts (nothing was committed), a region the chunks do not cover, a to-hf config."
@@ -88,6 +94,7 @@ fn to_py(e: Error) -> PyErr {
     match e {
         Error::UnsupportedDtype(_) => UnsupportedDtypeError::new_err(msg),
         Error::InvalidArgument(_) => InvalidArgumentError::new_err(msg),
+        Error::MissingKey { .. } => MissingKeyError::new_err(msg),
         Error::Validation(_) => ValidationError::new_err(msg),
         Error::MissingRanks { .. } => MissingRanksError::new_err(msg),
         Error::NotCommitted { .. } => NotCommittedError::new_err(msg),
@@ -630,6 +637,74 @@ impl PyCheckpoint {
         .map_err(to_py)
     }
 
+    /// Loads many regions at once, straight into the caller's memory (`crate::load`).
+    ///
+    /// `requests`: `(key, offsets, sizes, data_ptr, nbytes, device)` tuples: the region
+    /// `offsets`/`sizes` (elements) of tensor `key` into `nbytes` bytes of C-contiguous memory at
+    /// `data_ptr` in the checkpoint's dtype; `device` -1 for host memory, else the CUDA ordinal
+    /// (filled through a pinned staging pool of at most `staging_budget_bytes`, with
+    /// `cuda_stream` ordered after the copies). Every request is validated before any read. The
+    /// caller keeps every destination alive and untouched until this returns. Returns
+    /// `{"bytes_read", "read_ops", "requests", "seconds", "plan_seconds", "items_checked",
+    /// "items_unchecked"}`. Raises `MissingKeyError`, `InvalidArgumentError`, `ValidationError`
+    /// (region not covered), `CorruptFileError` (missing or truncated data file, CRC-32
+    /// mismatch; names key, file and offset), `StorageError`, `GpuError`.
+    #[pyo3(signature = (requests, *, staging_budget_bytes=None, cuda_stream=0, check_crc=true, timeout_s=None))]
+    fn load_into<'py>(
+        &self,
+        py: Python<'py>,
+        requests: Vec<(String, Vec<u64>, Vec<u64>, u64, u64, i64)>,
+        staging_budget_bytes: Option<usize>,
+        cuda_stream: u64,
+        check_crc: bool,
+        timeout_s: Option<f64>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let timeout = timeout_s
+            .map(|t| timeout_from_secs("timeout_s", t))
+            .transpose()
+            .map_err(to_py)?;
+        let mut reqs = Vec::with_capacity(requests.len());
+        for (key, offsets, sizes, ptr, nbytes, device) in requests {
+            let device = match device {
+                -1 => None,
+                d => Some(u32::try_from(d).map_err(|_| {
+                    InvalidArgumentError::new_err(format!(
+                        "{key}: device {d} is neither -1 (host) nor a CUDA ordinal"
+                    ))
+                })?),
+            };
+            reqs.push(crate::load::Request {
+                key,
+                offsets,
+                sizes,
+                ptr,
+                nbytes,
+                device,
+            });
+        }
+        let opts = crate::load::LoadOptions {
+            staging_budget: staging_budget_bytes,
+            cuda_stream,
+            check_crc,
+            timeout,
+            threads: None,
+        };
+        // SAFETY: the Python caller passes the data_ptr()/nbytes of live contiguous tensors it
+        // keeps alive, and does not touch, until this call returns (the contract of load_into).
+        let s = py
+            .detach(|| unsafe { crate::load::load(&self.inner, &reqs, &opts) })
+            .map_err(to_py)?;
+        let d = PyDict::new(py);
+        d.set_item("bytes_read", s.bytes_read)?;
+        d.set_item("read_ops", s.read_ops)?;
+        d.set_item("requests", s.requests)?;
+        d.set_item("seconds", s.seconds)?;
+        d.set_item("plan_seconds", s.plan_seconds)?;
+        d.set_item("items_checked", s.items_checked)?;
+        d.set_item("items_unchecked", s.items_unchecked)?;
+        Ok(d)
+    }
+
     /// The common state as `(source, bytes)`: `common.pt`, or the `common_state` object of
     /// megatron-core 0.19 (`source` is then its key); None when there is neither. Raw torch.save
     /// bytes (never unpickled here) whose zip records passed their CRC-32s.
@@ -713,6 +788,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
         "InvalidArgumentError",
         py.get_type::<InvalidArgumentError>(),
     )?;
+    m.add("MissingKeyError", py.get_type::<MissingKeyError>())?;
     m.add("ValidationError", py.get_type::<ValidationError>())?;
     m.add("MissingRanksError", py.get_type::<MissingRanksError>())?;
     m.add("NotCommittedError", py.get_type::<NotCommittedError>())?;

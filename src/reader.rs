@@ -27,17 +27,8 @@ use crate::format::read_metadata::{read_metadata, CheckpointMetadata};
 use crate::format::unpickle::unpickle;
 use crate::storage::Location;
 
-/// Where and with which CRC-32 the writer placed one item (from the checksum sidecar).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Recorded {
-    pub fqn: String,
-    /// The chunk's global offsets; None for a byte object.
-    pub offsets: Option<Vec<u64>>,
-    pub relative_path: String,
-    pub offset: u64,
-    pub length: u64,
-    pub crc32: u32,
-}
+/// Where and with which CRC-32 the writer placed one item: a record of the checksum sidecar.
+pub use crate::commit::ItemChecksum as Recorded;
 
 /// Key prefix of the common state inside DCP (megatron-core 0.19: `common_state/shard_0_1`,
 /// megatron-torch-dist.md §1.2).
@@ -49,7 +40,6 @@ pub struct Checkpoint {
     dir: PathBuf,
     pub metadata: CheckpointMetadata,
     files: Mutex<HashMap<String, Arc<Mapped>>>,
-    /// Save-time CRC-32s: key -> chunk offsets (None for a byte object) -> placement and CRC.
     /// Save-time CRC-32s: key -> records sorted by chunk offsets (None, a byte object, first).
     /// Never changed after `open`, so a record's address identifies its item.
     recorded: Option<HashMap<String, Vec<Recorded>>>,
@@ -187,14 +177,7 @@ impl Checkpoint {
         let recorded = read_checksums(&loc)?.map(|sums| {
             let mut by_key: HashMap<String, Vec<Recorded>> = HashMap::new();
             for i in sums.items {
-                by_key.entry(i.fqn.clone()).or_default().push(Recorded {
-                    fqn: i.fqn,
-                    offsets: i.offsets,
-                    relative_path: i.relative_path,
-                    offset: i.offset,
-                    length: i.length,
-                    crc32: i.crc32,
-                });
+                by_key.entry(i.fqn.clone()).or_default().push(i);
             }
             for v in by_key.values_mut() {
                 v.sort_by(|a, b| a.offsets.cmp(&b.offsets));
@@ -280,13 +263,31 @@ impl Checkpoint {
         })
     }
 
+    /// Opens data file `rel` (a `relative_path` of `.metadata`) of a local checkpoint for reading.
+    ///
+    /// Errors: [`Error::Corrupt`] for a path that leaves the directory (also through a symlink);
+    /// [`Error::Io`] when it cannot be opened (missing file).
+    pub fn open_file(&self, rel: &str) -> Result<File> {
+        check_relative_path(rel).map_err(|r| corrupt(self.dir.join(".metadata"), r))?;
+        let path = self.dir.join(rel);
+        // A symlink inside the directory must not lead out of it either.
+        let real = path.canonicalize().map_err(Error::io("open", &path))?;
+        if !real.starts_with(&self.dir) {
+            return Err(corrupt(
+                &path,
+                format!("{rel:?} resolves outside the checkpoint directory"),
+            ));
+        }
+        File::open(&real).map_err(Error::io("open", &path))
+    }
+
     fn file(&self, rel: &str) -> Result<Arc<Mapped>> {
         if let Some(f) = self.files.lock().unwrap().get(rel) {
             return Ok(f.clone());
         }
-        check_relative_path(rel).map_err(|r| corrupt(self.dir.join(".metadata"), r))?;
         let path = self.dir.join(rel);
         if let Location::Remote(r) = &self.loc {
+            check_relative_path(rel).map_err(|r| corrupt(self.dir.join(".metadata"), r))?;
             let size = r.size(rel)?.ok_or_else(|| Error::Io {
                 op: "open",
                 path: path.clone(),
@@ -299,15 +300,7 @@ impl Checkpoint {
                 .insert(rel.to_string(), mapped.clone());
             return Ok(mapped);
         }
-        // A symlink inside the directory must not lead out of it either.
-        let real = path.canonicalize().map_err(Error::io("open", &path))?;
-        if !real.starts_with(&self.dir) {
-            return Err(corrupt(
-                &path,
-                format!("{rel:?} resolves outside the checkpoint directory"),
-            ));
-        }
-        let file = File::open(&real).map_err(Error::io("open", &path))?;
+        let file = self.open_file(rel)?;
         let len = file.metadata().map_err(Error::io("stat", &path))?.len();
         let mapped = if len == 0 {
             Mapped::Empty
@@ -453,6 +446,57 @@ impl Checkpoint {
         storage: &StorageInfo,
         raw: &ItemBytes,
     ) -> Result<Option<PendingCrc<'_>>> {
+        let Some(rec) = self.placed_record(key, offsets, storage)? else {
+            return Ok(None);
+        };
+        let remember = matches!(raw, ItemBytes::Mapped(..));
+        if remember && self.verified.lock().unwrap().contains(&rec.id()) {
+            return Ok(None);
+        }
+        Ok(Some(PendingCrc { rec, remember }))
+    }
+
+    /// Runs a pending check on the item's stored bytes.
+    ///
+    /// Errors: [`Error::Corrupt`] naming key, file and offset when the CRC-32 differs.
+    fn finish_check(&self, p: PendingCrc, raw: &[u8]) -> Result<()> {
+        let rec = p.rec;
+        self.check_crc(rec, crc32(raw))?;
+        if p.remember {
+            self.verified.lock().unwrap().insert(rec.id());
+        }
+        Ok(())
+    }
+
+    /// Compares an item's computed CRC-32 `got` with the one recorded at save time.
+    ///
+    /// Errors: [`Error::Corrupt`] naming the key (and chunk), the file and the item's offset.
+    pub(crate) fn check_crc(&self, rec: &Recorded, got: u32) -> Result<()> {
+        if got == rec.crc32 {
+            return Ok(());
+        }
+        Err(corrupt(
+            self.dir.join(&rec.relative_path),
+            format!(
+                "{} (item at offset {}, {} bytes) fails the CRC-32 recorded at save time \
+                 (recorded {:08x}, computed {got:08x})",
+                rec.what(),
+                rec.offset,
+                rec.length,
+                rec.crc32
+            ),
+        ))
+    }
+
+    /// The sidecar record of an item when it places the item where `.metadata` does.
+    ///
+    /// Errors: [`Error::Corrupt`] when the sidecar places the item elsewhere (another save's).
+    pub(crate) fn placed_record(
+        &self,
+        key: &str,
+        offsets: Option<&[u64]>,
+        storage: &StorageInfo,
+    ) -> Result<Option<&Recorded>> {
         let Some(rec) = self.recorded(key, offsets) else {
             return Ok(None);
         };
@@ -478,36 +522,7 @@ impl Checkpoint {
                 ),
             ));
         }
-        let remember = matches!(raw, ItemBytes::Mapped(..));
-        if remember && self.verified.lock().unwrap().contains(&rec.id()) {
-            return Ok(None);
-        }
-        Ok(Some(PendingCrc { rec, remember }))
-    }
-
-    /// Runs a pending check on the item's stored bytes.
-    ///
-    /// Errors: [`Error::Corrupt`] naming key, file and offset when the CRC-32 differs.
-    fn finish_check(&self, p: PendingCrc, raw: &[u8]) -> Result<()> {
-        let rec = p.rec;
-        let got = crc32(raw);
-        if got != rec.crc32 {
-            return Err(corrupt(
-                self.dir.join(&rec.relative_path),
-                format!(
-                    "{} (item at offset {}, {} bytes) fails the CRC-32 recorded at save time \
-                     (recorded {:08x}, computed {got:08x})",
-                    rec.what(),
-                    rec.offset,
-                    rec.length,
-                    rec.crc32
-                ),
-            ));
-        }
-        if p.remember {
-            self.verified.lock().unwrap().insert(rec.id());
-        }
-        Ok(())
+        Ok(Some(rec))
     }
 
     /// Decodes chunk `index` of tensor `key`, checking it against the metadata.

@@ -287,6 +287,36 @@ impl Remote {
         block_on(self.store.get_range(&key, range)).map_err(self.err("get range", rel))
     }
 
+    /// [`Remote::get_range`] that gives up after `timeout` (retries included): a stalled store
+    /// then fails the read instead of hanging it.
+    ///
+    /// Errors: [`Error::Remote`]; [`Error::Io`] of kind `TimedOut` naming the object.
+    pub fn get_range_within(
+        &self,
+        rel: &str,
+        range: Range<u64>,
+        timeout: Option<Duration>,
+    ) -> Result<Bytes> {
+        let Some(timeout) = timeout else {
+            return self.get_range(rel, range);
+        };
+        let key = self.key(rel)?;
+        match block_on(tokio::time::timeout(
+            timeout,
+            self.store.get_range(&key, range),
+        )) {
+            Ok(r) => r.map_err(self.err("get range", rel)),
+            Err(_) => Err(Error::Io {
+                op: "get range",
+                path: format!("{}/{rel}", self.url).into(),
+                source: std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("no answer within {:.1}s", timeout.as_secs_f64()),
+                ),
+            }),
+        }
+    }
+
     /// Size in bytes of `rel`, or `None` when absent.
     pub fn size(&self, rel: &str) -> Result<Option<u64>> {
         let key = self.key(rel)?;

@@ -1,0 +1,999 @@
+//! Loads regions of many tensors of an open [`Checkpoint`] in one call, straight into the
+//! caller's memory (host, or CUDA through a reused pinned staging pool): the native side of
+//! `shardwise.megatron.load` (contract: notes/helpers/load-contract.md).
+//!
+//! Steps, each bounded and done once per call:
+//! 1. **Validate** every request before any byte is read: the key exists and is a tensor, the
+//!    region lies in its global shape, the destination has `prod(sizes) * itemsize` bytes, and the
+//!    saved chunks cover the region (found through a per-tensor [`plan::ChunkIndex`]).
+//! 2. **Locate** each needed item's tensor data in its data file from the item's first and last
+//!    bytes (torch.save zip headers and central directory; a few KiB per item), so that only the
+//!    needed bytes are read.
+//! 3. **Plan** ([`plan::reads`]): one strided box copy per (chunk, request), byte ranges coalesced
+//!    into reads of at most one staging buffer (holes under [`GAP_BYTES`] read through); large
+//!    contiguous host copies are read straight into the destination.
+//! 4. **Read** in parallel (`pread`, or ranged GETs bounded by `timeout` on object stores), copy
+//!    out of each buffer (memcpy, or host-to-device copies on a side stream while the next reads
+//!    fill other buffers), and check CRC-32s as the bytes pass.
+//!
+//! Integrity: where the save recorded CRC-32s, every item the load needs whole is checked: its
+//! bytes are hashed as they land (in the buffer, or in the destination of a direct read), per
+//! piece, and the pieces are combined in file order once the reads are done; no byte is read
+//! twice. An item only part of which is needed (a resharded load that takes some rows or columns
+//! of a chunk) is read only in part and cannot be checked: the stats count such items
+//! (`items_unchecked`). On a CRC error the destinations may hold the damaged bytes.
+
+mod plan;
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use cudarc::driver::CudaEvent;
+use rayon::prelude::*;
+
+use crate::error::{Error, Result};
+use crate::format::archive::{stored_tensor_in, HeadTail};
+use crate::format::metadata::{Chunk, Entry};
+use crate::gpu::{self, DeviceCopier};
+use crate::reader::{copy_box, Checkpoint, Recorded};
+use crate::staging::{self, HostBuffer, StagingPool, DEFAULT_BUFFER_BYTES};
+use crate::storage::Location;
+
+pub use plan::{BoxCopy, ChunkIndex, Piece};
+
+/// Holes between needed byte ranges smaller than this are read through: one 1 MiB longer read
+/// costs less than a second request (NVMe: ~0.1 ms at 7 GB/s vs a request's latency; object
+/// stores: far less than a GET).
+pub const GAP_BYTES: u64 = 1 << 20;
+/// Smallest contiguous copy read straight into a host destination; smaller ones are coalesced
+/// with their neighbours through a buffer (one large read beats many small ones).
+pub const DIRECT_MIN_BYTES: u64 = 1 << 20;
+/// Default staging budget of a load: 16 buffers of 64 MiB, enough reads in flight to keep an NVMe
+/// device or the page cache busy while the previous buffers are copied out.
+pub const DEFAULT_LOAD_BUDGET_BYTES: usize = 16 * DEFAULT_BUFFER_BYTES;
+/// Item head and tail read first to locate an item's tensor data (torch.save puts `data.pkl` and
+/// the storage record's local header at the start and the central directory at the end; both are
+/// well under a KiB for a tensor item). Larger windows are tried when they do not suffice.
+const PROBE_BYTES: [u64; 2] = [4 << 10, 1 << 20];
+
+/// One region to load: `sizes` elements at `offsets` of tensor `key`, into `nbytes` bytes of
+/// C-contiguous memory at `ptr` in the checkpoint's dtype: host memory, or CUDA memory of
+/// `device`.
+#[derive(Clone, Debug)]
+pub struct Request {
+    pub key: String,
+    pub offsets: Vec<u64>,
+    pub sizes: Vec<u64>,
+    pub ptr: u64,
+    pub nbytes: u64,
+    pub device: Option<u32>,
+}
+
+/// Options of [`load`].
+#[derive(Clone, Debug)]
+pub struct LoadOptions {
+    /// Host staging memory in bytes (None: [`DEFAULT_LOAD_BUDGET_BYTES`]); pinned when a request
+    /// is on a CUDA device. The process's staging pool is reused when it is large enough.
+    pub staging_budget: Option<usize>,
+    /// The caller's `CUstream` (0: legacy default stream), ordered after every host-to-device copy.
+    pub cuda_stream: u64,
+    /// Check items against the CRC-32s recorded at save time, where there are some.
+    pub check_crc: bool,
+    /// Bound of each object-store request (None: the store's own retry timeout).
+    pub timeout: Option<Duration>,
+    /// Reads in flight (None: from the core count, 4 to 16).
+    pub threads: Option<usize>,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        LoadOptions {
+            staging_budget: None,
+            cuda_stream: 0,
+            check_crc: true,
+            timeout: None,
+            threads: None,
+        }
+    }
+}
+
+/// What a load did.
+#[derive(Clone, Debug, Default)]
+pub struct LoadStats {
+    /// Bytes read from storage (item probes included).
+    pub bytes_read: u64,
+    /// Read operations (`pread` calls or GETs, probes included).
+    pub read_ops: u64,
+    pub requests: usize,
+    /// Wall time of the whole call, in seconds.
+    pub seconds: f64,
+    /// Wall time of validation, item location and planning, in seconds.
+    pub plan_seconds: f64,
+    /// Items checked against their save-time CRC-32.
+    pub items_checked: u64,
+    /// Items with a recorded CRC-32 that were only partly needed, so not read whole nor checked.
+    pub items_unchecked: u64,
+}
+
+/// A needed item: chunk `chunk` of the entry of `key`.
+struct Item<'a> {
+    key: &'a str,
+    chunk: &'a Chunk,
+    file: usize,
+    /// Elements the requests need from it.
+    needed: u64,
+    /// Stored with a transform (`stream.zstd/1`): decoded whole by the reader instead.
+    transformed: bool,
+    /// Save-time record, when its CRC-32 is checked by this load.
+    check: Option<&'a Recorded>,
+}
+
+/// Where an item's tensor data lies: file byte of element 0 and strides in elements.
+struct Layout {
+    base: u64,
+    strides: Vec<u64>,
+}
+
+/// Where the bytes come from.
+enum Source<'a> {
+    Local(Vec<File>),
+    Remote {
+        remote: &'a crate::storage::remote::Remote,
+        timeout: Option<Duration>,
+    },
+}
+
+impl Source<'_> {
+    /// Fills `buf` from byte `off` of file `file` (`rel`).
+    ///
+    /// Errors: [`Error::Corrupt`] naming `what`, the file and the offset when the file ends first;
+    /// [`Error::Io`] / [`Error::Remote`].
+    fn read_exact(
+        &self,
+        ck: &Checkpoint,
+        file: usize,
+        rel: &str,
+        off: u64,
+        buf: &mut [u8],
+        what: &dyn Fn() -> String,
+    ) -> Result<()> {
+        let path = ck.dir().join(rel);
+        let end = off + buf.len() as u64;
+        let short = |at: u64| Error::Corrupt {
+            path: path.clone(),
+            reason: format!(
+                "{}: the file ends at byte {at}, inside bytes {off}..{end} being read (truncated)",
+                what()
+            ),
+        };
+        match self {
+            Source::Local(files) => {
+                let mut done = 0;
+                while done < buf.len() {
+                    let n = files[file]
+                        .read_at(&mut buf[done..], off + done as u64)
+                        .map_err(Error::io("read", &path))?;
+                    if n == 0 {
+                        return Err(short(off + done as u64));
+                    }
+                    done += n;
+                }
+                Ok(())
+            }
+            Source::Remote { remote, timeout } => {
+                let got = remote.get_range_within(rel, off..off + buf.len() as u64, *timeout)?;
+                if got.len() != buf.len() {
+                    return Err(short(off + got.len() as u64));
+                }
+                buf.copy_from_slice(&got);
+                Ok(())
+            }
+        }
+    }
+}
+
+fn corrupt(path: std::path::PathBuf, reason: String) -> Error {
+    Error::Corrupt { path, reason }
+}
+
+/// Item of `key` chunk `c` in words, for messages.
+fn item_name(key: &str, c: &Chunk) -> String {
+    format!(
+        "{key} chunk {:?} (item at offset {}, {} bytes)",
+        c.offsets, c.storage.offset, c.storage.length
+    )
+}
+
+/// Validates `reqs` against the checkpoint and returns their pieces.
+///
+/// Errors: [`Error::MissingKey`]; [`Error::InvalidArgument`] for a byte object, a region outside
+/// the global shape or a wrong byte count; [`Error::Validation`] for a region the chunks do not
+/// cover.
+pub fn plan_pieces(ck: &Checkpoint, reqs: &[Request]) -> Result<Vec<Piece>> {
+    let mut indexes: HashMap<&str, ChunkIndex> = HashMap::new();
+    let mut pieces = Vec::new();
+    for (r, q) in reqs.iter().enumerate() {
+        let key = q.key.as_str();
+        let Some(entry) = ck.metadata.entries.get(key) else {
+            return Err(Error::MissingKey {
+                key: key.to_string(),
+                dir: ck.dir().to_path_buf(),
+            });
+        };
+        let Entry::Tensor {
+            dtype,
+            global_shape,
+            chunks,
+        } = entry
+        else {
+            return Err(Error::InvalidArgument(format!(
+                "{key} is a byte object, not a tensor"
+            )));
+        };
+        let n = global_shape.len();
+        let inside = q.offsets.len() == n
+            && q.sizes.len() == n
+            && (0..n).all(|d| {
+                q.offsets[d]
+                    .checked_add(q.sizes[d])
+                    .is_some_and(|e| e <= global_shape[d])
+            });
+        if !inside {
+            return Err(Error::InvalidArgument(format!(
+                "{key}: region {:?}+{:?} is outside the global shape {global_shape:?}",
+                q.offsets, q.sizes
+            )));
+        }
+        let want = plan::volume(&q.sizes).and_then(|v| v.checked_mul(dtype.itemsize()));
+        if want != Some(q.nbytes) {
+            return Err(Error::InvalidArgument(format!(
+                "{key}: region {:?} of {} needs {} bytes, the destination has {}",
+                q.sizes,
+                dtype.torch_name(),
+                want.map_or("too many".into(), |w| w.to_string()),
+                q.nbytes
+            )));
+        }
+        if q.nbytes > 0 && q.ptr == 0 {
+            return Err(Error::InvalidArgument(format!(
+                "{key}: null destination pointer"
+            )));
+        }
+        let index = indexes
+            .entry(key)
+            .or_insert_with(|| ChunkIndex::new(chunks, n));
+        plan::pieces_of(key, r, chunks, index, &q.offsets, &q.sizes, &mut pieces)?;
+    }
+    Ok(pieces)
+}
+
+/// The rayon pool of the loader's reads (created once; reads block in `pread`, so it is not the
+/// global pool whose threads compute).
+fn read_pool(threads: usize) -> Result<Arc<rayon::ThreadPool>> {
+    static POOLS: OnceLock<Mutex<HashMap<usize, Arc<rayon::ThreadPool>>>> = OnceLock::new();
+    let mut pools = POOLS.get_or_init(Default::default).lock().unwrap();
+    if let Some(p) = pools.get(&threads) {
+        return Ok(p.clone());
+    }
+    let p = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .thread_name(|i| format!("shardwise-load-{i}"))
+        .build()
+        .map_err(|e| Error::InvalidArgument(format!("cannot start {threads} read threads: {e}")))?;
+    let p = Arc::new(p);
+    pools.insert(threads, p.clone());
+    Ok(p)
+}
+
+/// Loads every request (see the module docs). Returns when every host destination is filled and
+/// every host-to-device copy has completed and is ordered before `opts.cuda_stream`.
+///
+/// # Safety
+/// Every request's `ptr..ptr+nbytes` must be memory the caller owns (host, or CUDA memory of
+/// `device`), stays allocated, and that nothing else reads or writes until this returns.
+///
+/// Errors: those of [`plan_pieces`]; [`Error::Gpu`] when a CUDA destination is given without a
+/// usable CUDA driver, or requests name several devices; [`Error::Corrupt`] naming key, file and
+/// offset for a missing or truncated data file, an undecodable item or a CRC-32 mismatch;
+/// [`Error::Io`] / [`Error::Remote`].
+pub unsafe fn load(ck: &Checkpoint, reqs: &[Request], opts: &LoadOptions) -> Result<LoadStats> {
+    let t0 = Instant::now();
+    let pieces = plan_pieces(ck, reqs)?;
+    let mut devices: Vec<u32> = reqs.iter().filter_map(|r| r.device).collect();
+    devices.sort_unstable();
+    devices.dedup();
+    if devices.len() > 1 {
+        return Err(Error::InvalidArgument(format!(
+            "requests name CUDA devices {devices:?}; one call loads into one device (and the host)"
+        )));
+    }
+    let device = devices.first().copied();
+    if let Some(d) = device {
+        if !gpu::available() {
+            return Err(Error::Gpu(format!(
+                "a destination is on CUDA device {d}, but no CUDA driver or device is usable here"
+            )));
+        }
+    }
+
+    // Items and files.
+    let mut items: Vec<Item> = Vec::new();
+    let mut item_of: HashMap<(&str, usize), usize> = HashMap::new();
+    let mut piece_item = Vec::with_capacity(pieces.len());
+    let mut files: Vec<&str> = Vec::new();
+    let mut file_of: HashMap<&str, usize> = HashMap::new();
+    for p in &pieces {
+        let key = reqs[p.req].key.as_str();
+        let Some(Entry::Tensor { chunks, .. }) = ck.metadata.entries.get(key) else {
+            unreachable!("validated by plan_pieces")
+        };
+        let id = *item_of.entry((key, p.chunk)).or_insert_with(|| {
+            let chunk = &chunks[p.chunk];
+            let rel = chunk.storage.relative_path.as_str();
+            let nf = files.len();
+            let file = *file_of.entry(rel).or_insert(nf);
+            if file == nf {
+                files.push(rel);
+            }
+            items.push(Item {
+                key,
+                chunk,
+                file,
+                needed: 0,
+                transformed: ck
+                    .metadata
+                    .transforms
+                    .contains_key(&(key.to_string(), Some(chunk.offsets.clone()))),
+                check: None,
+            });
+            items.len() - 1
+        });
+        items[id].needed += plan::volume(
+            &p.lo
+                .iter()
+                .zip(&p.hi)
+                .map(|(a, b)| b - a)
+                .collect::<Vec<_>>(),
+        )
+        .unwrap_or(0);
+        piece_item.push(id);
+    }
+    let mut stats = LoadStats {
+        requests: reqs.len(),
+        ..Default::default()
+    };
+    for it in items.iter_mut() {
+        let rec = ck.placed_record(it.key, Some(&it.chunk.offsets), &it.chunk.storage)?;
+        let whole = plan::volume(&it.chunk.sizes) == Some(it.needed);
+        match rec {
+            Some(rec) if opts.check_crc && whole && !it.transformed => it.check = Some(rec),
+            Some(_) if opts.check_crc && !whole => stats.items_unchecked += 1,
+            _ => {}
+        }
+    }
+
+    // Open every file and check every item lies inside it, before reading anything.
+    let first_item_in = |f: usize| items.iter().find(|i| i.file == f).expect("file of an item");
+    let (source, sizes) = match ck.location() {
+        Location::Local(_) => {
+            let mut handles = Vec::with_capacity(files.len());
+            let mut sizes = Vec::with_capacity(files.len());
+            for (f, rel) in files.iter().enumerate() {
+                let it = first_item_in(f);
+                if rel.is_empty() {
+                    return Err(corrupt(
+                        ck.dir().join(".metadata"),
+                        format!(
+                            "{}: chunk has no storage_data entry",
+                            item_name(it.key, it.chunk)
+                        ),
+                    ));
+                }
+                let file = ck.open_file(rel).map_err(|e| match e {
+                    Error::Io { path, source, .. } => corrupt(
+                        path,
+                        format!(
+                            "{}: cannot open the data file: {source}",
+                            item_name(it.key, it.chunk)
+                        ),
+                    ),
+                    other => other,
+                })?;
+                let path = ck.dir().join(rel);
+                sizes.push(file.metadata().map_err(Error::io("stat", &path))?.len());
+                handles.push(file);
+            }
+            (Source::Local(handles), sizes)
+        }
+        Location::Remote(r) => {
+            let mut sizes = Vec::with_capacity(files.len());
+            for (f, rel) in files.iter().enumerate() {
+                crate::reader::check_relative_path(rel)
+                    .map_err(|e| corrupt(ck.dir().join(".metadata"), e))?;
+                let it = first_item_in(f);
+                sizes.push(r.size(rel)?.ok_or_else(|| {
+                    corrupt(
+                        ck.dir().join(rel),
+                        format!("{}: the data file is missing", item_name(it.key, it.chunk)),
+                    )
+                })?);
+            }
+            (
+                Source::Remote {
+                    remote: r,
+                    timeout: opts.timeout,
+                },
+                sizes,
+            )
+        }
+    };
+    for it in &items {
+        let s = &it.chunk.storage;
+        if s.offset
+            .checked_add(s.length)
+            .is_none_or(|e| e > sizes[it.file])
+        {
+            return Err(corrupt(
+                ck.dir().join(&s.relative_path),
+                format!(
+                    "{}: passes the end of the file ({} bytes; truncated)",
+                    item_name(it.key, it.chunk),
+                    sizes[it.file]
+                ),
+            ));
+        }
+    }
+
+    let threads = opts.threads.unwrap_or_else(|| {
+        std::thread::available_parallelism().map_or(8, |n| n.get().clamp(4, 16))
+    });
+    let readers = read_pool(threads.max(1))?;
+    let counters = Counters::default();
+
+    // Locate the tensor data of every item that is read in place.
+    let layouts: Vec<Option<Layout>> = readers.install(|| {
+        items
+            .par_iter()
+            .map(|it| {
+                if it.transformed {
+                    return Ok(None);
+                }
+                locate(ck, &source, it, &files, &counters).map(Some)
+            })
+            .collect::<Result<_>>()
+    })?;
+
+    // Box copies, reads.
+    let budget = opts.staging_budget.unwrap_or(DEFAULT_LOAD_BUDGET_BYTES);
+    if budget == 0 {
+        return Err(Error::InvalidArgument(
+            "staging_budget_bytes must be > 0 (None: the default)".into(),
+        ));
+    }
+    let pool = staging::pool(budget, DEFAULT_BUFFER_BYTES, device)?;
+    let max_read = pool.buffer_size as u64;
+    let mut copies: Vec<plan::Copy> = Vec::new();
+    let mut copy_item: Vec<usize> = Vec::new();
+    let mut transformed_pieces = Vec::new();
+    for (p, &id) in pieces.iter().zip(&piece_item) {
+        let it = &items[id];
+        let Some(layout) = &layouts[id] else {
+            transformed_pieces.push((p, id));
+            continue;
+        };
+        let Some(Entry::Tensor { dtype, .. }) = ck.metadata.entries.get(it.key) else {
+            unreachable!("validated by plan_pieces")
+        };
+        let q = &reqs[p.req];
+        let bc = BoxCopy::new(
+            layout.base,
+            &layout.strides,
+            &it.chunk.offsets,
+            &q.offsets,
+            &q.sizes,
+            &p.lo,
+            &p.hi,
+            dtype.itemsize(),
+        );
+        let mut parts = Vec::new();
+        bc.split(max_read, &mut parts);
+        for copy in parts {
+            copies.push(plan::Copy {
+                file: it.file,
+                req: p.req,
+                copy,
+                direct: false,
+            });
+            copy_item.push(id);
+        }
+    }
+    let checked: Vec<usize> = (0..items.len())
+        .filter(|&i| items[i].check.is_some())
+        .collect();
+    let extra: Vec<(usize, std::ops::Range<u64>)> = checked
+        .iter()
+        .map(|&i| {
+            let s = &items[i].chunk.storage;
+            (items[i].file, s.offset..s.offset + s.length)
+        })
+        .collect();
+    let host: Vec<bool> = reqs.iter().map(|r| r.device.is_none()).collect();
+    let reads = plan::reads(
+        &mut copies,
+        &extra,
+        &host,
+        plan::ReadShape {
+            max_read,
+            gap: GAP_BYTES,
+            direct_min: DIRECT_MIN_BYTES,
+        },
+    );
+    // Checked items per file, sorted by offset: a read hashes the parts of those it overlaps.
+    let mut checked_by_file: Vec<Vec<usize>> = vec![Vec::new(); files.len()];
+    for &i in &checked {
+        checked_by_file[items[i].file].push(i);
+    }
+    for v in checked_by_file.iter_mut() {
+        v.sort_by_key(|&i| items[i].chunk.storage.offset);
+    }
+    stats.plan_seconds = t0.elapsed().as_secs_f64();
+
+    let copier = match device {
+        Some(d) => Some(DeviceCopier::new(d, opts.cuda_stream)?),
+        None => None,
+    };
+    let exec = Exec {
+        ck,
+        reqs,
+        items: &items,
+        files: &files,
+        source: &source,
+        copies: &copies,
+        copy_item: &copy_item,
+        checked_by_file: &checked_by_file,
+        pool: &pool,
+        copier: copier.as_ref(),
+        pending: Mutex::new(HashMap::new()),
+        counters: &counters,
+    };
+    let outcome = readers
+        .install(|| {
+            reads
+                .par_iter()
+                .with_max_len(1)
+                .map(|r| exec.read(r))
+                .collect::<Result<Vec<Vec<Segment>>>>()
+        })
+        .and_then(|segments| {
+            for (p, id) in &transformed_pieces {
+                exec.transformed(p, *id)?;
+            }
+            exec.verify(segments.into_iter().flatten().collect(), &checked)
+        });
+    // Copies still in flight read staging buffers and write destinations: always wait for them.
+    let finished = match &copier {
+        Some(c) => {
+            let f = c.finish_into(opts.cuda_stream);
+            exec.pending.lock().unwrap().clear();
+            f
+        }
+        None => Ok(()),
+    };
+    let items_checked = outcome?;
+    finished?;
+    stats.items_checked = items_checked;
+    stats.bytes_read = counters.bytes.load(std::sync::atomic::Ordering::Relaxed);
+    stats.read_ops = counters.ops.load(std::sync::atomic::Ordering::Relaxed);
+    stats.seconds = t0.elapsed().as_secs_f64();
+    Ok(stats)
+}
+
+#[derive(Default)]
+struct Counters {
+    bytes: std::sync::atomic::AtomicU64,
+    ops: std::sync::atomic::AtomicU64,
+}
+
+impl Counters {
+    fn add(&self, bytes: u64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.bytes.fetch_add(bytes, Relaxed);
+        self.ops.fetch_add(1, Relaxed);
+    }
+}
+
+/// Reads an item's head and tail and decodes where its tensor data lies, checking the item holds
+/// a tensor of the chunk's shape and the key's dtype.
+///
+/// Errors: [`Error::Corrupt`] naming key, file and offset.
+fn locate(
+    ck: &Checkpoint,
+    source: &Source,
+    it: &Item,
+    files: &[&str],
+    counters: &Counters,
+) -> Result<Layout> {
+    let s = &it.chunk.storage;
+    let Some(Entry::Tensor { dtype, .. }) = ck.metadata.entries.get(it.key) else {
+        unreachable!("validated by plan_pieces")
+    };
+    let what = || item_name(it.key, it.chunk);
+    let mut last_err = String::new();
+    for window in PROBE_BYTES {
+        let (head_len, tail_len) = if s.length <= 2 * window {
+            (s.length, 0)
+        } else {
+            (window, window)
+        };
+        let mut head = vec![0u8; head_len as usize];
+        source.read_exact(ck, it.file, files[it.file], s.offset, &mut head, &what)?;
+        counters.add(head_len);
+        let mut tail = vec![0u8; tail_len as usize];
+        if tail_len > 0 {
+            source.read_exact(
+                ck,
+                it.file,
+                files[it.file],
+                s.offset + s.length - tail_len,
+                &mut tail,
+                &what,
+            )?;
+            counters.add(tail_len);
+        }
+        let blob = HeadTail {
+            size: s.length as usize,
+            head: &head,
+            tail: &tail,
+        };
+        let t = match stored_tensor_in(&blob) {
+            Ok(t) => t,
+            Err(e) => {
+                last_err = e.0;
+                if tail_len == 0 {
+                    break; // the whole item was there
+                }
+                continue;
+            }
+        };
+        let reason = if t.dtype != *dtype {
+            Some(format!(
+                "item holds {} but .metadata says {}",
+                t.dtype.torch_name(),
+                dtype.torch_name()
+            ))
+        } else if t.shape != it.chunk.sizes {
+            Some(format!(
+                "item has shape {:?} but the chunk is {:?}",
+                t.shape, it.chunk.sizes
+            ))
+        } else {
+            None
+        };
+        if let Some(reason) = reason {
+            return Err(corrupt(
+                ck.dir().join(&s.relative_path),
+                format!("{}: {reason}", what()),
+            ));
+        }
+        return Ok(Layout {
+            base: s.offset + t.storage.start as u64 + t.storage_offset * dtype.itemsize(),
+            strides: t.strides,
+        });
+    }
+    Err(corrupt(
+        ck.dir().join(&s.relative_path),
+        format!("{}: not a tensor item: {last_err}", what()),
+    ))
+}
+
+/// A CRC-32 of bytes `offset..offset+len` of an item's file.
+struct Segment {
+    item: usize,
+    offset: u64,
+    len: u64,
+    crc: crc32fast::Hasher,
+}
+
+/// The state shared by the reads of one load.
+struct Exec<'a> {
+    ck: &'a Checkpoint,
+    reqs: &'a [Request],
+    items: &'a [Item<'a>],
+    files: &'a [&'a str],
+    source: &'a Source<'a>,
+    copies: &'a [plan::Copy],
+    copy_item: &'a [usize],
+    checked_by_file: &'a [Vec<usize>],
+    pool: &'a StagingPool,
+    copier: Option<&'a DeviceCopier>,
+    /// Staging buffers (by address) whose host-to-device copies may still be running.
+    pending: Mutex<HashMap<usize, CudaEvent>>,
+    counters: &'a Counters,
+}
+
+/// A staging buffer taken for one read: the pool's, or a one-off one for a read longer than the
+/// pool's buffers (overlapping copies that cannot be cut apart).
+enum Buf<'p> {
+    Pooled(&'p StagingPool, Option<HostBuffer>),
+    Owned(Vec<u8>),
+}
+
+impl Buf<'_> {
+    fn bytes(&mut self) -> &mut [u8] {
+        match self {
+            Buf::Pooled(_, b) => b.as_mut().expect("held").as_mut_slice(),
+            Buf::Owned(v) => v,
+        }
+    }
+}
+
+impl Drop for Buf<'_> {
+    fn drop(&mut self) {
+        if let Buf::Pooled(pool, b) = self {
+            if let Some(b) = b.take() {
+                pool.give_back(b);
+            }
+        }
+    }
+}
+
+impl Exec<'_> {
+    /// Runs one read and its copy-outs; returns the CRC-32 segments it hashed.
+    fn read(&self, r: &plan::Read) -> Result<Vec<Segment>> {
+        let len = (r.range.end - r.range.start) as usize;
+        // Names the first item the read serves, for a truncation found while reading.
+        let what = || match r.copies.first() {
+            Some(&c) => {
+                let it = &self.items[self.copy_item[c]];
+                item_name(it.key, it.chunk)
+            }
+            None => format!("bytes {}..{} of checked items", r.range.start, r.range.end),
+        };
+        let rel = self.files[r.file];
+        let mut segments = Vec::new();
+        if let Some(ci) = r.direct {
+            let c = &self.copies[ci];
+            let q = &self.reqs[c.req];
+            // SAFETY: validated: the copy lies inside the request's destination, which the caller
+            // lends us exclusively (load's contract); direct copies go to host memory only.
+            let dst =
+                unsafe { std::slice::from_raw_parts_mut((q.ptr + c.copy.dst) as *mut u8, len) };
+            self.source
+                .read_exact(self.ck, r.file, rel, r.range.start, dst, &what)?;
+            self.counters.add(len as u64);
+            self.hash(r, dst, &mut segments);
+            return Ok(segments);
+        }
+        let mut buf = if len <= self.pool.buffer_size {
+            let b = self.pool.take();
+            // A buffer whose previous host-to-device copies may still read it: wait for them.
+            let ev = self
+                .pending
+                .lock()
+                .unwrap()
+                .remove(&(b.as_slice().as_ptr() as usize));
+            let held = Buf::Pooled(self.pool, Some(b));
+            if let Some(ev) = ev {
+                gpu::wait(&ev)?;
+            }
+            held
+        } else {
+            Buf::Owned(vec![0u8; len])
+        };
+        let bytes = &mut buf.bytes()[..len];
+        self.source
+            .read_exact(self.ck, r.file, rel, r.range.start, bytes, &what)?;
+        self.counters.add(len as u64);
+        self.hash(r, bytes, &mut segments);
+        let mut uploaded = false;
+        for &ci in &r.copies {
+            let c = &self.copies[ci];
+            let q = &self.reqs[c.req];
+            let src = &bytes[(c.copy.src - r.range.start) as usize..];
+            // SAFETY: as above; the copy lies inside both the read and the destination.
+            unsafe {
+                match (q.device, self.copier) {
+                    (None, _) => copy_host(&c.copy, src.as_ptr(), q.ptr as *mut u8),
+                    (Some(_), Some(copier)) => {
+                        upload(copier, &c.copy, src.as_ptr(), q.ptr)?;
+                        uploaded = true;
+                    }
+                    (Some(_), None) => unreachable!("a copier exists for device requests"),
+                }
+            }
+        }
+        if uploaded {
+            let copier = self.copier.expect("uploaded");
+            match &buf {
+                Buf::Pooled(_, Some(b)) => {
+                    let ev = copier.record()?;
+                    self.pending
+                        .lock()
+                        .unwrap()
+                        .insert(b.as_slice().as_ptr() as usize, ev);
+                }
+                // A one-off buffer is freed on return: its copies must be done by then.
+                _ => gpu::wait(&copier.record()?)?,
+            }
+        }
+        Ok(segments)
+    }
+
+    /// Hashes the parts of checked items that read `r` brought into `bytes`.
+    fn hash(&self, r: &plan::Read, bytes: &[u8], out: &mut Vec<Segment>) {
+        let checked = &self.checked_by_file[r.file];
+        let end_of = |i: usize| {
+            let s = &self.items[i].chunk.storage;
+            s.offset + s.length
+        };
+        let first = checked.partition_point(|&i| end_of(i) <= r.range.start);
+        for &i in &checked[first..] {
+            let s = &self.items[i].chunk.storage;
+            if s.offset >= r.range.end {
+                break;
+            }
+            let a = s.offset.max(r.range.start);
+            let b = end_of(i).min(r.range.end);
+            let mut crc = crc32fast::Hasher::new();
+            crc.update(&bytes[(a - r.range.start) as usize..(b - r.range.start) as usize]);
+            out.push(Segment {
+                item: i,
+                offset: a,
+                len: b - a,
+                crc,
+            });
+        }
+    }
+
+    /// Loads a piece of an item stored with a stream transform: the reader decodes (and checks)
+    /// the whole item, and the piece is copied out of it.
+    fn transformed(&self, p: &Piece, id: usize) -> Result<()> {
+        let it = &self.items[id];
+        let q = &self.reqs[p.req];
+        let Some(Entry::Tensor { dtype, chunks, .. }) = self.ck.metadata.entries.get(it.key) else {
+            unreachable!("validated by plan_pieces")
+        };
+        let index = chunks
+            .iter()
+            .position(|c| std::ptr::eq(c, it.chunk))
+            .expect("chunk of its entry");
+        let (data, c) = self.ck.chunk(it.key, index)?;
+        let item = dtype.itemsize();
+        let shape: Vec<u64> = p.lo.iter().zip(&p.hi).map(|(a, b)| b - a).collect();
+        let mut boxed = vec![0u8; (plan::volume(&shape).unwrap_or(0) * item) as usize];
+        copy_box(
+            data.storage(),
+            data.tensor.storage_offset,
+            &data.tensor.strides,
+            &c.offsets,
+            &p.lo,
+            &shape,
+            &p.lo,
+            &p.hi,
+            item,
+            &mut boxed,
+        );
+        // From the contiguous box into the destination, like any other copy.
+        let mut strides = vec![1u64; shape.len()];
+        for d in (0..shape.len().saturating_sub(1)).rev() {
+            strides[d] = strides[d + 1] * shape[d + 1];
+        }
+        let bc = BoxCopy::new(0, &strides, &p.lo, &q.offsets, &q.sizes, &p.lo, &p.hi, item);
+        // SAFETY: the box lies inside `boxed` and the destination (validated).
+        unsafe {
+            match (q.device, self.copier) {
+                (Some(_), Some(copier)) => {
+                    upload(copier, &bc, boxed.as_ptr(), q.ptr)?;
+                    gpu::wait(&copier.record()?)?; // `boxed` is freed on return
+                }
+                _ => copy_host(&bc, boxed.as_ptr(), q.ptr as *mut u8),
+            }
+        }
+        Ok(())
+    }
+
+    /// Combines each checked item's segments in file order and compares with its recorded
+    /// CRC-32; returns the number of items checked.
+    ///
+    /// Errors: [`Error::Corrupt`] naming key, file and offset on a mismatch.
+    fn verify(&self, mut segments: Vec<Segment>, checked: &[usize]) -> Result<u64> {
+        segments.sort_by_key(|s| (s.item, s.offset));
+        let mut at = 0;
+        for &i in checked {
+            let it = &self.items[i];
+            let rec = it.check.expect("checked item");
+            let s = &it.chunk.storage;
+            let mut crc = crc32fast::Hasher::new();
+            let mut next = s.offset;
+            while at < segments.len() && segments[at].item < i {
+                at += 1;
+            }
+            while at < segments.len() && segments[at].item == i {
+                let seg = &segments[at];
+                // Reads tile each checked item by construction; a hole would be a planning bug.
+                assert_eq!(seg.offset, next, "CRC segments of {} tile the item", it.key);
+                crc.combine(&seg.crc);
+                next += seg.len;
+                at += 1;
+            }
+            assert_eq!(
+                next,
+                s.offset + s.length,
+                "CRC segments of {} tile the item",
+                it.key
+            );
+            self.ck.check_crc(rec, crc.finalize())?;
+        }
+        Ok(checked.len() as u64)
+    }
+}
+
+/// Calls `f(src_offset, dst_offset)` for every run of a box copy (offsets relative to its start).
+fn for_each_run(c: &BoxCopy, inner: usize, mut f: impl FnMut(u64, u64)) {
+    let outer = &c.dims[..c.dims.len() - inner];
+    let mut idx = vec![0u64; outer.len()];
+    loop {
+        let (mut s, mut d) = (0, 0);
+        for (k, &(_, ss, ds)) in outer.iter().enumerate() {
+            s += idx[k] * ss;
+            d += idx[k] * ds;
+        }
+        f(s, d);
+        // Odometer over the outer dimensions.
+        let mut k = outer.len();
+        loop {
+            if k == 0 {
+                return;
+            }
+            k -= 1;
+            idx[k] += 1;
+            if idx[k] < outer[k].0 {
+                break;
+            }
+            idx[k] = 0;
+        }
+    }
+}
+
+/// Copies box `c` from `src` (its first source byte) into host memory at `dst` (the request's
+/// destination; `c.dst` is added).
+///
+/// # Safety
+/// Both sides must hold every byte the box touches, and not overlap.
+unsafe fn copy_host(c: &BoxCopy, src: *const u8, dst: *mut u8) {
+    let dst = dst.add(c.dst as usize);
+    let run = c.run as usize;
+    for_each_run(c, 0, |s, d| {
+        std::ptr::copy_nonoverlapping(src.add(s as usize), dst.add(d as usize), run)
+    });
+}
+
+/// Queues box `c` from host `src` (its first source byte) to device memory at `dst` (the
+/// request's destination; `c.dst` is added): one 2-d copy per innermost row set.
+///
+/// # Safety
+/// As [`DeviceCopier::upload`], for every byte the box touches.
+unsafe fn upload(copier: &DeviceCopier, c: &BoxCopy, src: *const u8, dst: u64) -> Result<()> {
+    let dst = dst + c.dst;
+    let (height, src_pitch, dst_pitch, inner) = match c.dims.last() {
+        Some(&(count, s, d)) => (count as usize, s as usize, d as usize, 1),
+        None => (1, c.run as usize, c.run as usize, 0),
+    };
+    let mut res = Ok(());
+    for_each_run(c, inner, |s, d| {
+        if res.is_ok() {
+            res = copier.upload(
+                dst + d,
+                dst_pitch,
+                src.add(s as usize),
+                src_pitch,
+                c.run as usize,
+                height,
+            );
+        }
+    });
+    res
+}
