@@ -452,6 +452,8 @@ fn to_hf<'py>(
     d.set_item("seconds", s.seconds)?;
     d.set_item("gb_per_s", s.gb_per_s)?;
     d.set_item("skipped_keys", s.skipped_keys)?;
+    d.set_item("args_check", s.args_check)?;
+    d.set_item("args_unchecked", s.args_unchecked)?;
     Ok(d)
 }
 

@@ -78,7 +78,7 @@ def test_config_disagreeing_with_the_checkpoint_is_an_error(saved, tmp_path):
     cfg["num_attention_heads"] = 8
     bad = tmp_path / "config.json"
     bad.write_text(json.dumps(cfg))
-    with pytest.raises(shardwise.ValidationError, match="num_attention_heads: config.json says 8, common.pt args.num_attention_heads says 4"):
+    with pytest.raises(shardwise.ValidationError, match="num_attention_heads: config.json says 8, args.num_attention_heads says 4"):
         shardwise.to_hf(str(base / "shardwise"), str(tmp_path / "o"), hf_config=str(bad))
 
 

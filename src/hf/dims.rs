@@ -1,0 +1,452 @@
+//! Hyperparameters of a conversion: from the HF `config.json` (transformers' field names and
+//! defaults) or, without one, from Megatron's stored `args` through the architecture's check rows;
+//! and the checks of one against the other ([`super::rules::Check`]).
+
+use serde_json::{Map, Value as Json};
+
+use super::rules::{self, ArchSpec, LayerPattern, Rel, When};
+use crate::error::{Error, Result};
+use crate::format::archive::records;
+use crate::format::unpickle::{unpickle, Value};
+use crate::reader::Checkpoint;
+
+/// The model's hyperparameters, as the mapping uses them.
+pub(crate) struct Dims {
+    pub spec: &'static ArchSpec,
+    /// The config (config.json, or the one derived from args), transformers' field names.
+    pub cfg: Map<String, Json>,
+    pub num_layers: u64,
+    pub hidden: u64,
+    pub heads: u64,
+    /// Query groups (`num_key_value_heads`).
+    pub groups: u64,
+    pub head_dim: u64,
+    /// None: no config says it (args only): the embedding's rows are kept.
+    pub vocab_size: Option<u64>,
+    pub tied: bool,
+    pub num_experts: u64,
+    /// Per layer: MoE (true) or dense.
+    pub moe_layers: Vec<bool>,
+}
+
+impl Dims {
+    /// Dims from an HF config; `arch` overrides its `model_type`.
+    ///
+    /// Errors: [`Error::InvalidArgument`] for an unknown architecture or a missing required field.
+    pub fn from_config(cfg: &Json, arch: Option<&str>) -> Result<Dims> {
+        let Json::Object(cfg) = cfg else {
+            return Err(Error::InvalidArgument(
+                "config.json is not a JSON object".into(),
+            ));
+        };
+        let spec = rules::arch(
+            arch.or_else(|| cfg.get("model_type").and_then(|v| v.as_str()))
+                .unwrap_or(""),
+        )?;
+        Dims::new(spec, cfg.clone())
+    }
+
+    fn new(spec: &'static ArchSpec, cfg: Map<String, Json>) -> Result<Dims> {
+        let mut d = Dims {
+            spec,
+            cfg,
+            num_layers: 0,
+            hidden: 0,
+            heads: 0,
+            groups: 0,
+            head_dim: 0,
+            vocab_size: None,
+            tied: false,
+            num_experts: 0,
+            moe_layers: Vec::new(),
+        };
+        let need = |d: &Dims, k: &str| {
+            d.field(k)
+                .ok_or_else(|| Error::InvalidArgument(format!("config.json has no integer {k:?}")))
+        };
+        d.num_layers = need(&d, "num_hidden_layers")?;
+        d.hidden = need(&d, "hidden_size")?;
+        d.heads = need(&d, "num_attention_heads")?;
+        d.groups = need(&d, "num_key_value_heads")?;
+        d.head_dim = need(&d, "head_dim")?;
+        d.vocab_size = d.field("vocab_size");
+        d.tied = d.flag("tie_word_embeddings").unwrap_or(false);
+        d.num_experts = d.field("num_experts").unwrap_or(0);
+        d.moe_layers = (0..d.num_layers).map(|l| d.is_moe_layer(l)).collect();
+        Ok(d)
+    }
+
+    /// An integer config field, with transformers' defaults and aliases: `num_key_value_heads`
+    /// defaults to `num_attention_heads`, `head_dim` to `hidden_size / num_attention_heads`,
+    /// `num_experts` is mixtral's `num_local_experts`; a product's factor that is a number
+    /// ([`rules::Out::shape`]) is itself. None when absent.
+    pub fn field(&self, k: &str) -> Option<u64> {
+        if let Ok(n) = k.parse::<u64>() {
+            return Some(n);
+        }
+        let raw = |k: &str| self.cfg.get(k).and_then(|v| v.as_u64());
+        match k {
+            "num_key_value_heads" => raw(k).or_else(|| raw("num_attention_heads")),
+            "head_dim" => raw(k).or_else(|| {
+                Some(raw("hidden_size")? / raw("num_attention_heads").filter(|&h| h > 0)?)
+            }),
+            "num_experts" => raw(k).or_else(|| raw("num_local_experts")),
+            _ => raw(k),
+        }
+    }
+
+    /// A boolean config field.
+    pub fn flag(&self, k: &str) -> Option<bool> {
+        self.cfg.get(k).and_then(|v| v.as_bool())
+    }
+
+    fn is_moe_layer(&self, l: u64) -> bool {
+        match self.spec.moe_layers {
+            LayerPattern::Dense => false,
+            LayerPattern::AllMoe => true,
+            LayerPattern::QwenSparseStep => {
+                let step = self.field("decoder_sparse_step").unwrap_or(1).max(1);
+                let dense_only = self
+                    .cfg
+                    .get("mlp_only_layers")
+                    .and_then(|v| v.as_array())
+                    .is_some_and(|a| a.iter().any(|x| x.as_u64() == Some(l)));
+                self.num_experts > 0 && !dense_only && (l + 1) % step == 0
+            }
+        }
+    }
+
+    /// Whether the mapping uses config field `k` for this config: the layer count, or a field of
+    /// an output shape of a rule that applies (MoE rules when some layer is MoE, dense MLP rules
+    /// when some layer is dense). A check row of an unused field is not checked (a MoE model's
+    /// args may hold any dense `ffn_hidden_size`).
+    pub fn uses(&self, k: &str) -> bool {
+        let (moe, dense) = (
+            self.moe_layers.iter().any(|&m| m),
+            self.moe_layers.iter().any(|&m| !m),
+        );
+        let applies = |r: &rules::Rule| match r.when {
+            When::MoeLayer => moe,
+            When::DenseLayer => dense,
+            _ => true,
+        };
+        k == "num_hidden_layers"
+            || self
+                .spec
+                .model
+                .iter()
+                .chain(self.spec.layer.iter().flat_map(|s| s.iter()))
+                .filter(|r| applies(r))
+                .any(|r| {
+                    r.outs
+                        .iter()
+                        .any(|o| o.shape.iter().any(|f| f.contains(&k)))
+                })
+    }
+
+    /// A dimension of [`rules::Out::shape`]: the product of its fields, None when one is absent.
+    pub fn product(&self, fields: &[&str]) -> Option<u64> {
+        fields.iter().map(|f| self.field(f)).product()
+    }
+
+    /// Dims from Megatron's args alone: each check row's config field from its args field.
+    ///
+    /// Errors: [`Error::InvalidArgument`] when `arch` is absent or args lack a required field.
+    pub fn from_args(args: &Args, arch: Option<&str>) -> Result<Dims> {
+        let spec = rules::arch(arch.ok_or_else(|| {
+            Error::InvalidArgument("without --hf-config, --arch is required".into())
+        })?)?;
+        let mut cfg = Map::new();
+        for c in spec.checks() {
+            match c.rel {
+                Rel::Eq => {
+                    if let Some(v) = args.field(c.args) {
+                        cfg.insert(c.hf.into(), v.into());
+                    }
+                }
+                Rel::Not => {
+                    if let Some(v) = args.flag(c.args) {
+                        cfg.insert(c.hf.into(), (!v).into());
+                    }
+                }
+                // The embedding's rows are kept (no vocab_size).
+                Rel::Vocab => {}
+                Rel::MoeLayers => {
+                    if let Some(p) = args.moe_layers() {
+                        let dense: Vec<u64> =
+                            (0..p.len() as u64).filter(|&l| !p[l as usize]).collect();
+                        cfg.insert("mlp_only_layers".into(), dense.into());
+                    }
+                }
+            }
+        }
+        let need = ["num_hidden_layers", "hidden_size", "num_attention_heads"];
+        if let Some(missing) = need.iter().find(|k| !cfg.contains_key(**k)) {
+            let arg = spec
+                .checks()
+                .find(|c| c.hf == *missing)
+                .map_or("", |c| c.args);
+            return Err(Error::InvalidArgument(format!(
+                "the checkpoint's args have no {arg}; pass --hf-config"
+            )));
+        }
+        Dims::new(spec, cfg)
+    }
+}
+
+/// Megatron's `args` (an `argparse.Namespace`), its attributes as JSON values (ints, floats,
+/// bools, strings, None and lists of them; other objects as null).
+pub(crate) struct Args(pub Map<String, Json>);
+
+impl Args {
+    fn raw(&self, k: &str) -> Option<&Json> {
+        self.0.get(k).filter(|v| !v.is_null())
+    }
+
+    /// A boolean args field (false when absent, as argparse's store_true default).
+    pub fn flag(&self, k: &str) -> Option<bool> {
+        match self.raw(k) {
+            Some(Json::Bool(b)) => Some(*b),
+            Some(v) => v.as_u64().map(|n| n != 0),
+            None => self.0.contains_key(k).then_some(false),
+        }
+    }
+
+    /// An integer args field with Megatron's defaults (`validate_args`): `num_query_groups` is
+    /// `num_attention_heads` without `group_query_attention`, `kv_channels` defaults to
+    /// `hidden_size / num_attention_heads`, `moe_ffn_hidden_size` to `ffn_hidden_size`,
+    /// `num_experts` None is 0. None when absent (the check is then reported as unchecked).
+    pub fn field(&self, k: &str) -> Option<u64> {
+        let raw = |k: &str| self.raw(k).and_then(|v| v.as_u64());
+        match k {
+            "num_query_groups" if self.flag("group_query_attention") != Some(true) => {
+                raw("num_attention_heads")
+            }
+            "kv_channels" => raw(k).or_else(|| {
+                Some(raw("hidden_size")? / raw("num_attention_heads").filter(|&h| h > 0)?)
+            }),
+            "moe_ffn_hidden_size" => raw(k).or_else(|| raw("ffn_hidden_size")),
+            "num_experts" => raw(k).or_else(|| self.0.contains_key(k).then_some(0)),
+            _ => raw(k),
+        }
+    }
+
+    /// Per layer, MoE or not: `moe_layer_freq` (an int k: every k-th layer from 0; a list of
+    /// 0/1), all dense without experts. None when args lack `num_layers`.
+    pub fn moe_layers(&self) -> Option<Vec<bool>> {
+        let n = self.field("num_layers")? as usize;
+        if self.field("num_experts").unwrap_or(0) == 0 {
+            return Some(vec![false; n]);
+        }
+        match self.raw("moe_layer_freq") {
+            None => Some(vec![true; n]),
+            Some(Json::Array(a)) => Some(a.iter().map(|x| x.as_u64() == Some(1)).collect()),
+            Some(v) => {
+                let k = v.as_u64()?.max(1) as usize;
+                Some((0..n).map(|l| l % k == 0).collect())
+            }
+        }
+    }
+}
+
+/// The stored args of `ckpt`: `args` from the common state (`common.pt`, or the `common_state`
+/// byte object inside the `.distcp` files of megatron-core 0.19), read as data by the safe
+/// unpickler. None when the checkpoint has no common state or it holds no `args`.
+///
+/// Errors: [`Error::Corrupt`] for a damaged common state (zip CRCs are checked by the reader).
+pub(crate) fn megatron_args(ckpt: &Checkpoint) -> Result<Option<Args>> {
+    let Some(common) = ckpt.read_common()? else {
+        return Ok(None);
+    };
+    let bytes = common.bytes;
+    let path = ckpt.dir().join(&common.source);
+    let corrupt = |r: String| Error::Corrupt {
+        path: path.clone(),
+        reason: r,
+    };
+    let recs = records(&bytes).map_err(|e| corrupt(e.0))?;
+    let Some(pkl) = recs.iter().find(|r| r.name.ends_with("data.pkl")) else {
+        return Ok(None);
+    };
+    let top = unpickle(&bytes[pkl.start..pkl.start + pkl.len]).map_err(|e| corrupt(e.0))?;
+    let Some(args) = top.get("args") else {
+        return Ok(None);
+    };
+    let state = match &args {
+        Value::Object(o) => o.state.borrow().clone(),
+        _ => None,
+    };
+    let Some(Value::Dict(d)) = state.as_ref() else {
+        return Ok(None);
+    };
+    let out = d
+        .borrow()
+        .iter()
+        .filter_map(|(k, v)| Some((k.as_str()?.to_string(), json_of(v, 0))))
+        .collect();
+    Ok(Some(Args(out)))
+}
+
+/// A plain pickle value as JSON (nested lists to a small depth; anything else null).
+fn json_of(v: &Value, depth: usize) -> Json {
+    match v {
+        Value::Bool(b) => Json::Bool(*b),
+        Value::Int(i) => i64::try_from(*i).map_or(Json::Null, Json::from),
+        Value::Float(f) => serde_json::Number::from_f64(*f).map_or(Json::Null, Json::Number),
+        Value::Str(s) => Json::String(s.to_string()),
+        Value::Tuple(_) | Value::List(_) if depth < 4 => Json::Array(
+            v.items()
+                .unwrap_or_default()
+                .iter()
+                .map(|x| json_of(x, depth + 1))
+                .collect(),
+        ),
+        _ => Json::Null,
+    }
+}
+
+/// The outcome of checking the config against the args.
+pub(crate) struct ArgsCheck {
+    /// `"passed"`, or `"skipped: ..."` when nothing could be checked.
+    pub status: String,
+    /// Check rows the args could not decide (`"head_dim (args has no kv_channels)"`).
+    pub unchecked: Vec<String>,
+}
+
+/// Checks every row of the architecture's check table; `rows` is the embedding's row count.
+///
+/// Errors: [`Error::Validation`] naming each disagreeing field with both values.
+pub(crate) fn check_args(d: &Dims, args: Option<&Args>, rows: Option<u64>) -> Result<ArgsCheck> {
+    let mut diffs = Vec::new();
+    let mut unchecked = Vec::new();
+    for c in d.spec.checks() {
+        let Some(a) = args else {
+            if c.rel == Rel::Vocab {
+                if let Err(e) = check_vocab(d, None, rows) {
+                    diffs.push(e);
+                }
+            }
+            continue;
+        };
+        let hf_src = "config.json";
+        match c.rel {
+            Rel::Eq => match (d.field(c.hf), a.field(c.args)) {
+                (Some(h), Some(m)) if h != m => diffs.push(format!(
+                    "{}: {hf_src} says {h}, args.{} says {m}",
+                    c.hf, c.args
+                )),
+                (Some(_), Some(_)) => {}
+                _ if !d.uses(c.hf) => {}
+                (None, Some(m)) if m != 0 => diffs.push(format!(
+                    "{}: {hf_src} has none, args.{} says {m}",
+                    c.hf, c.args
+                )),
+                (None, _) => {}
+                (Some(_), None) => unchecked.push(format!("{} (args has no {})", c.hf, c.args)),
+            },
+            Rel::Not => match (d.flag(c.hf).or(Some(d.tied)), a.flag(c.args)) {
+                (Some(h), Some(m)) if h == m => diffs.push(format!(
+                    "{}: {hf_src} says {h}, args.{} says {m}",
+                    c.hf, c.args
+                )),
+                (_, None) => unchecked.push(format!("{} (args has no {})", c.hf, c.args)),
+                _ => {}
+            },
+            Rel::Vocab => {
+                if let Err(e) = check_vocab(d, Some(a), rows) {
+                    diffs.push(e);
+                }
+            }
+            Rel::MoeLayers => match a.moe_layers() {
+                Some(p) if p != d.moe_layers => {
+                    let show = |v: &[bool]| -> String {
+                        v.iter().map(|&m| if m { 'E' } else { '-' }).collect()
+                    };
+                    diffs.push(format!(
+                        "MoE layer pattern: {hf_src} gives {} ({} experts), args.{} gives {} (E: MoE layer)",
+                        show(&d.moe_layers),
+                        d.num_experts,
+                        c.args,
+                        show(&p)
+                    ));
+                }
+                Some(_) => {}
+                None => unchecked.push(format!("MoE layer pattern (args has no {})", c.args)),
+            },
+        }
+    }
+    if !diffs.is_empty() {
+        return Err(Error::Validation(format!(
+            "config.json disagrees with the checkpoint: {}",
+            diffs.join("; ")
+        )));
+    }
+    Ok(ArgsCheck {
+        status: if args.is_some() {
+            "passed".into()
+        } else {
+            "skipped: no args stored".into()
+        },
+        unchecked,
+    })
+}
+
+/// The vocabulary: `vocab_size` (config) against the embedding's `rows`. Megatron pads the
+/// vocabulary up to a multiple of `make_vocab_size_divisible_by × tensor_model_parallel_size`
+/// (args; 128 × 1 when absent); the rows must be exactly `vocab_size` rounded up to that
+/// multiple, so the trimmed rows are padding and nothing else. Without args the multiple is taken
+/// as the largest power of two dividing the rows (128 × a power-of-two TP). `args.vocab_size`
+/// (when stored) is the tokenizer's: the config may not be smaller.
+///
+/// Errors: a message naming `vocab_size` and both values.
+fn check_vocab(
+    d: &Dims,
+    args: Option<&Args>,
+    rows: Option<u64>,
+) -> std::result::Result<(), String> {
+    let (Some(v), Some(rows)) = (d.vocab_size, rows) else {
+        return Ok(());
+    };
+    if v > rows {
+        return Err(format!(
+            "vocab_size: config.json says {v}, the checkpoint's embedding has {rows} rows"
+        ));
+    }
+    if let Some(a) = args {
+        if let Some(p) = a.field("padded_vocab_size") {
+            if p != rows {
+                return Err(format!(
+                    "vocab_size: args.padded_vocab_size says {p}, the checkpoint's embedding has {rows} rows"
+                ));
+            }
+        }
+        if let Some(t) = a.field("vocab_size") {
+            if v < t {
+                return Err(format!(
+                    "vocab_size: config.json says {v}, args.vocab_size says {t} (converting would drop real tokens)"
+                ));
+            }
+        }
+    }
+    let (m, why) = match args {
+        Some(a) => {
+            let div = a.field("make_vocab_size_divisible_by").unwrap_or(128);
+            let tp = a.field("tensor_model_parallel_size").unwrap_or(1);
+            (
+                (div * tp).max(1),
+                format!("make_vocab_size_divisible_by {div} x tensor_model_parallel_size {tp}"),
+            )
+        }
+        None => (
+            1 << rows.trailing_zeros().min(63),
+            "the largest power of two dividing the rows; no args stored".to_string(),
+        ),
+    };
+    if v.div_ceil(m) * m != rows {
+        return Err(format!(
+            "vocab_size: config.json says {v}, the checkpoint's embedding has {rows} rows: {} rows more than Megatron's padding to a multiple of {m} ({why}) explains",
+            rows - v
+        ));
+    }
+    Ok(())
+}

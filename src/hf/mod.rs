@@ -1,0 +1,240 @@
+//! `shardwise to-hf`: streaming conversion of a torch_dist / DCP checkpoint to Hugging Face
+//! safetensors, from the files alone. Each HF tensor is read from only the chunk byte ranges it
+//! needs, converted, and written at its precomputed offset by one of `threads` workers, so peak
+//! memory is about `threads x largest HF tensor` whatever the model size.
+//!
+//! Modules: [`dims`] (hyperparameters from config.json and the stored args, and their checks),
+//! [`rules`] (the mapping as a table, per architecture), [`plan`] (the table applied to the
+//! checkpoint's keys), [`write`] (shard plan, safetensors headers, index). Name mapping:
+//! megatron-torch-dist.md §2.7 and §4.3, shared/reference/hf-mappings-2026.md. Output files:
+//! safetensors sharded as `model-0000k-of-0000n.safetensors` with
+//! `model.safetensors.index.json`, as `transformers` writes them.
+
+mod dims;
+mod plan;
+pub(crate) mod rules;
+mod write;
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use serde::Serialize;
+
+use crate::error::{Error, Result};
+use crate::format::dtype::DType;
+use crate::reader::Checkpoint;
+use crate::storage::{atomic_write, create_dir_all, Location};
+
+pub(crate) use plan::{HfTensor, Plan};
+pub(crate) use write::dtype_of_st;
+
+/// Options of a conversion.
+#[derive(Clone, Debug)]
+pub struct HfOptions {
+    /// An HF `config.json`: the source of hyperparameters (checked against `common.pt` `args` when
+    /// both exist) and copied to the output.
+    pub config: Option<PathBuf>,
+    /// Overrides the config's `model_type`.
+    pub arch: Option<String>,
+    /// Output dtype (float32, bfloat16 or float16); default: the checkpoint's.
+    pub dtype: Option<DType>,
+    /// Largest shard file, in bytes.
+    pub max_shard_bytes: u64,
+    /// Worker threads (each holds at most one HF tensor in memory).
+    pub threads: usize,
+    /// Skip checkpoint keys that no rule maps instead of failing.
+    pub allow_unmapped: bool,
+}
+
+impl HfOptions {
+    /// Options from user-facing values: `dtype` as bf16/fp16/fp32, `max_shard_size` like "5GB",
+    /// `threads` defaulting to the number of CPUs.
+    ///
+    /// Errors: [`Error::InvalidArgument`] for a bad dtype or size.
+    pub fn from_user(
+        config: Option<PathBuf>,
+        arch: Option<String>,
+        dtype: Option<&str>,
+        max_shard_size: &str,
+        threads: Option<usize>,
+        allow_unmapped: bool,
+    ) -> Result<HfOptions> {
+        let dtype = match dtype {
+            None => None,
+            Some("bf16" | "bfloat16") => Some(DType::BF16),
+            Some("fp16" | "float16") => Some(DType::F16),
+            Some("fp32" | "float32") => Some(DType::F32),
+            Some(other) => {
+                return Err(Error::InvalidArgument(format!(
+                    "dtype {other:?}: use bf16, fp16 or fp32"
+                )))
+            }
+        };
+        Ok(HfOptions {
+            config,
+            arch,
+            dtype,
+            max_shard_bytes: parse_size(max_shard_size)?,
+            threads: threads
+                .unwrap_or_else(|| std::thread::available_parallelism().map_or(4, |n| n.get())),
+            allow_unmapped,
+        })
+    }
+}
+
+/// What a conversion wrote.
+#[derive(Clone, Debug, Serialize)]
+pub struct HfSummary {
+    pub tensors: usize,
+    pub bytes: u64,
+    pub files: usize,
+    pub seconds: f64,
+    pub gb_per_s: f64,
+    pub skipped_keys: usize,
+    /// The config against the checkpoint's stored args: `"passed"`, or `"skipped: no args
+    /// stored"` (the checkpoint has no common state with `args`).
+    pub args_check: String,
+    /// Check rows the stored args could not decide (an older Megatron without the field).
+    pub args_unchecked: Vec<String>,
+}
+
+/// Converts the checkpoint at `ckpt` (a directory or an object-store prefix, read by ranged GETs)
+/// into HF safetensors in the local directory `out_dir`; `progress(bytes)` is called as tensors
+/// are written.
+///
+/// Errors: [`Error::InvalidArgument`] for missing or unusable hyperparameters; [`Error::Validation`]
+/// for unmapped checkpoint keys (unless `allow_unmapped`), HF tensors the config requires that
+/// the checkpoint does not produce, shapes that contradict the config, and config/args
+/// disagreements; reader errors for damaged checkpoints; [`Error::Io`].
+pub fn to_hf(
+    ckpt: &Location,
+    out_dir: &Path,
+    opts: &HfOptions,
+    progress: &(dyn Fn(u64) + Sync),
+) -> Result<HfSummary> {
+    let t0 = Instant::now();
+    if out_dir.to_string_lossy().contains("://") {
+        return Err(Error::InvalidArgument(format!(
+            "to-hf writes to a local directory, not to {}",
+            out_dir.display()
+        )));
+    }
+    // Phase 1: open, hyperparameters, checks and the mapping; nothing is written before all pass.
+    let ckpt = Checkpoint::open(ckpt)?;
+    let (d, check) = hyperparameters(&ckpt, opts)?;
+    let Plan { tensors, skipped } = plan::plan(&ckpt, &d, opts.allow_unmapped)?;
+    // Phase 2: the shard plan (files, headers, offsets), a pure function of the plan.
+    let shards = write::shard_plan(&tensors, opts.dtype, opts.max_shard_bytes)?;
+    // Phase 3: the data.
+    create_dir_all(out_dir)?;
+    let total = write::write_shards(
+        &ckpt,
+        &tensors,
+        &shards,
+        opts.dtype,
+        opts.threads,
+        out_dir,
+        progress,
+    )?;
+    // Phase 4: the index and config.json, after every shard is synced.
+    write::write_index(out_dir, &shards)?;
+    if let Some(p) = &opts.config {
+        let bytes = std::fs::read(p).map_err(Error::io("read", p))?;
+        atomic_write(&out_dir.join("config.json"), &bytes)?;
+    }
+    let seconds = t0.elapsed().as_secs_f64();
+    Ok(HfSummary {
+        tensors: tensors.len(),
+        bytes: total,
+        files: shards.shards.len(),
+        seconds,
+        gb_per_s: total as f64 / seconds.max(1e-9) / 1e9,
+        skipped_keys: skipped,
+        args_check: check.status,
+        args_unchecked: check.unchecked,
+    })
+}
+
+/// The hyperparameters of `ckpt` (config.json, else the stored args), checked against the args.
+fn hyperparameters(ckpt: &Checkpoint, opts: &HfOptions) -> Result<(dims::Dims, dims::ArgsCheck)> {
+    let args = dims::megatron_args(ckpt)?;
+    let config: Option<serde_json::Value> = match &opts.config {
+        Some(p) => Some(
+            serde_json::from_slice(&std::fs::read(p).map_err(Error::io("read", p))?)
+                .map_err(|e| Error::InvalidArgument(format!("{}: not JSON: {e}", p.display())))?,
+        ),
+        None => None,
+    };
+    let d = match (&config, &args) {
+        (Some(c), _) => dims::Dims::from_config(c, opts.arch.as_deref())?,
+        (None, Some(a)) => dims::Dims::from_args(a, opts.arch.as_deref())?,
+        (None, None) => {
+            return Err(Error::InvalidArgument(
+                "no --hf-config and no Megatron args in common.pt: pass --hf-config".into(),
+            ))
+        }
+    };
+    let rows = ["embedding.word_embeddings.weight", "output_layer.weight"]
+        .iter()
+        .find_map(|k| match ckpt.metadata.entries.get(*k) {
+            Some(crate::format::metadata::Entry::Tensor { global_shape, .. }) => {
+                global_shape.first().copied()
+            }
+            _ => None,
+        });
+    let check = dims::check_args(&d, args.as_ref(), rows)?;
+    Ok((d, check))
+}
+
+/// Maps every tensor of `ckpt` to HF tensors (see [`to_hf`] for the checks and errors).
+pub(crate) fn plan(ckpt: &Checkpoint, opts: &HfOptions) -> Result<Plan> {
+    let (d, _) = hyperparameters(ckpt, opts)?;
+    plan::plan(ckpt, &d, opts.allow_unmapped)
+}
+
+/// Parses a size like `5GB`, `500MB`, `4GiB` or a plain byte count.
+pub fn parse_size(s: &str) -> Result<u64> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let num: f64 = num
+        .parse()
+        .map_err(|_| Error::InvalidArgument(format!("bad size {s:?}")))?;
+    let mult: f64 = match unit.trim().to_ascii_uppercase().as_str() {
+        "" | "B" => 1.0,
+        "KB" => 1e3,
+        "MB" => 1e6,
+        "GB" => 1e9,
+        "TB" => 1e12,
+        "KIB" => 1024.0,
+        "MIB" => 1024.0 * 1024.0,
+        "GIB" => 1024.0 * 1024.0 * 1024.0,
+        other => {
+            return Err(Error::InvalidArgument(format!(
+                "bad size unit {other:?} in {s:?}"
+            )))
+        }
+    };
+    let v = num * mult;
+    if !(v >= 1.0 && v.is_finite()) {
+        return Err(Error::InvalidArgument(format!(
+            "size {s:?} must be at least 1 byte"
+        )));
+    }
+    Ok(v as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse() {
+        assert_eq!(parse_size("5GB").unwrap(), 5_000_000_000);
+        assert_eq!(parse_size("2MiB").unwrap(), 2 << 20);
+        assert_eq!(parse_size("123").unwrap(), 123);
+        assert!(parse_size("5 parsecs").is_err() && parse_size("0").is_err());
+    }
+}

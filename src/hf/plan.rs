@@ -1,0 +1,412 @@
+//! Applies the rule table ([`super::rules`]) to a checkpoint's keys: the HF tensors to write, each
+//! as boxes of checkpoint tensors, plus the checks that the config's required tensors are all
+//! produced with the shapes the config implies.
+//!
+//! Checkpoint keys (megatron-torch-dist.md §2.7): layer-stacked `decoder.layers.<sub>` with a
+//! leading layer axis, or `decoder.layers.{i}.<sub>`; experts with an expert axis on
+//! `.experts.experts.`.
+
+use std::collections::BTreeSet;
+
+use super::dims::Dims;
+use super::rules::{Experts, Post, Rule, When};
+use crate::error::{Error, Result};
+use crate::format::dtype::DType;
+use crate::format::metadata::Entry;
+use crate::reader::Checkpoint;
+
+/// A box of a checkpoint tensor (global offsets and sizes, in elements).
+#[derive(Clone, Debug)]
+pub(crate) struct Piece {
+    pub key: String,
+    pub offsets: Vec<u64>,
+    pub sizes: Vec<u64>,
+}
+
+/// One HF tensor: the concatenation of its pieces (C order), reshaped to `shape`, then `post`.
+#[derive(Clone, Debug)]
+pub(crate) struct HfTensor {
+    pub name: String,
+    pub shape: Vec<u64>,
+    pub src_dtype: DType,
+    pub pieces: Vec<Piece>,
+    pub post: Post,
+}
+
+/// The HF tensors a checkpoint converts to, in output order, and how many checkpoint keys the
+/// mapping skips (optimizer state, extra state, objects, and unmapped keys when allowed).
+pub(crate) struct Plan {
+    pub tensors: Vec<HfTensor>,
+    pub skipped: usize,
+}
+
+enum Mapped {
+    Tensors(Vec<HfTensor>),
+    Skip,
+    Unmapped,
+}
+
+/// Keys that hold no weights.
+fn skip_key(key: &str) -> bool {
+    key.contains("_extra_state")
+        || key.starts_with("optimizer.")
+        || key.starts_with("rng_state")
+        || key.starts_with("rerun_state_machine_state")
+        || key.starts_with("common_state")
+        || key.starts_with("content_metadata")
+}
+
+fn layer_prefix(l: u64) -> String {
+    format!("model.layers.{l}.")
+}
+
+/// The HF tensors rule `r` makes of checkpoint tensor `key` (shape `shape`); `layer`: the layer
+/// index and whether the key stacks layers on its first axis.
+fn apply(
+    d: &Dims,
+    r: &Rule,
+    key: &str,
+    shape: &[u64],
+    dtype: DType,
+    layer: Option<(u64, bool)>,
+) -> Result<Vec<HfTensor>> {
+    let (prefix, lead) = match layer {
+        Some((l, true)) => (layer_prefix(l), vec![l]),
+        Some((l, false)) => (layer_prefix(l), vec![]),
+        None => (String::new(), vec![]),
+    };
+    let inner = &shape[lead.len()..];
+    let (experts, inner) = match r.experts {
+        Experts::No => (None, inner),
+        Experts::PerExpert => {
+            let Some((&e, rest)) = inner.split_first().filter(|(_, rest)| !rest.is_empty()) else {
+                return Err(Error::Validation(format!(
+                    "{key} has shape {shape:?}: no expert axis"
+                )));
+            };
+            if e != d.num_experts {
+                return Err(Error::Validation(format!(
+                    "num_experts: config.json says {}, {key} has {e} experts",
+                    d.num_experts
+                )));
+            }
+            (Some(e), rest)
+        }
+    };
+    let rows = (r.split)(d, key, inner)?;
+    debug_assert_eq!(rows.len(), r.outs.len());
+    let rest = &inner[1.min(inner.len())..];
+    let mut out = Vec::new();
+    for e in experts.map_or(vec![None], |n| (0..n).map(Some).collect()) {
+        let pre: Vec<u64> = lead.iter().copied().chain(e).collect();
+        for (o, ranges) in r.outs.iter().zip(&rows) {
+            let pieces: Vec<Piece> = ranges
+                .iter()
+                .map(|&(r0, n)| {
+                    let mut offsets = pre.clone();
+                    let mut sizes = vec![1; pre.len()];
+                    if !inner.is_empty() {
+                        offsets.push(r0);
+                        sizes.push(n);
+                    }
+                    offsets.extend(std::iter::repeat_n(0, rest.len()));
+                    sizes.extend_from_slice(rest);
+                    Piece {
+                        key: key.to_string(),
+                        offsets,
+                        sizes,
+                    }
+                })
+                .collect();
+            let mut hf_shape: Vec<u64> = Vec::new();
+            if !inner.is_empty() {
+                hf_shape.push(ranges.iter().map(|x| x.1).sum());
+            }
+            hf_shape.extend_from_slice(rest);
+            let name = format!(
+                "{prefix}{}",
+                match e {
+                    Some(e) => o.name.replace("{e}", &e.to_string()),
+                    None => o.name.to_string(),
+                }
+            );
+            check_shape(d, &name, key, &hf_shape, o.shape)?;
+            out.push(HfTensor {
+                name,
+                shape: hf_shape,
+                src_dtype: dtype,
+                pieces,
+                post: r.post,
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// The produced shape against the one the config implies.
+///
+/// Errors: [`Error::Validation`] naming the HF tensor, the source key, both shapes and the
+/// config fields of each differing dimension.
+fn check_shape(d: &Dims, name: &str, key: &str, got: &[u64], want: &[&[&str]]) -> Result<()> {
+    let fits = got.len() == want.len()
+        && got
+            .iter()
+            .zip(want)
+            .all(|(&g, f)| d.product(f).is_none_or(|w| w == g));
+    if fits {
+        return Ok(());
+    }
+    let implied: Vec<String> = want
+        .iter()
+        .map(|f| match (f.is_empty(), d.product(f)) {
+            (true, _) => "1".into(),
+            (false, Some(w)) => format!("{} = {w}", f.join(" x ")),
+            (false, None) => format!("{} (not in config)", f.join(" x ")),
+        })
+        .collect();
+    Err(Error::Validation(format!(
+        "{name}: the checkpoint's {key} gives shape {got:?}; the config implies [{}]",
+        implied.join(", ")
+    )))
+}
+
+/// Maps one checkpoint tensor key.
+fn map_key(d: &Dims, key: &str, shape: &[u64], dtype: DType) -> Result<Mapped> {
+    if skip_key(key) {
+        return Ok(Mapped::Skip);
+    }
+    if let Some(r) = d.spec.model_rule(key) {
+        return Ok(Mapped::Tensors(apply(d, r, key, shape, dtype, None)?));
+    }
+    let Some(rest) = key.strip_prefix("decoder.layers.") else {
+        return Ok(Mapped::Unmapped);
+    };
+    // `decoder.layers.{i}.sub` (one layer) or `decoder.layers.sub` (layer axis first).
+    let (layers, sub, stacked) = match rest.split_once('.') {
+        Some((i, sub)) if !i.is_empty() && i.bytes().all(|b| b.is_ascii_digit()) => {
+            let l: u64 = i
+                .parse()
+                .map_err(|_| Error::Validation(format!("{key}: bad layer index")))?;
+            (l..l + 1, sub, false)
+        }
+        _ if shape.is_empty() => return Ok(Mapped::Unmapped),
+        _ => (0..shape[0], rest, true),
+    };
+    let Some(r) = d.spec.layer_rule(sub) else {
+        return Ok(Mapped::Unmapped);
+    };
+    let mut out = Vec::new();
+    for l in layers {
+        if !d.may_produce(r, l) {
+            return Err(Error::Validation(format!(
+                "{key}: layer {l} is {} in the config ({}), but this key belongs to {} layers",
+                if d.is_moe(l) { "MoE" } else { "dense" },
+                d.moe_pattern_source(),
+                if r.when == When::MoeLayer {
+                    "MoE"
+                } else {
+                    "dense"
+                }
+            )));
+        }
+        out.extend(apply(d, r, key, shape, dtype, Some((l, stacked)))?);
+    }
+    Ok(Mapped::Tensors(out))
+}
+
+impl Dims {
+    fn is_moe(&self, l: u64) -> bool {
+        self.moe_layers.get(l as usize).copied().unwrap_or(false)
+    }
+
+    fn moe_pattern_source(&self) -> String {
+        format!(
+            "{} experts, layer pattern {:?}",
+            self.num_experts, self.spec.moe_layers
+        )
+    }
+
+    /// Whether rule `r` may produce tensors on layer `l` (None: a model rule).
+    fn may_produce(&self, r: &Rule, l: u64) -> bool {
+        match r.when {
+            When::MoeLayer => self.is_moe(l),
+            When::DenseLayer => !self.is_moe(l),
+            When::Always | When::Optional | When::Untied => true,
+        }
+    }
+
+    /// Whether the config requires rule `r`'s outputs on layer `l` (None: a model rule).
+    fn requires(&self, r: &Rule, l: Option<u64>) -> bool {
+        match r.when {
+            When::Always => true,
+            When::Optional => false,
+            When::Untied => !self.tied,
+            When::MoeLayer | When::DenseLayer => l.is_some_and(|l| self.may_produce(r, l)),
+        }
+    }
+
+    /// Every HF tensor name the config requires, from the same rules that map.
+    fn required(&self) -> BTreeSet<String> {
+        let mut names = BTreeSet::new();
+        let mut add = |prefix: &str, r: &Rule| {
+            for o in r.outs {
+                match r.experts {
+                    Experts::No => {
+                        names.insert(format!("{prefix}{}", o.name));
+                    }
+                    Experts::PerExpert => {
+                        for e in 0..self.num_experts {
+                            names.insert(format!(
+                                "{prefix}{}",
+                                o.name.replace("{e}", &e.to_string())
+                            ));
+                        }
+                    }
+                }
+            }
+        };
+        for r in self.spec.model.iter().filter(|r| self.requires(r, None)) {
+            add("", r);
+        }
+        for l in 0..self.num_layers {
+            let p = layer_prefix(l);
+            for r in self
+                .spec
+                .layer_rules()
+                .filter(|r| self.requires(r, Some(l)))
+            {
+                add(&p, r);
+            }
+        }
+        names
+    }
+}
+
+/// Maps every tensor of `ckpt` to HF tensors.
+///
+/// Errors: [`Error::Validation`] for unmapped checkpoint keys (unless `allow_unmapped`), HF
+/// tensors the config requires that the checkpoint does not produce, shapes that contradict the
+/// config, a layer count that contradicts it, and two keys mapping to one HF tensor.
+pub(crate) fn plan(ckpt: &Checkpoint, d: &Dims, allow_unmapped: bool) -> Result<Plan> {
+    let mut tensors: Vec<HfTensor> = Vec::new();
+    let (mut unmapped, mut skipped) = (Vec::new(), 0usize);
+    let mut stacked_layers: BTreeSet<u64> = BTreeSet::new();
+    for (key, e) in &ckpt.metadata.entries {
+        let Entry::Tensor {
+            dtype,
+            global_shape,
+            ..
+        } = e
+        else {
+            skipped += 1;
+            continue;
+        };
+        match map_key(d, key, global_shape, *dtype)? {
+            Mapped::Tensors(v) => {
+                if key.starts_with("decoder.layers.")
+                    && !key["decoder.layers.".len()..].starts_with(|c: char| c.is_ascii_digit())
+                {
+                    stacked_layers.insert(global_shape[0]);
+                }
+                tensors.extend(v)
+            }
+            Mapped::Skip => skipped += 1,
+            Mapped::Unmapped => unmapped.push(key.clone()),
+        }
+    }
+    if !unmapped.is_empty() && !allow_unmapped {
+        return Err(Error::Validation(format!(
+            "no rule maps these checkpoint keys (pass --allow-unmapped to skip them): {}",
+            unmapped.join(", ")
+        )));
+    }
+    skipped += unmapped.len();
+    if let Some(l) = stacked_layers.iter().find(|&&l| l != d.num_layers) {
+        return Err(Error::Validation(format!(
+            "num_hidden_layers: config.json says {}, the checkpoint stacks {l} layers",
+            d.num_layers
+        )));
+    }
+    let produced: BTreeSet<&str> = tensors.iter().map(|t| t.name.as_str()).collect();
+    if produced.len() != tensors.len() {
+        return Err(Error::Validation(
+            "two checkpoint keys map to the same HF tensor".into(),
+        ));
+    }
+    let missing: Vec<String> = d
+        .required()
+        .into_iter()
+        .filter(|n| !produced.contains(n.as_str()))
+        .collect();
+    if !missing.is_empty() {
+        let shown: Vec<&str> = missing.iter().take(20).map(|s| s.as_str()).collect();
+        return Err(Error::Validation(format!(
+            "{} HF tensors the config requires were not produced: {}",
+            missing.len(),
+            shown.join(", ")
+        )));
+    }
+    // Deterministic order: by layer, then name.
+    let layer_of = |n: &str| {
+        n.strip_prefix("model.layers.")
+            .and_then(|r| r.split('.').next())
+            .and_then(|i| i.parse::<u64>().ok())
+    };
+    tensors.sort_by(|a, b| (layer_of(&a.name), &a.name).cmp(&(layer_of(&b.name), &b.name)));
+    Ok(Plan { tensors, skipped })
+}
+
+/// Reads HF tensor `t` (its pieces, in order) into `buf` (`prod(shape) * itemsize` bytes of
+/// `t.src_dtype`), then applies its value transform.
+pub(crate) fn read_hf_tensor(ckpt: &Checkpoint, t: &HfTensor, buf: &mut [u8]) -> Result<()> {
+    let item = t.src_dtype.itemsize();
+    let mut at = 0usize;
+    for pc in &t.pieces {
+        let n = (pc.sizes.iter().product::<u64>() * item) as usize;
+        ckpt.read_region(&pc.key, &pc.offsets, &pc.sizes, &mut buf[at..at + n])?;
+        at += n;
+    }
+    match t.post {
+        Post::None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dims(cfg: serde_json::Value) -> Dims {
+        Dims::from_config(&cfg, None).unwrap()
+    }
+
+    #[test]
+    fn qkv_splits_per_query_group() {
+        let d = dims(
+            serde_json::json!({"model_type": "llama", "num_hidden_layers": 2,
+            "hidden_size": 8, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 2,
+            "vocab_size": 10}),
+        );
+        let Mapped::Tensors(v) = map_key(
+            &d,
+            "decoder.layers.self_attention.linear_qkv.weight",
+            &[2, 16, 8],
+            DType::F32,
+        )
+        .unwrap() else {
+            panic!()
+        };
+        assert_eq!(v.len(), 6);
+        let k1 = v
+            .iter()
+            .find(|t| t.name == "model.layers.1.self_attn.k_proj.weight")
+            .unwrap();
+        assert_eq!(k1.shape, vec![4, 8]);
+        // group 0: rows [0,4) q, [4,6) k, [6,8) v; group 1 starts at 8.
+        let starts: Vec<(u64, u64)> = k1
+            .pieces
+            .iter()
+            .map(|p| (p.offsets[0], p.offsets[1]))
+            .collect();
+        assert_eq!(starts, vec![(1, 4), (1, 12)]);
+    }
+}

@@ -1,0 +1,554 @@
+//! The Megatron → Hugging Face mapping as a table: one [`ArchSpec`] per architecture, built from
+//! shared rule slices. What differs between architectures is data here; the code that applies the
+//! table (`map.rs`-style logic in [`super::mapping`]) is shared.
+//!
+//! HOW TO ADD AN ARCHITECTURE
+//! 1. Add an `ArchSpec` to [`ARCHS`] with the `model_type` names its config.json uses.
+//! 2. `layer`: list the rule slices its layers use, reusing the shared ones below ([`ATTN_QKV`],
+//!    [`QK_NORM`], [`NORMS`], [`DENSE_MLP`], ...) and adding a slice for what is its own. A
+//!    [`Rule`] names the Megatron sub-key(s) (aliases: TE's fused norms, the local spec's), the HF
+//!    tensors it writes ([`Out`]: name and the shape the config implies, as products of config
+//!    fields), how the source rows are split among them ([`Split`], a small function of the dims:
+//!    `whole`, `gate_up`, `qkv_per_group`, ...; a new layout such as a per-key-head in_proj gather or
+//!    a per-head q/gate interleave is one more such function), whether an expert axis leads
+//!    ([`Experts`]), a value transform ([`Post`]: `+1` for zero-centred norms, transposed fused
+//!    experts), and on which layers the config requires it ([`When`]).
+//! 3. `checks`: the (config.json field, Megatron args field, [`Rel`]) rows that must agree for
+//!    this architecture, normally `BASE_CHECKS` plus its own fields (e.g. `q_lora_rank`,
+//!    `linear_num_key_heads`). Every config field a rule's `Out::shape` or `Split` uses must be
+//!    in a check row, so that a wrong config is refused wherever args are stored.
+//! 4. `moe_layers`: which layers are MoE according to the config ([`LayerPattern`]).
+//! 5. Tests: a real megatron-core model of that family, converted and loaded by transformers.
+//!
+//! The set of HF tensors a config requires is derived from the same rows (`When`), so a config
+//! that demands a tensor no checkpoint key produces is refused, not written incomplete.
+
+use super::dims::Dims;
+use crate::error::{Error, Result};
+
+/// One architecture.
+pub(crate) struct ArchSpec {
+    /// `model_type` values of config.json (and `--arch`) that select it.
+    pub model_types: &'static [&'static str],
+    /// Rules for whole-model keys (full checkpoint key).
+    pub model: &'static [Rule],
+    /// Rules for per-layer keys (sub-key after `decoder.layers.{i}.`, or after `decoder.layers.`
+    /// when layers are stacked on a leading axis).
+    pub layer: &'static [&'static [Rule]],
+    /// Config fields checked against Megatron's stored args.
+    pub checks: &'static [&'static [Check]],
+    /// Which layers are MoE.
+    pub moe_layers: LayerPattern,
+}
+
+/// A rule: Megatron tensor → HF tensors.
+pub(crate) struct Rule {
+    /// Megatron (sub-)keys this rule maps; several are aliases of one tensor.
+    pub src: &'static [&'static str],
+    /// HF tensors, in the order [`Split`] returns their rows; names after `model.layers.{l}.` for
+    /// layer rules, `{e}` standing for the expert index.
+    pub outs: &'static [Out],
+    pub split: Split,
+    pub experts: Experts,
+    pub post: Post,
+    pub when: When,
+}
+
+/// An HF tensor of a rule.
+pub(crate) struct Out {
+    pub name: &'static str,
+    /// The shape the config implies, each dimension a product of config fields (resolved by
+    /// [`Dims::field`], with transformers' defaults); a dimension whose field the config lacks is
+    /// not checked. Per expert for [`Experts::PerExpert`].
+    pub shape: &'static [&'static [&'static str]],
+}
+
+/// Row ranges `(start, len)` of the source's first dimension (after the layer and expert axes)
+/// that make each [`Rule::outs`] entry, concatenated in order. Arguments: the dims, the Megatron
+/// key (for errors) and the source's shape after the layer and expert axes.
+pub(crate) type Split = fn(&Dims, &str, &[u64]) -> Result<Vec<Vec<(u64, u64)>>>;
+
+/// Whether the source has a leading expert axis (after the layer axis, when stacked).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Experts {
+    No,
+    /// One HF tensor per expert (`{e}` in the names): what `save_pretrained` writes for qwen3_moe,
+    /// mixtral, qwen3_5_moe, qwen3_next, deepseek_v3 and glm4_moe.
+    PerExpert,
+}
+
+/// A value transform applied after the rows are gathered (see [`super::write::apply_post`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Post {
+    None,
+}
+
+/// When the config requires a rule's outputs (and on which layers the rule may produce them).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum When {
+    /// Every layer (the model, for model rules).
+    Always,
+    /// Mapped when the checkpoint has it, never required.
+    Optional,
+    /// Required unless the config ties the embeddings (`lm_head`).
+    Untied,
+    /// Layers the config makes MoE; a source on another layer is an error.
+    MoeLayer,
+    /// Layers the config makes dense.
+    DenseLayer,
+}
+
+/// Which layers are MoE, from the config.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum LayerPattern {
+    /// None.
+    Dense,
+    /// All.
+    AllMoe,
+    /// qwen2_moe/qwen3_moe: layer l is MoE iff l is not in `mlp_only_layers`, there are experts,
+    /// and (l + 1) % `decoder_sparse_step` == 0.
+    QwenSparseStep,
+}
+
+/// A config field that must agree with Megatron's stored args.
+pub(crate) struct Check {
+    /// config.json field (resolved with transformers' defaults by [`Dims::field`]).
+    pub hf: &'static str,
+    /// Megatron args field (resolved with Megatron's defaults by [`super::dims::Args::field`]).
+    pub args: &'static str,
+    pub rel: Rel,
+}
+
+/// How a config field relates to its args field.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Rel {
+    /// Equal integers.
+    Eq,
+    /// Booleans, one the negation of the other (`tie_word_embeddings` vs
+    /// `untie_embeddings_and_output_weights`).
+    Not,
+    /// The vocabulary: see [`super::dims::check_vocab`].
+    Vocab,
+    /// The MoE layer pattern (config via [`LayerPattern`], args `moe_layer_freq`).
+    MoeLayers,
+}
+
+// ---- splits -----------------------------------------------------------------------------------
+
+fn whole(_: &Dims, _: &str, shape: &[u64]) -> Result<Vec<Vec<(u64, u64)>>> {
+    Ok(vec![vec![(0, shape.first().copied().unwrap_or(1))]])
+}
+
+/// Rows `[0, vocab_size)`: Megatron pads the vocabulary (checked in `check_vocab`).
+fn vocab_rows(d: &Dims, key: &str, shape: &[u64]) -> Result<Vec<Vec<(u64, u64)>>> {
+    let rows = shape[0];
+    let v = d.vocab_size.unwrap_or(rows);
+    if v > rows {
+        return Err(Error::Validation(format!(
+            "{key} has {rows} rows, fewer than vocab_size {v}"
+        )));
+    }
+    Ok(vec![vec![(0, v)]])
+}
+
+/// SwiGLU fc1 rows `[gate; up]`.
+fn gate_up(_: &Dims, key: &str, shape: &[u64]) -> Result<Vec<Vec<(u64, u64)>>> {
+    let r = shape[0];
+    if r % 2 != 0 {
+        return Err(Error::Validation(format!(
+            "{key}: SwiGLU fc1 has an odd row count {r}"
+        )));
+    }
+    Ok(vec![vec![(0, r / 2)], vec![(r / 2, r / 2)]])
+}
+
+/// `linear_qkv` rows per query group: `[q (heads/groups heads), k, v]`, each head `head_dim`
+/// rows (megatron-torch-dist.md §4.3).
+fn qkv_per_group(d: &Dims, key: &str, shape: &[u64]) -> Result<Vec<Vec<(u64, u64)>>> {
+    let (g, h) = (d.groups, d.head_dim);
+    let n = d.heads / g.max(1);
+    if g == 0 || d.heads % g != 0 || shape[0] != g * (n + 2) * h {
+        return Err(Error::Validation(format!(
+            "{key}: {} rows do not fit num_attention_heads = {} in num_key_value_heads = {} groups of head_dim = {h}",
+            shape[0], d.heads, g
+        )));
+    }
+    let block = |off: u64, len: u64| (0..g).map(|gi| (gi * (n + 2) * h + off, len)).collect();
+    Ok(vec![
+        block(0, n * h),
+        block(n * h, h),
+        block((n + 1) * h, h),
+    ])
+}
+
+// ---- shapes -----------------------------------------------------------------------------------
+
+const H: &[&str] = &["hidden_size"];
+const V: &[&str] = &["vocab_size"];
+const Q: &[&str] = &["num_attention_heads", "head_dim"];
+const KV: &[&str] = &["num_key_value_heads", "head_dim"];
+const HD: &[&str] = &["head_dim"];
+const FFN: &[&str] = &["intermediate_size"];
+const MOE_FFN: &[&str] = &["moe_intermediate_size"];
+const SHARED_FFN: &[&str] = &["shared_expert_intermediate_size"];
+const E: &[&str] = &["num_experts"];
+const ONE: &[&str] = &[];
+
+const fn out(name: &'static str, shape: &'static [&'static [&'static str]]) -> Out {
+    Out { name, shape }
+}
+
+const fn rule(
+    src: &'static [&'static str],
+    outs: &'static [Out],
+    split: Split,
+    when: When,
+) -> Rule {
+    Rule {
+        src,
+        outs,
+        split,
+        experts: Experts::No,
+        post: Post::None,
+        when,
+    }
+}
+
+const fn experts(src: &'static [&'static str], outs: &'static [Out], split: Split) -> Rule {
+    Rule {
+        src,
+        outs,
+        split,
+        experts: Experts::PerExpert,
+        post: Post::None,
+        when: When::MoeLayer,
+    }
+}
+
+// ---- rule slices --------------------------------------------------------------------------------
+
+/// Embedding, final norm and output layer (megatron-torch-dist.md §4.3).
+pub(crate) const COMMON_MODEL: &[Rule] = &[
+    rule(
+        &["embedding.word_embeddings.weight"],
+        &[out("model.embed_tokens.weight", &[V, H])],
+        vocab_rows,
+        When::Always,
+    ),
+    rule(
+        &["output_layer.weight"],
+        &[out("lm_head.weight", &[V, H])],
+        vocab_rows,
+        When::Untied,
+    ),
+    rule(
+        &["decoder.final_layernorm.weight"],
+        &[out("model.norm.weight", &[H])],
+        whole,
+        When::Always,
+    ),
+];
+
+const QKV_OUTS: &[Out] = &[
+    out("self_attn.q_proj.weight", &[Q, H]),
+    out("self_attn.k_proj.weight", &[KV, H]),
+    out("self_attn.v_proj.weight", &[KV, H]),
+];
+const QKV_BIAS_OUTS: &[Out] = &[
+    out("self_attn.q_proj.bias", &[Q]),
+    out("self_attn.k_proj.bias", &[KV]),
+    out("self_attn.v_proj.bias", &[KV]),
+];
+
+/// Standard attention: fused QKV per query group, output projection; QKV bias when stored.
+pub(crate) const ATTN_QKV: &[Rule] = &[
+    rule(
+        &["self_attention.linear_qkv.weight"],
+        QKV_OUTS,
+        qkv_per_group,
+        When::Always,
+    ),
+    rule(
+        &["self_attention.linear_qkv.bias"],
+        QKV_BIAS_OUTS,
+        qkv_per_group,
+        When::Optional,
+    ),
+    rule(
+        &["self_attention.linear_proj.weight"],
+        &[out("self_attn.o_proj.weight", &[H, Q])],
+        whole,
+        When::Always,
+    ),
+];
+
+/// QKV bias the config requires (qwen2).
+pub(crate) const QKV_BIAS_REQUIRED: &[Rule] = &[rule(
+    &["self_attention.linear_qkv.bias"],
+    QKV_BIAS_OUTS,
+    qkv_per_group,
+    When::Always,
+)];
+
+/// Per-head q/k RMSNorm (qwen3).
+pub(crate) const QK_NORM: &[Rule] = &[
+    rule(
+        &["self_attention.q_layernorm.weight"],
+        &[out("self_attn.q_norm.weight", &[HD])],
+        whole,
+        When::Always,
+    ),
+    rule(
+        &["self_attention.k_layernorm.weight"],
+        &[out("self_attn.k_norm.weight", &[HD])],
+        whole,
+        When::Always,
+    ),
+];
+
+/// Pre-attention and pre-MLP norms: TE's fused names and the local spec's.
+pub(crate) const NORMS: &[Rule] = &[
+    rule(
+        &[
+            "self_attention.linear_qkv.layer_norm_weight",
+            "input_layernorm.weight",
+        ],
+        &[out("input_layernorm.weight", &[H])],
+        whole,
+        When::Always,
+    ),
+    rule(
+        &[
+            "mlp.linear_fc1.layer_norm_weight",
+            "pre_mlp_layernorm.weight",
+        ],
+        &[out("post_attention_layernorm.weight", &[H])],
+        whole,
+        When::Always,
+    ),
+];
+
+/// Dense SwiGLU MLP on dense layers.
+pub(crate) const DENSE_MLP: &[Rule] = &[
+    rule(
+        &["mlp.linear_fc1.weight"],
+        &[
+            out("mlp.gate_proj.weight", &[FFN, H]),
+            out("mlp.up_proj.weight", &[FFN, H]),
+        ],
+        gate_up,
+        When::DenseLayer,
+    ),
+    rule(
+        &["mlp.linear_fc2.weight"],
+        &[out("mlp.down_proj.weight", &[H, FFN])],
+        whole,
+        When::DenseLayer,
+    ),
+];
+
+/// Qwen MoE: router, per-expert SwiGLU, optional shared expert with its gate.
+pub(crate) const QWEN_MOE: &[Rule] = &[
+    rule(
+        &["mlp.router.weight"],
+        &[out("mlp.gate.weight", &[E, H])],
+        whole,
+        When::MoeLayer,
+    ),
+    rule(
+        &["mlp.router.expert_bias"],
+        &[out("mlp.gate.e_score_correction_bias", &[E])],
+        whole,
+        When::Optional,
+    ),
+    experts(
+        &["mlp.experts.experts.linear_fc1.weight"],
+        &[
+            out("mlp.experts.{e}.gate_proj.weight", &[MOE_FFN, H]),
+            out("mlp.experts.{e}.up_proj.weight", &[MOE_FFN, H]),
+        ],
+        gate_up,
+    ),
+    experts(
+        &["mlp.experts.experts.linear_fc2.weight"],
+        &[out("mlp.experts.{e}.down_proj.weight", &[H, MOE_FFN])],
+        whole,
+    ),
+    rule(
+        &["mlp.shared_experts.linear_fc1.weight"],
+        &[
+            out("mlp.shared_expert.gate_proj.weight", &[SHARED_FFN, H]),
+            out("mlp.shared_expert.up_proj.weight", &[SHARED_FFN, H]),
+        ],
+        gate_up,
+        When::Optional,
+    ),
+    rule(
+        &["mlp.shared_experts.linear_fc2.weight"],
+        &[out("mlp.shared_expert.down_proj.weight", &[H, SHARED_FFN])],
+        whole,
+        When::Optional,
+    ),
+    rule(
+        &["mlp.shared_experts.gate_weight"],
+        &[out("mlp.shared_expert_gate.weight", &[ONE, H])],
+        whole,
+        When::Optional,
+    ),
+];
+
+/// Mixtral MoE: `block_sparse_moe`, experts w1 (gate), w3 (up), w2 (down); expert FFN size is the
+/// config's `intermediate_size`.
+pub(crate) const MIXTRAL_MOE: &[Rule] = &[
+    rule(
+        &["mlp.router.weight"],
+        &[out("block_sparse_moe.gate.weight", &[E, H])],
+        whole,
+        When::MoeLayer,
+    ),
+    experts(
+        &["mlp.experts.experts.linear_fc1.weight"],
+        &[
+            out("block_sparse_moe.experts.{e}.w1.weight", &[FFN, H]),
+            out("block_sparse_moe.experts.{e}.w3.weight", &[FFN, H]),
+        ],
+        gate_up,
+    ),
+    experts(
+        &["mlp.experts.experts.linear_fc2.weight"],
+        &[out("block_sparse_moe.experts.{e}.w2.weight", &[H, FFN])],
+        whole,
+    ),
+];
+
+// ---- checks -------------------------------------------------------------------------------------
+
+const fn check(hf: &'static str, args: &'static str, rel: Rel) -> Check {
+    Check { hf, args, rel }
+}
+
+/// Fields every architecture's mapping uses.
+pub(crate) const BASE_CHECKS: &[Check] = &[
+    check("num_hidden_layers", "num_layers", Rel::Eq),
+    check("hidden_size", "hidden_size", Rel::Eq),
+    check("num_attention_heads", "num_attention_heads", Rel::Eq),
+    check("num_key_value_heads", "num_query_groups", Rel::Eq),
+    check("head_dim", "kv_channels", Rel::Eq),
+    check("vocab_size", "padded_vocab_size", Rel::Vocab),
+    check(
+        "tie_word_embeddings",
+        "untie_embeddings_and_output_weights",
+        Rel::Not,
+    ),
+];
+
+/// Dense MLP size.
+pub(crate) const DENSE_CHECKS: &[Check] = &[check("intermediate_size", "ffn_hidden_size", Rel::Eq)];
+
+/// Qwen MoE sizes and layer pattern.
+pub(crate) const QWEN_MOE_CHECKS: &[Check] = &[
+    check("num_experts", "num_experts", Rel::Eq),
+    check("moe_intermediate_size", "moe_ffn_hidden_size", Rel::Eq),
+    check(
+        "shared_expert_intermediate_size",
+        "moe_shared_expert_intermediate_size",
+        Rel::Eq,
+    ),
+    check("num_experts", "moe_layer_freq", Rel::MoeLayers),
+];
+
+/// Mixtral: experts' FFN size is `intermediate_size`.
+pub(crate) const MIXTRAL_CHECKS: &[Check] = &[
+    check("num_experts", "num_experts", Rel::Eq),
+    check("intermediate_size", "moe_ffn_hidden_size", Rel::Eq),
+    check("num_experts", "moe_layer_freq", Rel::MoeLayers),
+];
+
+// ---- architectures ------------------------------------------------------------------------------
+
+pub(crate) static ARCHS: &[ArchSpec] = &[
+    ArchSpec {
+        model_types: &["llama"],
+        model: COMMON_MODEL,
+        layer: &[ATTN_QKV, NORMS, DENSE_MLP],
+        checks: &[BASE_CHECKS, DENSE_CHECKS],
+        moe_layers: LayerPattern::Dense,
+    },
+    ArchSpec {
+        model_types: &["qwen2"],
+        model: COMMON_MODEL,
+        layer: &[QKV_BIAS_REQUIRED, ATTN_QKV, NORMS, DENSE_MLP],
+        checks: &[BASE_CHECKS, DENSE_CHECKS],
+        moe_layers: LayerPattern::Dense,
+    },
+    ArchSpec {
+        model_types: &["qwen3"],
+        model: COMMON_MODEL,
+        layer: &[ATTN_QKV, QK_NORM, NORMS, DENSE_MLP],
+        checks: &[BASE_CHECKS, DENSE_CHECKS],
+        moe_layers: LayerPattern::Dense,
+    },
+    ArchSpec {
+        model_types: &["qwen3_moe"],
+        model: COMMON_MODEL,
+        layer: &[ATTN_QKV, QK_NORM, NORMS, DENSE_MLP, QWEN_MOE],
+        checks: &[BASE_CHECKS, DENSE_CHECKS, QWEN_MOE_CHECKS],
+        moe_layers: LayerPattern::QwenSparseStep,
+    },
+    ArchSpec {
+        model_types: &["mixtral"],
+        model: COMMON_MODEL,
+        layer: &[ATTN_QKV, NORMS, MIXTRAL_MOE],
+        checks: &[BASE_CHECKS, MIXTRAL_CHECKS],
+        moe_layers: LayerPattern::AllMoe,
+    },
+];
+
+/// The architecture of a `model_type`.
+///
+/// Errors: [`Error::InvalidArgument`] naming the supported ones.
+pub(crate) fn arch(name: &str) -> Result<&'static ArchSpec> {
+    ARCHS
+        .iter()
+        .find(|a| a.model_types.contains(&name))
+        .ok_or_else(|| {
+            let known: Vec<&str> = ARCHS
+                .iter()
+                .flat_map(|a| a.model_types.iter().copied())
+                .collect();
+            Error::InvalidArgument(format!(
+                "unsupported architecture {name:?}: shardwise maps {}",
+                known.join(", ")
+            ))
+        })
+}
+
+impl ArchSpec {
+    /// The layer rule of Megatron sub-key `sub` (the first in table order: a more specific slice
+    /// listed first wins, e.g. qwen2's required QKV bias over the optional one).
+    pub(crate) fn layer_rule(&self, sub: &str) -> Option<&'static Rule> {
+        self.layer
+            .iter()
+            .flat_map(|s| s.iter())
+            .find(|r| r.src.contains(&sub))
+    }
+
+    /// The model rule of checkpoint key `key`.
+    pub(crate) fn model_rule(&self, key: &str) -> Option<&'static Rule> {
+        self.model.iter().find(|r| r.src.contains(&key))
+    }
+
+    /// The rules that apply to layers: each Megatron source once (the first rule of each).
+    pub(crate) fn layer_rules(&self) -> impl Iterator<Item = &'static Rule> + '_ {
+        let all: Vec<&'static Rule> = self.layer.iter().flat_map(|s| s.iter()).collect();
+        all.clone()
+            .into_iter()
+            .enumerate()
+            .filter(move |(i, r)| !all[..*i].iter().any(|p| p.src == r.src))
+            .map(|(_, r)| r)
+    }
+
+    pub(crate) fn checks(&self) -> impl Iterator<Item = &'static Check> + '_ {
+        self.checks.iter().flat_map(|s| s.iter())
+    }
+}
