@@ -76,9 +76,11 @@ fn apply(
         None => (String::new(), vec![]),
     };
     let inner = &shape[lead.len()..];
-    let (experts, inner) = match r.experts {
-        Experts::No => (None, inner),
-        Experts::PerExpert => {
+    // `groups`: the expert indices of each HF tensor's pieces (one tensor per expert, or one
+    // tensor over all experts in order, or no expert axis).
+    let (groups, inner): (Vec<Vec<Option<u64>>>, &[u64]) = match r.experts {
+        Experts::No => (vec![vec![None]], inner),
+        Experts::PerExpert | Experts::Stacked => {
             let Some((&e, rest)) = inner.split_first().filter(|(_, rest)| !rest.is_empty()) else {
                 return Err(Error::Validation(format!(
                     "{key} has shape {shape:?}: no expert axis"
@@ -90,19 +92,24 @@ fn apply(
                     d.num_experts
                 )));
             }
-            (Some(e), rest)
+            let all = (0..e).map(Some);
+            if r.experts == Experts::PerExpert {
+                (all.map(|e| vec![e]).collect(), rest)
+            } else {
+                (vec![all.collect()], rest)
+            }
         }
     };
     let rows = (r.split)(d, key, inner)?;
     debug_assert_eq!(rows.len(), r.outs.len());
     let rest = &inner[1.min(inner.len())..];
     let mut out = Vec::new();
-    for e in experts.map_or(vec![None], |n| (0..n).map(Some).collect()) {
-        let pre: Vec<u64> = lead.iter().copied().chain(e).collect();
+    for experts in groups {
         for (o, ranges) in r.outs.iter().zip(&rows) {
-            let pieces: Vec<Piece> = ranges
-                .iter()
-                .map(|&(r0, n)| {
+            let mut pieces = Vec::new();
+            for &e in &experts {
+                let pre: Vec<u64> = lead.iter().copied().chain(e).collect();
+                for &(r0, n) in ranges {
                     let mut offsets = pre.clone();
                     let mut sizes = vec![1; pre.len()];
                     if !inner.is_empty() {
@@ -111,23 +118,38 @@ fn apply(
                     }
                     offsets.extend(std::iter::repeat_n(0, rest.len()));
                     sizes.extend_from_slice(rest);
-                    Piece {
+                    pieces.push(Piece {
                         key: key.to_string(),
                         offsets,
                         sizes,
-                    }
-                })
-                .collect();
+                    });
+                }
+            }
+            // The gathered shape: [experts when stacked, rows, rest...].
             let mut hf_shape: Vec<u64> = Vec::new();
+            if r.experts == Experts::Stacked {
+                hf_shape.push(experts.len() as u64);
+            }
             if !inner.is_empty() {
                 hf_shape.push(ranges.iter().map(|x| x.1).sum());
             }
             hf_shape.extend_from_slice(rest);
+            if r.post == Post::TransposeLast2 {
+                if hf_shape.len() < 2 {
+                    return Err(Error::Validation(format!(
+                        "{key}: shape {shape:?} has no two dimensions to transpose"
+                    )));
+                }
+                let n = hf_shape.len();
+                hf_shape.swap(n - 2, n - 1);
+            }
             let name = format!(
                 "{prefix}{}",
-                match e {
-                    Some(e) => o.name.replace("{e}", &e.to_string()),
-                    None => o.name.to_string(),
+                match experts.as_slice() {
+                    [Some(e)] if r.experts == Experts::PerExpert => {
+                        o.name.replace("{e}", &e.to_string())
+                    }
+                    _ => o.name.to_string(),
                 }
             );
             check_shape(d, &name, key, &hf_shape, o.shape)?;
@@ -251,7 +273,7 @@ impl Dims {
         let mut add = |prefix: &str, r: &Rule| {
             for o in r.outs {
                 match r.experts {
-                    Experts::No => {
+                    Experts::No | Experts::Stacked => {
                         names.insert(format!("{prefix}{}", o.name));
                     }
                     Experts::PerExpert => {
@@ -358,6 +380,8 @@ pub(crate) fn plan(ckpt: &Checkpoint, d: &Dims, allow_unmapped: bool) -> Result<
 
 /// Reads HF tensor `t` (its pieces, in order) into `buf` (`prod(shape) * itemsize` bytes of
 /// `t.src_dtype`), then applies its value transform.
+///
+/// Errors: reader errors; [`Error::UnsupportedDtype`] for `+1` on a non-float tensor.
 pub(crate) fn read_hf_tensor(ckpt: &Checkpoint, t: &HfTensor, buf: &mut [u8]) -> Result<()> {
     let item = t.src_dtype.itemsize();
     let mut at = 0usize;
@@ -366,14 +390,83 @@ pub(crate) fn read_hf_tensor(ckpt: &Checkpoint, t: &HfTensor, buf: &mut [u8]) ->
         ckpt.read_region(&pc.key, &pc.offsets, &pc.sizes, &mut buf[at..at + n])?;
         at += n;
     }
-    match t.post {
+    apply_post(t.post, t.src_dtype, &t.shape, buf)
+}
+
+/// Applies a value transform in place to `buf`, the gathered tensor in `dtype` whose shape after
+/// the transform is `shape`.
+///
+/// Errors: [`Error::UnsupportedDtype`] for `+1` on a non-float dtype.
+fn apply_post(post: Post, dtype: DType, shape: &[u64], buf: &mut [u8]) -> Result<()> {
+    match post {
         Post::None => Ok(()),
+        Post::AddOne => {
+            use half::{bf16, f16};
+            match dtype {
+                DType::F32 => buf.chunks_exact_mut(4).for_each(|c| {
+                    let v = f32::from_le_bytes(c.try_into().unwrap()) + 1.0;
+                    c.copy_from_slice(&v.to_le_bytes())
+                }),
+                DType::BF16 => buf.chunks_exact_mut(2).for_each(|c| {
+                    let v = bf16::from_f32(bf16::from_le_bytes([c[0], c[1]]).to_f32() + 1.0);
+                    c.copy_from_slice(&v.to_le_bytes())
+                }),
+                DType::F16 => buf.chunks_exact_mut(2).for_each(|c| {
+                    let v = f16::from_f32(f16::from_le_bytes([c[0], c[1]]).to_f32() + 1.0);
+                    c.copy_from_slice(&v.to_le_bytes())
+                }),
+                other => {
+                    return Err(Error::UnsupportedDtype(format!(
+                        "+1 norm offset on {}",
+                        other.torch_name()
+                    )))
+                }
+            }
+            Ok(())
+        }
+        Post::TransposeLast2 => {
+            // Gathered as [..., c, r]; `shape` ends [r, c].
+            let n = shape.len();
+            let (r, c) = (shape[n - 2] as usize, shape[n - 1] as usize);
+            let item = dtype.itemsize() as usize;
+            let mat = r * c * item;
+            let mut tmp = vec![0u8; mat];
+            for m in buf.chunks_exact_mut(mat.max(1)) {
+                for i in 0..c {
+                    for j in 0..r {
+                        let (src, dst) = ((i * r + j) * item, (j * c + i) * item);
+                        tmp[dst..dst + item].copy_from_slice(&m[src..src + item]);
+                    }
+                }
+                m.copy_from_slice(&tmp);
+            }
+            Ok(())
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn post_adds_one_and_transposes() {
+        let mut b: Vec<u8> = [0.5f32, -1.0]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        apply_post(Post::AddOne, DType::F32, &[2], &mut b).unwrap();
+        let v: Vec<f32> = b
+            .chunks(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        assert_eq!(v, vec![1.5, 0.0]);
+        // Two experts of [2, 3] gathered, written as [3, 2] each.
+        let mut b: Vec<u8> = (0u8..12).collect();
+        apply_post(Post::TransposeLast2, DType::U8, &[2, 3, 2], &mut b).unwrap();
+        assert_eq!(b, vec![0, 3, 1, 4, 2, 5, 6, 9, 7, 10, 8, 11]);
+        assert!(apply_post(Post::AddOne, DType::I64, &[1], &mut [0u8; 8]).is_err());
+    }
 
     fn dims(cfg: serde_json::Value) -> Dims {
         Dims::from_config(&cfg, None).unwrap()

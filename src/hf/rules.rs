@@ -75,12 +75,23 @@ pub(crate) enum Experts {
     /// One HF tensor per expert (`{e}` in the names): what `save_pretrained` writes for qwen3_moe,
     /// mixtral, qwen3_5_moe, qwen3_next, deepseek_v3 and glm4_moe.
     PerExpert,
+    /// One HF tensor over all experts, the expert axis first (gpt_oss's fused 3-D experts; with
+    /// [`Post::TransposeLast2`] for its `[H, 2I]` / `[I, H]` layout). `Out::shape` includes the
+    /// expert dimension.
+    #[allow(dead_code)] // first used by the gpt_oss rows (issue 16)
+    Stacked,
 }
 
-/// A value transform applied after the rows are gathered (see [`super::write::apply_post`]).
+/// A value transform applied after the rows are gathered (`plan::apply_post`; the writer and
+/// every reader of a plan go through `read_hf_tensor`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[allow(dead_code)] // AddOne and TransposeLast2 are first used by the issue-16 families
 pub(crate) enum Post {
     None,
+    /// `w + 1`: Megatron's zero-centred gated norm (Gated DeltaNet `out_norm`) to HF's plain one.
+    AddOne,
+    /// Swap the last two dimensions (per expert): gpt_oss writes experts as `x @ W`.
+    TransposeLast2,
 }
 
 /// When the config requires a rule's outputs (and on which layers the rule may produce them).
