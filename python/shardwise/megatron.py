@@ -23,6 +23,7 @@ from typing import Any, Iterator, Optional
 
 from . import _native
 from ._native import InvalidArgumentError
+from .load import load  # noqa: F401 - the collective-free load is shardwise.megatron.load
 
 # Per-process count of saves into each directory. All ranks of an SPMD job call save() the same
 # number of times, so the count is part of a save id every rank derives alike, and a retry into
@@ -476,7 +477,12 @@ def _original_megatron_save():
     """The installed megatron-core's own ``save`` (the one :func:`install` replaced, if it did)."""
     import megatron.core.dist_checkpointing.serialization as mser
 
-    return next((orig for mod, _, orig in _INSTALLED if mod is mser), mser.save)
+    return _original_megatron(mser, "save")
+
+
+def _original_megatron(mod, name: str):
+    """``mod.name`` as the installed megatron-core defines it (the one :func:`install` replaced)."""
+    return next((orig for m, n, orig in _INSTALLED if m is mod and n == name), getattr(mod, name))
 
 
 def megatron_save_parameters() -> list:
@@ -585,9 +591,12 @@ _INSTALLED: list[tuple[Any, str, Any]] = []
 
 
 def install(**save_kwargs) -> None:
-    """Route ``megatron.core.dist_checkpointing.save`` to shardwise (:func:`dist_checkpointing_save`).
+    """Route ``megatron.core.dist_checkpointing.save`` to shardwise (:func:`dist_checkpointing_save`),
+    and its ``load`` and ``load_common_state_dict`` (what ``megatron.training.checkpointing.
+    load_checkpoint`` calls; ``load_content_metadata`` and ``load_plain_tensors`` call them) to
+    :func:`shardwise.load.dist_checkpointing_load` and :func:`shardwise.load.load_common_state_dict`.
 
-    Replaces the name in ``megatron.core.dist_checkpointing`` (which Megatron's training code calls as
+    Replaces the names in ``megatron.core.dist_checkpointing`` (which Megatron's training code calls as
     ``dist_checkpointing.save``) and in ``megatron.core.dist_checkpointing.serialization``.
     ``save_kwargs`` are passed to :func:`save` on every call (e.g. ``timeout_s=1800``,
     ``balance_dp=...``). Idempotent: a second call only updates ``save_kwargs``. Undo with
@@ -599,17 +608,20 @@ def install(**save_kwargs) -> None:
     import megatron.core.dist_checkpointing as mdc
     import megatron.core.dist_checkpointing.serialization as mser
 
+    from .load import dist_checkpointing_load, load_common_state_dict
+
     replacement = functools.partial(dist_checkpointing_save, **save_kwargs)
     functools.update_wrapper(replacement, dist_checkpointing_save)
+    routes = {"save": replacement, "load": dist_checkpointing_load, "load_common_state_dict": load_common_state_dict}
     for mod in (mdc, mser):
-        current = mod.save
-        if not any(m is mod for m, _, _ in _INSTALLED):
-            _INSTALLED.append((mod, "save", current))
-        mod.save = replacement
+        for name, function in routes.items():
+            if not any(m is mod and n == name for m, n, _ in _INSTALLED):
+                _INSTALLED.append((mod, name, getattr(mod, name)))
+            setattr(mod, name, function)
 
 
 def uninstall() -> None:
-    """Restore the ``save`` functions :func:`install` replaced; a no-op when nothing is installed."""
+    """Restore the functions :func:`install` replaced; a no-op when nothing is installed."""
     while _INSTALLED:
         mod, name, original = _INSTALLED.pop()
         setattr(mod, name, original)

@@ -37,8 +37,9 @@ def init_gloo(rank: int, world: int, port: int, timeout_s: float = 120.0) -> Non
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
 
 
-def build_gpt(seed: int, pp_stage_layers: bool = True):
-    """A tiny megatron-core GPTModel: local layer spec, SwiGLU, GQA (4 heads, 2 query groups), RMSNorm."""
+def build_gpt(seed: int, pp_stage_layers: bool = True, heads: int = 4, query_groups: int = 2):
+    """A tiny megatron-core GPTModel: local layer spec, SwiGLU, GQA (4 heads, 2 query groups by
+    default; TP must divide ``query_groups``), RMSNorm."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -48,8 +49,8 @@ def build_gpt(seed: int, pp_stage_layers: bool = True):
     cfg = TransformerConfig(
         num_layers=4,
         hidden_size=64,
-        num_attention_heads=4,
-        num_query_groups=2,
+        num_attention_heads=heads,
+        num_query_groups=query_groups,
         ffn_hidden_size=128,
         use_cpu_initialization=True,
         gated_linear_unit=True,

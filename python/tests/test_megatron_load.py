@@ -1,0 +1,380 @@
+"""shardwise.megatron.load (issue 17): the collective-free resharding load.
+
+One 4-rank gloo run (``load_workers.load_matrix``, session-scoped) saves a GPT (SwiGLU, GQA) at
+TP2 x DP2 with Megatron's own save and with shardwise, an EP=2 MoE and a DistributedOptimizer in both
+formats, and loads each with shardwise and with Megatron at TP2 x DP2, TP1, PP2 x TP2 and TP4; the
+results must be bitwise equal. The rest runs in this process, which has no process group at all.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import threading
+from argparse import Namespace
+
+import pytest
+import torch
+
+import load_workers
+from conftest import _run
+
+import shardwise
+import shardwise.megatron as swm
+from shardwise import load as swl
+
+
+@pytest.fixture(scope="session")
+def matrix(tmp_path_factory):
+    return _run(tmp_path_factory, "load_matrix", load_workers.load_matrix, 4)
+
+
+GPT_CASES = [f"gpt_{src}_{layout}" for layout, _, _ in load_workers.LAYOUTS for src in ("megatron", "shardwise")]
+CASES = GPT_CASES + ["moe_ep2_megatron", "moe_ep2_shardwise", "distopt_dp_reshardable", "distopt_fully_reshardable"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_equal_to_megatron_load_and_collective_free(matrix, case):
+    _, results = matrix
+    for r in results:
+        got = r[case]
+        assert got["diff"] == [], (r["rank"], got["diff"])
+        assert got["tensors"] >= 8, got
+        assert got["dist_calls"] == [], f"rank {r['rank']} called torch.distributed: {got['dist_calls']}"
+        # The destination started from other values and the load changed it.
+        assert got["changed"] >= min(8, got["observed"]) and got["observed"] >= 8, (r["rank"], got)
+
+
+class Opaque:
+    """A class outside every allow-list (module-level so that torch.save can pickle it)."""
+
+    def __init__(self, v):
+        self.v = v
+
+    def __eq__(self, other):
+        return isinstance(other, Opaque) and other.v == self.v
+
+
+def _request(dtype=torch.float32):
+    """A request exercising Megatron's structure rules: prepended axis, 2 chunks of one key on one
+    rank, a factory (SwiGLU-like merge), int keys, lists, a non-persistent value, a plain value."""
+    from megatron.core.dist_checkpointing.mapping import (
+        LocalNonpersistentObject,
+        ShardedObject,
+        ShardedTensor,
+        ShardedTensorFactory,
+    )
+
+    def build(key, t, replica_id, flattened_range):
+        half = t.shape[0] // 2
+        return {
+            "w": ShardedTensor.from_rank_offsets(f"{key}.w", t[:half], replica_id=replica_id),
+            "v": ShardedTensor.from_rank_offsets(f"{key}.v", t[half:], replica_id=replica_id),
+        }
+
+    def merge(sub):
+        return torch.cat([sub["w"], sub["v"]])
+
+    return {
+        "layers": [
+            {
+                "weight": ShardedTensor.from_rank_offsets(
+                    "layers.weight", torch.zeros(4, 6, dtype=dtype), (0, 0, 1), replica_id=0, prepend_axis_num=1
+                )
+            },
+            {
+                7: ShardedTensor.from_rank_offsets("rows", torch.zeros(2, 5, dtype=dtype), (0, 0, 2)),
+                8: ShardedTensor.from_rank_offsets("rows", torch.zeros(2, 5, dtype=dtype), (0, 1, 2)),
+            },
+        ],
+        "fc1": ShardedTensorFactory("fc1", torch.zeros(6, 3, dtype=dtype), build, merge, 0),
+        "obj": ShardedObject("extra", {"step": 3, "ns": Namespace(lr=0.1)}, (1,), (0,)),
+        "nonpersistent": LocalNonpersistentObject({"local": 1}),
+        "plain": "dropped",
+    }
+
+
+def _values(dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    return {
+        "layers.weight": torch.randn(1, 4, 6, generator=g).to(dtype),
+        "rows": torch.randn(4, 5, generator=g).to(dtype),
+        "fc1.w": torch.randn(3, 3, generator=g).to(dtype),
+        "fc1.v": torch.randn(3, 3, generator=g).to(dtype),
+    }
+
+
+def _save_plain(path, dtype=torch.float32, obj=None, common_extra=None):
+    """Saves ``_values()`` as one rank (shardwise, rank 0 of 1; no process group)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+    vals = _values(dtype)
+    sd = {
+        "a": ShardedTensor.from_rank_offsets("layers.weight", vals["layers.weight"][0], (0, 0, 1), prepend_axis_num=1),
+        "b": ShardedTensor.from_rank_offsets("rows", vals["rows"]),
+        "c": ShardedTensor.from_rank_offsets("fc1.w", vals["fc1.w"]),
+        "d": ShardedTensor.from_rank_offsets("fc1.v", vals["fc1.v"]),
+        "o": ShardedObject("extra", obj if obj is not None else {"step": 3, "ns": Namespace(lr=0.1)}, (1,), (0,)),
+        "iteration": 11,
+        "plain": "from checkpoint",
+        **(common_extra or {}),
+    }
+    swm.save(sd, str(path), rank=0, world_size=1, timeout_s=30)
+    return vals
+
+
+@pytest.fixture(scope="module")
+def plain_ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("plain") / "ckpt"
+    return path, _save_plain(path)
+
+
+class NoDistributed:
+    """Every public torch.distributed function raises while active: a load must call none."""
+
+    def __enter__(self):
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
+
+        self.saved = []
+        for mod in (dist, c10d):
+            for name in dir(mod):
+                obj = getattr(mod, name)
+                if not name.startswith("_") and callable(obj) and not isinstance(obj, type) and getattr(obj, "__module__", "").startswith("torch.distributed"):
+                    self.saved.append((mod, name, obj))
+
+                    def refuse(*a, __name=name, **k):
+                        raise AssertionError(f"torch.distributed.{__name} called during the load")
+
+                    setattr(mod, name, refuse)
+        return self
+
+    def __exit__(self, *exc):
+        for mod, name, obj in self.saved:
+            setattr(mod, name, obj)
+
+
+def _check_plain(res, vals, dtype=torch.float32):
+    assert list(res) == ["iteration", "plain", "nonpersistent", "layers", "fc1", "obj"] or set(res) == {
+        "iteration", "plain", "nonpersistent", "layers", "fc1", "obj"}
+    assert res["plain"] == "from checkpoint" and res["iteration"] == 11
+    assert res["nonpersistent"] == {"local": 1}
+    assert isinstance(res["layers"], list) and list(res["layers"][1]) == [7, 8]
+    w = res["layers"][0]["weight"]
+    assert w.shape == (4, 6) and w.dtype == dtype and torch.equal(w, vals["layers.weight"][0].to(dtype))
+    assert torch.equal(res["layers"][1][7], vals["rows"][:2].to(dtype))
+    assert torch.equal(res["layers"][1][8], vals["rows"][2:].to(dtype))
+    assert torch.equal(res["fc1"], torch.cat([vals["fc1.w"], vals["fc1.v"]]).to(dtype))
+    assert res["obj"]["step"] == 3 and res["obj"]["ns"] == Namespace(lr=0.1)
+
+
+def test_no_process_group_in_place_and_structure(plain_ckpt):
+    import torch.distributed as dist
+
+    path, vals = plain_ckpt
+    assert not dist.is_initialized()
+    req = _request()
+    dest = req["layers"][0]["weight"].data
+    with NoDistributed():
+        res = swm.load(req, str(path))
+    _check_plain(res, vals)
+    assert res["layers"][0]["weight"].data_ptr() == dest.data_ptr(), "loaded in place"
+
+
+def test_from_a_thread_and_cast_to_request_dtype(plain_ckpt):
+    path, vals = plain_ckpt
+    out = {}
+
+    def run():
+        try:
+            with NoDistributed():
+                out["res"] = swm.load(_request(torch.float64), path)
+        except BaseException as e:  # noqa: BLE001 - re-raised below in the main thread
+            out["err"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(60)
+    assert "err" not in out, out.get("err")
+    _check_plain(out["res"], vals, torch.float64)
+
+
+def test_repeated_loads_parse_metadata_once(plain_ckpt, monkeypatch):
+    path, _ = plain_ckpt
+    swl.clear_cache()
+    opened = []
+    real = swl._native.open_checkpoint
+    monkeypatch.setattr(swl._native, "open_checkpoint", lambda p: opened.append(p) or real(p))
+    for _ in range(3):
+        swm.load(_request(), path)
+    assert len(opened) == 1
+
+
+def test_strict_modes(plain_ckpt):
+    import logging
+
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    path, vals = plain_ckpt
+
+    def req():
+        r = _request()
+        r["missing"] = ShardedTensor.from_rank_offsets("not.saved", torch.zeros(3))
+        return r
+
+    with pytest.raises(swl.MissingKeyError, match="not.saved"):
+        swm.load(req(), path)
+    with pytest.raises(swl.MissingKeyError, match="not.saved"):
+        swm.load(req(), path, strict=StrictHandling.RAISE_UNEXPECTED)
+    res, missing, unexpected = swm.load(req(), path, strict="return_unexpected")
+    assert missing == set() and unexpected == {"not.saved"} and "missing" not in res
+    _check_plain(res, vals)
+    logged = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: logged.append(record.getMessage())
+    logging.getLogger("shardwise.load").addHandler(handler)
+    try:
+        res = swm.load(req(), path, strict="log_unexpected")
+    finally:
+        logging.getLogger("shardwise.load").removeHandler(handler)
+    assert any("not.saved" in m for m in logged) and "missing" not in res
+    assert "missing" not in swm.load(req(), path, strict="ignore_all")
+    for mode in ("log_all", "raise_all", "return_all"):
+        with pytest.raises(shardwise.InvalidArgumentError, match="all_gather"):
+            swm.load(req(), path, strict=mode)
+
+
+def test_missing_key_raised_before_any_read(plain_ckpt, monkeypatch):
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    path, _ = plain_ckpt
+    reads = []
+    ckpt = swl.open_cached(str(path))
+    monkeypatch.setattr(swl, "open_cached", lambda p: _Counting(ckpt, reads))
+    r = _request()
+    r["z"] = ShardedTensor.from_rank_offsets("zz.missing", torch.zeros(3))
+    with pytest.raises(swl.MissingKeyError, match="zz.missing"):
+        swm.load(r, path)
+    assert reads == []
+    assert issubclass(swl.MissingKeyError, shardwise.ShardwiseError)
+
+
+class _Counting:
+    def __init__(self, ckpt, reads):
+        self.ckpt, self.reads = ckpt, reads
+
+    def __getattr__(self, name):
+        attr = getattr(self.ckpt, name)
+        if name in ("read_into", "read_bytes", "load_into"):
+            return lambda *a, **k: self.reads.append(name) or attr(*a, **k)
+        return attr
+
+    def __contains__(self, key):
+        return key in self.ckpt
+
+
+def test_shape_and_dtype_kind_mismatch(plain_ckpt):
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    path, _ = plain_ckpt
+    with pytest.raises(shardwise.ValidationError, match=r"rows: global shape \[4, 6\]"):
+        swm.load({"x": ShardedTensor.from_rank_offsets("rows", torch.zeros(4, 6))}, path)
+    with pytest.raises(shardwise.ValidationError, match="rows: the checkpoint holds float32, the request is int64"):
+        swm.load({"x": ShardedTensor.from_rank_offsets("rows", torch.zeros(4, 5, dtype=torch.int64))}, path)
+    with pytest.raises(shardwise.ValidationError, match="byte object"):
+        swm.load({"x": ShardedTensor.from_rank_offsets("extra/shard_0_1", torch.zeros(1))}, path)
+
+
+def test_uncovered_region(plain_ckpt, tmp_path):
+    """A checkpoint whose chunks cover only the first 4 of 8 rows of ``rows`` (its .metadata
+    rewritten, as a writer that lost a rank's part would leave it): asking for rows 4-7 names the
+    key and the region; rows 0-3 still load."""
+    import pickle
+
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    path, vals = plain_ckpt
+    gap = tmp_path / "gap"
+    shutil.copytree(path, gap)
+    with open(gap / ".metadata", "rb") as f:
+        md = pickle.load(f)  # the test's own file
+    md.state_dict_metadata["rows"].size = torch.Size([8, 5])
+    with open(gap / ".metadata", "wb") as f:
+        pickle.dump(md, f)
+    top = ShardedTensor.from_rank_offsets("rows", torch.zeros(4, 5), (0, 0, 2))
+    assert torch.equal(swm.load({"t": top}, gap)["t"], vals["rows"])
+    bottom = ShardedTensor.from_rank_offsets("rows", torch.zeros(4, 5), (0, 1, 2))
+    with pytest.raises(shardwise.ValidationError, match="rows"):
+        swm.load({"t": bottom}, gap)
+
+
+def test_truncated_and_missing_data_file(plain_ckpt, tmp_path):
+    path, _ = plain_ckpt
+    bad = tmp_path / "bad"
+    shutil.copytree(path, bad)
+    data = bad / "__0_0.distcp"
+    with open(data, "r+b") as f:
+        f.truncate(data.stat().st_size // 2)
+    with pytest.raises(shardwise.CorruptFileError, match="__0_0.distcp"):
+        swm.load(_request(), bad)
+    swl.clear_cache()
+    os.unlink(data)
+    with pytest.raises(shardwise.ShardwiseError, match="__0_0.distcp"):
+        swm.load(_request(), bad)
+
+
+def test_other_backend_refused(plain_ckpt, tmp_path):
+    path, _ = plain_ckpt
+    other = tmp_path / "zarr"
+    shutil.copytree(path, other)
+    (other / "metadata.json").write_text(json.dumps({"sharded_backend": "zarr", "sharded_backend_version": 1}))
+    with pytest.raises(shardwise.InvalidArgumentError, match="sharded_backend 'zarr'.*torch_dist"):
+        swm.load(_request(), other)
+
+
+def test_disallowed_class_in_object_needs_opt_in(tmp_path):
+    path = tmp_path / "ckpt"
+    vals = _save_plain(path, obj=Opaque(5))
+    with pytest.raises(swl.UnsafeObjectError, match="Opaque"):
+        swm.load(_request(), path)
+    res = swm.load(_request(), path, safe_globals=[Opaque])
+    assert res["obj"] == Opaque(5)
+    assert torch.equal(res["layers"][1][7], vals["rows"][:2])
+
+
+def test_flattened_range_and_shape_mismatch(plain_ckpt):
+    """Requests megatron-core 0.19 no longer builds itself, checked against the full tensors:
+    a ``flattened_range`` slice of a local chunk (the distributed optimizer of <= 0.15), and an
+    ``allow_shape_mismatch`` tensor larger than the saved one (zero padded)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    path, vals = plain_ckpt
+    flat = ShardedTensor.from_rank_offsets("rows", torch.zeros(2, 5), (0, 1, 2))
+    # Set after construction: 0.19's __post_init__ refuses flattened_range, 0.13's built it so.
+    flat.data, flat.flattened_range = torch.zeros(4), slice(3, 7)
+    res = swm.load({"f": flat}, path)
+    assert torch.equal(res["f"], vals["rows"][2:].reshape(-1)[3:7])
+    bigger = ShardedTensor.from_rank_offsets("rows", torch.full((6, 5), 9.0), allow_shape_mismatch=True)
+    bigger.global_shape = (6, 5)
+    res = swm.load({"b": bigger}, path)
+    assert torch.equal(res["b"][:4], vals["rows"]) and torch.equal(res["b"][4:], torch.zeros(2, 5))
+
+
+def test_common_state_of_megatron_019_and_install_routes(plain_ckpt):
+    """install() routes load and load_common_state_dict; load_content_metadata goes through them."""
+    from megatron.core import dist_checkpointing
+
+    path, vals = plain_ckpt
+    with swm.installed():
+        assert dist_checkpointing.load is swl.dist_checkpointing_load
+        with NoDistributed():
+            res = dist_checkpointing.load(_request(), str(path), None, strict="assume_ok_unexpected")
+            common = dist_checkpointing.load_common_state_dict(str(path))
+        with pytest.raises(shardwise.InvalidArgumentError, match="backend"):
+            dist_checkpointing.load(_request(), str(path), ("zarr", 1))
+    _check_plain(res, vals)
+    assert common["iteration"] == 11
+    assert dist_checkpointing.load is not swl.dist_checkpointing_load
