@@ -112,10 +112,24 @@ def _check_backend(checkpoint_dir: str) -> None:
 
 
 def _safe_globals() -> list:
+    """megatron-core's allow-list (``megatron/core/safe_globals.py``, 0.14+). Releases before it
+    get that list's standard-library and numpy part: the types their ``args`` and rng states hold."""
     try:
         from megatron.core.safe_globals import SAFE_GLOBALS
-    except ImportError:  # megatron-core <= 0.13 has no allow-list of its own
-        return []
+    except ImportError:
+        import argparse
+        import pathlib
+        import signal
+        import types
+
+        import numpy
+        import torch
+
+        return [
+            types.SimpleNamespace, pathlib.PosixPath, numpy.ndarray, numpy.dtype, argparse.Namespace,
+            io.BytesIO, signal.Signals, torch._C.Generator,
+            numpy.core.multiarray._reconstruct, type(numpy.dtype(numpy.uint32)),
+        ]
     return list(SAFE_GLOBALS)
 
 

@@ -173,6 +173,17 @@ def load_matrix(rank, world, port, base):
     return out
 
 
+def _distopt_formats() -> tuple:
+    """The DistributedOptimizer formats of the installed megatron-core: 0.14 replaced
+    ``fully_sharded_model_space`` (ShardedTensors with ``flattened_range``) and
+    ``dp_zero_gather_scatter`` by ``dp_reshardable`` and ``fully_reshardable``."""
+    from megatron.core.package_info import __version__
+
+    if tuple(int(x) for x in __version__.split(".")[:2]) >= (0, 14):
+        return ("dp_reshardable", "fully_reshardable")
+    return ("fully_sharded_model_space", "dp_zero_gather_scatter")
+
+
 def _distopt(ps, base) -> dict:
     """DDP + DistributedOptimizer at TP2 x DP2, saved by Megatron in both formats
     (``dp_reshardable`` and ``fully_reshardable``), loaded both ways into a fresh optimizer."""
@@ -181,6 +192,10 @@ def _distopt(ps, base) -> dict:
 
     import integration_workers as iw
 
+    import numpy as np
+
+    if "product" not in np.__dict__:  # megatron-core 0.13's flattened-range validation predates numpy 2
+        np.product = np.prod
     iw._patch_optimizer_for_cpu()
     iw._skip_step_on_fully_reshardable_load()
     _reinit(ps, tp=2)
@@ -201,7 +216,7 @@ def _distopt(ps, base) -> dict:
         }, md
 
     out = {}
-    for fmt in ("dp_reshardable", "fully_reshardable"):
+    for fmt in _distopt_formats():
         path = os.path.join(base, f"distopt_{fmt}")
         os.makedirs(path, exist_ok=True)
         dist.barrier()
