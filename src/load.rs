@@ -16,12 +16,13 @@
 //!    out of each buffer (memcpy, or host-to-device copies on a side stream while the next reads
 //!    fill other buffers), and check CRC-32s as the bytes pass.
 //!
-//! Integrity: where the save recorded CRC-32s, every item the load needs whole is checked: its
+//! Integrity: where the save recorded CRC-32s, every item one request needs whole is checked: its
 //! bytes are hashed as they land (in the buffer, or in the destination of a direct read), per
 //! piece, and the pieces are combined in file order once the reads are done; no byte is read
-//! twice. An item only part of which is needed (a resharded load that takes some rows or columns
-//! of a chunk) is read only in part and cannot be checked: the stats count such items
-//! (`items_unchecked`). On a CRC error the destinations may hold the damaged bytes.
+//! twice. An item of which each request needs only a part (a resharded load that takes some rows
+//! or columns of a chunk) is read only in part and cannot be checked: the stats count such items
+//! (`items_unchecked`). Reading them whole to check them would multiply the bytes a resharded
+//! load reads (by the TP ratio), which is what the per-rank planning exists to avoid. On a CRC error the destinations may hold the damaged bytes.
 
 mod plan;
 
@@ -123,8 +124,8 @@ struct Item<'a> {
     key: &'a str,
     chunk: &'a Chunk,
     file: usize,
-    /// Elements the requests need from it.
-    needed: u64,
+    /// A request needs the whole chunk (the item is then read whole, and can be checked).
+    whole: bool,
     /// Stored with a transform (`stream.zstd/1`): decoded whole by the reader instead.
     transformed: bool,
     /// Save-time record, when its CRC-32 is checked by this load.
@@ -342,7 +343,7 @@ pub unsafe fn load(ck: &Checkpoint, reqs: &[Request], opts: &LoadOptions) -> Res
                 key,
                 chunk,
                 file,
-                needed: 0,
+                whole: false,
                 transformed: ck
                     .metadata
                     .transforms
@@ -351,14 +352,13 @@ pub unsafe fn load(ck: &Checkpoint, reqs: &[Request], opts: &LoadOptions) -> Res
             });
             items.len() - 1
         });
-        items[id].needed += plan::volume(
-            &p.lo
+        let c = items[id].chunk;
+        items[id].whole |= p.lo == c.offsets
+            && p.hi
                 .iter()
-                .zip(&p.hi)
-                .map(|(a, b)| b - a)
-                .collect::<Vec<_>>(),
-        )
-        .unwrap_or(0);
+                .zip(&c.offsets)
+                .zip(&c.sizes)
+                .all(|((&h, &o), &n)| h == o + n);
         piece_item.push(id);
     }
     let mut stats = LoadStats {
@@ -367,10 +367,9 @@ pub unsafe fn load(ck: &Checkpoint, reqs: &[Request], opts: &LoadOptions) -> Res
     };
     for it in items.iter_mut() {
         let rec = ck.placed_record(it.key, Some(&it.chunk.offsets), &it.chunk.storage)?;
-        let whole = plan::volume(&it.chunk.sizes) == Some(it.needed);
         match rec {
-            Some(rec) if opts.check_crc && whole && !it.transformed => it.check = Some(rec),
-            Some(_) if opts.check_crc && !whole => stats.items_unchecked += 1,
+            Some(rec) if opts.check_crc && it.whole && !it.transformed => it.check = Some(rec),
+            Some(_) if opts.check_crc && !it.whole => stats.items_unchecked += 1,
             _ => {}
         }
     }

@@ -104,6 +104,8 @@ def test_grid_whole_regions_and_small_staging(grid):
     outs, small = load(ck, whole + spanning, full, staging_budget_bytes=1 << 20)
     assert_equal(outs, whole + spanning, full)
     assert small["read_ops"] > stats["read_ops"]
+    # Items also needed in part by other requests of the call are still read whole and checked.
+    assert small["items_checked"] == 13 * 6
 
 
 def _copy(grid, tmp_path):
