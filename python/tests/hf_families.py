@@ -1,0 +1,359 @@
+"""Model families for the `to-hf` logits tests: a registry and the shared harness.
+
+Each family is a small HF config (transformers' own config class) and a builder of the megatron-core
+model that the config describes. The harness (`save_and_forward`, run in gloo worker processes by
+`mcore.spawn`) builds the model on CPU in two layouts (TP=1, and one resharded layout: TP=2, with
+EP=2 for MoE), records Megatron's logits on fixed tokens and writes each layout twice: with
+Megatron's own `dist_checkpointing.save` (torch_dist; megatron-core 0.19 writes no common.pt) and
+with shardwise. The tests convert every checkpoint with `to-hf` and compare with transformers.
+
+Add a family: a function building its HF config, a builder of its Megatron model from that config
+(the `_gpt` helper covers GPT-like models), and a `Family` row in `FAMILIES`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import os
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from mcore import init_gloo
+
+VOCAB_MEGATRON = 256  # the model's (padded) vocabulary; the HF configs say 250: the converter trims
+HF_VOCAB = 250
+TOKENS = torch.tensor([[3, 17, 42, 99, 7, 128, 5, 249, 11, 64, 200, 1]])
+LAYOUTS = ("tp1", "resharded")
+WRITERS = ("megatron", "shardwise")
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model family of the logits tests.
+
+    hf_config: builds the small transformers config (its ``model_type`` selects the mapping).
+    build: builds the megatron-core model for that config in the current parallel state; returns
+        (model, args), args being the Megatron-LM arguments stored in the checkpoint's common state.
+    moe: the resharded layout adds EP=2 (experts split between the two ranks) to TP=2.
+    """
+
+    hf_config: Callable[[], object]
+    build: Callable[[object], tuple]
+    moe: bool = False
+    cpu_patches: tuple[Callable[[], None], ...] = field(default=())
+
+
+# --- CPU stand-ins for Transformer Engine modules -----------------------------------------------
+# Qwen3-Next / Qwen3.5 checkpoints come from Transformer Engine training: their norms are
+# zero-centred ((1 + w) * x / rms) and fused into the following linear (`in_proj.layer_norm_weight`,
+# `linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`). TE does not run on CPU and
+# megatron-core's torch norm refuses `layernorm_zero_centered_gamma`, so these two modules compute
+# what TENorm / TELayerNormColumnParallelLinear compute and store the same keys.
+
+
+class ZeroCenteredRMSNorm(torch.nn.Module):
+    """RMSNorm with the (1 + weight) scale of TENorm under ``layernorm_zero_centered_gamma``."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
+
+    def forward(self, x):
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def _layer_norm_column_parallel_linear():
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    class LayerNormColumnParallelLinear(ColumnParallelLinear):
+        """ColumnParallelLinear after a zero-centred RMSNorm held as ``layer_norm_weight`` (replicated
+        over TP in the checkpoint, as TE's fused module stores it)."""
+
+        def __init__(self, input_size, output_size, *, config, **kwargs):
+            super().__init__(input_size, output_size, config=config, **kwargs)
+            self.norm_eps = config.layernorm_epsilon
+            self.layer_norm_weight = torch.nn.Parameter(torch.zeros(input_size, dtype=config.params_dtype))
+
+        def forward(self, x, *args, **kwargs):
+            xf = x.float()
+            y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.norm_eps)
+            return super().forward((y * (1.0 + self.layer_norm_weight.float())).to(x.dtype), *args, **kwargs)
+
+    return LayerNormColumnParallelLinear
+
+
+def _cpu_common_patches() -> None:
+    # The forward forks Megatron's CUDA RNG tracker around dropout (p=0 here); on CPU there is no
+    # CUDA generator to fork, so the fork becomes a no-op.
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+    # megatron-core decorates fused helpers (GDN's gated norm, input preparation) with torch.compile;
+    # compiling on a 2-core CPU costs minutes and changes nothing numerically that we test.
+    torch._dynamo.config.disable = True
+
+
+def _cpu_gdn_patches() -> None:
+    # megatron-core's GDN needs flash-linear-attention importable; with deterministic_mode=True it
+    # runs its pure-torch gated delta rule and F.conv1d, but the q/k L2 norm still calls fla's
+    # Triton kernel, which has no CPU driver. Same formula in torch (fla's l2norm: x / sqrt(sum x^2 + 1e-6)).
+    from megatron.core.ssm.gated_delta_net import common
+
+    common.l2norm = lambda x, dim=-1, eps=1e-6: x * torch.rsqrt((x * x).sum(dim=dim, keepdim=True) + eps)
+
+
+def hf_cpu_torch_paths() -> None:
+    """transformers picks fla's Triton kernels for the gated delta rule whenever fla is importable (it
+    is: megatron-core needs it), and those need a GPU. Unwrap the decorated functions of the GDN
+    models back to transformers' own torch implementations."""
+    for mod_name in ("qwen3_next.modeling_qwen3_next", "qwen3_5.modeling_qwen3_5", "qwen3_5_moe.modeling_qwen3_5_moe"):
+        mod = importlib.import_module(f"transformers.models.{mod_name}")
+        for fn in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                   "causal_conv1d_update"):
+            f = getattr(mod, fn)
+            while hasattr(f, "__wrapped__"):
+                f = f.__wrapped__
+            setattr(mod, fn, f)
+
+
+# --- HF configs ----------------------------------------------------------------------------------
+
+_SMALL = dict(vocab_size=HF_VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=64, tie_word_embeddings=False)
+# Gated DeltaNet: 2 key heads, 4 value heads (2 per key head, so the per-key-head grouping of
+# Qwen3-Next is exercised), a full-attention layer every second layer.
+_GDN = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+            linear_conv_kernel_dim=4)
+_LAYER_TYPES = ["linear_attention", "full_attention"] * 2
+_MOE = dict(moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=4, num_experts_per_tok=2)
+
+
+def qwen3_next_config():
+    import transformers
+
+    return transformers.Qwen3NextConfig(intermediate_size=128, norm_topk_prob=True, decoder_sparse_step=1,
+                                        mlp_only_layers=[], layer_types=_LAYER_TYPES, **_MOE, **_GDN, **_SMALL)
+
+
+def qwen3_5_moe_config():
+    import transformers
+
+    return transformers.Qwen3_5MoeTextConfig(layer_types=_LAYER_TYPES, **_MOE, **_GDN, **_SMALL)
+
+
+def qwen3_5_config():
+    import transformers
+
+    return transformers.Qwen3_5TextConfig(intermediate_size=96, layer_types=_LAYER_TYPES, **_GDN, **_SMALL)
+
+
+# --- Megatron models -------------------------------------------------------------------------------
+
+
+def _rope(cfg) -> tuple[float, float]:
+    rp = getattr(cfg, "rope_parameters", None) or {}
+    theta = float(rp.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+    return theta, float(rp.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0)))
+
+
+def _randomize_small_params(model) -> None:
+    """Norm weights (zero at init) and the GDN decay bias (ones) get distinct values, so that a
+    swapped, missing or un-offset tensor cannot go unnoticed in the logits."""
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("dt_bias"):
+                p.add_(0.3 * torch.randn(p.shape, generator=g))
+
+
+def gdn_model(cfg):
+    """A megatron-core GPTModel shaped like a Qwen3-Next / Qwen3.5 text config: Gated DeltaNet
+    layers and gated full attention per ``cfg.layer_types``, MoE with a gated shared expert (or a
+    dense SwiGLU MLP), zero-centred norms, partial RoPE; the modules of a TE training run's
+    checkpoint (see the CPU stand-ins above). Returns (model, Megatron-LM args)."""
+    import torch.nn.functional as F
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+    from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+
+    moe = getattr(cfg, "num_experts", 0) > 0
+    # Megatron's pattern: layer i is full attention iff (i + 1) % linear_attention_freq == 0.
+    full_every = cfg.layer_types.index("full_attention") + 1
+    assert cfg.layer_types == ["full_attention" if (i + 1) % full_every == 0 else "linear_attention"
+                               for i in range(cfg.num_hidden_layers)], cfg.layer_types
+    theta, rotary_percent = _rope(cfg)
+    tp, ep = ps.get_tensor_model_parallel_world_size(), ps.get_expert_model_parallel_world_size()
+    tc = TransformerConfig(
+        num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_key_value_heads, kv_channels=cfg.head_dim,
+        ffn_hidden_size=getattr(cfg, "intermediate_size", None) or 4 * cfg.hidden_size,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, normalization="RMSNorm",
+        layernorm_epsilon=cfg.rms_norm_eps, layernorm_zero_centered_gamma=True, qk_layernorm=True,
+        attention_output_gate=True, hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
+        params_dtype=torch.float32, bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
+        persist_layer_norm=False, deterministic_mode=True, tensor_model_parallel_size=tp,
+        expert_model_parallel_size=ep, expert_tensor_parallel_size=1 if moe else None, sequence_parallel=False,
+        experimental_attention_variant="gated_delta_net", linear_attention_freq=full_every,
+        linear_conv_kernel_dim=cfg.linear_conv_kernel_dim, linear_key_head_dim=cfg.linear_key_head_dim,
+        linear_value_head_dim=cfg.linear_value_head_dim, linear_num_key_heads=cfg.linear_num_key_heads,
+        linear_num_value_heads=cfg.linear_num_value_heads,
+        **(dict(num_moe_experts=cfg.num_experts, moe_router_topk=cfg.num_experts_per_tok,
+                moe_ffn_hidden_size=cfg.moe_intermediate_size,
+                moe_shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
+                moe_shared_expert_gate=True, moe_router_load_balancing_type="none",
+                moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0, moe_router_pre_softmax=False)
+           if moe else {}),
+    )
+    ln_linear = _layer_norm_column_parallel_linear()
+    gdn = ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
+        in_proj=ln_linear, out_norm=ZeroCenteredRMSNorm, out_proj=RowParallelLinear))
+    attn = ModuleSpec(module=SelfAttention, params={"attn_mask_type": AttnMaskType.causal},
+                      submodules=SelfAttentionSubmodules(linear_qkv=ln_linear, core_attention=DotProductAttention,
+                                                         linear_proj=RowParallelLinear, q_layernorm=ZeroCenteredRMSNorm,
+                                                         k_layernorm=ZeroCenteredRMSNorm))
+    if moe:
+        # MoE layers keep their own pre-MLP norm (`pre_mlp_layernorm`), as in a TE run.
+        mlp, pre_mlp = get_moe_module_spec(use_te=False, num_experts=cfg.num_experts), ZeroCenteredRMSNorm
+    else:
+        mlp = ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ln_linear, linear_fc2=RowParallelLinear))
+        pre_mlp = IdentityOp
+    layers = [ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        input_layernorm=IdentityOp, self_attention=gdn if t == "linear_attention" else attn,
+        self_attn_bda=get_bias_dropout_add, pre_mlp_layernorm=pre_mlp, mlp=mlp, mlp_bda=get_bias_dropout_add))
+        for t in cfg.layer_types]
+    torch.manual_seed(1234)
+    model = GPTModel(config=tc, transformer_layer_spec=TransformerBlockSubmodules(layer_specs=layers,
+                                                                                  layer_norm=ZeroCenteredRMSNorm),
+                     vocab_size=VOCAB_MEGATRON, max_sequence_length=64, position_embedding_type="rope",
+                     rotary_percent=rotary_percent, rotary_base=int(theta),
+                     share_embeddings_and_output_weights=False, parallel_output=False)
+    _randomize_small_params(model)
+    # The Megatron-LM arguments a training run stores (names of megatron/training/arguments.py).
+    args = dict(num_layers=tc.num_layers, hidden_size=tc.hidden_size, num_attention_heads=tc.num_attention_heads,
+                group_query_attention=True, num_query_groups=tc.num_query_groups, kv_channels=tc.kv_channels,
+                ffn_hidden_size=tc.ffn_hidden_size, swiglu=True, padded_vocab_size=VOCAB_MEGATRON,
+                untie_embeddings_and_output_weights=True, apply_layernorm_1p=True, qk_layernorm=True,
+                attention_output_gate=True, rotary_percent=rotary_percent,
+                experimental_attention_variant="gated_delta_net", linear_attention_freq=full_every,
+                linear_conv_kernel_dim=tc.linear_conv_kernel_dim, linear_key_head_dim=tc.linear_key_head_dim,
+                linear_value_head_dim=tc.linear_value_head_dim, linear_num_key_heads=tc.linear_num_key_heads,
+                linear_num_value_heads=tc.linear_num_value_heads, num_experts=tc.num_moe_experts)
+    if moe:
+        args.update(moe_ffn_hidden_size=tc.moe_ffn_hidden_size, moe_router_topk=tc.moe_router_topk,
+                    moe_shared_expert_intermediate_size=tc.moe_shared_expert_intermediate_size,
+                    moe_shared_expert_gate=True)
+    return model.eval(), args
+
+
+FAMILIES: dict[str, Family] = {
+    "qwen3_next": Family(qwen3_next_config, gdn_model, moe=True, cpu_patches=(_cpu_gdn_patches,)),
+    "qwen3_5_moe": Family(qwen3_5_moe_config, gdn_model, moe=True, cpu_patches=(_cpu_gdn_patches,)),
+    "qwen3_5": Family(qwen3_5_config, gdn_model, cpu_patches=(_cpu_gdn_patches,)),
+}
+
+
+# --- the harness ------------------------------------------------------------------------------
+
+
+def _megatron_logits(model, vocab: int):
+    seq = TOKENS.shape[1]
+    mask = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool), diagonal=1)
+    with torch.no_grad():
+        return model(TOKENS, torch.arange(seq).unsqueeze(0), mask)[0, :, :vocab].clone()
+
+
+def save_and_forward(rank, world, port, base, family):
+    """Worker (2 ranks): for each layout of ``LAYOUTS``, builds the family's model, records its logits
+    (``base/<layout>/logits.pt``) and saves it with Megatron and with shardwise
+    (``base/<layout>/<writer>``). Writes the HF config to ``base/hf_config``."""
+    init_gloo(rank, world, port)
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    import shardwise.megatron as swm
+
+    fam = FAMILIES[family]
+    _cpu_common_patches()
+    for patch in fam.cpu_patches:
+        patch()
+    cfg = fam.hf_config()
+    for layout in LAYOUTS:
+        tp = 1 if layout == "tp1" else 2
+        ep = 2 if layout != "tp1" and fam.moe else 1
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                     expert_tensor_parallel_size=1 if fam.moe else None)
+        model, args = fam.build(cfg)
+        logits = _megatron_logits(model, cfg.vocab_size)
+        for writer in WRITERS:
+            sd = model.sharded_state_dict()
+            sd["args"] = argparse.Namespace(**args)
+            sd["iteration"] = 1
+            d = os.path.join(base, layout, writer)
+            os.makedirs(d, exist_ok=True)
+            if writer == "megatron":
+                dist_checkpointing.save(sd, d)
+            else:
+                swm.save(sd, d, timeout_s=120)
+        if rank == 0:
+            torch.save(logits, os.path.join(base, layout, "logits.pt"))
+        ps.destroy_model_parallel()
+    if rank == 0:
+        cfg.save_pretrained(os.path.join(base, "hf_config"))
+    return {}
+
+
+def hf_reference_tensors(config_dir: str, out_dir: str) -> dict:
+    """Name -> (dtype, shape) of what transformers' own ``save_pretrained`` writes for the config: a
+    randomly initialised model of the config, saved."""
+    import transformers
+    from safetensors import safe_open
+
+    cfg = transformers.AutoConfig.from_pretrained(config_dir)
+    transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(out_dir)
+    return safetensors_tensors(out_dir)
+
+
+def safetensors_tensors(folder: str) -> dict:
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for k in st.keys():
+                sl = st.get_slice(k)
+                out[k] = (sl.get_dtype(), list(sl.get_shape()))
+    return out
+
+
+def hf_load_and_logits(out_dir: str):
+    """Loads a converted folder with ``AutoModelForCausalLM.from_pretrained``; returns (logits on
+    ``TOKENS``, loading info: missing / unexpected / mismatched keys)."""
+    import transformers
+
+    hf_cpu_torch_paths()
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32,
+                                                                     output_loading_info=True)
+    model.eval()
+    with torch.no_grad():
+        return model(TOKENS).logits[0], info
