@@ -73,6 +73,9 @@ def grid_states(world_rows=3, world_cols=2, rows=6, cols=10):
         big = torch.randn(1 << 10, 1 << 10, generator=g)
         st["big"] = ShardedTensor.from_rank_offsets("big", big, (0, rank, world), replica_id=0)
         states.append(st)
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    states[0]["o"] = ShardedObject("o", {"lr": 0.5}, (1,), (0,), replica_id=0)
     return states
 
 
