@@ -21,13 +21,10 @@ import threading
 from typing import Any, Iterable, Optional, Union
 
 from . import _native
-from ._native import InvalidArgumentError, ShardwiseError, ValidationError
+from ._native import InvalidArgumentError, MissingKeyError, ShardwiseError, ValidationError
 
 logger = logging.getLogger(__name__)
 
-# The native MissingKeyError (helper D, issue 17) is a KeyError too; until it exists a missing key is
-# the InvalidArgumentError the reader raises for unknown keys.
-MissingKeyError = getattr(_native, "MissingKeyError", InvalidArgumentError)
 
 
 class UnsafeObjectError(ShardwiseError, pickle.UnpicklingError):
@@ -281,6 +278,7 @@ def load(
         else:
             raise InvalidArgumentError(f"unsupported sharded item {type(sh).__name__} for key {sh.key}")
 
+    plan.run(timeout_s=timeout_s, staging_budget_bytes=staging_budget_bytes, check_crc=check_crc)
     loaded_objects = {}
     for unique_key, shs in objects.items():
         value = _unpickle(ckpt.read_bytes(unique_key), unique_key, safe_globals)
@@ -290,7 +288,6 @@ def load(
                 f"objects, the request asks for {len(shs)}"
             )
         loaded_objects[unique_key] = iter(value)
-    plan.run(timeout_s=timeout_s, staging_budget_bytes=staging_budget_bytes, check_crc=check_crc)
 
     def result(sh):
         if isinstance(sh, ShardedObject):
@@ -479,14 +476,26 @@ class _Plan:
         self.finish[id(sh)] = finish
 
     def run(self, *, timeout_s, staging_budget_bytes, check_crc) -> None:
-        """Reads every request (each key was validated by :meth:`add_tensor`)."""
+        """Reads every request with ``Checkpoint.load_into``, which validates them all (regions,
+        coverage) before the first read. One call per destination device: a CUDA device's copies are
+        ordered before its current stream, so the tensors are usable on return."""
+        import torch
+
+        by_device: dict[int, list] = {}
         for key, offsets, sizes, out in self.requests:
-            if out.device.type == "cpu":
-                self.ckpt.read_into(key, offsets, sizes, out.data_ptr(), out.numel() * out.element_size())
-            else:
-                host = out.new_empty(out.shape, device="cpu")
-                self.ckpt.read_into(key, offsets, sizes, host.data_ptr(), host.numel() * host.element_size())
-                out.copy_(host)
+            device = out.device.index if out.device.type == "cuda" else -1
+            by_device.setdefault(device, []).append(
+                (key, offsets, sizes, out.data_ptr(), out.numel() * out.element_size(), device)
+            )
+        for device, requests in by_device.items():
+            stream = torch.cuda.current_stream(device).cuda_stream if device >= 0 else 0
+            self.ckpt.load_into(
+                requests,
+                staging_budget_bytes=staging_budget_bytes,
+                cuda_stream=stream,
+                check_crc=check_crc,
+                timeout_s=timeout_s,
+            )
 
     def result(self, sh):
         return self.finish[id(sh)]()
