@@ -446,10 +446,23 @@ pub unsafe fn load(ck: &Checkpoint, reqs: &[Request], opts: &LoadOptions) -> Res
         }
     }
 
-    let threads = opts.threads.unwrap_or_else(|| {
-        std::thread::available_parallelism().map_or(8, |n| n.get().clamp(4, 16))
-    });
-    let readers = read_pool(threads.max(1))?;
+    let budget = opts.staging_budget.unwrap_or(DEFAULT_LOAD_BUDGET_BYTES);
+    if budget == 0 {
+        return Err(Error::InvalidArgument(
+            "staging_budget_bytes must be > 0 (None: the default)".into(),
+        ));
+    }
+    let pool = staging::pool(budget, DEFAULT_BUFFER_BYTES, device)?;
+    let max_read = pool.buffer_size as u64;
+    // Reads in flight: enough to keep NVMe queues and the page cache's copy busy (16 on a 16-core
+    // H200 host reached the disk's sequential ceiling cold and 27 GB/s warm, BENCHMARKS.md), and
+    // no more than the pool's buffers, which each read holds (see `Exec::buffer`).
+    let threads = opts
+        .threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(8, |n| n.get().clamp(4, 16)))
+        .min(pool.capacity())
+        .max(1);
+    let readers = read_pool(threads)?;
     let counters = Counters::default();
 
     // Locate the tensor data of every item that is read in place.
@@ -466,14 +479,6 @@ pub unsafe fn load(ck: &Checkpoint, reqs: &[Request], opts: &LoadOptions) -> Res
     })?;
 
     // Box copies, reads.
-    let budget = opts.staging_budget.unwrap_or(DEFAULT_LOAD_BUDGET_BYTES);
-    if budget == 0 {
-        return Err(Error::InvalidArgument(
-            "staging_budget_bytes must be > 0 (None: the default)".into(),
-        ));
-    }
-    let pool = staging::pool(budget, DEFAULT_BUFFER_BYTES, device)?;
-    let max_read = pool.buffer_size as u64;
     let mut copies: Vec<plan::Copy> = Vec::new();
     let mut copy_item: Vec<usize> = Vec::new();
     let mut transformed_pieces = Vec::new();
@@ -555,7 +560,7 @@ pub unsafe fn load(ck: &Checkpoint, reqs: &[Request], opts: &LoadOptions) -> Res
         checked_by_file: &checked_by_file,
         pool: &pool,
         copier: copier.as_ref(),
-        pending: Mutex::new(HashMap::new()),
+        pending: Mutex::new(std::collections::VecDeque::new()),
         counters: &counters,
     };
     let outcome = readers
@@ -574,13 +579,14 @@ pub unsafe fn load(ck: &Checkpoint, reqs: &[Request], opts: &LoadOptions) -> Res
         });
     // Copies still in flight read staging buffers and write destinations: always wait for them.
     let finished = match &copier {
-        Some(c) => {
-            let f = c.finish_into(opts.cuda_stream);
-            exec.pending.lock().unwrap().clear();
-            f
-        }
+        Some(c) => c.finish_into(opts.cuda_stream),
         None => Ok(()),
     };
+    // Buffers kept for their copies go back to the pool only now that the copies are done (or
+    // failed), so that no other user of the process's pool overwrites one under a copy.
+    for (b, _) in exec.pending.lock().unwrap().drain(..) {
+        pool.give_back(b);
+    }
     let items_checked = outcome?;
     finished?;
     stats.items_checked = items_checked;
@@ -708,8 +714,9 @@ struct Exec<'a> {
     checked_by_file: &'a [Vec<usize>],
     pool: &'a StagingPool,
     copier: Option<&'a DeviceCopier>,
-    /// Staging buffers (by address) whose host-to-device copies may still be running.
-    pending: Mutex<HashMap<usize, CudaEvent>>,
+    /// Staging buffers whose host-to-device copies may still run, oldest first, each with the
+    /// event that completes after them. Kept out of the pool until the end of the load.
+    pending: Mutex<std::collections::VecDeque<(HostBuffer, CudaEvent)>>,
     counters: &'a Counters,
 }
 
@@ -767,18 +774,7 @@ impl Exec<'_> {
             return Ok(segments);
         }
         let mut buf = if len <= self.pool.buffer_size {
-            let b = self.pool.take();
-            // A buffer whose previous host-to-device copies may still read it: wait for them.
-            let ev = self
-                .pending
-                .lock()
-                .unwrap()
-                .remove(&(b.as_slice().as_ptr() as usize));
-            let held = Buf::Pooled(self.pool, Some(b));
-            if let Some(ev) = ev {
-                gpu::wait(&ev)?;
-            }
-            held
+            self.buffer()?
         } else {
             Buf::Owned(vec![0u8; len])
         };
@@ -806,19 +802,34 @@ impl Exec<'_> {
         }
         if uploaded {
             let copier = self.copier.expect("uploaded");
-            match &buf {
-                Buf::Pooled(_, Some(b)) => {
-                    let ev = copier.record()?;
-                    self.pending
-                        .lock()
-                        .unwrap()
-                        .insert(b.as_slice().as_ptr() as usize, ev);
+            let ev = copier.record()?;
+            match &mut buf {
+                Buf::Pooled(_, b) => {
+                    let b = b.take().expect("held");
+                    self.pending.lock().unwrap().push_back((b, ev));
                 }
                 // A one-off buffer is freed on return: its copies must be done by then.
-                _ => gpu::wait(&copier.record()?)?,
+                Buf::Owned(_) => gpu::wait(&ev)?,
             }
         }
         Ok(segments)
+    }
+
+    /// A staging buffer: the oldest one still kept for its host-to-device copies (waiting for
+    /// them; by then they are usually done), else a free one of the pool. A read takes from the
+    /// pool only when this load keeps none, so the load holds at most as many buffers as it has
+    /// reads in flight, which is at most the pool's capacity: `take` cannot wait forever on
+    /// buffers this load keeps.
+    fn buffer(&self) -> Result<Buf<'_>> {
+        let kept = self.pending.lock().unwrap().pop_front();
+        Ok(match kept {
+            Some((b, ev)) => {
+                let held = Buf::Pooled(self.pool, Some(b));
+                gpu::wait(&ev)?;
+                held
+            }
+            None => Buf::Pooled(self.pool, Some(self.pool.take())),
+        })
     }
 
     /// Hashes the parts of checked items that read `r` brought into `bytes`.
