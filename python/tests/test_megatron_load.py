@@ -326,8 +326,35 @@ def test_truncated_and_missing_data_file(plain_ckpt, tmp_path):
         swm.load(_request(), bad)
     swl.clear_cache()
     os.unlink(data)
-    with pytest.raises(shardwise.ShardwiseError, match="__0_0.distcp"):
+    with pytest.raises(shardwise.CorruptFileError, match="__0_0.distcp.*No such file"):
         swm.load(_request(), bad)
+
+
+def test_crc_mismatch_names_key_file_offset(plain_ckpt, tmp_path):
+    """One flipped bit inside the bytes of ``rows`` (a shardwise save records CRC-32s): the load
+    raises CorruptFileError naming the key, file and offset; check_crc=False reads the bad bytes."""
+    path, vals = plain_ckpt
+    bad = tmp_path / "flipped"
+    shutil.copytree(path, bad)
+    chunk = shardwise.open(bad).metadata("rows")["chunks"][0]
+    with open(bad / chunk["relative_path"], "r+b") as f:
+        f.seek(chunk["offset"])
+        item = f.read(chunk["length"])
+        at = chunk["offset"] + item.index(vals["rows"].numpy().tobytes()) + 9  # in the tensor's bytes
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x10]))
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    def whole():  # the engine checks the CRC of items it reads whole (a partial read is unchecked)
+        return {"rows": ShardedTensor.from_rank_offsets("rows", torch.zeros(4, 5))}
+
+    with pytest.raises(shardwise.CorruptFileError, match=rf"__0_0\.distcp: rows chunk .*offset {chunk['offset']}.*CRC-32"):
+        swm.load(whole(), bad)
+    swl.clear_cache()
+    rows = swm.load(whole(), bad, check_crc=False)["rows"]
+    assert not torch.equal(rows, vals["rows"]) and rows.shape == vals["rows"].shape
 
 
 def test_other_backend_refused(plain_ckpt, tmp_path):
