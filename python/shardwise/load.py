@@ -297,7 +297,7 @@ def load(
     dict_list_map_inplace(result, sharded_state_dict)
     merge(common, sharded_state_dict)
     apply_factory_merges(common, factories)
-    if strict in (StrictHandling.RETURN_UNEXPECTED, StrictHandling.RETURN_ALL):
+    if strict == StrictHandling.RETURN_UNEXPECTED:
         return common, set(), unexpected
     return common
 
@@ -309,12 +309,6 @@ def _dequantize_fp8(sharded_state_dict) -> None:
     except ImportError:
         return
     force_all_tensors_to_non_fp8(sharded_state_dict)
-
-
-def _ckpt_key(sh) -> str:
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
-
-    return sh.unique_key if isinstance(sh, ShardedObject) else sh.key
 
 
 def _drop_unexpected(sharded_state_dict, ckpt):

@@ -8,7 +8,6 @@ results must be bitwise equal. The rest runs in this process, which has no proce
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import shutil
@@ -61,7 +60,7 @@ class Opaque:
         return isinstance(other, Opaque) and other.v == self.v
 
 
-def _request(dtype=torch.float32):
+def _request(dtype=torch.float32, device="cpu"):
     """A request exercising Megatron's structure rules: prepended axis, 2 chunks of one key on one
     rank, a factory (SwiGLU-like merge), int keys, lists, a non-persistent value, a plain value."""
     from megatron.core.dist_checkpointing.mapping import (
@@ -85,15 +84,15 @@ def _request(dtype=torch.float32):
         "layers": [
             {
                 "weight": ShardedTensor.from_rank_offsets(
-                    "layers.weight", torch.zeros(4, 6, dtype=dtype), (0, 0, 1), replica_id=0, prepend_axis_num=1
+                    "layers.weight", torch.zeros(4, 6, dtype=dtype, device=device), (0, 0, 1), replica_id=0, prepend_axis_num=1
                 )
             },
             {
-                7: ShardedTensor.from_rank_offsets("rows", torch.zeros(2, 5, dtype=dtype), (0, 0, 2)),
-                8: ShardedTensor.from_rank_offsets("rows", torch.zeros(2, 5, dtype=dtype), (0, 1, 2)),
+                7: ShardedTensor.from_rank_offsets("rows", torch.zeros(2, 5, dtype=dtype, device=device), (0, 0, 2)),
+                8: ShardedTensor.from_rank_offsets("rows", torch.zeros(2, 5, dtype=dtype, device=device), (0, 1, 2)),
             },
         ],
-        "fc1": ShardedTensorFactory("fc1", torch.zeros(6, 3, dtype=dtype), build, merge, 0),
+        "fc1": ShardedTensorFactory("fc1", torch.zeros(6, 3, dtype=dtype, device=device), build, merge, 0),
         "obj": ShardedObject("extra", {"step": 3, "ns": Namespace(lr=0.1)}, (1,), (0,)),
         "nonpersistent": LocalNonpersistentObject({"local": 1}),
         "plain": "dropped",
@@ -409,3 +408,21 @@ def test_common_state_of_megatron_019_and_install_routes(plain_ckpt):
     _check_plain(res, vals)
     assert common["iteration"] == 11
     assert dist_checkpointing.load is not swl.dist_checkpointing_load
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_destinations_in_place_and_cast(plain_ckpt):
+    """CUDA tensors are filled in place through the pinned staging pool (float32) or a device
+    temporary cast on the device (bfloat16); usable on the current stream at return."""
+    path, vals = plain_ckpt
+    for dtype in (torch.float32, torch.bfloat16):
+        req = _request(dtype, device="cuda")
+        dest = req["layers"][0]["weight"].data
+        res = swm.load(req, path)
+        w = res["layers"][0]["weight"]
+        assert w.is_cuda and w.data_ptr() == dest.data_ptr() and w.dtype == dtype
+        _check_plain(
+            {**res, "layers": [{"weight": w.cpu()}, {k: v.cpu() for k, v in res["layers"][1].items()}], "fc1": res["fc1"].cpu()},
+            vals,
+            dtype,
+        )
