@@ -26,7 +26,6 @@ from ._native import InvalidArgumentError, MissingKeyError, ShardwiseError, Vali
 logger = logging.getLogger(__name__)
 
 
-
 class UnsafeObjectError(ShardwiseError, pickle.UnpicklingError):
     """A ``ShardedObject`` or the common state needs a class outside the ``weights_only`` allow-list
     (torch's own plus megatron-core's ``safe_globals.SAFE_GLOBALS``). Pass the classes you trust in
