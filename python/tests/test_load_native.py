@@ -214,3 +214,21 @@ def test_cuda_destination_without_cuda_is_a_clear_error(grid):
     (key, off, sizes, ptr, n, _), _ = request("float32", (), full["float32"])
     with pytest.raises(shardwise.GpuError, match="CUDA device 0"):
         ck.load_into([(key, off, sizes, ptr, n, 0)])
+
+
+def test_object_store_ranged_gets(grid):
+    """The same checkpoint in an object store (memory://: the object_store crate's in-process store,
+    the code of s3:// up to the HTTP client): ranged GETs of the coalesced ranges, bounded by
+    timeout_s, same bytes and same CRC-32 checks."""
+    import uuid
+
+    full = grid[1]
+    url = f"memory://load/{uuid.uuid4().hex}"
+    save_grid(url)
+    ck = _native.open_checkpoint(url)
+    wanted = [(k, ()) for k in full] + [("float32", (slice(3, 15), slice(4, 17))), ("big", (slice(1000, 3100),))]
+    outs, stats = load(ck, wanted, full, timeout_s=60)
+    assert_equal(outs, wanted, full)
+    assert stats["items_checked"] == 13 * 6
+    with pytest.raises(shardwise.InvalidArgumentError, match="timeout_s"):
+        load(ck, wanted[:1], full, timeout_s=-1)

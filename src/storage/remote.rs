@@ -301,10 +301,11 @@ impl Remote {
             return self.get_range(rel, range);
         };
         let key = self.key(rel)?;
-        match block_on(tokio::time::timeout(
-            timeout,
-            self.store.get_range(&key, range),
-        )) {
+        // The timer is made inside the runtime (it needs its reactor).
+        let got = block_on(async {
+            tokio::time::timeout(timeout, self.store.get_range(&key, range)).await
+        });
+        match got {
             Ok(r) => r.map_err(self.err("get range", rel)),
             Err(_) => Err(Error::Io {
                 op: "get range",
