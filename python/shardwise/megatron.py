@@ -590,11 +590,13 @@ def dist_checkpointing_save(sharded_state_dict: dict, checkpoint_dir: str, *args
 _INSTALLED: list[tuple[Any, str, Any]] = []
 
 
-def install(**save_kwargs) -> None:
+def install(*, load: bool = True, **save_kwargs) -> None:
     """Route ``megatron.core.dist_checkpointing.save`` to shardwise (:func:`dist_checkpointing_save`),
-    and its ``load`` and ``load_common_state_dict`` (what ``megatron.training.checkpointing.
-    load_checkpoint`` calls; ``load_content_metadata`` and ``load_plain_tensors`` call them) to
-    :func:`shardwise.load.dist_checkpointing_load` and :func:`shardwise.load.load_common_state_dict`.
+    and, unless ``load=False``, its ``load`` and ``load_common_state_dict`` (what
+    ``megatron.training.checkpointing.load_checkpoint`` calls; ``load_content_metadata`` and
+    ``load_plain_tensors`` call them) to :func:`shardwise.load.dist_checkpointing_load` and
+    :func:`shardwise.load.load_common_state_dict`. ``load=False`` keeps Megatron's own load (and
+    un-routes it if an earlier call routed it).
 
     Replaces the names in ``megatron.core.dist_checkpointing`` (which Megatron's training code calls as
     ``dist_checkpointing.save``) and in ``megatron.core.dist_checkpointing.serialization``.
@@ -612,12 +614,21 @@ def install(**save_kwargs) -> None:
 
     replacement = functools.partial(dist_checkpointing_save, **save_kwargs)
     functools.update_wrapper(replacement, dist_checkpointing_save)
-    routes = {"save": replacement, "load": dist_checkpointing_load, "load_common_state_dict": load_common_state_dict}
+    routes = {"save": replacement}
+    load_routes = {"load": dist_checkpointing_load, "load_common_state_dict": load_common_state_dict}
+    if load:
+        routes.update(load_routes)
     for mod in (mdc, mser):
         for name, function in routes.items():
             if not any(m is mod and n == name for m, n, _ in _INSTALLED):
                 _INSTALLED.append((mod, name, getattr(mod, name)))
             setattr(mod, name, function)
+        if not load:
+            for i in reversed(range(len(_INSTALLED))):
+                m, n, original = _INSTALLED[i]
+                if m is mod and n in load_routes:
+                    setattr(mod, n, original)
+                    del _INSTALLED[i]
 
 
 def uninstall() -> None:
@@ -628,9 +639,9 @@ def uninstall() -> None:
 
 
 @contextlib.contextmanager
-def installed(**save_kwargs) -> Iterator[None]:
+def installed(*, load: bool = True, **save_kwargs) -> Iterator[None]:
     """Context manager: :func:`install` on entry, :func:`uninstall` on exit (also on error)."""
-    install(**save_kwargs)
+    install(load=load, **save_kwargs)
     try:
         yield
     finally:

@@ -408,6 +408,15 @@ def test_common_state_of_megatron_019_and_install_routes(plain_ckpt):
     _check_plain(res, vals)
     assert common["iteration"] == 11
     assert dist_checkpointing.load is not swl.dist_checkpointing_load
+    original_load = dist_checkpointing.load
+    with swm.installed(load=False):
+        assert dist_checkpointing.load is original_load
+        assert dist_checkpointing.save.func is swm.dist_checkpointing_save
+        swm.install()  # a later call may route the load, and load=False un-routes it again
+        assert dist_checkpointing.load is swl.dist_checkpointing_load
+        swm.install(load=False)
+        assert dist_checkpointing.load is original_load
+    assert dist_checkpointing.load is original_load
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
