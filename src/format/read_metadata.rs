@@ -3,12 +3,23 @@
 //! variants, `transform_descriptors`), torch ≤2.2's `_shard` classes, and Megatron's variants
 //! (`mcore_data`, `MCoreMetadata`, `all_local_plans`), which are recognised by class name and
 //! field, never by running their code (dcp-format.md §3, megatron-torch-dist.md §1.5).
+//!
+//! Speed and memory (a `.metadata` holds millions of chunks at scale, and every rank parses it):
+//! the one opcode decoder of `format::unpickle` runs with a builder made for DCP ([`Dcp`]) instead
+//! of the symbolic `Value` graph. Its values are 16-byte `Copy` handles: strings are positions in
+//! the input (no copy), tuples of ints live in one flat `u64` arena (a `torch.Size` is a range of
+//! it), and an object of a DCP class is a row of a table of its class, filled at `BUILD` from its
+//! state dict, whose storage is then recycled. Memo references (class refs, `relative_path` and fqn
+//! strings, sizes) are handle copies. `storage_data` is joined to the chunks through
+//! `MetadataIndex.index`, the chunk's position that torch's planner records, checked against the
+//! offsets (a map by offsets only when the hint is wrong).
 
 use std::collections::{BTreeMap, HashMap};
 
 use crate::format::dtype::DType;
 use crate::format::metadata::{Chunk, Entry, StorageInfo};
-use crate::format::unpickle::{unpickle, Value};
+use crate::format::pickle::FxBuildHasher;
+use crate::format::unpickle::{decode, err, Build, UnpickleError};
 
 /// A decoding failure, with the path of the offending field.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -34,70 +45,491 @@ pub struct CheckpointMetadata {
     pub nd_reformulated: BTreeMap<String, Vec<u64>>,
 }
 
-fn class_name(v: &Value) -> Option<String> {
-    match v {
-        Value::Object(o) => o.class.global().map(|(m, n)| format!("{m}.{n}")),
-        _ => None,
-    }
+/// The DCP classes whose objects [`Dcp`] keeps, by class name (any module: torch ≤2.2 pickles
+/// `TensorProperties` from `torch.distributed._shard`, Megatron its own `MCoreMetadata`).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Class {
+    Top,
+    Tensor,
+    Bytes,
+    Chunk,
+    Props,
+    Index,
+    Storage,
+    Size,
+    Other,
 }
 
-/// The BUILD state of an object, or the object itself when it is a plain dict.
-fn state(v: &Value) -> Option<Value> {
-    match v {
-        Value::Object(o) => o.state.borrow().clone(),
-        Value::Dict(_) => Some(v.clone()),
-        _ => None,
-    }
-}
-
-fn dict_pairs(v: &Value, what: &str) -> R<Vec<(Value, Value)>> {
-    match v {
-        Value::Dict(d) => Ok(d.borrow().clone()),
-        other => bad(format!("{what} is {}, not a dict", other.kind())),
-    }
-}
-
-/// `torch.Size((..))`, or a plain tuple/list of ints.
-fn size(v: &Value, what: &str) -> R<Vec<u64>> {
-    let items = match v {
-        Value::Call(c) if c.0.global().is_some_and(|(_, n)| n == "Size") => {
-            c.1.items()
-                .and_then(|a| a.first().and_then(|t| t.items()))
-                .ok_or_else(|| MetadataError(format!("{what}: bad torch.Size")))?
+impl Class {
+    fn of(module: &str, name: &str) -> Class {
+        match name {
+            "Metadata" | "MCoreMetadata" => Class::Top,
+            "TensorStorageMetadata" => Class::Tensor,
+            "BytesStorageMetadata" => Class::Bytes,
+            "ChunkStorageMetadata" => Class::Chunk,
+            "TensorProperties" => Class::Props,
+            "MetadataIndex" => Class::Index,
+            "_StorageInfo" => Class::Storage,
+            "Size" if module == "torch" => Class::Size,
+            _ => Class::Other,
         }
-        other => other
-            .items()
-            .ok_or_else(|| MetadataError(format!("{what} is {}, not a shape", other.kind())))?,
-    };
-    items
-        .iter()
-        .map(|x| {
-            x.as_int()
-                .and_then(|i| u64::try_from(i).ok())
-                .ok_or_else(|| MetadataError(format!("{what}: {} is not a dimension", x.kind())))
+    }
+
+    /// Fields kept from a `BUILD` state dict, in record order.
+    fn fields(self) -> &'static [&'static [u8]] {
+        match self {
+            Class::Tensor => &[b"properties", b"size", b"chunks"],
+            Class::Chunk => &[b"offsets", b"sizes"],
+            Class::Index => &[b"fqn", b"offset", b"index"],
+            Class::Storage => &[
+                b"relative_path",
+                b"offset",
+                b"length",
+                b"transform_descriptors",
+            ],
+            _ => &[],
+        }
+    }
+}
+
+/// What a value that [`Dcp`] never reads was, for messages.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Kind {
+    Float,
+    Bytes,
+    BigInt,
+    Str,
+    Call,
+    Object,
+    PersId,
+}
+
+/// A value of the DCP builder (16 bytes, `Copy`). Indices are into [`Dcp`]'s tables.
+#[derive(Clone, Copy, Debug)]
+enum V {
+    /// A field its state did not set.
+    Unset,
+    None,
+    Bool(bool),
+    Int(i64),
+    /// `len` bytes of the input at `at`, valid UTF-8.
+    Str {
+        len: u32,
+        at: u64,
+    },
+    Global(u32),
+    /// A tuple of non-negative ints: `ints[at..at + len]`.
+    Ints {
+        at: u32,
+        len: u32,
+    },
+    /// A 1-tuple holding an `Ints` tuple (the argument of `torch.Size`).
+    Wrap {
+        at: u32,
+        len: u32,
+    },
+    Size {
+        at: u32,
+        len: u32,
+    },
+    /// Any other tuple: `vals[at..at + len]`.
+    Tuple {
+        at: u32,
+        len: u32,
+    },
+    List(u32),
+    Dict(u32),
+    /// An object of `globals[class]`; `rec` is its row in the table of its [`Class`].
+    Obj {
+        class: u32,
+        rec: u32,
+    },
+    Other(Kind),
+}
+
+/// Builds the tables of a DCP `.metadata` while the decoder runs (see the module doc).
+struct Dcp<'a> {
+    input: &'a [u8],
+    globals: Vec<(&'a str, &'a str, Class)>,
+    ints: Vec<u64>,
+    vals: Vec<V>,
+    lists: Vec<Vec<V>>,
+    /// `None` once a `BUILD` took the dict as the state of a kept object.
+    dicts: Vec<Option<Vec<(V, V)>>>,
+    /// Emptied dict storage, reused by the next dicts.
+    spare: Vec<Vec<(V, V)>>,
+    /// Per class, one row per object: the fields of `Class::fields`, or the whole state for
+    /// `Top` and `Props`.
+    tensors: Vec<[V; 3]>,
+    chunks: Vec<[V; 2]>,
+    indexes: Vec<[V; 3]>,
+    storages: Vec<[V; 4]>,
+    props: Vec<V>,
+    tops: Vec<V>,
+}
+
+fn idx(n: usize) -> Result<u32, UnpickleError> {
+    u32::try_from(n).map_err(|_| UnpickleError("pickle too large for the metadata tables".into()))
+}
+
+impl<'a> Dcp<'a> {
+    fn new(input: &'a [u8]) -> Self {
+        Dcp {
+            input,
+            globals: Vec::new(),
+            ints: Vec::new(),
+            vals: Vec::new(),
+            lists: Vec::new(),
+            dicts: Vec::new(),
+            spare: Vec::new(),
+            tensors: Vec::new(),
+            chunks: Vec::new(),
+            indexes: Vec::new(),
+            storages: Vec::new(),
+            props: Vec::new(),
+            tops: Vec::new(),
+        }
+    }
+
+    fn text(&self, v: V) -> Option<&'a str> {
+        match v {
+            V::Str { len, at } => {
+                let b = self.input.get(at as usize..at as usize + len as usize)?;
+                std::str::from_utf8(b).ok()
+            }
+            _ => None,
+        }
+    }
+
+    fn key_is(&self, v: V, key: &[u8]) -> bool {
+        match v {
+            V::Str { len, at } => {
+                len as usize == key.len()
+                    && self.input.get(at as usize..at as usize + len as usize) == Some(key)
+            }
+            _ => false,
+        }
+    }
+
+    fn class_of(&self, v: V) -> Class {
+        match v {
+            V::Obj { class, .. } => self.globals[class as usize].2,
+            _ => Class::Other,
+        }
+    }
+
+    fn class_name(&self, v: V) -> Option<String> {
+        match v {
+            V::Obj { class, .. } => {
+                let (m, n, _) = self.globals[class as usize];
+                Some(format!("{m}.{n}"))
+            }
+            _ => None,
+        }
+    }
+
+    fn kind(&self, v: V) -> String {
+        match v {
+            V::Unset => "missing".into(),
+            V::None => "None".into(),
+            V::Bool(_) => "bool".into(),
+            V::Int(_) | V::Other(Kind::BigInt) => "int".into(),
+            V::Str { .. } | V::Other(Kind::Str) => "str".into(),
+            V::Other(Kind::Float) => "float".into(),
+            V::Other(Kind::Bytes) => "bytes".into(),
+            V::Global(g) => {
+                let (m, n, _) = self.globals[g as usize];
+                format!("global {m}.{n}")
+            }
+            V::Ints { .. } | V::Wrap { .. } | V::Tuple { .. } => "tuple".into(),
+            V::Size { .. } => "call of global torch.Size".into(),
+            V::List(_) => "list".into(),
+            V::Dict(_) => "dict".into(),
+            V::Obj { .. } => format!(
+                "object of global {}",
+                self.class_name(v).unwrap_or_default()
+            ),
+            V::Other(Kind::Call) => "call".into(),
+            V::Other(Kind::Object) => "object".into(),
+            V::Other(Kind::PersId) => "persistent id".into(),
+        }
+    }
+
+    /// The pairs of a dict value (empty for anything else).
+    fn pairs(&self, v: V) -> &[(V, V)] {
+        match v {
+            V::Dict(d) => self.dicts[d as usize].as_deref().unwrap_or(&[]),
+            _ => &[],
+        }
+    }
+
+    /// `dict[key]` for a dict with string keys (the last pair wins, as in Python).
+    fn get(&self, dict: V, key: &str) -> Option<V> {
+        self.pairs(dict)
+            .iter()
+            .rev()
+            .find(|(k, _)| self.key_is(*k, key.as_bytes()))
+            .map(|(_, v)| *v)
+    }
+
+    fn dict_pairs(&self, v: V, what: &str) -> R<&[(V, V)]> {
+        match v {
+            V::Dict(d) => self.dicts[d as usize]
+                .as_deref()
+                .ok_or_else(|| MetadataError(format!("{what} is an object's state, not a dict"))),
+            other => bad(format!("{what} is {}, not a dict", self.kind(other))),
+        }
+    }
+
+    /// Items of a tuple or list (a tuple of ints has none as values: see [`Dcp::shape`]).
+    fn items(&self, v: V) -> Option<&[V]> {
+        match v {
+            V::Tuple { at, len } => self.vals.get(at as usize..at as usize + len as usize),
+            V::List(l) => Some(&self.lists[l as usize]),
+            _ => None,
+        }
+    }
+
+    /// `torch.Size((..))`, or a plain tuple/list of non-negative ints.
+    fn shape(&self, v: V, what: &dyn Fn() -> String) -> R<&[u64]> {
+        match v {
+            V::Size { at, len } | V::Ints { at, len } => {
+                Ok(&self.ints[at as usize..at as usize + len as usize])
+            }
+            V::Other(Kind::Call) => bad(format!("{}: bad torch.Size", what())),
+            other => match self.items(other) {
+                // Not all non-negative ints, or it would be `Ints`.
+                Some(items) => {
+                    let x = items
+                        .iter()
+                        .find(|x| !matches!(x, V::Int(i) if *i >= 0))
+                        .copied()
+                        .unwrap_or(V::Unset);
+                    bad(format!("{}: {} is not a dimension", what(), self.kind(x)))
+                }
+                None => bad(format!("{} is {}, not a shape", what(), self.kind(other))),
+            },
+        }
+    }
+
+    fn dtype(&self, props: V, fqn: &str) -> R<DType> {
+        let st = match props {
+            V::Obj { rec, .. } if self.class_of(props) == Class::Props => self.props[rec as usize],
+            _ => V::Unset,
+        };
+        // 2.3+: the state is the tuple (dtype, layout, requires_grad, memory_format, pin_memory[, strides]).
+        let dtype = match st {
+            V::Unset => return bad(format!("{fqn}: TensorProperties without state")),
+            V::Tuple { at, len: 5 | 6 } => self.vals[at as usize],
+            V::Dict(_) => self
+                .get(st, "dtype")
+                .ok_or_else(|| MetadataError(format!("{fqn}: TensorProperties without dtype")))?,
+            other => {
+                return bad(format!(
+                    "{fqn}: TensorProperties state is {}",
+                    self.kind(other)
+                ))
+            }
+        };
+        match dtype {
+            V::Global(g) if self.globals[g as usize].0 == "torch" => {
+                DType::from_torch_name(self.globals[g as usize].1)
+                    .map_err(|e| MetadataError(format!("{fqn}: {e}")))
+            }
+            other => bad(format!("{fqn}: dtype is {}", self.kind(other))),
+        }
+    }
+
+    fn uint(&self, v: V) -> Option<u64> {
+        match v {
+            V::Int(i) => u64::try_from(i).ok(),
+            V::Bool(b) => Some(b as u64),
+            _ => None,
+        }
+    }
+
+    /// Allocates an object's row in the table of its class.
+    fn row(&mut self, class: Class) -> Result<u32, UnpickleError> {
+        let (n, _) = match class {
+            Class::Tensor => (self.tensors.len(), self.tensors.push([V::Unset; 3])),
+            Class::Chunk => (self.chunks.len(), self.chunks.push([V::Unset; 2])),
+            Class::Index => (self.indexes.len(), self.indexes.push([V::Unset; 3])),
+            Class::Storage => (self.storages.len(), self.storages.push([V::Unset; 4])),
+            Class::Props => (self.props.len(), self.props.push(V::Unset)),
+            Class::Top => (self.tops.len(), self.tops.push(V::Unset)),
+            Class::Bytes | Class::Size | Class::Other => (0, ()),
+        };
+        idx(n)
+    }
+}
+
+impl<'a> Build<'a> for Dcp<'a> {
+    type V = V;
+    fn none(&mut self) -> V {
+        V::None
+    }
+    fn bool(&mut self, b: bool) -> V {
+        V::Bool(b)
+    }
+    fn int(&mut self, i: i128) -> V {
+        i64::try_from(i).map_or(V::Other(Kind::BigInt), V::Int)
+    }
+    fn float(&mut self, _: f64) -> V {
+        V::Other(Kind::Float)
+    }
+    fn str(&mut self, s: &'a str) -> V {
+        // Every string the decoder hands over is a slice of the input.
+        let at = (s.as_ptr() as usize).wrapping_sub(self.input.as_ptr() as usize);
+        match u32::try_from(s.len()) {
+            Ok(len) if at <= self.input.len() => V::Str { len, at: at as u64 },
+            _ => V::Other(Kind::Str),
+        }
+    }
+    fn bytes(&mut self, _: &'a [u8]) -> V {
+        V::Other(Kind::Bytes)
+    }
+    fn tuple(&mut self, items: std::vec::Drain<'_, V>) -> Result<V, UnpickleError> {
+        let items = items.as_slice();
+        if let [V::Ints { at, len }] = items {
+            return Ok(V::Wrap { at: *at, len: *len });
+        }
+        if items.iter().all(|v| matches!(v, V::Int(i) if *i >= 0)) {
+            let at = idx(self.ints.len())?;
+            self.ints.extend(items.iter().map(|v| match v {
+                V::Int(i) => *i as u64,
+                _ => 0,
+            }));
+            return Ok(V::Ints {
+                at,
+                len: idx(items.len())?,
+            });
+        }
+        let at = idx(self.vals.len())?;
+        self.vals.extend_from_slice(items);
+        Ok(V::Tuple {
+            at,
+            len: idx(items.len())?,
         })
-        .collect()
-}
-
-fn dtype_of(props: &Value, fqn: &str) -> R<DType> {
-    // 2.3+: the state is the tuple (dtype, layout, requires_grad, memory_format, pin_memory[, strides]).
-    let st = match props {
-        Value::Object(o) => o.state.borrow().clone(),
-        _ => None,
     }
-    .ok_or_else(|| MetadataError(format!("{fqn}: TensorProperties without state")))?;
-    let dtype = match &st {
-        Value::Tuple(t) if t.len() == 5 || t.len() == 6 => t[0].clone(),
-        Value::Dict(_) => st
-            .get("dtype")
-            .ok_or_else(|| MetadataError(format!("{fqn}: TensorProperties without dtype")))?,
-        other => return bad(format!("{fqn}: TensorProperties state is {}", other.kind())),
-    };
-    match dtype.global() {
-        Some(("torch", name)) => {
-            DType::from_torch_name(name).map_err(|e| MetadataError(format!("{fqn}: {e}")))
+    fn empty_list(&mut self) -> Result<V, UnpickleError> {
+        let l = idx(self.lists.len())?;
+        self.lists.push(Vec::new());
+        Ok(V::List(l))
+    }
+    fn empty_dict(&mut self) -> Result<V, UnpickleError> {
+        let d = idx(self.dicts.len())?;
+        self.dicts.push(Some(self.spare.pop().unwrap_or_default()));
+        Ok(V::Dict(d))
+    }
+    fn append(&mut self, list: &V, items: std::vec::Drain<'_, V>) -> Result<(), UnpickleError> {
+        match list {
+            V::List(l) => {
+                self.lists[*l as usize].extend(items);
+                Ok(())
+            }
+            other => err(format!("APPEND(S) on a {}", self.kind(*other))),
         }
-        _ => bad(format!("{fqn}: dtype is {}", dtype.kind())),
+    }
+    fn set_items(&mut self, dict: &V, items: std::vec::Drain<'_, V>) -> Result<(), UnpickleError> {
+        match dict {
+            V::Dict(d) => match &mut self.dicts[*d as usize] {
+                Some(pairs) => {
+                    let items = items.as_slice();
+                    pairs.extend(items.chunks_exact(2).map(|kv| (kv[0], kv[1])));
+                    Ok(())
+                }
+                None => err("SETITEM(S) on a dict already taken as an object's state"),
+            },
+            other => err(format!("SETITEM(S) on a {}", self.kind(*other))),
+        }
+    }
+    fn global(&mut self, module: &'a str, name: &'a str) -> V {
+        // A torch pickle memoizes its ~20 globals; a protocol-2 one repeats them per object.
+        let recent = self.globals.len().saturating_sub(64);
+        if let Some(g) = self.globals[recent..]
+            .iter()
+            .position(|&(m, n, _)| m == module && n == name)
+        {
+            return V::Global((recent + g) as u32);
+        }
+        match idx(self.globals.len()) {
+            Ok(g) => {
+                self.globals.push((module, name, Class::of(module, name)));
+                V::Global(g)
+            }
+            Err(_) => V::Other(Kind::Call),
+        }
+    }
+    fn stack_global(&mut self, module: V, name: V) -> Result<V, UnpickleError> {
+        match (self.text(module), self.text(name)) {
+            (Some(m), Some(n)) => Ok(self.global(m, n)),
+            _ => err("STACK_GLOBAL needs two strings"),
+        }
+    }
+    fn call(&mut self, func: V, args: V) -> Result<V, UnpickleError> {
+        Ok(match (func, args) {
+            (V::Global(g), V::Wrap { at, len }) if self.globals[g as usize].2 == Class::Size => {
+                V::Size { at, len }
+            }
+            _ => V::Other(Kind::Call),
+        })
+    }
+    fn new_obj(&mut self, class: V, _args: V) -> Result<V, UnpickleError> {
+        match class {
+            V::Global(g) => {
+                let rec = self.row(self.globals[g as usize].2)?;
+                Ok(V::Obj { class: g, rec })
+            }
+            _ => Ok(V::Other(Kind::Object)),
+        }
+    }
+    fn build(&mut self, obj: V, state: V) -> Result<V, UnpickleError> {
+        let V::Obj { rec, .. } = obj else {
+            // BUILD on a call result (e.g. an object from copyreg): nothing DCP reads.
+            return Ok(V::Other(Kind::Object));
+        };
+        let class = self.class_of(obj);
+        match class {
+            Class::Top => self.tops[rec as usize] = state,
+            Class::Props => self.props[rec as usize] = state,
+            Class::Tensor | Class::Chunk | Class::Index | Class::Storage => {
+                let V::Dict(d) = state else {
+                    return Ok(obj); // fields stay unset: reported where they are read
+                };
+                // The state's fields go into the object's row, and the dict's storage is reused.
+                let Some(mut pairs) = self.dicts[d as usize].take() else {
+                    return err("BUILD with a dict already taken as an object's state");
+                };
+                let fields = class.fields();
+                let mut row = [V::Unset; 4];
+                for &(k, v) in &pairs {
+                    if let Some(f) = fields.iter().position(|f| self.key_is(k, f)) {
+                        row[f] = v;
+                    }
+                }
+                let r = rec as usize;
+                let set = |dst: &mut [V]| {
+                    for (d, s) in dst.iter_mut().zip(row) {
+                        if !matches!(s, V::Unset) {
+                            *d = s;
+                        }
+                    }
+                };
+                match class {
+                    Class::Tensor => set(&mut self.tensors[r]),
+                    Class::Chunk => set(&mut self.chunks[r]),
+                    Class::Index => set(&mut self.indexes[r]),
+                    _ => set(&mut self.storages[r]),
+                }
+                pairs.clear();
+                self.spare.push(pairs);
+            }
+            Class::Bytes | Class::Size | Class::Other => {}
+        }
+        Ok(obj)
+    }
+    fn pers_id(&mut self, _: V) -> Result<V, UnpickleError> {
+        Ok(V::Other(Kind::PersId))
     }
 }
 
@@ -105,155 +537,118 @@ fn dtype_of(props: &Value, fqn: &str) -> R<DType> {
 ///
 /// Errors: [`MetadataError`] for a pickle that is malformed or whose structure is not DCP metadata.
 pub fn read_metadata(bytes: &[u8]) -> R<CheckpointMetadata> {
-    let top = unpickle(bytes).map_err(|e| MetadataError(format!("not a readable pickle: {e}")))?;
-    let class = class_name(&top).ok_or_else(|| {
+    let mut b = Dcp::new(bytes);
+    let top =
+        decode(bytes, &mut b).map_err(|e| MetadataError(format!("not a readable pickle: {e}")))?;
+    // The parse's scratch goes before the entries are made: only the tables they come from stay.
+    b.spare = Vec::new();
+    let class = b.class_name(top).ok_or_else(|| {
         MetadataError(format!(
             "top-level value is {}, not a Metadata object",
-            top.kind()
+            b.kind(top)
         ))
     })?;
-    if !(class.ends_with(".Metadata") || class.ends_with(".MCoreMetadata")) {
+    let V::Obj { rec, .. } = top else {
+        unreachable!("class_name is Some only for objects")
+    };
+    if b.class_of(top) != Class::Top {
         return bad(format!(
             "top-level class is {class}, not torch.distributed.checkpoint.metadata.Metadata"
         ));
     }
-    let st = state(&top).ok_or_else(|| MetadataError("Metadata without state".into()))?;
-    let sdm = st
-        .get("state_dict_metadata")
+    let st = match b.tops[rec as usize] {
+        V::Unset => return bad("Metadata without state"),
+        st => st,
+    };
+    let sdm = b
+        .get(st, "state_dict_metadata")
         .ok_or_else(|| MetadataError("Metadata without state_dict_metadata".into()))?;
 
-    let mut storage: HashMap<(String, Option<Vec<u64>>), StorageInfo> = HashMap::new();
-    let mut transforms = HashMap::new();
-    if let Some(sd) = st.get("storage_data") {
-        for (k, v) in dict_pairs(&sd, "storage_data")? {
-            let ks = state(&k)
-                .ok_or_else(|| MetadataError(format!("storage_data key is {}", k.kind())))?;
-            let fqn = ks
-                .get("fqn")
-                .and_then(|f| f.as_str().map(String::from))
-                .ok_or_else(|| MetadataError("MetadataIndex without fqn".into()))?;
-            let offset = match ks.get("offset") {
-                None | Some(Value::None) => None,
-                Some(o) => Some(size(&o, &format!("{fqn}: MetadataIndex.offset"))?),
-            };
-            let vs = state(&v)
-                .ok_or_else(|| MetadataError(format!("{fqn}: storage info is {}", v.kind())))?;
-            let path = vs
-                .get("relative_path")
-                .and_then(|p| p.as_str().map(String::from))
-                .ok_or_else(|| MetadataError(format!("{fqn}: relative_path is not a string")))?;
-            let num = |name: &str| -> R<u64> {
-                vs.get(name)
-                    .and_then(|x| x.as_int())
-                    .and_then(|i| u64::try_from(i).ok())
-                    .ok_or_else(|| {
-                        MetadataError(format!("{fqn}: {name} is not a non-negative int"))
-                    })
-            };
-            let info = StorageInfo {
-                relative_path: path,
-                offset: num("offset")?,
-                length: num("length")?,
-            };
-            if let Some(list) = vs.get("transform_descriptors").and_then(|t| t.items()) {
-                let names: Vec<String> = list
-                    .iter()
-                    .filter_map(|d| d.as_str().map(String::from))
-                    .collect();
-                if !names.is_empty() {
-                    transforms.insert((fqn.clone(), offset.clone()), names);
+    // The keys, in pickle order (a repeated key replaces the earlier one, as in Python).
+    let mut keys: Vec<(&str, Entry)> = Vec::new();
+    let mut by_fqn: HashMap<&str, usize> = HashMap::new();
+    let missing = || StorageInfo {
+        relative_path: String::new(),
+        offset: 0,
+        length: 0,
+    };
+    for &(k, v) in b.dict_pairs(sdm, "state_dict_metadata")? {
+        let fqn = b
+            .text(k)
+            .ok_or_else(|| MetadataError(format!("state_dict_metadata key is {}", b.kind(k))))?;
+        let entry = match b.class_of(v) {
+            Class::Bytes => Entry::Bytes { storage: missing() },
+            Class::Tensor => {
+                let V::Obj { rec, .. } = v else {
+                    unreachable!("class_of is a DCP class only for objects")
+                };
+                let [props, size, chunk_list] = b.tensors[rec as usize];
+                if matches!(props, V::Unset) {
+                    return bad(format!("{fqn}: no properties"));
                 }
-            }
-            storage.insert((fqn, offset), info);
-        }
-    }
-
-    let mut entries = BTreeMap::new();
-    for (k, v) in dict_pairs(&sdm, "state_dict_metadata")? {
-        let fqn = k
-            .as_str()
-            .ok_or_else(|| MetadataError(format!("state_dict_metadata key is {}", k.kind())))?
-            .to_string();
-        let cls = class_name(&v).unwrap_or_default();
-        let missing = || StorageInfo {
-            relative_path: String::new(),
-            offset: 0,
-            length: 0,
-        };
-        if cls.ends_with(".BytesStorageMetadata") {
-            let storage = storage
-                .get(&(fqn.clone(), None))
-                .cloned()
-                .unwrap_or_else(missing);
-            entries.insert(fqn, Entry::Bytes { storage });
-        } else if cls.ends_with(".TensorStorageMetadata") {
-            let ts = state(&v).ok_or_else(|| {
-                MetadataError(format!("{fqn}: TensorStorageMetadata without state"))
-            })?;
-            let props = ts
-                .get("properties")
-                .ok_or_else(|| MetadataError(format!("{fqn}: no properties")))?;
-            let dtype = dtype_of(&props, &fqn)?;
-            let global_shape = size(
-                &ts.get("size")
-                    .ok_or_else(|| MetadataError(format!("{fqn}: no size")))?,
-                &format!("{fqn}: size"),
-            )?;
-            let chunk_list = ts
-                .get("chunks")
-                .and_then(|c| c.items())
-                .ok_or_else(|| MetadataError(format!("{fqn}: chunks is not a list")))?;
-            let mut chunks = Vec::with_capacity(chunk_list.len());
-            for c in &chunk_list {
-                let cs = state(c)
-                    .ok_or_else(|| MetadataError(format!("{fqn}: chunk is {}", c.kind())))?;
-                let offsets = size(
-                    &cs.get("offsets").unwrap_or(Value::None),
-                    &format!("{fqn}: chunk offsets"),
-                )?;
-                let sizes = size(
-                    &cs.get("sizes").unwrap_or(Value::None),
-                    &format!("{fqn}: chunk sizes"),
-                )?;
-                let storage = storage
-                    .get(&(fqn.clone(), Some(offsets.clone())))
-                    .cloned()
-                    .unwrap_or_else(missing);
-                chunks.push(Chunk {
-                    offsets,
-                    sizes,
-                    storage,
-                });
-            }
-            entries.insert(
-                fqn,
+                let dtype = b.dtype(props, fqn)?;
+                if matches!(size, V::Unset) {
+                    return bad(format!("{fqn}: no size"));
+                }
+                let global_shape = b.shape(size, &|| format!("{fqn}: size"))?.to_vec();
+                let list = b
+                    .items(chunk_list)
+                    .ok_or_else(|| MetadataError(format!("{fqn}: chunks is not a list")))?;
+                let mut chunks = Vec::with_capacity(list.len());
+                for &c in list {
+                    let [offsets, sizes] = match (b.class_of(c), c) {
+                        (Class::Chunk, V::Obj { rec, .. }) => b.chunks[rec as usize],
+                        _ => return bad(format!("{fqn}: chunk is {}", b.kind(c))),
+                    };
+                    chunks.push(Chunk {
+                        offsets: b
+                            .shape(offsets, &|| format!("{fqn}: chunk offsets"))?
+                            .to_vec(),
+                        sizes: b.shape(sizes, &|| format!("{fqn}: chunk sizes"))?.to_vec(),
+                        storage: missing(),
+                    });
+                }
                 Entry::Tensor {
                     dtype,
                     global_shape,
                     chunks,
-                },
-            );
-        } else {
-            return bad(format!(
-                "{fqn}: unknown storage metadata class {:?} ({})",
-                cls,
-                v.kind()
-            ));
+                }
+            }
+            _ => {
+                return bad(format!(
+                    "{fqn}: unknown storage metadata class {:?} ({})",
+                    b.class_name(v).unwrap_or_default(),
+                    b.kind(v)
+                ))
+            }
+        };
+        match by_fqn.get(fqn) {
+            Some(&i) => keys[i].1 = entry,
+            None => {
+                by_fqn.insert(fqn, keys.len());
+                keys.push((fqn, entry));
+            }
         }
     }
 
+    let mut transforms = HashMap::new();
+    if let Some(sd) = b.get(st, "storage_data") {
+        join_storage(&b, sd, &mut keys, &by_fqn, &mut transforms)?;
+    }
+
     let mut nd_reformulated = BTreeMap::new();
-    if let Some(mcore) = st.get("mcore_data") {
-        for (k, v) in dict_pairs(&mcore, "mcore_data").unwrap_or_default() {
+    if let Some(mcore) = b.get(st, "mcore_data") {
+        for &(k, v) in b.pairs(mcore) {
             if let (Some(key), Some(shape)) =
-                (k.as_str(), v.get("nd_reformulated_orig_global_shape"))
+                (b.text(k), b.get(v, "nd_reformulated_orig_global_shape"))
             {
-                if let Ok(s) = size(&shape, key) {
-                    nd_reformulated.insert(key.to_string(), s);
+                if let Ok(s) = b.shape(shape, &|| key.to_string()) {
+                    nd_reformulated.insert(key.to_string(), s.to_vec());
                 }
             }
         }
     }
+    let entries = keys.into_iter().map(|(k, e)| (k.to_string(), e)).collect();
     Ok(CheckpointMetadata {
         entries,
         transforms,
@@ -262,10 +657,113 @@ pub fn read_metadata(bytes: &[u8]) -> R<CheckpointMetadata> {
     })
 }
 
+/// Fills each chunk's (and byte object's) storage from `storage_data`, a dict
+/// `MetadataIndex(fqn, offset, index) -> _StorageInfo` keyed by `(fqn, offset)` (later entries win,
+/// as in the Python dict). Every entry is checked, also those of keys `state_dict_metadata` lacks.
+fn join_storage<'a>(
+    b: &Dcp<'a>,
+    sd: V,
+    keys: &mut [(&'a str, Entry)],
+    by_fqn: &HashMap<&'a str, usize>,
+    transforms: &mut HashMap<(String, Option<Vec<u64>>), Vec<String>>,
+) -> R<()> {
+    // Memoized fqn and path strings repeat at the same input position: each is looked up (and its
+    // path copied out) once per position. Positions are not chosen by the hash's adversary in any
+    // useful way (each costs the input its bytes), so the fast hasher is fine here.
+    let mut key_at: HashMap<u64, Option<usize>, FxBuildHasher> = HashMap::default();
+    let mut path_at: HashMap<u64, String, FxBuildHasher> = HashMap::default();
+    // Per key, chunk positions by offsets, made only when neither hint below finds the chunk.
+    let mut by_offsets: HashMap<usize, HashMap<Vec<u64>, usize>> = HashMap::new();
+    // Per key, the chunk after the last one matched: where an entry without a hint looks first.
+    let mut next = vec![0usize; keys.len()];
+    for &(k, v) in b.dict_pairs(sd, "storage_data")? {
+        let [fqn_v, offset_v, index_v] = match (b.class_of(k), k) {
+            (Class::Index, V::Obj { rec, .. }) => b.indexes[rec as usize],
+            _ => return bad(format!("storage_data key is {}", b.kind(k))),
+        };
+        let V::Str { at: fqn_at, .. } = fqn_v else {
+            return bad("MetadataIndex without fqn");
+        };
+        // A string value is valid UTF-8 (checked when decoded): this is for messages.
+        let fqn = || b.text(fqn_v).unwrap_or_default();
+        let offset = match offset_v {
+            V::Unset | V::None => None,
+            o => Some(b.shape(o, &|| format!("{}: MetadataIndex.offset", fqn()))?),
+        };
+        let [path_v, off_v, len_v, tr_v] = match (b.class_of(v), v) {
+            (Class::Storage, V::Obj { rec, .. }) => b.storages[rec as usize],
+            _ => return bad(format!("{}: storage info is {}", fqn(), b.kind(v))),
+        };
+        let V::Str { at: path_pos, .. } = path_v else {
+            return bad(format!("{}: relative_path is not a string", fqn()));
+        };
+        let num = |x: V, name: &str| {
+            b.uint(x).ok_or_else(|| {
+                MetadataError(format!("{}: {name} is not a non-negative int", fqn()))
+            })
+        };
+        let (offset_n, length) = (num(off_v, "offset")?, num(len_v, "length")?);
+        if let Some(list) = b.items(tr_v) {
+            let names: Vec<String> = list
+                .iter()
+                .filter_map(|d| b.text(*d).map(String::from))
+                .collect();
+            if !names.is_empty() {
+                transforms.insert((fqn().to_string(), offset.map(|o| o.to_vec())), names);
+            }
+        }
+        let key = *key_at
+            .entry(fqn_at)
+            .or_insert_with(|| by_fqn.get(fqn()).copied());
+        let Some(key) = key else {
+            continue; // a key state_dict_metadata does not have: nothing reads it
+        };
+        let relative_path = path_at
+            .entry(path_pos)
+            .or_insert_with(|| b.text(path_v).unwrap_or_default().to_string())
+            .clone();
+        let info = StorageInfo {
+            relative_path,
+            offset: offset_n,
+            length,
+        };
+        match (&mut keys[key].1, offset) {
+            (Entry::Bytes { storage }, None) => *storage = info,
+            (Entry::Tensor { chunks, .. }, Some(offsets)) => {
+                // torch's planner records the chunk's position; Megatron's saves record None,
+                // but list each key's chunks in the order of their storage entries.
+                let hint = b.uint(index_v).map_or(next[key], |i| i as usize);
+                let at = if chunks.get(hint).is_some_and(|c| c.offsets == offsets) {
+                    Some(hint)
+                } else {
+                    by_offsets
+                        .entry(key)
+                        .or_insert_with(|| {
+                            let mut m = HashMap::new();
+                            for (i, c) in chunks.iter().enumerate() {
+                                m.entry(c.offsets.clone()).or_insert(i);
+                            }
+                            m
+                        })
+                        .get(offsets)
+                        .copied()
+                };
+                if let Some(i) = at {
+                    chunks[i].storage = info;
+                    next[key] = i + 1;
+                }
+            }
+            _ => {} // a tensor key without offsets, or a byte object with them: nothing reads it
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::format::metadata::emit_metadata;
+    use crate::format::pickle::Pickler;
 
     #[test]
     fn reads_back_what_the_writer_emits() {
@@ -330,5 +828,254 @@ mod tests {
         );
         let md = read_metadata(&emit_metadata(&entries)).unwrap();
         assert_eq!(md.entries, entries);
+    }
+
+    fn fixtures() -> std::path::PathBuf {
+        std::env::var_os("SHARDWISE_FIXTURES")
+            .map(std::path::PathBuf::from)
+            .unwrap_or_else(|| {
+                std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures")
+            })
+    }
+
+    fn fixture_dirs() -> Vec<std::path::PathBuf> {
+        let mut dirs = Vec::new();
+        for group in ["dcp", "megatron"] {
+            for e in std::fs::read_dir(fixtures().join(group)).unwrap() {
+                dirs.push(e.unwrap().path());
+            }
+        }
+        dirs.sort();
+        assert!(dirs.len() >= 8, "{dirs:?}");
+        dirs
+    }
+
+    fn json_dims(v: &serde_json::Value) -> Vec<u64> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|d| d.as_u64().unwrap())
+            .collect()
+    }
+
+    fn json_storage(v: &serde_json::Value) -> StorageInfo {
+        StorageInfo {
+            relative_path: v["relative_path"].as_str().unwrap().to_string(),
+            offset: v["offset"].as_u64().unwrap(),
+            length: v["length"].as_u64().unwrap(),
+        }
+    }
+
+    /// Every golden `.metadata` (torch 2.3.1's 5-tuple layout without `storage_meta` through
+    /// 2.15's 6-tuple; Megatron's with `mcore_data`, `all_local_plans` referring back to memoized
+    /// chunks, and no index hints) decodes to what torch recorded in `expected.json`: every key's
+    /// dtype and shape, every chunk's box and storage, every byte object's storage.
+    #[test]
+    fn golden_metadata_decodes_as_torch_recorded_it() {
+        for dir in fixture_dirs() {
+            let expected: serde_json::Value =
+                serde_json::from_slice(&std::fs::read(dir.join("expected.json")).unwrap()).unwrap();
+            let md = read_metadata(&std::fs::read(dir.join(".metadata")).unwrap())
+                .unwrap_or_else(|e| panic!("{}: {}", dir.display(), e.0));
+            assert_eq!(md.class, expected["metadata"]["class"].as_str().unwrap());
+            let keys = expected["keys"].as_object().unwrap();
+            assert_eq!(md.entries.len(), keys.len(), "{}", dir.display());
+            for (key, k) in keys {
+                let what = format!("{} {key}", dir.display());
+                match (k["kind"].as_str().unwrap(), &md.entries[key]) {
+                    (
+                        "tensor",
+                        Entry::Tensor {
+                            dtype,
+                            global_shape,
+                            chunks,
+                        },
+                    ) => {
+                        assert_eq!(dtype.torch_name(), k["dtype"].as_str().unwrap(), "{what}");
+                        assert_eq!(global_shape, &json_dims(&k["shape"]), "{what}");
+                        let want = k["chunks"].as_array().unwrap();
+                        assert_eq!(chunks.len(), want.len(), "{what}");
+                        for (c, w) in chunks.iter().zip(want) {
+                            assert_eq!(c.offsets, json_dims(&w["offsets"]), "{what}");
+                            assert_eq!(c.sizes, json_dims(&w["sizes"]), "{what}");
+                            assert_eq!(c.storage, json_storage(&w["storage"]), "{what}");
+                        }
+                    }
+                    ("bytes", Entry::Bytes { storage }) => {
+                        assert_eq!(storage, &json_storage(&k["storage"]), "{what}")
+                    }
+                    (kind, e) => panic!("{what}: expected {kind}, got {e:?}"),
+                }
+            }
+        }
+    }
+
+    /// A pickle of one tensor `w` of `n` row chunks (shape `[n, 2]`) whose `storage_data` lists the
+    /// chunks in `order`, with `hint(i)` as each entry's `MetadataIndex.index`; chunk `i` is stored
+    /// at byte offset `100 * i`. Protocol 2 with the writer's memo (`BINPUT`/`BINGET`).
+    fn one_tensor(n: u64, order: &[u64], hint: &dyn Fn(u64) -> Option<i128>) -> Vec<u8> {
+        const M: &str = "torch.distributed.checkpoint.metadata";
+        let mut p = Pickler::new(true);
+        let obj = |p: &mut Pickler, m: &str, c: &str| {
+            p.global(m, c);
+            p.empty_tuple();
+            p.newobj();
+        };
+        let size = |p: &mut Pickler, dims: &[u64]| {
+            p.global("torch", "Size");
+            p.int_tuple(dims);
+            p.tuple(1);
+            p.reduce();
+        };
+        obj(&mut p, M, "Metadata");
+        p.empty_dict();
+        p.mark();
+        p.str("state_dict_metadata");
+        p.empty_dict();
+        p.mark();
+        p.str("w");
+        obj(&mut p, M, "TensorStorageMetadata");
+        p.empty_dict();
+        p.mark();
+        p.str("properties");
+        obj(&mut p, M, "TensorProperties");
+        p.mark();
+        p.global("torch", "float32");
+        p.none();
+        p.bool(false);
+        p.none();
+        p.bool(false);
+        p.tuple(5);
+        p.build();
+        p.str("size");
+        size(&mut p, &[n, 2]);
+        p.str("chunks");
+        p.empty_list();
+        p.mark();
+        for i in 0..n {
+            obj(&mut p, M, "ChunkStorageMetadata");
+            p.empty_dict();
+            p.mark();
+            p.str("offsets");
+            size(&mut p, &[i, 0]);
+            p.str("sizes");
+            size(&mut p, &[1, 2]);
+            p.setitems();
+            p.build();
+        }
+        p.appends();
+        p.setitems();
+        p.build();
+        p.setitems();
+        p.str("storage_data");
+        p.empty_dict();
+        p.mark();
+        for &i in order {
+            obj(&mut p, M, "MetadataIndex");
+            p.empty_dict();
+            p.mark();
+            p.str("fqn");
+            p.str("w");
+            p.str("offset");
+            size(&mut p, &[i, 0]);
+            p.str("index");
+            match hint(i) {
+                Some(h) => p.int(h),
+                None => p.none(),
+            }
+            p.setitems();
+            p.build();
+            obj(
+                &mut p,
+                "torch.distributed.checkpoint.filesystem",
+                "_StorageInfo",
+            );
+            p.empty_dict();
+            p.mark();
+            p.str("relative_path");
+            p.str(&format!("__{}_0.distcp", i % 3));
+            p.str("offset");
+            p.int(100 * i as i128);
+            p.str("length");
+            p.int(100);
+            p.setitems();
+            p.build();
+        }
+        p.setitems();
+        p.setitems();
+        p.build();
+        p.finish()
+    }
+
+    fn storages(bytes: &[u8]) -> Vec<(String, u64)> {
+        let md = read_metadata(bytes).unwrap();
+        let Entry::Tensor { chunks, .. } = &md.entries["w"] else {
+            panic!()
+        };
+        chunks
+            .iter()
+            .map(|c| (c.storage.relative_path.clone(), c.storage.offset))
+            .collect()
+    }
+
+    #[test]
+    fn storage_is_matched_by_offsets_whatever_the_index_hints_say() {
+        let n = 300; // past 256 memo entries: LONG_BINPUT / LONG_BINGET too
+        let want: Vec<(String, u64)> = (0..n)
+            .map(|i| (format!("__{}_0.distcp", i % 3), 100 * i))
+            .collect();
+        let forward: Vec<u64> = (0..n).collect();
+        let mut shuffled = forward.clone();
+        shuffled.sort_by_key(|i| (i * 7919) % n);
+        for (order, hint) in [
+            (
+                &forward,
+                &(|i: u64| Some(i as i128)) as &dyn Fn(u64) -> Option<i128>,
+            ),
+            (&forward, &|_| None),  // Megatron: no hints, same order
+            (&shuffled, &|_| None), // no hints, another order
+            (&shuffled, &|i| Some(((i + 1) % n) as i128)), // every hint wrong
+            (&shuffled, &|_| Some(1 << 40)), // hints past the end
+            (&forward, &|_| Some(-1)),
+        ] {
+            assert_eq!(storages(&one_tensor(n, order, hint)), want);
+        }
+        // An entry listed twice: the later one wins, as in the Python dict.
+        let mut twice = one_tensor(2, &[0, 1, 0], &|i| Some(i as i128));
+        assert_eq!(storages(&twice)[0], ("__0_0.distcp".into(), 0));
+        // A chunk without a storage entry keeps an empty path (verify reports it).
+        twice = one_tensor(2, &[1], &|i| Some(i as i128));
+        assert_eq!(storages(&twice)[0], (String::new(), 0));
+    }
+
+    /// Truncated, bit-flipped and shuffled versions of real `.metadata` files are errors or
+    /// decode, never a panic; messages name what is wrong.
+    #[test]
+    fn damaged_metadata_is_an_error_never_a_panic() {
+        for dir in fixture_dirs().iter().take(5) {
+            let good = std::fs::read(dir.join(".metadata")).unwrap();
+            for cut in (0..good.len()).step_by(7) {
+                assert!(read_metadata(&good[..cut]).is_err());
+            }
+            let mut x = 0x9e3779b97f4a7c15u64;
+            for _ in 0..3000 {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                let mut bad = good.clone();
+                bad[(x % good.len() as u64) as usize] ^= 1 << (x >> 61);
+                let _ = read_metadata(&bad);
+            }
+        }
+        let e = |b: &[u8]| read_metadata(b).unwrap_err().0;
+        assert!(e(b"\x80\x02K\x01.").contains("top-level value is int"));
+        assert!(e(b"\x80\x02cos\nsystem\n)\x81.").contains("top-level class is os.system"));
+        // A state dict taken by BUILD and then written through the memo.
+        let reuse = b"\x80\x02ctorch.distributed.checkpoint.metadata\nChunkStorageMetadata\n)\x81}q\x00b0h\x00(K\x01K\x02u.";
+        assert!(e(reuse).contains("already taken"), "{}", e(reuse));
+        // A memo index far past the others is kept aside, not allocated up to.
+        assert!(e(b"\x80\x02K\x01r\xff\xff\xff\xff0j\xff\xff\xff\xff.")
+            .contains("top-level value is int"));
+        assert!(e(b"\x80\x02j\x00\x00\x00\x01.").contains("memo key 16777216 missing"));
     }
 }

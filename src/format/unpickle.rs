@@ -1,11 +1,15 @@
-//! A pickle reader that never executes anything: it evaluates protocols 0–5 symbolically into a
-//! [`Value`] graph in which globals, calls (`REDUCE`), object creations (`NEWOBJ`/`BUILD`) and
-//! persistent ids stay data. Typed decoders for DCP classes sit on top (`format::read_metadata`).
+//! A pickle reader that never executes anything. One opcode decoder ([`decode`]) evaluates
+//! protocols 0–5 and hands every value it makes to a [`Build`]er, which chooses the representation:
+//! [`unpickle`] builds the symbolic [`Value`] graph (globals, calls (`REDUCE`), object creations
+//! (`NEWOBJ`/`BUILD`) and persistent ids stay data), while `format::read_metadata` builds DCP's
+//! chunk tables directly, without a generic tree.
 //!
-//! Bounds: every opcode creates O(1) values besides strings and bytes that are copied from the
-//! input, containers are shared by reference (`BINGET` does not copy), and the stack, memo and
-//! total value count are capped, so memory is O(input length) whatever the input claims.
-//! Opcode semantics: CPython `Lib/pickle.py` (`_Unpickler`) and `Lib/pickletools.py`.
+//! Bounds: every opcode consumes at least one input byte and pushes at most one value, so the
+//! stack, the memo and the number of values are all at most the input length; strings and bytes
+//! are borrowed from the input; containers are shared by reference (`BINGET` does not copy). So
+//! memory is O(input length) whatever lengths or indices the input claims.
+//! Opcode semantics: CPython `Lib/pickle.py` (`_Unpickler`), `Modules/_pickle.c` (the stack fence
+//! at the last MARK, the memo) and `Lib/pickletools.py`.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -99,28 +103,6 @@ pub struct ObjectValue {
     pub state: RefCell<Option<Value>>,
 }
 
-/// Why a pickle could not be read.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct UnpickleError(pub String);
-
-impl std::fmt::Display for UnpickleError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-type R<T> = Result<T, UnpickleError>;
-
-fn err<T>(msg: impl Into<String>) -> R<T> {
-    Err(UnpickleError(msg.into()))
-}
-
-/// Stack bound for small inputs. Every push consumes at least one input byte, so a larger input may
-/// hold a deeper stack: the bound is `max(MAX_STACK, input.len() / 2)` (a `.metadata` of 1,000,000
-/// chunks holds 2,000,000 `storage_data` items above one MARK).
-const MAX_STACK: usize = 1 << 20;
-const MAX_VALUES: usize = 1 << 28;
-
 impl Value {
     pub fn as_str(&self) -> Option<&str> {
         match self {
@@ -188,19 +170,627 @@ impl Value {
     }
 }
 
-enum Slot {
-    Mark,
-    V(Value),
+/// Why a pickle could not be read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnpickleError(pub String);
+
+impl std::fmt::Display for UnpickleError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
 }
 
-struct Vm<'a> {
+type R<T> = Result<T, UnpickleError>;
+
+/// An [`UnpickleError`] with `msg`.
+pub fn err<T>(msg: impl Into<String>) -> R<T> {
+    Err(UnpickleError(msg.into()))
+}
+
+/// Makes the values [`decode`] asks for. `V` is cloned for memo reads and `DUP`, so it should be a
+/// handle (an `Rc`, an index). Strings and bytes are borrowed from the input (`'a`). A method that
+/// gets a value of the wrong kind (`APPEND` on a dict) returns an error naming it.
+pub trait Build<'a> {
+    type V: Clone;
+    fn none(&mut self) -> Self::V;
+    fn bool(&mut self, b: bool) -> Self::V;
+    fn int(&mut self, i: i128) -> Self::V;
+    fn float(&mut self, f: f64) -> Self::V;
+    fn str(&mut self, s: &'a str) -> Self::V;
+    fn bytes(&mut self, b: &'a [u8]) -> Self::V;
+    /// A tuple of `items` (also `FROZENSET`).
+    fn tuple(&mut self, items: std::vec::Drain<'_, Self::V>) -> R<Self::V>;
+    /// An empty list (also `EMPTY_SET`).
+    fn empty_list(&mut self) -> R<Self::V>;
+    fn empty_dict(&mut self) -> R<Self::V>;
+    /// `list.extend(items)` (`APPEND`, `APPENDS`, `ADDITEMS`).
+    fn append(&mut self, list: &Self::V, items: std::vec::Drain<'_, Self::V>) -> R<()>;
+    /// `dict[k] = v` for each pair of `items` (an even count: key, value, key, value, ...).
+    fn set_items(&mut self, dict: &Self::V, items: std::vec::Drain<'_, Self::V>) -> R<()>;
+    /// `GLOBAL module name`.
+    fn global(&mut self, module: &'a str, name: &'a str) -> Self::V;
+    /// `STACK_GLOBAL`: the global named by two string values.
+    fn stack_global(&mut self, module: Self::V, name: Self::V) -> R<Self::V>;
+    /// `func(*args)` (`REDUCE`).
+    fn call(&mut self, func: Self::V, args: Self::V) -> R<Self::V>;
+    /// `cls.__new__(cls, *args)` (`NEWOBJ`, `NEWOBJ_EX` without its kwargs).
+    fn new_obj(&mut self, class: Self::V, args: Self::V) -> R<Self::V>;
+    /// `obj.__setstate__(state)` (`BUILD`); returns what then stands in for `obj`.
+    fn build(&mut self, obj: Self::V, state: Self::V) -> R<Self::V>;
+    /// A persistent id (`BINPERSID`, `PERSID`).
+    fn pers_id(&mut self, pid: Self::V) -> R<Self::V>;
+}
+
+/// Memo indices up to this far past the dense memo's end go into it; others (a hostile
+/// `LONG_BINPUT 4294967295`) go into a map, so a claimed index never sizes an allocation.
+const DENSE_SLACK: usize = 1 << 16;
+
+struct Vm<'a, 'b, B: Build<'a>> {
     input: &'a [u8],
     pos: usize,
-    stack: Vec<Slot>,
-    memo: HashMap<u32, Value>,
-    created: usize,
-    /// Every mutable container created, so that [`Unpickled`] can break reference cycles.
+    b: &'b mut B,
+    stack: Vec<B::V>,
+    /// Stack positions of the open MARKs; values below the last one cannot be popped (`_pickle.c`'s
+    /// fence).
+    marks: Vec<usize>,
+    memo: Vec<Option<B::V>>,
+    sparse: HashMap<u32, B::V>,
+    /// Number of memo keys set (`len(memo)`, which `MEMOIZE` uses as its index).
+    memo_count: usize,
+}
+
+impl<'a, B: Build<'a>> Vm<'a, '_, B> {
+    #[inline]
+    fn take(&mut self, n: usize) -> R<&'a [u8]> {
+        if n > self.input.len() - self.pos {
+            return err(format!(
+                "truncated pickle: {n} bytes wanted at offset {}",
+                self.pos
+            ));
+        }
+        let s = &self.input[self.pos..self.pos + n];
+        self.pos += n;
+        Ok(s)
+    }
+    #[inline]
+    fn arr<const N: usize>(&mut self) -> R<[u8; N]> {
+        let s = self.take(N)?;
+        let mut a = [0u8; N];
+        a.copy_from_slice(s);
+        Ok(a)
+    }
+    #[inline]
+    fn u8(&mut self) -> R<u8> {
+        Ok(self.take(1)?[0])
+    }
+    #[inline]
+    fn u32(&mut self) -> R<u32> {
+        Ok(u32::from_le_bytes(self.arr()?))
+    }
+    fn u64(&mut self) -> R<u64> {
+        Ok(u64::from_le_bytes(self.arr()?))
+    }
+    fn line(&mut self) -> R<&'a str> {
+        let rest = &self.input[self.pos..];
+        let n = rest
+            .iter()
+            .position(|&b| b == b'\n')
+            .ok_or_else(|| UnpickleError("unterminated text line".into()))?;
+        self.pos += n + 1;
+        std::str::from_utf8(&rest[..n]).map_err(|_| UnpickleError("text line is not UTF-8".into()))
+    }
+    fn text(&mut self, n: usize) -> R<&'a str> {
+        std::str::from_utf8(self.take(n)?).map_err(|_| UnpickleError("string is not UTF-8".into()))
+    }
+    #[inline]
+    fn fence(&self) -> usize {
+        self.marks.last().copied().unwrap_or(0)
+    }
+    #[inline]
+    fn push(&mut self, v: B::V) {
+        self.stack.push(v);
+    }
+    #[inline]
+    fn pop(&mut self) -> R<B::V> {
+        if self.stack.len() <= self.fence() {
+            return err(if self.stack.is_empty() {
+                "stack underflow"
+            } else {
+                "unexpected MARK on the stack"
+            });
+        }
+        self.stack
+            .pop()
+            .ok_or_else(|| UnpickleError("stack underflow".into()))
+    }
+    #[inline]
+    fn top(&self) -> R<&B::V> {
+        match self.stack.last() {
+            Some(v) if self.stack.len() > self.fence() => Ok(v),
+            _ => err("stack underflow"),
+        }
+    }
+    /// Closes the last MARK: the stack position of the first item above it.
+    fn pop_mark(&mut self) -> R<usize> {
+        self.marks
+            .pop()
+            .ok_or_else(|| UnpickleError("MARK missing".into()))
+    }
+    #[inline]
+    fn memo_put(&mut self, idx: u32) -> R<()> {
+        let v = self.top()?.clone();
+        let i = idx as usize;
+        if i < self.memo.len() {
+            if self.memo[i].replace(v).is_none() {
+                self.memo_count += 1;
+            }
+        } else if i == self.memo.len() {
+            self.memo.push(Some(v));
+            self.memo_count += 1;
+        } else if i - self.memo.len() <= DENSE_SLACK && self.sparse.is_empty() {
+            self.memo.resize(i, None);
+            self.memo.push(Some(v));
+            self.memo_count += 1;
+        } else if self.sparse.insert(idx, v).is_none() {
+            self.memo_count += 1;
+        }
+        Ok(())
+    }
+    #[inline]
+    fn memo_get(&mut self, idx: u32) -> R<()> {
+        let v = match self.memo.get(idx as usize) {
+            Some(Some(v)) => v.clone(),
+            _ => self
+                .sparse
+                .get(&idx)
+                .cloned()
+                .ok_or_else(|| UnpickleError(format!("memo key {idx} missing")))?,
+        };
+        self.push(v);
+        Ok(())
+    }
+    fn list_op(&mut self, at: usize) -> R<()> {
+        if at <= self.fence() || at > self.stack.len() {
+            return err("APPEND(S) with no list on the stack");
+        }
+        let list = self.stack[at - 1].clone();
+        self.b.append(&list, self.stack.drain(at..))
+    }
+    fn dict_op(&mut self, at: usize) -> R<()> {
+        if at <= self.fence() || at > self.stack.len() {
+            return err("SETITEM(S) with no dict on the stack");
+        }
+        if (self.stack.len() - at) % 2 != 0 {
+            return err("SETITEMS with an odd item count");
+        }
+        let dict = self.stack[at - 1].clone();
+        self.b.set_items(&dict, self.stack.drain(at..))
+    }
+
+    fn run(&mut self) -> R<B::V> {
+        // Every opcode consumes at least one byte and pushes at most one value: these bounds only
+        // catch a builder or decoder bug, never a size the input could not pay for.
+        loop {
+            let op = self.u8()?;
+            match op {
+                0x80 => {
+                    let proto = self.u8()?;
+                    if proto > 5 {
+                        return err(format!("unsupported pickle protocol {proto}"));
+                    }
+                }
+                0x95 => {
+                    self.u64()?; // FRAME: only a framing hint
+                }
+                b'.' => return self.pop(),
+                b'(' => self.marks.push(self.stack.len()),
+                b'0' => {
+                    self.pop()?;
+                }
+                b'1' => {
+                    let at = self.pop_mark()?;
+                    self.stack.truncate(at);
+                }
+                b'2' => {
+                    let v = self.top()?.clone();
+                    self.push(v)
+                }
+                b'N' => {
+                    let v = self.b.none();
+                    self.push(v)
+                }
+                0x88 | 0x89 => {
+                    let v = self.b.bool(op == 0x88);
+                    self.push(v)
+                }
+                b'J' => {
+                    let v = i32::from_le_bytes(self.arr()?);
+                    let v = self.b.int(v as i128);
+                    self.push(v)
+                }
+                b'K' => {
+                    let v = self.u8()?;
+                    let v = self.b.int(v as i128);
+                    self.push(v)
+                }
+                b'M' => {
+                    let v = u16::from_le_bytes(self.arr()?);
+                    let v = self.b.int(v as i128);
+                    self.push(v)
+                }
+                0x8a | 0x8b => {
+                    let n = if op == 0x8a {
+                        self.u8()? as usize
+                    } else {
+                        self.u32()? as usize
+                    };
+                    let b = self.take(n)?;
+                    if n > 16 {
+                        return err("integer wider than 128 bits");
+                    }
+                    let mut buf = [if b.last().is_some_and(|&x| x & 0x80 != 0) {
+                        0xff
+                    } else {
+                        0
+                    }; 16];
+                    buf[..n].copy_from_slice(b);
+                    let v = self.b.int(i128::from_le_bytes(buf));
+                    self.push(v)
+                }
+                b'I' => {
+                    let line = self.line()?;
+                    let v = match line {
+                        "01" => self.b.bool(true),
+                        "00" => self.b.bool(false),
+                        s => {
+                            let i = s
+                                .parse()
+                                .map_err(|_| UnpickleError(format!("bad INT {s:?}")))?;
+                            self.b.int(i)
+                        }
+                    };
+                    self.push(v)
+                }
+                b'L' => {
+                    let line = self.line()?;
+                    let i = line
+                        .trim_end_matches('L')
+                        .parse()
+                        .map_err(|_| UnpickleError(format!("bad LONG {line:?}")))?;
+                    let v = self.b.int(i);
+                    self.push(v)
+                }
+                b'G' => {
+                    let v = f64::from_be_bytes(self.arr()?);
+                    let v = self.b.float(v);
+                    self.push(v)
+                }
+                b'F' => {
+                    let line = self.line()?;
+                    let f = line
+                        .parse()
+                        .map_err(|_| UnpickleError(format!("bad FLOAT {line:?}")))?;
+                    let v = self.b.float(f);
+                    self.push(v)
+                }
+                b'X' | 0x8c | 0x8d => {
+                    let n = match op {
+                        0x8c => self.u8()? as usize,
+                        b'X' => self.u32()? as usize,
+                        _ => usize::try_from(self.u64()?).unwrap_or(usize::MAX),
+                    };
+                    let s = self.text(n)?;
+                    let v = self.b.str(s);
+                    self.push(v)
+                }
+                b'V' => {
+                    let line = self.line()?;
+                    let v = self.b.str(line);
+                    self.push(v)
+                }
+                b'S' => {
+                    let line = self.line()?;
+                    let v = self.b.str(line.trim_matches(|c| c == '\'' || c == '"'));
+                    self.push(v)
+                }
+                b'U' | b'T' | b'C' | b'B' | 0x8e | 0x96 => {
+                    let n = match op {
+                        b'U' | b'C' => self.u8()? as usize,
+                        b'T' | b'B' => self.u32()? as usize,
+                        _ => usize::try_from(self.u64()?).unwrap_or(usize::MAX),
+                    };
+                    let b = self.take(n)?;
+                    // SHORT_BINSTRING/BINSTRING are py2 str: keep text when it is UTF-8.
+                    let v = match std::str::from_utf8(b) {
+                        Ok(s) if matches!(op, b'U' | b'T') => self.b.str(s),
+                        _ => self.b.bytes(b),
+                    };
+                    self.push(v)
+                }
+                b')' => {
+                    let at = self.stack.len();
+                    let v = self.b.tuple(self.stack.drain(at..))?;
+                    self.push(v)
+                }
+                b't' | 0x91 => {
+                    let at = self.pop_mark()?;
+                    let v = self.b.tuple(self.stack.drain(at..))?;
+                    self.push(v)
+                }
+                0x85..=0x87 => {
+                    let n = (op - 0x84) as usize;
+                    if self.stack.len() < self.fence() + n {
+                        return err("stack underflow");
+                    }
+                    let at = self.stack.len() - n;
+                    let v = self.b.tuple(self.stack.drain(at..))?;
+                    self.push(v)
+                }
+                b']' | 0x8f => {
+                    let v = self.b.empty_list()?;
+                    self.push(v)
+                }
+                b'l' => {
+                    let at = self.pop_mark()?;
+                    let v = self.b.empty_list()?;
+                    self.stack.insert(at, v);
+                    self.list_op(at + 1)?
+                }
+                b'}' => {
+                    let v = self.b.empty_dict()?;
+                    self.push(v)
+                }
+                b'd' => {
+                    let at = self.pop_mark()?;
+                    let v = self.b.empty_dict()?;
+                    self.stack.insert(at, v);
+                    self.dict_op(at + 1)?
+                }
+                b'a' => {
+                    if self.stack.len() < self.fence() + 2 {
+                        return err("stack underflow");
+                    }
+                    self.list_op(self.stack.len() - 1)?
+                }
+                b'e' | 0x90 => {
+                    let at = self.pop_mark()?;
+                    self.list_op(at)?
+                }
+                b's' => {
+                    if self.stack.len() < self.fence() + 3 {
+                        return err("stack underflow");
+                    }
+                    self.dict_op(self.stack.len() - 2)?
+                }
+                b'u' => {
+                    let at = self.pop_mark()?;
+                    self.dict_op(at)?
+                }
+                b'p' => {
+                    let line = self.line()?;
+                    let idx = line
+                        .parse()
+                        .map_err(|_| UnpickleError(format!("bad PUT {line:?}")))?;
+                    self.memo_put(idx)?
+                }
+                b'q' => {
+                    let idx = self.u8()? as u32;
+                    self.memo_put(idx)?
+                }
+                b'r' => {
+                    let idx = self.u32()?;
+                    self.memo_put(idx)?
+                }
+                0x94 => {
+                    let idx = u32::try_from(self.memo_count)
+                        .map_err(|_| UnpickleError("memo too large".into()))?;
+                    self.memo_put(idx)?
+                }
+                b'g' => {
+                    let line = self.line()?;
+                    let idx = line
+                        .parse()
+                        .map_err(|_| UnpickleError(format!("bad GET {line:?}")))?;
+                    self.memo_get(idx)?
+                }
+                b'h' => {
+                    let idx = self.u8()? as u32;
+                    self.memo_get(idx)?
+                }
+                b'j' => {
+                    let idx = self.u32()?;
+                    self.memo_get(idx)?
+                }
+                b'c' => {
+                    let module = self.line()?;
+                    let name = self.line()?;
+                    let v = self.b.global(module, name);
+                    self.push(v)
+                }
+                0x93 => {
+                    let name = self.pop()?;
+                    let module = self.pop()?;
+                    let v = self.b.stack_global(module, name)?;
+                    self.push(v)
+                }
+                b'R' => {
+                    let args = self.pop()?;
+                    let func = self.pop()?;
+                    let v = self.b.call(func, args)?;
+                    self.push(v)
+                }
+                0x81 | 0x92 => {
+                    if op == 0x92 {
+                        self.pop()?; // kwargs
+                    }
+                    let args = self.pop()?;
+                    let class = self.pop()?;
+                    let v = self.b.new_obj(class, args)?;
+                    self.push(v)
+                }
+                b'b' => {
+                    let state = self.pop()?;
+                    let obj = self.pop()?;
+                    let v = self.b.build(obj, state)?;
+                    self.push(v)
+                }
+                b'Q' => {
+                    let pid = self.pop()?;
+                    let v = self.b.pers_id(pid)?;
+                    self.push(v)
+                }
+                b'P' => {
+                    let line = self.line()?;
+                    let pid = self.b.str(line);
+                    let v = self.b.pers_id(pid)?;
+                    self.push(v)
+                }
+                0x97 => {} // READONLY_BUFFER: no-op on our values
+                other => {
+                    return err(format!(
+                        "unsupported pickle opcode 0x{other:02x} at offset {}",
+                        self.pos - 1
+                    ))
+                }
+            }
+        }
+    }
+}
+
+/// Decodes one pickle from `input`, making its values with `b`; returns the value `STOP` pops.
+///
+/// Errors: [`UnpickleError`] for malformed or truncated input, unsupported opcodes (`INST`, `OBJ`,
+/// `EXT*`, out-of-band buffers) and the builder's errors.
+pub fn decode<'a, B: Build<'a>>(input: &'a [u8], b: &mut B) -> Result<B::V, UnpickleError> {
+    let mut vm = Vm {
+        input,
+        pos: 0,
+        b,
+        stack: Vec::new(),
+        marks: Vec::new(),
+        memo: Vec::new(),
+        sparse: HashMap::new(),
+        memo_count: 0,
+    };
+    vm.run()
+}
+
+/// Builds the symbolic [`Value`] graph, and keeps every mutable container so that the cycles a
+/// hostile pickle builds (a list appended to itself) can be broken.
+#[derive(Default)]
+struct Symbolic {
     arena: Vec<Value>,
+}
+
+impl Symbolic {
+    fn keep(&mut self, v: Value) -> Value {
+        self.arena.push(v.clone());
+        v
+    }
+}
+
+impl<'a> Build<'a> for Symbolic {
+    type V = Value;
+    fn none(&mut self) -> Value {
+        Value::None
+    }
+    fn bool(&mut self, b: bool) -> Value {
+        Value::Bool(b)
+    }
+    fn int(&mut self, i: i128) -> Value {
+        Value::Int(i)
+    }
+    fn float(&mut self, f: f64) -> Value {
+        Value::Float(f)
+    }
+    fn str(&mut self, s: &'a str) -> Value {
+        Value::Str(Rc::from(s))
+    }
+    fn bytes(&mut self, b: &'a [u8]) -> Value {
+        Value::Bytes(Rc::from(b))
+    }
+    fn tuple(&mut self, items: std::vec::Drain<'_, Value>) -> R<Value> {
+        Ok(Value::Tuple(Rc::new(items.collect())))
+    }
+    fn empty_list(&mut self) -> R<Value> {
+        Ok(self.keep(Value::List(Rc::new(RefCell::new(Vec::new())))))
+    }
+    fn empty_dict(&mut self) -> R<Value> {
+        Ok(self.keep(Value::Dict(Rc::new(RefCell::new(Vec::new())))))
+    }
+    fn append(&mut self, list: &Value, items: std::vec::Drain<'_, Value>) -> R<()> {
+        match list {
+            Value::List(l) => {
+                l.borrow_mut().extend(items);
+                Ok(())
+            }
+            other => err(format!("APPEND(S) on a {}", other.kind())),
+        }
+    }
+    fn set_items(&mut self, dict: &Value, mut items: std::vec::Drain<'_, Value>) -> R<()> {
+        match dict {
+            Value::Dict(d) => {
+                let mut d = d.borrow_mut();
+                while let (Some(k), Some(v)) = (items.next(), items.next()) {
+                    d.push((k, v));
+                }
+                Ok(())
+            }
+            other => err(format!("SETITEM(S) on a {}", other.kind())),
+        }
+    }
+    fn global(&mut self, module: &'a str, name: &'a str) -> Value {
+        Value::Global(Rc::new((module.to_string(), name.to_string())))
+    }
+    fn stack_global(&mut self, module: Value, name: Value) -> R<Value> {
+        match (module.as_str(), name.as_str()) {
+            (Some(m), Some(n)) => Ok(Value::Global(Rc::new((m.to_string(), n.to_string())))),
+            _ => err("STACK_GLOBAL needs two strings"),
+        }
+    }
+    fn call(&mut self, func: Value, args: Value) -> R<Value> {
+        Ok(Value::Call(Rc::new((func, args))))
+    }
+    fn new_obj(&mut self, class: Value, args: Value) -> R<Value> {
+        Ok(self.keep(Value::Object(Rc::new(ObjectValue {
+            class,
+            args,
+            state: RefCell::new(None),
+        }))))
+    }
+    fn build(&mut self, obj: Value, state: Value) -> R<Value> {
+        match &obj {
+            Value::Object(o) => {
+                *o.state.borrow_mut() = Some(state);
+                Ok(obj)
+            }
+            // BUILD on a call result (e.g. an object from copyreg): keep it as an object.
+            other => Ok(self.keep(Value::Object(Rc::new(ObjectValue {
+                class: other.clone(),
+                args: Value::Tuple(Rc::new(Vec::new())),
+                state: RefCell::new(Some(state)),
+            })))),
+        }
+    }
+    fn pers_id(&mut self, pid: Value) -> R<Value> {
+        Ok(Value::PersId(Rc::new(pid)))
+    }
+}
+
+/// Reads one pickle from `input` as data.
+///
+/// Errors: [`UnpickleError`] for malformed or truncated input, unsupported opcodes (`INST`, `OBJ`,
+/// `EXT*`, out-of-band buffers).
+pub fn unpickle(input: &[u8]) -> Result<Unpickled, UnpickleError> {
+    let mut b = Symbolic::default();
+    let result = decode(input, &mut b);
+    // Whatever happened, the arena ends up in an Unpickled, whose Drop breaks its cycles.
+    let mut out = Unpickled {
+        root: Value::None,
+        arena: b.arena,
+    };
+    out.root = result?;
+    Ok(out)
 }
 
 /// The result of [`unpickle`]: the root value, plus ownership of every mutable container so that
@@ -236,442 +826,6 @@ impl Drop for Unpickled {
             }
         }
     }
-}
-
-impl<'a> Vm<'a> {
-    fn take(&mut self, n: usize) -> R<&'a [u8]> {
-        if n > self.input.len() - self.pos {
-            return err(format!(
-                "truncated pickle: {n} bytes wanted at offset {}",
-                self.pos
-            ));
-        }
-        let s = &self.input[self.pos..self.pos + n];
-        self.pos += n;
-        Ok(s)
-    }
-    fn u8(&mut self) -> R<u8> {
-        Ok(self.take(1)?[0])
-    }
-    fn u16(&mut self) -> R<u16> {
-        Ok(u16::from_le_bytes(self.take(2)?.try_into().unwrap()))
-    }
-    fn u32(&mut self) -> R<u32> {
-        Ok(u32::from_le_bytes(self.take(4)?.try_into().unwrap()))
-    }
-    fn u64(&mut self) -> R<u64> {
-        Ok(u64::from_le_bytes(self.take(8)?.try_into().unwrap()))
-    }
-    fn line(&mut self) -> R<&'a str> {
-        let rest = &self.input[self.pos..];
-        let n = rest
-            .iter()
-            .position(|&b| b == b'\n')
-            .ok_or_else(|| UnpickleError("unterminated text line".into()))?;
-        self.pos += n + 1;
-        std::str::from_utf8(&rest[..n]).map_err(|_| UnpickleError("text line is not UTF-8".into()))
-    }
-    fn push(&mut self, v: Value) -> R<()> {
-        if matches!(v, Value::List(_) | Value::Dict(_) | Value::Object(_)) {
-            self.arena.push(v.clone());
-        }
-        self.created += 1;
-        if self.stack.len() >= MAX_STACK.max(self.input.len() / 2) || self.created > MAX_VALUES {
-            return err("pickle too large (stack or value count over the limit)");
-        }
-        self.stack.push(Slot::V(v));
-        Ok(())
-    }
-    fn pop(&mut self) -> R<Value> {
-        match self.stack.pop() {
-            Some(Slot::V(v)) => Ok(v),
-            Some(Slot::Mark) => err("unexpected MARK on the stack"),
-            None => err("stack underflow"),
-        }
-    }
-    fn top(&mut self) -> R<&Value> {
-        match self.stack.last() {
-            Some(Slot::V(v)) => Ok(v),
-            _ => err("stack underflow"),
-        }
-    }
-    fn pop_mark(&mut self) -> R<Vec<Value>> {
-        let at = self
-            .stack
-            .iter()
-            .rposition(|s| matches!(s, Slot::Mark))
-            .ok_or_else(|| UnpickleError("MARK missing".into()))?;
-        let items = self
-            .stack
-            .split_off(at + 1)
-            .into_iter()
-            .map(|s| match s {
-                Slot::V(v) => v,
-                Slot::Mark => unreachable!(),
-            })
-            .collect();
-        self.stack.pop();
-        Ok(items)
-    }
-    fn memo_put(&mut self, idx: u32) -> R<()> {
-        let v = self.top()?.clone();
-        if self.memo.len() >= MAX_STACK.max(self.input.len() / 2) * 64 {
-            return err("memo too large");
-        }
-        self.memo.insert(idx, v);
-        Ok(())
-    }
-    fn memo_get(&mut self, idx: u32) -> R<()> {
-        let v = self
-            .memo
-            .get(&idx)
-            .cloned()
-            .ok_or_else(|| UnpickleError(format!("memo key {idx} missing")))?;
-        self.push(v)
-    }
-    fn str_value(bytes: &[u8]) -> R<Value> {
-        match std::str::from_utf8(bytes) {
-            Ok(s) => Ok(Value::Str(Rc::from(s))),
-            Err(_) => err("string is not UTF-8"),
-        }
-    }
-    fn set_items(&mut self, pairs: Vec<Value>) -> R<()> {
-        if pairs.len() % 2 != 0 {
-            return err("SETITEMS with an odd item count");
-        }
-        match self.top()? {
-            Value::Dict(d) => {
-                let mut d = d.borrow_mut();
-                let mut it = pairs.into_iter();
-                while let (Some(k), Some(v)) = (it.next(), it.next()) {
-                    d.push((k, v));
-                }
-                Ok(())
-            }
-            other => err(format!("SETITEM(S) on a {}", other.kind())),
-        }
-    }
-    fn append(&mut self, items: Vec<Value>) -> R<()> {
-        match self.top()? {
-            Value::List(l) => {
-                l.borrow_mut().extend(items);
-                Ok(())
-            }
-            other => err(format!("APPEND(S) on a {}", other.kind())),
-        }
-    }
-
-    fn run(&mut self) -> R<Value> {
-        loop {
-            let op = self.u8()?;
-            match op {
-                0x80 => {
-                    let proto = self.u8()?;
-                    if proto > 5 {
-                        return err(format!("unsupported pickle protocol {proto}"));
-                    }
-                }
-                0x95 => {
-                    self.u64()?; // FRAME: only a framing hint
-                }
-                b'.' => return self.pop(),
-                b'(' => self.stack.push(Slot::Mark),
-                b'0' => {
-                    self.pop()?;
-                }
-                b'1' => {
-                    self.pop_mark()?;
-                }
-                b'2' => {
-                    let v = self.top()?.clone();
-                    self.push(v)?;
-                }
-                b'N' => self.push(Value::None)?,
-                0x88 => self.push(Value::Bool(true))?,
-                0x89 => self.push(Value::Bool(false))?,
-                b'J' => {
-                    let v = i32::from_le_bytes(self.take(4)?.try_into().unwrap());
-                    self.push(Value::Int(v as i128))?
-                }
-                b'K' => {
-                    let v = self.u8()?;
-                    self.push(Value::Int(v as i128))?
-                }
-                b'M' => {
-                    let v = self.u16()?;
-                    self.push(Value::Int(v as i128))?
-                }
-                0x8a | 0x8b => {
-                    let n = if op == 0x8a {
-                        self.u8()? as usize
-                    } else {
-                        self.u32()? as usize
-                    };
-                    let b = self.take(n)?;
-                    if n > 16 {
-                        return err("integer wider than 128 bits");
-                    }
-                    let mut buf = [if b.last().is_some_and(|&x| x & 0x80 != 0) {
-                        0xff
-                    } else {
-                        0
-                    }; 16];
-                    buf[..n].copy_from_slice(b);
-                    self.push(Value::Int(i128::from_le_bytes(buf)))?
-                }
-                b'I' => {
-                    let line = self.line()?;
-                    let v = match line {
-                        "01" => Value::Bool(true),
-                        "00" => Value::Bool(false),
-                        s => Value::Int(
-                            s.parse()
-                                .map_err(|_| UnpickleError(format!("bad INT {s:?}")))?,
-                        ),
-                    };
-                    self.push(v)?
-                }
-                b'L' => {
-                    let line = self.line()?;
-                    let v = line
-                        .trim_end_matches('L')
-                        .parse()
-                        .map_err(|_| UnpickleError(format!("bad LONG {line:?}")))?;
-                    self.push(Value::Int(v))?
-                }
-                b'G' => {
-                    let v = f64::from_be_bytes(self.take(8)?.try_into().unwrap());
-                    self.push(Value::Float(v))?
-                }
-                b'F' => {
-                    let line = self.line()?;
-                    let v = line
-                        .parse()
-                        .map_err(|_| UnpickleError(format!("bad FLOAT {line:?}")))?;
-                    self.push(Value::Float(v))?
-                }
-                b'X' => {
-                    let n = self.u32()? as usize;
-                    let v = Self::str_value(self.take(n)?)?;
-                    self.push(v)?
-                }
-                0x8c => {
-                    let n = self.u8()? as usize;
-                    let v = Self::str_value(self.take(n)?)?;
-                    self.push(v)?
-                }
-                0x8d => {
-                    let n = self.u64()?;
-                    let v = Self::str_value(self.take(usize::try_from(n).unwrap_or(usize::MAX))?)?;
-                    self.push(v)?
-                }
-                b'V' => {
-                    let line = self.line()?;
-                    self.push(Value::Str(Rc::from(line)))?
-                }
-                b'S' => {
-                    let line = self.line()?;
-                    self.push(Value::Str(Rc::from(
-                        line.trim_matches(|c| c == '\'' || c == '"'),
-                    )))?
-                }
-                b'U' | b'T' | b'C' | b'B' | 0x8e | 0x96 => {
-                    let n = match op {
-                        b'U' | b'C' => self.u8()? as usize,
-                        b'T' | b'B' => self.u32()? as usize,
-                        _ => usize::try_from(self.u64()?).unwrap_or(usize::MAX),
-                    };
-                    let b = self.take(n)?;
-                    // SHORT_BINSTRING/BINSTRING are py2 str: keep text when it is UTF-8.
-                    let v = if matches!(op, b'U' | b'T') {
-                        Self::str_value(b).unwrap_or_else(|_| Value::Bytes(Rc::from(b)))
-                    } else {
-                        Value::Bytes(Rc::from(b))
-                    };
-                    self.push(v)?
-                }
-                b')' => self.push(Value::Tuple(Rc::new(Vec::new())))?,
-                b't' => {
-                    let items = self.pop_mark()?;
-                    self.push(Value::Tuple(Rc::new(items)))?
-                }
-                0x85..=0x87 => {
-                    let n = (op - 0x84) as usize;
-                    let mut items = Vec::with_capacity(n);
-                    for _ in 0..n {
-                        items.push(self.pop()?);
-                    }
-                    items.reverse();
-                    self.push(Value::Tuple(Rc::new(items)))?
-                }
-                b']' => self.push(Value::List(Rc::new(RefCell::new(Vec::new()))))?,
-                b'l' => {
-                    let items = self.pop_mark()?;
-                    self.push(Value::List(Rc::new(RefCell::new(items))))?
-                }
-                b'}' => self.push(Value::Dict(Rc::new(RefCell::new(Vec::new()))))?,
-                b'd' => {
-                    let items = self.pop_mark()?;
-                    self.push(Value::Dict(Rc::new(RefCell::new(Vec::new()))))?;
-                    self.set_items(items)?
-                }
-                0x8f => self.push(Value::List(Rc::new(RefCell::new(Vec::new()))))?, // EMPTY_SET as a list
-                0x90 => {
-                    let items = self.pop_mark()?;
-                    self.append(items)?
-                }
-                0x91 => {
-                    let items = self.pop_mark()?;
-                    self.push(Value::Tuple(Rc::new(items)))? // FROZENSET as a tuple
-                }
-                b'a' => {
-                    let v = self.pop()?;
-                    self.append(vec![v])?
-                }
-                b'e' => {
-                    let items = self.pop_mark()?;
-                    self.append(items)?
-                }
-                b's' => {
-                    let v = self.pop()?;
-                    let k = self.pop()?;
-                    self.set_items(vec![k, v])?
-                }
-                b'u' => {
-                    let items = self.pop_mark()?;
-                    self.set_items(items)?
-                }
-                b'p' => {
-                    let line = self.line()?;
-                    let idx = line
-                        .parse()
-                        .map_err(|_| UnpickleError(format!("bad PUT {line:?}")))?;
-                    self.memo_put(idx)?
-                }
-                b'q' => {
-                    let idx = self.u8()? as u32;
-                    self.memo_put(idx)?
-                }
-                b'r' => {
-                    let idx = self.u32()?;
-                    self.memo_put(idx)?
-                }
-                0x94 => {
-                    let idx = self.memo.len() as u32;
-                    self.memo_put(idx)?
-                }
-                b'g' => {
-                    let line = self.line()?;
-                    let idx = line
-                        .parse()
-                        .map_err(|_| UnpickleError(format!("bad GET {line:?}")))?;
-                    self.memo_get(idx)?
-                }
-                b'h' => {
-                    let idx = self.u8()? as u32;
-                    self.memo_get(idx)?
-                }
-                b'j' => {
-                    let idx = self.u32()?;
-                    self.memo_get(idx)?
-                }
-                b'c' => {
-                    let module = self.line()?.to_string();
-                    let name = self.line()?.to_string();
-                    self.push(Value::Global(Rc::new((module, name))))?
-                }
-                0x93 => {
-                    let name = self.pop()?;
-                    let module = self.pop()?;
-                    match (module.as_str(), name.as_str()) {
-                        (Some(m), Some(n)) => {
-                            self.push(Value::Global(Rc::new((m.to_string(), n.to_string()))))?
-                        }
-                        _ => return err("STACK_GLOBAL needs two strings"),
-                    }
-                }
-                b'R' => {
-                    let args = self.pop()?;
-                    let func = self.pop()?;
-                    self.push(Value::Call(Rc::new((func, args))))?
-                }
-                0x81 => {
-                    let args = self.pop()?;
-                    let class = self.pop()?;
-                    self.push(Value::Object(Rc::new(ObjectValue {
-                        class,
-                        args,
-                        state: RefCell::new(None),
-                    })))?
-                }
-                0x92 => {
-                    let _kwargs = self.pop()?;
-                    let args = self.pop()?;
-                    let class = self.pop()?;
-                    self.push(Value::Object(Rc::new(ObjectValue {
-                        class,
-                        args,
-                        state: RefCell::new(None),
-                    })))?
-                }
-                b'b' => {
-                    let state = self.pop()?;
-                    match self.top()? {
-                        Value::Object(o) => *o.state.borrow_mut() = Some(state),
-                        // BUILD on a call result (e.g. an object from copyreg): keep it as an object.
-                        other => {
-                            let o = Value::Object(Rc::new(ObjectValue {
-                                class: other.clone(),
-                                args: Value::Tuple(Rc::new(Vec::new())),
-                                state: RefCell::new(Some(state)),
-                            }));
-                            self.pop()?;
-                            self.push(o)?
-                        }
-                    }
-                }
-                b'Q' => {
-                    let pid = self.pop()?;
-                    self.push(Value::PersId(Rc::new(pid)))?
-                }
-                b'P' => {
-                    let line = self.line()?;
-                    self.push(Value::PersId(Rc::new(Value::Str(Rc::from(line)))))?
-                }
-                0x97 => {} // NEXT_BUFFER-less READONLY_BUFFER: no-op on our values
-                other => {
-                    return err(format!(
-                        "unsupported pickle opcode 0x{other:02x} at offset {}",
-                        self.pos - 1
-                    ))
-                }
-            }
-        }
-    }
-}
-
-/// Reads one pickle from `input` as data.
-///
-/// Errors: [`UnpickleError`] for malformed or truncated input, unsupported opcodes (`INST`, `OBJ`,
-/// `EXT*`, out-of-band buffers) and inputs over the size limits.
-pub fn unpickle(input: &[u8]) -> Result<Unpickled, UnpickleError> {
-    let mut vm = Vm {
-        input,
-        pos: 0,
-        stack: Vec::new(),
-        memo: HashMap::new(),
-        created: 0,
-        arena: Vec::new(),
-    };
-    let result = vm.run();
-    // Whatever happened, the arena ends up in an Unpickled, whose Drop breaks its cycles.
-    let mut out = Unpickled {
-        root: Value::None,
-        arena: std::mem::take(&mut vm.arena),
-    };
-    drop(vm);
-    out.root = result?;
-    Ok(out)
 }
 
 #[cfg(test)]
@@ -720,6 +874,12 @@ mod tests {
             b"\x93.",
             b"u.",
             b"\xff",
+            // Nothing below the last MARK can be popped or appended to (`_pickle.c`'s fence).
+            b"K\x01(0.",
+            b"](K\x01a.",
+            b"}(K\x01K\x02s.",
+            b"K\x01(\x85.",
+            b"(b.",
         ] {
             assert!(unpickle(input).is_err(), "{input:?}");
         }
