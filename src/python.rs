@@ -108,6 +108,9 @@ fn to_py(e: Error) -> PyErr {
     }
 }
 
+/// A `load_into` request: `(key, offsets, sizes, data_ptr, nbytes, device)`.
+type LoadRequest = (String, Vec<u64>, Vec<u64>, u64, u64, i64);
+
 type PyObject_ = (String, Vec<u8>, Option<(String, Vec<u64>, Vec<u64>)>);
 
 /// A tensor chunk as the Python side describes it: `(fqn, dtype, global_shape, offsets, sizes,
@@ -655,7 +658,7 @@ impl PyCheckpoint {
     fn load_into<'py>(
         &self,
         py: Python<'py>,
-        requests: Vec<(String, Vec<u64>, Vec<u64>, u64, u64, i64)>,
+        requests: Vec<LoadRequest>,
         staging_budget_bytes: Option<usize>,
         cuda_stream: u64,
         check_crc: bool,
