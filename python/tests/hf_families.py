@@ -39,12 +39,15 @@ class Family:
     build: builds the megatron-core model for that config in the current parallel state; returns
         (model, args), args being the Megatron-LM arguments stored in the checkpoint's common state.
     moe: the resharded layout adds EP=2 (experts split between the two ranks) to TP=2.
+    bad_args: when given, the TP=1 model is also saved by shardwise with these args changed
+        (``base/tp1/bad_args``), for the tests of flags the architecture implies.
     """
 
     hf_config: Callable[[], object]
     build: Callable[[object], tuple]
     moe: bool = False
     cpu_patches: tuple[Callable[[], None], ...] = field(default=())
+    bad_args: dict = field(default_factory=dict)
 
 
 # --- CPU stand-ins for Transformer Engine modules -----------------------------------------------
@@ -256,7 +259,8 @@ def gdn_model(cfg):
                 experimental_attention_variant="gated_delta_net", linear_attention_freq=full_every,
                 linear_conv_kernel_dim=tc.linear_conv_kernel_dim, linear_key_head_dim=tc.linear_key_head_dim,
                 linear_value_head_dim=tc.linear_value_head_dim, linear_num_key_heads=tc.linear_num_key_heads,
-                linear_num_value_heads=tc.linear_num_value_heads, num_experts=tc.num_moe_experts)
+                linear_num_value_heads=tc.linear_num_value_heads, num_experts=tc.num_moe_experts,
+                make_vocab_size_divisible_by=128, tensor_model_parallel_size=tp, vocab_size=cfg.vocab_size)
     if moe:
         args.update(moe_ffn_hidden_size=tc.moe_ffn_hidden_size, moe_router_topk=tc.moe_router_topk,
                     moe_shared_expert_intermediate_size=tc.moe_shared_expert_intermediate_size,
@@ -265,7 +269,9 @@ def gdn_model(cfg):
 
 
 FAMILIES: dict[str, Family] = {
-    "qwen3_next": Family(qwen3_next_config, gdn_model, moe=True, cpu_patches=(_cpu_gdn_patches,)),
+    "qwen3_next": Family(qwen3_next_config, gdn_model, moe=True, cpu_patches=(_cpu_gdn_patches,),
+                         bad_args=dict(attention_output_gate=False, apply_layernorm_1p=False,
+                                       moe_shared_expert_gate=False)),
     "qwen3_5_moe": Family(qwen3_5_moe_config, gdn_model, moe=True, cpu_patches=(_cpu_gdn_patches,)),
     "qwen3_5": Family(qwen3_5_config, gdn_model, cpu_patches=(_cpu_gdn_patches,)),
 }
@@ -303,13 +309,16 @@ def save_and_forward(rank, world, port, base, family):
                                      expert_tensor_parallel_size=1 if fam.moe else None)
         model, args = fam.build(cfg)
         logits = _megatron_logits(model, cfg.vocab_size)
-        for writer in WRITERS:
+        variants = [(w, args) for w in WRITERS]
+        if layout == "tp1" and fam.bad_args:
+            variants.append(("bad_args", {**args, **fam.bad_args}))
+        for name, stored_args in variants:
             sd = model.sharded_state_dict()
-            sd["args"] = argparse.Namespace(**args)
+            sd["args"] = argparse.Namespace(**stored_args)
             sd["iteration"] = 1
-            d = os.path.join(base, layout, writer)
+            d = os.path.join(base, layout, name)
             os.makedirs(d, exist_ok=True)
-            if writer == "megatron":
+            if name == "megatron":
                 dist_checkpointing.save(sd, d)
             else:
                 swm.save(sd, d, timeout_s=120)

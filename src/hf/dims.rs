@@ -43,7 +43,14 @@ impl Dims {
             arch.or_else(|| cfg.get("model_type").and_then(|v| v.as_str()))
                 .unwrap_or(""),
         )?;
-        Dims::new(spec, cfg.clone())
+        // A multimodal config (Qwen3.5's) holds the text model's fields in `text_config`:
+        // `AutoModelForCausalLM` builds the text model from it, and writes its tensors as a text
+        // model's (`model.layers...`).
+        let mut cfg = cfg.clone();
+        if let Some(Json::Object(text)) = cfg.get("text_config").cloned() {
+            cfg.extend(text);
+        }
+        Dims::new(spec, cfg)
     }
 
     fn new(spec: &'static ArchSpec, cfg: Map<String, Json>) -> Result<Dims> {
@@ -98,6 +105,26 @@ impl Dims {
     /// A boolean config field.
     pub fn flag(&self, k: &str) -> Option<bool> {
         self.cfg.get(k).and_then(|v| v.as_bool())
+    }
+
+    /// Layer `l`'s attention type: the config's `layer_types[l]`, or from `full_attention_interval`
+    /// (default 4, transformers' for qwen3_next and qwen3_5) when it has no list: layer l is
+    /// `full_attention` iff (l + 1) % interval == 0, else `linear_attention`.
+    pub fn layer_type(&self, l: u64) -> Option<String> {
+        match self.cfg.get("layer_types") {
+            Some(Json::Array(a)) => a.get(l as usize)?.as_str().map(str::to_string),
+            _ => {
+                let k = self.field("full_attention_interval").unwrap_or(4).max(1);
+                Some(
+                    if (l + 1) % k == 0 {
+                        "full_attention"
+                    } else {
+                        "linear_attention"
+                    }
+                    .into(),
+                )
+            }
+        }
     }
 
     fn is_moe_layer(&self, l: u64) -> bool {
@@ -171,6 +198,12 @@ impl Dims {
                 }
                 // The embedding's rows are kept (no vocab_size).
                 Rel::Vocab => {}
+                Rel::AttnLayers => {
+                    if let Some(p) = args.attn_layers() {
+                        cfg.insert("layer_types".into(), p.into());
+                    }
+                }
+                Rel::ArgsTrue => {}
                 Rel::MoeLayers => {
                     if let Some(p) = args.moe_layers() {
                         let dense: Vec<u64> =
@@ -228,6 +261,36 @@ impl Args {
             "moe_ffn_hidden_size" => raw(k).or_else(|| raw("ffn_hidden_size")),
             "num_experts" => raw(k).or_else(|| self.0.contains_key(k).then_some(0)),
             _ => raw(k),
+        }
+    }
+
+    /// Per layer, the attention type (`linear_attention` or `full_attention`):
+    /// `linear_attention_freq` (an int N: full attention iff (i + 1) % N == 0; a list: 1 linear,
+    /// 0 full), all `full_attention` when `experimental_attention_variant` is not
+    /// `gated_delta_net`. None when args lack `num_layers`, or the variant with no frequency.
+    pub fn attn_layers(&self) -> Option<Vec<String>> {
+        let n = self.field("num_layers")? as usize;
+        let name = |linear: bool| {
+            if linear {
+                "linear_attention"
+            } else {
+                "full_attention"
+            }
+            .to_string()
+        };
+        if self
+            .raw("experimental_attention_variant")
+            .and_then(|v| v.as_str())
+            != Some("gated_delta_net")
+        {
+            return Some(vec![name(false); n]);
+        }
+        match self.raw("linear_attention_freq")? {
+            Json::Array(a) => Some(a.iter().map(|x| name(x.as_u64() == Some(1))).collect()),
+            v => {
+                let k = v.as_u64()?.max(1) as usize;
+                Some((0..n).map(|i| name((i + 1) % k != 0)).collect())
+            }
         }
     }
 
@@ -357,6 +420,42 @@ pub(crate) fn check_args(d: &Dims, args: Option<&Args>, rows: Option<u64>) -> Re
                     diffs.push(e);
                 }
             }
+            Rel::AttnLayers => {
+                let ours: Vec<String> = (0..d.num_layers)
+                    .map(|l| d.layer_type(l).unwrap_or_default())
+                    .collect();
+                match a.attn_layers() {
+                    Some(p) if p != ours => {
+                        let show = |v: &[String]| -> String {
+                            v.iter()
+                                .map(|t| if t == "full_attention" { 'F' } else { 'L' })
+                                .collect()
+                        };
+                        diffs.push(format!(
+                            "layer_types: {hf_src} gives {}, args.{} (experimental_attention_variant {}) gives {} (L: linear attention, F: full attention)",
+                            show(&ours),
+                            c.args,
+                            a.raw("experimental_attention_variant").map_or("none".into(), |v| v.to_string()),
+                            show(&p)
+                        ));
+                    }
+                    Some(_) => {}
+                    None => unchecked.push(format!("layer_types (args has no {})", c.args)),
+                }
+            }
+            Rel::ArgsTrue => match a.flag(c.args) {
+                Some(false) => diffs.push(format!(
+                    "{}: {} implies it, args.{} says false",
+                    c.hf,
+                    d.cfg
+                        .get("model_type")
+                        .and_then(|v| v.as_str())
+                        .unwrap_or("the architecture"),
+                    c.args
+                )),
+                Some(true) => {}
+                None => unchecked.push(format!("{} (args has no {})", c.hf, c.args)),
+            },
             Rel::MoeLayers => match a.moe_layers() {
                 Some(p) if p != d.moe_layers => {
                     let show = |v: &[bool]| -> String {

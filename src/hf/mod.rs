@@ -11,6 +11,7 @@
 //! `model.safetensors.index.json`, as `transformers` writes them.
 
 mod dims;
+mod gdn;
 mod plan;
 pub(crate) mod rules;
 mod write;

@@ -42,9 +42,14 @@ pub(crate) struct Plan {
 
 enum Mapped {
     Tensors(Vec<HfTensor>),
+    /// A part of a joined source, mapped with its first part.
+    Joined,
     Skip,
     Unmapped,
 }
+
+/// A checkpoint tensor's global shape and dtype, by key (None: no such tensor).
+type Lookup<'a> = &'a dyn Fn(&str) -> Option<(Vec<u64>, DType)>;
 
 /// Keys that hold no weights.
 fn skip_key(key: &str) -> bool {
@@ -61,7 +66,9 @@ fn layer_prefix(l: u64) -> String {
 }
 
 /// The HF tensors rule `r` makes of checkpoint tensor `key` (shape `shape`); `layer`: the layer
-/// index and whether the key stacks layers on its first axis.
+/// index and whether the key stacks layers on its first axis. `joined`: for a rule whose source
+/// joins several keys, each part's key and row count (`shape` is then the joined shape, `key`
+/// the first part); the split's row ranges are over the parts' rows in order.
 fn apply(
     d: &Dims,
     r: &Rule,
@@ -69,6 +76,7 @@ fn apply(
     shape: &[u64],
     dtype: DType,
     layer: Option<(u64, bool)>,
+    joined: Option<&[(String, u64)]>,
 ) -> Result<Vec<HfTensor>> {
     let (prefix, lead) = match layer {
         Some((l, true)) => (layer_prefix(l), vec![l]),
@@ -110,19 +118,21 @@ fn apply(
             for &e in &experts {
                 let pre: Vec<u64> = lead.iter().copied().chain(e).collect();
                 for &(r0, n) in ranges {
-                    let mut offsets = pre.clone();
-                    let mut sizes = vec![1; pre.len()];
-                    if !inner.is_empty() {
-                        offsets.push(r0);
-                        sizes.push(n);
+                    for (part, p0, pn) in part_rows(key, joined, r0, n) {
+                        let mut offsets = pre.clone();
+                        let mut sizes = vec![1; pre.len()];
+                        if !inner.is_empty() {
+                            offsets.push(p0);
+                            sizes.push(pn);
+                        }
+                        offsets.extend(std::iter::repeat_n(0, rest.len()));
+                        sizes.extend_from_slice(rest);
+                        pieces.push(Piece {
+                            key: part.to_string(),
+                            offsets,
+                            sizes,
+                        });
                     }
-                    offsets.extend(std::iter::repeat_n(0, rest.len()));
-                    sizes.extend_from_slice(rest);
-                    pieces.push(Piece {
-                        key: key.to_string(),
-                        offsets,
-                        sizes,
-                    });
                 }
             }
             // The gathered shape: [experts when stacked, rows, rest...].
@@ -165,6 +175,66 @@ fn apply(
     Ok(out)
 }
 
+/// The parts of a joined source whose first part is `key` (sub-key `first`, shape `shape`): each
+/// part's key and row count, and the joined shape (rows summed).
+///
+/// Errors: [`Error::Validation`] for a missing part, or parts that differ in dtype or in any
+/// dimension but the rows.
+fn joined_source(
+    key: &str,
+    first: &str,
+    shape: &[u64],
+    dtype: DType,
+    parts: &[String],
+    lookup: Lookup,
+) -> Result<(Vec<(String, u64)>, Vec<u64>)> {
+    let base = &key[..key.len() - first.len()];
+    let mut out = Vec::new();
+    let mut joined = shape.to_vec();
+    for p in parts {
+        let k = format!("{base}{p}");
+        let Some((s, t)) = lookup(&k) else {
+            return Err(Error::Validation(format!(
+                "{key} is one part of {}; the checkpoint has no {k}",
+                parts.join(" + ")
+            )));
+        };
+        if t != dtype || s.len() != shape.len() || s.is_empty() || s[1..] != shape[1..] {
+            return Err(Error::Validation(format!(
+                "{k} ({} {s:?}) does not join {key} ({} {shape:?}) along its rows",
+                t.torch_name(),
+                dtype.torch_name()
+            )));
+        }
+        out.push((k, s[0]));
+    }
+    joined[0] = out.iter().map(|x| x.1).sum();
+    Ok((out, joined))
+}
+
+/// Rows `[r0, r0 + n)` of a source as (key, first row, rows) per key: the source itself, or the
+/// parts of a joined source that the range overlaps.
+fn part_rows<'a>(
+    key: &'a str,
+    joined: Option<&'a [(String, u64)]>,
+    r0: u64,
+    n: u64,
+) -> Vec<(&'a str, u64, u64)> {
+    let Some(parts) = joined else {
+        return vec![(key, r0, n)];
+    };
+    let mut out = Vec::new();
+    let mut start = 0;
+    for (k, rows) in parts {
+        let (lo, hi) = (r0.max(start), (r0 + n).min(start + rows));
+        if lo < hi {
+            out.push((k.as_str(), lo - start, hi - lo));
+        }
+        start += rows;
+    }
+    out
+}
+
 /// The produced shape against the one the config implies.
 ///
 /// Errors: [`Error::Validation`] naming the HF tensor, the source key, both shapes and the
@@ -192,13 +262,13 @@ fn check_shape(d: &Dims, name: &str, key: &str, got: &[u64], want: &[&[&str]]) -
     )))
 }
 
-/// Maps one checkpoint tensor key.
-fn map_key(d: &Dims, key: &str, shape: &[u64], dtype: DType) -> Result<Mapped> {
+/// Maps one checkpoint tensor key; `lookup` finds the other parts of a joined source.
+fn map_key(d: &Dims, key: &str, shape: &[u64], dtype: DType, lookup: Lookup) -> Result<Mapped> {
     if skip_key(key) {
         return Ok(Mapped::Skip);
     }
     if let Some(r) = d.spec.model_rule(key) {
-        return Ok(Mapped::Tensors(apply(d, r, key, shape, dtype, None)?));
+        return Ok(Mapped::Tensors(apply(d, r, key, shape, dtype, None, None)?));
     }
     let Some(rest) = key.strip_prefix("decoder.layers.") else {
         return Ok(Mapped::Unmapped);
@@ -214,11 +284,24 @@ fn map_key(d: &Dims, key: &str, shape: &[u64], dtype: DType) -> Result<Mapped> {
         _ if shape.is_empty() => return Ok(Mapped::Unmapped),
         _ => (0..shape[0], rest, true),
     };
-    let Some(r) = d.spec.layer_rule(sub) else {
-        return Ok(Mapped::Unmapped);
+    let (r, joined, shape) = match (d.spec.layer_rule(sub), d.spec.joined_rule(sub)) {
+        (Some(r), _) => (r, None, shape.to_vec()),
+        (None, None) => return Ok(Mapped::Unmapped),
+        (None, Some((_, i, _))) if i > 0 => return Ok(Mapped::Joined),
+        (None, Some((r, _, parts))) => {
+            let (parts, shape) = joined_source(key, sub, shape, dtype, &parts, lookup)?;
+            (r, Some(parts), shape)
+        }
     };
+    let shape = shape.as_slice();
     let mut out = Vec::new();
     for l in layers {
+        if let (false, When::LayerType(t)) = (d.may_produce(r, l), r.when) {
+            return Err(Error::Validation(format!(
+                "{key}: layer {l} is {} in the config (layer_types), but this key belongs to {t} layers",
+                d.layer_type(l).as_deref().unwrap_or("of no type")
+            )));
+        }
         if !d.may_produce(r, l) {
             return Err(Error::Validation(format!(
                 "{key}: layer {l} is {} in the config ({}), but this key belongs to {} layers",
@@ -231,7 +314,15 @@ fn map_key(d: &Dims, key: &str, shape: &[u64], dtype: DType) -> Result<Mapped> {
                 }
             )));
         }
-        out.extend(apply(d, r, key, shape, dtype, Some((l, stacked)))?);
+        out.extend(apply(
+            d,
+            r,
+            key,
+            shape,
+            dtype,
+            Some((l, stacked)),
+            joined.as_deref(),
+        )?);
     }
     Ok(Mapped::Tensors(out))
 }
@@ -253,6 +344,7 @@ impl Dims {
         match r.when {
             When::MoeLayer => self.is_moe(l),
             When::DenseLayer => !self.is_moe(l),
+            When::LayerType(t) => self.layer_type(l).as_deref() == Some(t),
             When::Always | When::Optional | When::Untied => true,
         }
     }
@@ -263,6 +355,7 @@ impl Dims {
             When::Always => true,
             When::Optional => false,
             When::Untied => !self.tied,
+            When::LayerType(_) => l.is_some_and(|l| self.may_produce(r, l)),
             When::MoeLayer | When::DenseLayer => l.is_some_and(|l| self.may_produce(r, l)),
         }
     }
@@ -323,7 +416,15 @@ pub(crate) fn plan(ckpt: &Checkpoint, d: &Dims, allow_unmapped: bool) -> Result<
             skipped += 1;
             continue;
         };
-        match map_key(d, key, global_shape, *dtype)? {
+        let lookup = |k: &str| match ckpt.metadata.entries.get(k) {
+            Some(Entry::Tensor {
+                dtype,
+                global_shape,
+                ..
+            }) => Some((global_shape.clone(), *dtype)),
+            _ => None,
+        };
+        match map_key(d, key, global_shape, *dtype, &lookup)? {
             Mapped::Tensors(v) => {
                 if key.starts_with("decoder.layers.")
                     && !key["decoder.layers.".len()..].starts_with(|c: char| c.is_ascii_digit())
@@ -332,6 +433,7 @@ pub(crate) fn plan(ckpt: &Checkpoint, d: &Dims, allow_unmapped: bool) -> Result<
                 }
                 tensors.extend(v)
             }
+            Mapped::Joined => {}
             Mapped::Skip => skipped += 1,
             Mapped::Unmapped => unmapped.push(key.clone()),
         }
@@ -484,6 +586,7 @@ mod tests {
             "decoder.layers.self_attention.linear_qkv.weight",
             &[2, 16, 8],
             DType::F32,
+            &|_| None,
         )
         .unwrap() else {
             panic!()

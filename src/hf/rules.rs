@@ -24,6 +24,7 @@
 //! that demands a tensor no checkpoint key produces is refused, not written incomplete.
 
 use super::dims::Dims;
+use super::gdn;
 use crate::error::{Error, Result};
 
 /// One architecture.
@@ -107,6 +108,10 @@ pub(crate) enum When {
     MoeLayer,
     /// Layers the config makes dense.
     DenseLayer,
+    /// Layers whose config `layer_types` entry is this (`linear_attention`, `full_attention`;
+    /// from `full_attention_interval` when the config has no list, see `Dims::layer_type`); a
+    /// source on another layer is an error.
+    LayerType(&'static str),
 }
 
 /// Which layers are MoE, from the config.
@@ -142,6 +147,13 @@ pub(crate) enum Rel {
     Vocab,
     /// The MoE layer pattern (config via [`LayerPattern`], args `moe_layer_freq`).
     MoeLayers,
+    /// The attention layer pattern: config `layer_types` against args `linear_attention_freq`
+    /// (an int N: layer i is full attention iff (i + 1) % N == 0; a list: 1 linear, 0 full) and
+    /// `experimental_attention_variant` `gated_delta_net`.
+    AttnLayers,
+    /// The architecture implies that this args flag is true (the `hf` name says what in the
+    /// message); false in args is an error, absent is unchecked.
+    ArgsTrue,
 }
 
 // ---- splits -----------------------------------------------------------------------------------
@@ -163,7 +175,7 @@ fn vocab_rows(d: &Dims, key: &str, shape: &[u64]) -> Result<Vec<Vec<(u64, u64)>>
 }
 
 /// SwiGLU fc1 rows `[gate; up]`.
-fn gate_up(_: &Dims, key: &str, shape: &[u64]) -> Result<Vec<Vec<(u64, u64)>>> {
+pub(crate) fn gate_up(_: &Dims, key: &str, shape: &[u64]) -> Result<Vec<Vec<(u64, u64)>>> {
     let r = shape[0];
     if r % 2 != 0 {
         return Err(Error::Validation(format!(
@@ -194,16 +206,16 @@ fn qkv_per_group(d: &Dims, key: &str, shape: &[u64]) -> Result<Vec<Vec<(u64, u64
 
 // ---- shapes -----------------------------------------------------------------------------------
 
-const H: &[&str] = &["hidden_size"];
+pub(crate) const H: &[&str] = &["hidden_size"];
 const V: &[&str] = &["vocab_size"];
 const Q: &[&str] = &["num_attention_heads", "head_dim"];
 const KV: &[&str] = &["num_key_value_heads", "head_dim"];
-const HD: &[&str] = &["head_dim"];
+pub(crate) const HD: &[&str] = &["head_dim"];
 const FFN: &[&str] = &["intermediate_size"];
 const MOE_FFN: &[&str] = &["moe_intermediate_size"];
 const SHARED_FFN: &[&str] = &["shared_expert_intermediate_size"];
 const E: &[&str] = &["num_experts"];
-const ONE: &[&str] = &[];
+pub(crate) const ONE: &[&str] = &[];
 
 const fn out(name: &'static str, shape: &'static [&'static [&'static str]]) -> Out {
     Out { name, shape }
@@ -507,6 +519,52 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
         moe_layers: LayerPattern::QwenSparseStep,
     },
     ArchSpec {
+        model_types: &["qwen3_next"],
+        model: COMMON_MODEL,
+        layer: &[
+            gdn::GDN_QWEN3_NEXT,
+            gdn::GDN_LAYERS,
+            NORMS,
+            DENSE_MLP,
+            gdn::GATED_SHARED_EXPERT,
+            QWEN_MOE,
+        ],
+        checks: &[
+            BASE_CHECKS,
+            DENSE_CHECKS,
+            QWEN_MOE_CHECKS,
+            gdn::GDN_CHECKS,
+            gdn::GDN_MOE_CHECKS,
+        ],
+        moe_layers: LayerPattern::QwenSparseStep,
+    },
+    ArchSpec {
+        // A Qwen3.5 config.json with a `text_config` (the multimodal one) converts its text model.
+        model_types: &["qwen3_5_moe", "qwen3_5_moe_text"],
+        model: COMMON_MODEL,
+        layer: &[
+            gdn::GDN_QWEN3_5,
+            gdn::GDN_LAYERS,
+            NORMS,
+            gdn::GATED_SHARED_EXPERT,
+            QWEN_MOE,
+        ],
+        checks: &[
+            BASE_CHECKS,
+            QWEN_MOE_CHECKS,
+            gdn::GDN_CHECKS,
+            gdn::GDN_MOE_CHECKS,
+        ],
+        moe_layers: LayerPattern::AllMoe,
+    },
+    ArchSpec {
+        model_types: &["qwen3_5", "qwen3_5_text"],
+        model: COMMON_MODEL,
+        layer: &[gdn::GDN_QWEN3_5, gdn::GDN_LAYERS, NORMS, DENSE_MLP],
+        checks: &[BASE_CHECKS, DENSE_CHECKS, gdn::GDN_CHECKS],
+        moe_layers: LayerPattern::Dense,
+    },
+    ArchSpec {
         model_types: &["mixtral"],
         model: COMMON_MODEL,
         layer: &[ATTN_QKV, NORMS, MIXTRAL_MOE],
@@ -514,6 +572,12 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
         moe_layers: LayerPattern::AllMoe,
     },
 ];
+
+/// `prefix.{a|b}` as (`prefix.`, [a, b]); None for a plain key.
+fn joined_parts(src: &str) -> Option<(&str, Vec<&str>)> {
+    let (prefix, rest) = src.split_once('{')?;
+    Some((prefix, rest.strip_suffix('}')?.split('|').collect()))
+}
 
 /// The architecture of a `model_type`.
 ///
@@ -542,6 +606,19 @@ impl ArchSpec {
             .iter()
             .flat_map(|s| s.iter())
             .find(|r| r.src.contains(&sub))
+    }
+
+    /// The layer rule whose source joins several keys (`prefix.{a|b|c}`: the rows of
+    /// `prefix.a`, `prefix.b`, `prefix.c` concatenated, as Megatron holds them fused in memory)
+    /// and of which `sub` is one: the rule, `sub`'s index among the parts, and every part's
+    /// sub-key in order.
+    pub(crate) fn joined_rule(&self, sub: &str) -> Option<(&'static Rule, usize, Vec<String>)> {
+        self.layer_rules().find_map(|r| {
+            let (prefix, parts) = r.src.iter().find_map(|s| joined_parts(s))?;
+            let part = sub.strip_prefix(prefix)?;
+            let i = parts.iter().position(|p| *p == part)?;
+            Some((r, i, parts.iter().map(|p| format!("{prefix}{p}")).collect()))
+        })
     }
 
     /// The model rule of checkpoint key `key`.

@@ -1,0 +1,146 @@
+"""`shardwise to-hf` for the hybrid Gated-DeltaNet families, qwen3_next, qwen3_5_moe and qwen3_5: a real
+megatron-core 0.19.2 model of each (``hf_families``: Gated DeltaNet and gated full attention, MoE with a
+gated shared expert or a dense MLP, zero-centred norms), built on CPU, saved at TP=1 and at TP=2
+(x EP=2 for MoE) by Megatron's own torch_dist and by shardwise (one 2-process run per family), is
+converted; transformers loads the output with no missing, unexpected or mismatched keys, its tensor
+names, dtypes and shapes are those of transformers' own ``save_pretrained``, and its logits equal
+Megatron's. Each config field the mapping checks against the stored args is refused when wrong, named."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import hf_families
+import shardwise
+from mcore import spawn
+
+FAMILIES = ["qwen3_next", "qwen3_5_moe", "qwen3_5"]
+# max |HF - Megatron| / max |Megatron| over the logits of the fixed tokens.
+MAX_REL_DIFF = 1e-4
+
+
+@pytest.fixture(scope="session")
+def saved(tmp_path_factory):
+    """family -> (folder, reference): the folder holds every layout x writer checkpoint, the logits and
+    the HF config; reference: the tensors transformers' ``save_pretrained`` writes for that config.
+    One 2-process run per family, on first use."""
+    done = {}
+
+    def get(family):
+        if family not in done:
+            base = tmp_path_factory.mktemp(family)
+            results = spawn(hf_families.save_and_forward, 2, str(base / "out"), str(base), family, timeout_s=600)
+            failed = [r for r in results if not r.get("ok")]
+            assert not failed, "\n".join(f"rank {r['rank']}: {r.get('error')}\n{r.get('traceback', '')}"
+                                          for r in failed)
+            done[family] = base, hf_families.hf_reference_tensors(str(base / "hf_config"), str(base / "save_pretrained"))
+        return done[family]
+
+    return get
+
+
+def _convert_and_compare(base, reference, ckpt, config, out):
+    summary = shardwise.to_hf(str(ckpt), str(out), hf_config=str(config), max_shard_size="100KB")
+    assert summary["files"] > 1, summary
+    assert summary["args_check"] == "passed" and not summary["args_unchecked"], summary
+    assert hf_families.safetensors_tensors(str(out)) == reference
+    logits, info = hf_families.hf_load_and_logits(str(out))
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    return logits
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("layout", hf_families.LAYOUTS)
+@pytest.mark.parametrize("writer", hf_families.WRITERS)
+def test_converted_model_matches_megatron(saved, family, layout, writer, tmp_path):
+    base, reference = saved(family)
+    logits = _convert_and_compare(base, reference, base / layout / writer, base / "hf_config" / "config.json",
+                                  tmp_path / "hf")
+    expected = torch.load(base / layout / "logits.pt")
+    assert logits.shape == expected.shape  # vocabulary padding trimmed: 256 -> 250
+    rel = ((logits - expected).abs().max() / expected.abs().max()).item()
+    print(f"{family} {layout} {writer}: max rel diff {rel:.2e}")
+    assert rel <= MAX_REL_DIFF
+
+
+def test_multimodal_qwen3_5_config_converts_its_text_model(saved, tmp_path):
+    """Qwen3.5's published config.json is the multimodal one (model_type qwen3_5_moe, the text model in
+    text_config): the conversion reads the text model's fields there, and AutoModelForCausalLM loads
+    the text model from it."""
+    import transformers
+
+    base, reference = saved("qwen3_5_moe")
+    text = json.loads((base / "hf_config" / "config.json").read_text())
+    cfg = transformers.Qwen3_5MoeConfig(text_config=text, tie_word_embeddings=False)
+    cfg.save_pretrained(tmp_path / "vl")
+    assert json.loads((tmp_path / "vl" / "config.json").read_text())["model_type"] == "qwen3_5_moe"
+    logits = _convert_and_compare(base, reference, base / "tp1" / "shardwise", tmp_path / "vl" / "config.json",
+                                  tmp_path / "hf")
+    torch.testing.assert_close(logits, torch.load(base / "tp1" / "logits.pt"), rtol=1e-4, atol=1e-5)
+
+
+def _with(base, tmp_path, **changes):
+    cfg = json.loads((base / "hf_config" / "config.json").read_text())
+    cfg.update(changes)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+# (config field, bad value, message): each field of the GDN families' mapping that the checkpoint's
+# args also store, set wrong in config.json (qwen3_next: 2 key heads of dim 16, 4 value heads of
+# dim 8, kernel 4, full attention every 2nd layer, shared expert 48).
+WRONG_FIELDS = [
+    ("linear_num_key_heads", 4, "linear_num_key_heads: config.json says 4, args.linear_num_key_heads says 2"),
+    ("linear_num_value_heads", 8, "linear_num_value_heads: config.json says 8, args.linear_num_value_heads says 4"),
+    ("linear_key_head_dim", 8, "linear_key_head_dim: config.json says 8, args.linear_key_head_dim says 16"),
+    ("linear_value_head_dim", 16, "linear_value_head_dim: config.json says 16, args.linear_value_head_dim says 8"),
+    ("linear_conv_kernel_dim", 3, "linear_conv_kernel_dim: config.json says 3, args.linear_conv_kernel_dim says 4"),
+    ("layer_types", ["full_attention", "linear_attention"] * 2,
+     "layer_types: config.json gives FLFL, args.linear_attention_freq .* gives LFLF"),
+    ("shared_expert_intermediate_size", 32,
+     "shared_expert_intermediate_size: config.json says 32, args.moe_shared_expert_intermediate_size says 48"),
+]
+
+
+@pytest.mark.parametrize("field,value,message", WRONG_FIELDS, ids=[f[0] for f in WRONG_FIELDS])
+def test_config_field_disagreeing_with_the_args_is_refused(saved, tmp_path, field, value, message):
+    base, _ = saved("qwen3_next")
+    bad = _with(base, tmp_path, **{field: value})
+    for writer in hf_families.WRITERS:  # args in common.pt (shardwise), in the common_state object (Megatron 0.19)
+        with pytest.raises(shardwise.ValidationError, match=message):
+            shardwise.to_hf(str(base / "tp1" / writer), str(tmp_path / writer), hf_config=str(bad))
+        assert not (tmp_path / writer / "model.safetensors.index.json").exists()
+
+
+def test_full_attention_interval_stands_for_layer_types(saved, tmp_path):
+    """A config.json with `full_attention_interval` and no `layer_types` (earlier Qwen3-Next uploads)
+    means the same pattern; a wrong interval is refused."""
+    base, reference = saved("qwen3_next")
+    cfg = json.loads((base / "hf_config" / "config.json").read_text())
+    del cfg["layer_types"]
+    for interval, ok in ((2, True), (4, False)):
+        path = tmp_path / f"config{interval}.json"
+        path.write_text(json.dumps({**cfg, "full_attention_interval": interval}))
+        out = tmp_path / f"hf{interval}"
+        if ok:
+            shardwise.to_hf(str(base / "tp1" / "shardwise"), str(out), hf_config=str(path))
+            assert hf_families.safetensors_tensors(str(out)) == reference
+        else:
+            with pytest.raises(shardwise.ValidationError, match="layer_types: config.json gives LLLF"):
+                shardwise.to_hf(str(base / "tp1" / "shardwise"), str(out), hf_config=str(path))
+
+
+def test_args_flags_the_architecture_implies_are_checked(saved, tmp_path):
+    """Gated attention, zero-centred norms and the shared expert's gate are what transformers'
+    qwen3_next computes; a checkpoint whose args say otherwise is refused, each flag named."""
+    base, _ = saved("qwen3_next")
+    with pytest.raises(shardwise.ValidationError) as e:
+        shardwise.to_hf(str(base / "tp1" / "bad_args"), str(tmp_path / "o"),
+                        hf_config=str(base / "hf_config" / "config.json"))
+    for flag in ("args.attention_output_gate says false", "args.apply_layernorm_1p says false",
+                 "args.moe_shared_expert_gate says false"):
+        assert flag in str(e.value)
