@@ -75,21 +75,37 @@ enum Command {
         dir: PathBuf,
         /// Output directory for model-0000k-of-0000n.safetensors and model.safetensors.index.json.
         out: PathBuf,
-        /// HF config.json: hyperparameters (checked against common.pt args) and copied to the output.
+        /// HF config.json: hyperparameters (checked against the checkpoint's stored args) and
+        /// copied to the output. Without it the args give the hyperparameters, --arch is
+        /// required, and no config.json is written (said on stderr and as config_written).
         #[arg(long)]
         hf_config: Option<PathBuf>,
-        /// Architecture (llama, qwen2, qwen3, qwen3_moe, mixtral); default: the config's model_type.
+        /// Architecture (llama, qwen2, qwen3, qwen3_moe, mixtral, ...); default: the config's model_type.
         #[arg(long)]
         arch: Option<String>,
         /// Output dtype: bf16, fp16 or fp32 (default: as stored).
         #[arg(long)]
         dtype: Option<String>,
-        /// Largest output file, e.g. 5GB.
+        /// Largest output file, e.g. 5GB (files are also split so that no safetensors header
+        /// passes 90 MB; safetensors opens at most 100 MB).
         #[arg(long, default_value = "5GB")]
         max_shard_size: String,
-        /// Worker threads (default: the number of CPUs).
+        /// Worker threads reading, converting and writing tensors in parallel (default: the
+        /// number of CPUs); memory is about workers x the largest HF tensor.
+        #[arg(long, visible_alias = "threads", value_name = "N")]
+        workers: Option<usize>,
+        /// Write only part i of n (0-based) of the conversion, for a conversion split over
+        /// processes or machines sharing the output folder: every part computes the same shard
+        /// plan and writes shards k with k % n == i; the part that finds every part done writes
+        /// config.json and commits the index (create-if-absent). Run all n parts with the same
+        /// arguments.
+        #[arg(long, value_name = "I/N")]
+        part: Option<String>,
+        /// Replace an earlier conversion in a non-empty output folder: its index, weight files
+        /// and config.json go, other files stay. The new shards are staged first; the old index
+        /// is removed only after they are all written, the new index written last.
         #[arg(long)]
-        threads: Option<usize>,
+        overwrite: bool,
         /// Skip checkpoint keys that no rule maps instead of failing.
         #[arg(long)]
         allow_unmapped: bool,
@@ -213,20 +229,24 @@ where
             arch,
             dtype,
             max_shard_size,
-            threads,
+            workers,
+            part,
+            overwrite,
             allow_unmapped,
             json,
-        } => to_hf(
-            &location(&dir)?,
-            &out,
-            hf_config,
-            arch,
-            dtype,
-            &max_shard_size,
-            threads,
-            allow_unmapped,
-            json,
-        ),
+        } => {
+            let mut opts = crate::hf::HfOptions::from_user(
+                hf_config,
+                arch,
+                dtype.as_deref(),
+                &max_shard_size,
+                workers,
+                allow_unmapped,
+            )?;
+            opts.overwrite = overwrite;
+            opts.part = part.as_deref().map(crate::hf::Part::parse).transpose()?;
+            to_hf(&location(&dir)?, &out, &opts, json)
+        }
     })();
     match result {
         Ok(code) => code,
@@ -856,47 +876,63 @@ fn merge(
     Ok(0)
 }
 
-#[allow(clippy::too_many_arguments)]
-fn to_hf(
-    dir: &Location,
-    out: &Path,
-    hf_config: Option<PathBuf>,
-    arch: Option<String>,
-    dtype: Option<String>,
-    max_shard_size: &str,
-    threads: Option<usize>,
-    allow_unmapped: bool,
-    json: bool,
-) -> Outcome {
-    let opts = crate::hf::HfOptions::from_user(
-        hf_config,
-        arch,
-        dtype.as_deref(),
-        max_shard_size,
-        threads,
-        allow_unmapped,
-    )?;
+fn to_hf(dir: &Location, out: &Path, opts: &crate::hf::HfOptions, json: bool) -> Outcome {
     let bar = progress(
         indicatif::ProgressBar::new_spinner(),
         "to-hf {spinner} {binary_bytes} written {binary_bytes_per_sec} {elapsed}",
         json,
     );
     bar.enable_steady_tick(Duration::from_millis(100));
-    let summary = crate::hf::to_hf(dir, out, &opts, &|n| bar.inc(n));
+    let summary = crate::hf::to_hf(dir, out, opts, &|n| bar.inc(n));
     bar.finish_and_clear();
     let summary = summary?;
+    // What was not checked or not written goes to stderr in both modes (stdout may be JSON).
+    let mut err = std::io::stderr();
+    if summary.args_check != "passed" {
+        let _ = writeln!(
+            err,
+            "shardwise: note: config check against the checkpoint's args {}; tensor shapes were checked against the config",
+            summary.args_check
+        );
+    }
+    if !summary.args_unchecked.is_empty() {
+        let _ = writeln!(
+            err,
+            "shardwise: note: not in the stored args, so not checked: {}",
+            summary.args_unchecked.join(", ")
+        );
+    }
+    if opts.config.is_none() {
+        let _ = writeln!(
+            err,
+            "shardwise: note: no config.json written (no --hf-config); transformers needs one beside the weights"
+        );
+    }
     if json {
         print_json(&summary)?;
     } else {
         out!(
-            "wrote {}, {} in {} to {} in {:.2}s ({:.2} GB/s); {} skipped (optimizer, extra state, objects)",
+            "wrote {}, {} in {} to {} in {:.2}s ({:.2} GB/s); {} skipped (optimizer, extra state, objects){}{}",
             count(summary.tensors, "tensor"),
             size(summary.bytes),
             count(summary.files, "file"),
             out.display(),
             summary.seconds,
             summary.gb_per_s,
-            count(summary.skipped_keys, "checkpoint key")
+            count(summary.skipped_keys, "checkpoint key"),
+            if summary.padding_rows_dropped > 0 {
+                format!(
+                    "; {} vocabulary padding rows left out",
+                    summary.padding_rows_dropped
+                )
+            } else {
+                String::new()
+            },
+            match (&summary.part, summary.committed) {
+                (Some(p), true) => format!("; part {p}: every part done, index committed"),
+                (Some(p), false) => format!("; part {p}: waiting for the other parts to commit"),
+                (None, _) => String::new(),
+            }
         );
     }
     Ok(0)

@@ -417,13 +417,16 @@ fn save_rank<'py>(
 }
 
 /// Converts checkpoint `checkpoint_dir` to HF safetensors in `out_dir`; see `shardwise to-hf`.
-/// `dtype` is bf16, fp16, fp32 or None (as stored); `max_shard_size` like "5GB". Returns a summary
-/// dict (tensors, bytes, files, seconds, gb_per_s, skipped_keys).
+/// `dtype` is bf16, fp16, fp32 or None (as stored); `max_shard_size` like "5GB"; `workers`
+/// threads; `part` like "0/2" for one part of a split conversion; `overwrite` replaces an earlier
+/// conversion in a non-empty `out_dir`. Returns the summary as a dict (tensors, bytes, files,
+/// seconds, gb_per_s, skipped_keys, args_check, args_unchecked, padding_rows_dropped,
+/// config_written, part, committed).
 #[pyfunction]
-#[pyo3(signature = (checkpoint_dir, out_dir, hf_config=None, arch=None, dtype=None, max_shard_size="5GB", threads=None, allow_unmapped=false))]
+#[pyo3(signature = (checkpoint_dir, out_dir, hf_config=None, arch=None, dtype=None, max_shard_size="5GB", threads=None, allow_unmapped=false, overwrite=false, part=None))]
 #[allow(clippy::too_many_arguments)]
-fn to_hf<'py>(
-    py: Python<'py>,
+fn to_hf(
+    py: Python<'_>,
     checkpoint_dir: PathBuf,
     out_dir: PathBuf,
     hf_config: Option<PathBuf>,
@@ -432,8 +435,10 @@ fn to_hf<'py>(
     max_shard_size: &str,
     threads: Option<usize>,
     allow_unmapped: bool,
-) -> PyResult<Bound<'py, PyDict>> {
-    let opts = crate::hf::HfOptions::from_user(
+    overwrite: bool,
+    part: Option<String>,
+) -> PyResult<Py<PyAny>> {
+    let mut opts = crate::hf::HfOptions::from_user(
         hf_config,
         arch,
         dtype.as_deref(),
@@ -442,22 +447,20 @@ fn to_hf<'py>(
         allow_unmapped,
     )
     .map_err(to_py)?;
+    opts.overwrite = overwrite;
+    opts.part = part
+        .as_deref()
+        .map(crate::hf::Part::parse)
+        .transpose()
+        .map_err(to_py)?;
     let s = py
         .detach(|| {
             let loc = location(&checkpoint_dir)?;
             crate::hf::to_hf(&loc, &out_dir, &opts, &|_| {})
         })
         .map_err(to_py)?;
-    let d = PyDict::new(py);
-    d.set_item("tensors", s.tensors)?;
-    d.set_item("bytes", s.bytes)?;
-    d.set_item("files", s.files)?;
-    d.set_item("seconds", s.seconds)?;
-    d.set_item("gb_per_s", s.gb_per_s)?;
-    d.set_item("skipped_keys", s.skipped_keys)?;
-    d.set_item("args_check", s.args_check)?;
-    d.set_item("args_unchecked", s.args_unchecked)?;
-    Ok(d)
+    let json = serde_json::to_string(&s).expect("serializable");
+    Ok(py.import("json")?.call_method1("loads", (json,))?.unbind())
 }
 
 /// Compares checkpoints `a` and `b` (directories, URLs, or one HF safetensors folder); see

@@ -106,13 +106,24 @@ def save_and_forward(rank, world, port, base, arch, url=None):
     mask = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool), diagonal=1)
     with torch.no_grad():
         logits = model(TOKENS, torch.arange(seq).unsqueeze(0), mask)
+    # The args fields megatron/training/arguments.py stores that the to-hf checks read (a real
+    # training run stores them all; padded_vocab_size is make_vocab_size_divisible_by x TP = 256).
     args = argparse.Namespace(num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
                               num_attention_heads=cfg.num_attention_heads, group_query_attention=True,
                               num_query_groups=cfg.num_key_value_heads, kv_channels=cfg.head_dim,
-                              num_experts=cfg.num_experts if moe else None)
-    for who in ("shardwise", "s3") if url else ("megatron", "shardwise"):
+                              ffn_hidden_size=cfg.intermediate_size,
+                              num_experts=cfg.num_experts if moe else None,
+                              moe_ffn_hidden_size=cfg.moe_intermediate_size if moe else None,
+                              moe_shared_expert_intermediate_size=None, moe_layer_freq=1,
+                              untie_embeddings_and_output_weights=True, vocab_size=cfg.vocab_size,
+                              padded_vocab_size=VOCAB_MEGATRON, make_vocab_size_divisible_by=128,
+                              tensor_model_parallel_size=2)
+    # "megatron": Megatron's own save (megatron-core 0.19: args inside the .distcp files'
+    # common_state object); "shardwise": common.pt; "noargs": no args stored at all.
+    for who in ("shardwise", "s3") if url else ("megatron", "shardwise", "noargs"):
         sd = model.sharded_state_dict()
-        sd["args"] = args
+        if who != "noargs":
+            sd["args"] = args
         sd["iteration"] = 1
         d = os.path.join(base, who)
         os.makedirs(d, exist_ok=True)

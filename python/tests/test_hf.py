@@ -70,16 +70,78 @@ def test_cli_to_hf_with_dtype_and_json(saved, tmp_path):
         assert all(f.get_tensor(k).dtype == torch.bfloat16 for k in f.keys())
 
 
-def test_config_disagreeing_with_the_checkpoint_is_an_error(saved, tmp_path):
+def _bad_config(base, tmp_path, **changes):
+    cfg = json.loads((base / "hf_config" / "config.json").read_text())
+    for k, v in changes.items():
+        if v is None:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    bad = tmp_path / "bad_config.json"
+    bad.write_text(json.dumps(cfg))
+    return str(bad)
+
+
+# Each field the mapping uses, changed in config.json, against the args that Megatron 0.19 stores
+# inside the .distcp files (no common.pt) and shardwise stores in common.pt. The error names the
+# field and both values. The wrong head split (8 heads of 8 in 4 groups for 4 of 16 in 2) gives
+# the same tensor shapes: only the args can refuse it.
+FIELD_CASES = {
+    "llama": [
+        (dict(num_hidden_layers=3), r"num_hidden_layers: config.json says 3, args.num_layers says 2"),
+        (dict(hidden_size=32), r"hidden_size: config.json says 32, args.hidden_size says 64"),
+        (dict(num_attention_heads=8, num_key_value_heads=4, head_dim=8),
+         r"num_attention_heads: config.json says 8, args.num_attention_heads says 4"),
+        (dict(num_key_value_heads=4), r"num_key_value_heads: config.json says 4, args.num_query_groups says 2"),
+        (dict(head_dim=8), r"head_dim: config.json says 8, args.kv_channels says 16"),
+        (dict(intermediate_size=96), r"intermediate_size: config.json says 96, args.ffn_hidden_size says 128"),
+        (dict(vocab_size=300), r"vocab_size: config.json says 300, the checkpoint's embedding has 256 rows"),
+        (dict(vocab_size=200), r"vocab_size: config.json says 200, args.vocab_size says 250"),
+        (dict(tie_word_embeddings=True),
+         r"tie_word_embeddings: config.json says true, args.untie_embeddings_and_output_weights says true"),
+    ],
+    "qwen3_moe": [
+        (dict(num_experts=8), r"num_experts: config.json says 8, args.num_experts says 4"),
+        (dict(moe_intermediate_size=16), r"moe_intermediate_size: config.json says 16, args.moe_ffn_hidden_size says 32"),
+        (dict(mlp_only_layers=[1]), r"MoE layer pattern: config.json gives E- .*args.moe_layer_freq gives EE"),
+        (dict(decoder_sparse_step=2), r"MoE layer pattern: config.json gives -E .*args.moe_layer_freq gives EE"),
+    ],
+}
+
+
+@pytest.mark.parametrize("writer", ["megatron", "shardwise"])
+def test_every_config_field_is_checked_against_the_stored_args(saved, writer, tmp_path):
+    arch, base = saved
+    if arch not in FIELD_CASES:
+        pytest.skip("fields of llama and qwen3_moe cover every check row")
+    ok = shardwise.to_hf(str(base / writer), str(tmp_path / "ok"), hf_config=str(base / "hf_config" / "config.json"))
+    assert ok["args_check"] == "passed" and ok["args_unchecked"] == []
+    for i, (changes, message) in enumerate(FIELD_CASES[arch]):
+        with pytest.raises(shardwise.ValidationError, match=message):
+            shardwise.to_hf(str(base / writer), str(tmp_path / f"o{i}"), hf_config=_bad_config(base, tmp_path, **changes))
+        assert not (tmp_path / f"o{i}").exists(), "nothing is written before every check passes"
+
+
+def test_without_args_the_check_is_skipped_and_said_but_shapes_still_refuse(saved, tmp_path):
     arch, base = saved
     if arch != "llama":
         pytest.skip("one architecture is enough")
-    cfg = json.loads((base / "hf_config" / "config.json").read_text())
-    cfg["num_attention_heads"] = 8
-    bad = tmp_path / "config.json"
-    bad.write_text(json.dumps(cfg))
-    with pytest.raises(shardwise.ValidationError, match="num_attention_heads: config.json says 8, args.num_attention_heads says 4"):
-        shardwise.to_hf(str(base / "shardwise"), str(tmp_path / "o"), hf_config=str(bad))
+    r = subprocess.run([sys.executable, "-m", "shardwise.cli", "to-hf", str(base / "noargs"), str(tmp_path / "o"),
+                        "--hf-config", str(base / "hf_config" / "config.json"), "--json"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["args_check"] == "skipped: no args stored"
+    assert "skipped: no args stored" in r.stderr
+    # Without args, every field that shapes a tensor is still checked against the tensors.
+    for i, (changes, message) in enumerate([
+        (dict(intermediate_size=96), r"mlp.gate_proj.weight: the checkpoint's .* gives shape \[128, 64\]; "
+                                     r"the config implies \[intermediate_size = 96, hidden_size = 64\]"),
+        (dict(hidden_size=32), r"hidden_size = 32"),
+        (dict(num_hidden_layers=3), r"num_hidden_layers: config.json says 3, the checkpoint stacks 2 layers"),
+        (dict(vocab_size=300), r"vocab_size: config.json says 300, the checkpoint's embedding has 256 rows"),
+    ]):
+        with pytest.raises(shardwise.ValidationError, match=message):
+            shardwise.to_hf(str(base / "noargs"), str(tmp_path / f"o{i}"), hf_config=_bad_config(base, tmp_path, **changes))
 
 
 def test_a_tensor_the_config_requires_but_never_produced_is_an_error(saved, tmp_path):

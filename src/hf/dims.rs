@@ -85,31 +85,19 @@ impl Dims {
 
     /// An integer config field, with transformers' defaults and aliases: `num_key_value_heads`
     /// defaults to `num_attention_heads`, `head_dim` to `hidden_size / num_attention_heads`,
-    /// `num_experts` is mixtral's and gpt_oss's `num_local_experts`, deepseek_v3's and glm4_moe's
-    /// `n_routed_experts`; a product's factor that is a number ([`rules::Out::shape`]) is itself;
-    /// `a+b` and `a*b` (MLA's head sizes, shared experts' FFN) are the sum and product of the
-    /// fields, unless the config holds that name (a config derived from args does). None when
-    /// absent.
+    /// `num_experts` is mixtral's `num_local_experts`; a product's factor that is a number
+    /// ([`rules::Out::shape`]) is itself. None when absent.
     pub fn field(&self, k: &str) -> Option<u64> {
         if let Ok(n) = k.parse::<u64>() {
             return Some(n);
         }
         let raw = |k: &str| self.cfg.get(k).and_then(|v| v.as_u64());
-        if let Some(v) = raw(k) {
-            return Some(v);
-        }
-        if let Some((a, b)) = k.split_once('+') {
-            return Some(self.field(a)? + self.field(b)?);
-        }
-        if let Some((a, b)) = k.split_once('*') {
-            return Some(self.field(a)? * self.field(b)?);
-        }
         match k {
             "num_key_value_heads" => raw(k).or_else(|| raw("num_attention_heads")),
             "head_dim" => raw(k).or_else(|| {
                 Some(raw("hidden_size")? / raw("num_attention_heads").filter(|&h| h > 0)?)
             }),
-            "num_experts" => raw("num_local_experts").or_else(|| raw("n_routed_experts")),
+            "num_experts" => raw(k).or_else(|| raw("num_local_experts")),
             _ => raw(k),
         }
     }
@@ -152,9 +140,6 @@ impl Dims {
                     .is_some_and(|a| a.iter().any(|x| x.as_u64() == Some(l)));
                 self.num_experts > 0 && !dense_only && (l + 1) % step == 0
             }
-            LayerPattern::FirstKDense => {
-                self.num_experts > 0 && l >= self.field("first_k_dense_replace").unwrap_or(0)
-            }
         }
     }
 
@@ -180,12 +165,9 @@ impl Dims {
                 .chain(self.spec.layer.iter().flat_map(|s| s.iter()))
                 .filter(|r| applies(r))
                 .any(|r| {
-                    r.outs.iter().any(|o| {
-                        o.shape
-                            .iter()
-                            .flat_map(|f| f.iter())
-                            .any(|f| *f == k || f.split(['+', '*']).any(|p| p == k))
-                    })
+                    r.outs
+                        .iter()
+                        .any(|o| o.shape.iter().any(|f| f.contains(&k)))
                 })
     }
 
@@ -226,13 +208,7 @@ impl Dims {
                     if let Some(p) = args.moe_layers() {
                         let dense: Vec<u64> =
                             (0..p.len() as u64).filter(|&l| !p[l as usize]).collect();
-                        let leading = p.iter().take_while(|&&m| !m).count();
-                        match spec.moe_layers {
-                            LayerPattern::FirstKDense => {
-                                cfg.insert("first_k_dense_replace".into(), leading.into())
-                            }
-                            _ => cfg.insert("mlp_only_layers".into(), dense.into()),
-                        };
+                        cfg.insert("mlp_only_layers".into(), dense.into());
                     }
                 }
             }
@@ -356,7 +332,17 @@ pub(crate) fn megatron_args(ckpt: &Checkpoint) -> Result<Option<Args>> {
         return Ok(None);
     };
     let top = unpickle(&bytes[pkl.start..pkl.start + pkl.len]).map_err(|e| corrupt(e.0))?;
-    let Some(args) = top.get("args") else {
+    // common.pt holds the state dict; megatron-core 0.19's `common_state` object holds it as the
+    // one item of a list (its loader takes `loaded[0]`, serialization.py
+    // `load_common_state_dict`).
+    let state = match top.items() {
+        Some(items) => match items.into_iter().next() {
+            Some(first) => first,
+            None => return Ok(None),
+        },
+        None => (*top).clone(),
+    };
+    let Some(args) = state.get("args") else {
         return Ok(None);
     };
     let state = match &args {
@@ -417,13 +403,15 @@ pub(crate) fn check_args(d: &Dims, args: Option<&Args>, rows: Option<u64>) -> Re
         };
         let hf_src = "config.json";
         match c.rel {
+            // A field the mapping does not use for this config is not checked (an all-MoE
+            // model's args may hold any dense ffn_hidden_size).
+            Rel::Eq if !d.uses(c.hf) => {}
             Rel::Eq => match (d.field(c.hf), a.field(c.args)) {
                 (Some(h), Some(m)) if h != m => diffs.push(format!(
                     "{}: {hf_src} says {h}, args.{} says {m}",
                     c.hf, c.args
                 )),
                 (Some(_), Some(_)) => {}
-                _ if !d.uses(c.hf) => {}
                 (None, Some(m)) if m != 0 => diffs.push(format!(
                     "{}: {hf_src} has none, args.{} says {m}",
                     c.hf, c.args
@@ -486,13 +474,9 @@ pub(crate) fn check_args(d: &Dims, args: Option<&Args>, rows: Option<u64>) -> Re
                         v.iter().map(|&m| if m { 'E' } else { '-' }).collect()
                     };
                     diffs.push(format!(
-                        "MoE layer pattern: {hf_src} gives {} ({} experts{}), args.{} gives {} (E: MoE layer)",
+                        "MoE layer pattern: {hf_src} gives {} ({} experts), args.{} gives {} (E: MoE layer)",
                         show(&d.moe_layers),
                         d.num_experts,
-                        match c.hf {
-                            "num_experts" => String::new(),
-                            f => format!(", {f} {}", d.field(f).unwrap_or(0)),
-                        },
                         c.args,
                         show(&p)
                     ));
@@ -576,4 +560,131 @@ fn check_vocab(
         ));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn qwen3_moe() -> Json {
+        json!({"model_type": "qwen3_moe", "num_hidden_layers": 2, "hidden_size": 64,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+            "intermediate_size": 128, "moe_intermediate_size": 32, "num_experts": 4,
+            "vocab_size": 250, "tie_word_embeddings": false, "decoder_sparse_step": 1,
+            "mlp_only_layers": []})
+    }
+
+    fn args() -> Args {
+        let Json::Object(m) = json!({"num_layers": 2, "hidden_size": 64,
+            "num_attention_heads": 4, "group_query_attention": true, "num_query_groups": 2,
+            "kv_channels": 16, "ffn_hidden_size": 128, "moe_ffn_hidden_size": 32,
+            "num_experts": 4, "moe_layer_freq": 1, "untie_embeddings_and_output_weights": true,
+            "vocab_size": 250, "padded_vocab_size": 256, "make_vocab_size_divisible_by": 128,
+            "tensor_model_parallel_size": 2, "moe_shared_expert_intermediate_size": null})
+        else {
+            unreachable!()
+        };
+        Args(m)
+    }
+
+    fn check(cfg: &Json, a: Option<&Args>, rows: u64) -> std::result::Result<ArgsCheck, String> {
+        let d = Dims::from_config(cfg, None).map_err(|e| e.to_string())?;
+        check_args(&d, a, Some(rows)).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn every_check_row_refuses_a_wrong_field_naming_both_values() {
+        let ok = check(&qwen3_moe(), Some(&args()), 256).unwrap();
+        assert_eq!((ok.status.as_str(), ok.unchecked.len()), ("passed", 0));
+        let cases: &[(&str, Json, &str)] = &[
+            ("num_hidden_layers", json!(3), "num_hidden_layers: config.json says 3, args.num_layers says 2"),
+            ("hidden_size", json!(32), "hidden_size: config.json says 32, args.hidden_size says 64"),
+            ("num_attention_heads", json!(8), "num_attention_heads: config.json says 8, args.num_attention_heads says 4"),
+            ("num_key_value_heads", json!(4), "num_key_value_heads: config.json says 4, args.num_query_groups says 2"),
+            ("head_dim", json!(8), "head_dim: config.json says 8, args.kv_channels says 16"),
+            ("moe_intermediate_size", json!(16), "moe_intermediate_size: config.json says 16, args.moe_ffn_hidden_size says 32"),
+            ("num_experts", json!(8), "num_experts: config.json says 8, args.num_experts says 4"),
+            ("tie_word_embeddings", json!(true), "tie_word_embeddings: config.json says true, args.untie_embeddings_and_output_weights says true"),
+            ("vocab_size", json!(257), "vocab_size: config.json says 257, the checkpoint's embedding has 256 rows"),
+            ("vocab_size", json!(249), "vocab_size: config.json says 249, args.vocab_size says 250"),
+            ("mlp_only_layers", json!([0]), "MoE layer pattern: config.json gives -E (4 experts), args.moe_layer_freq gives EE"),
+        ];
+        for (field, value, want) in cases {
+            let mut cfg = qwen3_moe();
+            cfg[*field] = value.clone();
+            let err = check(&cfg, Some(&args()), 256).err().unwrap_or_default();
+            assert!(err.contains(want), "{field}: {err}");
+        }
+        // The dense FFN size is used (and checked) once a layer is dense.
+        let mut cfg = qwen3_moe();
+        cfg["intermediate_size"] = json!(96);
+        let r = check(&cfg, Some(&args()), 256);
+        assert!(
+            r.is_ok(),
+            "all MoE: intermediate_size unused: {:?}",
+            r.err()
+        );
+        cfg["mlp_only_layers"] = json!([1]);
+        let mut a = args();
+        a.0.insert("moe_layer_freq".into(), json!([1, 0]));
+        let err = check(&cfg, Some(&a), 256).err().unwrap();
+        assert!(
+            err.contains("intermediate_size: config.json says 96, args.ffn_hidden_size says 128"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn vocab_padding_must_explain_the_trimmed_rows() {
+        let mut a = args();
+        a.0.remove("vocab_size");
+        a.0.remove("padded_vocab_size");
+        let with = |v: u64, rows: u64, a: Option<&Args>| {
+            let mut cfg = qwen3_moe();
+            cfg["vocab_size"] = json!(v);
+            check(&cfg, a, rows)
+        };
+        // 128 x TP 2 = 256: 250 -> 256, 1 -> 256, but 250 never pads to 512.
+        assert!(with(250, 256, Some(&a)).is_ok());
+        let err = with(250, 512, Some(&a)).err().unwrap();
+        assert!(err.contains("vocab_size: config.json says 250, the checkpoint's embedding has 512 rows: 262 rows more than Megatron's padding to a multiple of 256"), "{err}");
+        // Qwen's 151936 at TP 8: 152576 rows.
+        a.0.insert("tensor_model_parallel_size".into(), json!(8));
+        assert!(with(151936, 152576, Some(&a)).is_ok());
+        assert!(with(150000, 152576, Some(&a)).is_err());
+        // args.padded_vocab_size must be the rows.
+        a.0.insert("padded_vocab_size".into(), json!(151936));
+        let err = with(151936, 152576, Some(&a)).err().unwrap();
+        assert!(err.contains("args.padded_vocab_size says 151936"), "{err}");
+        // No args: the largest power of two dividing the rows.
+        assert!(with(250, 256, None).is_ok());
+        assert!(with(151936, 152576, None).is_ok()); // 152576 = 149 x 1024
+        let err = with(150000, 152576, None).err().unwrap();
+        assert!(err.contains("no args stored"), "{err}");
+        assert_eq!(
+            with(250, 256, None).unwrap().status,
+            "skipped: no args stored"
+        );
+    }
+
+    #[test]
+    fn args_alone_give_the_dims() {
+        let d = Dims::from_args(&args(), Some("qwen3_moe")).unwrap();
+        assert_eq!(
+            (
+                d.num_layers,
+                d.hidden,
+                d.heads,
+                d.groups,
+                d.head_dim,
+                d.num_experts,
+                d.tied
+            ),
+            (2, 64, 4, 2, 16, 4, false)
+        );
+        assert_eq!(d.vocab_size, None);
+        assert_eq!(d.field("moe_intermediate_size"), Some(32));
+        assert_eq!(d.moe_layers, vec![true, true]);
+    }
 }

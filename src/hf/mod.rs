@@ -12,6 +12,7 @@
 
 mod dims;
 mod gdn;
+mod output;
 mod plan;
 pub(crate) mod rules;
 mod write;
@@ -24,8 +25,9 @@ use serde::Serialize;
 use crate::error::{Error, Result};
 use crate::format::dtype::DType;
 use crate::reader::Checkpoint;
-use crate::storage::{atomic_write, create_dir_all, Location};
+use crate::storage::{create_dir_all, Location};
 
+pub use output::Part;
 pub(crate) use plan::{HfTensor, Plan};
 pub(crate) use write::dtype_of_st;
 
@@ -45,6 +47,11 @@ pub struct HfOptions {
     pub threads: usize,
     /// Skip checkpoint keys that no rule maps instead of failing.
     pub allow_unmapped: bool,
+    /// Replace an earlier conversion in the output folder (its index, weight files and
+    /// config.json; other files are kept). Without it a non-empty folder is refused.
+    pub overwrite: bool,
+    /// Write only this part's shards (a conversion split over processes or machines).
+    pub part: Option<Part>,
 }
 
 impl HfOptions {
@@ -79,6 +86,8 @@ impl HfOptions {
             threads: threads
                 .unwrap_or_else(|| std::thread::available_parallelism().map_or(4, |n| n.get())),
             allow_unmapped,
+            overwrite: false,
+            part: None,
         })
     }
 }
@@ -86,8 +95,10 @@ impl HfOptions {
 /// What a conversion wrote.
 #[derive(Clone, Debug, Serialize)]
 pub struct HfSummary {
+    /// HF tensors written by this process (all of them, or this part's).
     pub tensors: usize,
     pub bytes: u64,
+    /// Shard files written by this process.
     pub files: usize,
     pub seconds: f64,
     pub gb_per_s: f64,
@@ -97,16 +108,27 @@ pub struct HfSummary {
     pub args_check: String,
     /// Check rows the stored args could not decide (an older Megatron without the field).
     pub args_unchecked: Vec<String>,
+    /// Embedding and output rows beyond `vocab_size` left out (Megatron's vocabulary padding,
+    /// checked to be no more than its padding explains).
+    pub padding_rows_dropped: u64,
+    /// Whether config.json was written (only with `--hf-config`).
+    pub config_written: bool,
+    /// `"i/n"` for one part of a split conversion.
+    pub part: Option<String>,
+    /// Whether the index is committed (always for one process; for a part, when every part has
+    /// published its shards).
+    pub committed: bool,
 }
 
 /// Converts the checkpoint at `ckpt` (a directory or an object-store prefix, read by ranged GETs)
 /// into HF safetensors in the local directory `out_dir`; `progress(bytes)` is called as tensors
-/// are written.
+/// are written. See [`output`] for the folder rules and the commit.
 ///
-/// Errors: [`Error::InvalidArgument`] for missing or unusable hyperparameters; [`Error::Validation`]
-/// for unmapped checkpoint keys (unless `allow_unmapped`), HF tensors the config requires that
-/// the checkpoint does not produce, shapes that contradict the config, and config/args
-/// disagreements; reader errors for damaged checkpoints; [`Error::Io`].
+/// Errors: [`Error::InvalidArgument`] for missing or unusable hyperparameters or a non-empty
+/// output folder without `overwrite`; [`Error::Validation`] for unmapped checkpoint keys (unless
+/// `allow_unmapped`), HF tensors the config requires that the checkpoint does not produce,
+/// shapes that contradict the config, and config/args disagreements; reader errors for damaged
+/// checkpoints; [`Error::Io`].
 pub fn to_hf(
     ckpt: &Location,
     out_dir: &Path,
@@ -114,50 +136,101 @@ pub fn to_hf(
     progress: &(dyn Fn(u64) + Sync),
 ) -> Result<HfSummary> {
     let t0 = Instant::now();
-    if out_dir.to_string_lossy().contains("://") {
-        return Err(Error::InvalidArgument(format!(
-            "to-hf writes to a local directory, not to {}",
-            out_dir.display()
-        )));
+    // Phase 1: the output folder, checked before anything is read (nothing changes there yet).
+    if opts.part.is_some() && opts.overwrite {
+        return Err(Error::InvalidArgument(
+            "--overwrite cannot be combined with --part: empty the folder first".into(),
+        ));
     }
-    // Phase 1: open, hyperparameters, checks and the mapping; nothing is written before all pass.
+    if opts.part.is_none() {
+        output::check_folder(out_dir, opts.overwrite)?;
+    }
+    // Phase 2: hyperparameters, checks and the mapping; nothing is written before all pass.
     let ckpt = Checkpoint::open(ckpt)?;
-    let (d, check) = hyperparameters(&ckpt, opts)?;
+    let (d, check, rows) = hyperparameters(&ckpt, opts)?;
     let Plan { tensors, skipped } = plan::plan(&ckpt, &d, opts.allow_unmapped)?;
-    // Phase 2: the shard plan (files, headers, offsets), a pure function of the plan.
-    let shards = write::shard_plan(&tensors, opts.dtype, opts.max_shard_bytes)?;
-    // Phase 3: the data.
-    create_dir_all(out_dir)?;
-    let total = write::write_shards(
-        &ckpt,
+    // Phase 3: the shard plan (files, headers, offsets, index), a pure function of the plan, so
+    // every part of a split conversion computes the same.
+    let shards = write::shard_plan(
         &tensors,
-        &shards,
         opts.dtype,
-        opts.threads,
-        out_dir,
-        progress,
+        opts.max_shard_bytes,
+        write::HEADER_BUDGET,
     )?;
-    // Phase 4: the index and config.json, after every shard is synced.
-    write::write_index(out_dir, &shards)?;
-    if let Some(p) = &opts.config {
-        let bytes = std::fs::read(p).map_err(Error::io("read", p))?;
-        atomic_write(&out_dir.join("config.json"), &bytes)?;
-    }
+    let index = write::index_bytes(&shards);
+    let config = match &opts.config {
+        Some(p) => Some(std::fs::read(p).map_err(Error::io("read", p))?),
+        None => None,
+    };
+    // Phase 4: the data, then phase 5: the commit (index last).
+    let (which, committed) = match opts.part {
+        None => {
+            create_dir_all(out_dir)?;
+            let staging = output::stage(out_dir)?;
+            let which: Vec<usize> = (0..shards.shards.len()).collect();
+            let path = |k: usize| staging.join(shards.file_name(k));
+            write::write_shards(
+                &ckpt,
+                &tensors,
+                &shards,
+                &which,
+                opts.dtype,
+                opts.threads,
+                &path,
+                progress,
+            )?;
+            output::commit(out_dir, &staging, &shards, &index, config.as_deref())?;
+            (which, true)
+        }
+        Some(part) => {
+            create_dir_all(out_dir)?;
+            if output::prepare_part(out_dir, &shards, &index)? {
+                (Vec::new(), true)
+            } else {
+                let which = part.shards(shards.shards.len());
+                let path = |k: usize| output::part_temp(out_dir, &shards.file_name(k), part);
+                write::write_shards(
+                    &ckpt,
+                    &tensors,
+                    &shards,
+                    &which,
+                    opts.dtype,
+                    opts.threads,
+                    &path,
+                    progress,
+                )?;
+                let committed =
+                    output::commit_part(out_dir, &shards, part, &index, config.as_deref())?;
+                (which, committed)
+            }
+        }
+    };
     let seconds = t0.elapsed().as_secs_f64();
+    let bytes: u64 = which.iter().map(|&k| shards.shards[k].data_len).sum();
     Ok(HfSummary {
-        tensors: tensors.len(),
-        bytes: total,
-        files: shards.shards.len(),
+        tensors: which.iter().map(|&k| shards.shards[k].tensors.len()).sum(),
+        bytes,
+        files: which.len(),
         seconds,
-        gb_per_s: total as f64 / seconds.max(1e-9) / 1e9,
+        gb_per_s: bytes as f64 / seconds.max(1e-9) / 1e9,
         skipped_keys: skipped,
         args_check: check.status,
         args_unchecked: check.unchecked,
+        padding_rows_dropped: match (rows, d.vocab_size) {
+            (Some(r), Some(v)) => r.saturating_sub(v),
+            _ => 0,
+        },
+        config_written: committed && config.is_some(),
+        part: opts.part.map(|p| format!("{}/{}", p.index, p.count)),
+        committed,
     })
 }
 
 /// The hyperparameters of `ckpt` (config.json, else the stored args), checked against the args.
-fn hyperparameters(ckpt: &Checkpoint, opts: &HfOptions) -> Result<(dims::Dims, dims::ArgsCheck)> {
+fn hyperparameters(
+    ckpt: &Checkpoint,
+    opts: &HfOptions,
+) -> Result<(dims::Dims, dims::ArgsCheck, Option<u64>)> {
     let args = dims::megatron_args(ckpt)?;
     let config: Option<serde_json::Value> = match &opts.config {
         Some(p) => Some(
@@ -184,12 +257,12 @@ fn hyperparameters(ckpt: &Checkpoint, opts: &HfOptions) -> Result<(dims::Dims, d
             _ => None,
         });
     let check = dims::check_args(&d, args.as_ref(), rows)?;
-    Ok((d, check))
+    Ok((d, check, rows))
 }
 
 /// Maps every tensor of `ckpt` to HF tensors (see [`to_hf`] for the checks and errors).
 pub(crate) fn plan(ckpt: &Checkpoint, opts: &HfOptions) -> Result<Plan> {
-    let (d, _) = hyperparameters(ckpt, opts)?;
+    let (d, _, _) = hyperparameters(ckpt, opts)?;
     plan::plan(ckpt, &d, opts.allow_unmapped)
 }
 

@@ -3,7 +3,7 @@
 //! `model.safetensors.index.json` as `transformers` writes it.
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::Path;
+use std::path::PathBuf;
 
 use rayon::prelude::*;
 use serde::Serialize;
@@ -12,7 +12,7 @@ use super::plan::{read_hf_tensor, HfTensor};
 use crate::error::{Error, Result};
 use crate::format::dtype::DType;
 use crate::reader::Checkpoint;
-use crate::storage::{atomic_write, DataFile};
+use crate::storage::DataFile;
 
 /// The index file name.
 pub(crate) const INDEX: &str = "model.safetensors.index.json";
@@ -117,25 +117,52 @@ impl ShardPlan {
     }
 }
 
+/// safetensors refuses to open a file whose header is larger than this
+/// (`safetensors::tensor::MAX_HEADER_SIZE`, 100 MB in safetensors 0.4-0.8).
+pub(crate) const MAX_HEADER_BYTES: usize = 100_000_000;
+
+/// What the shard plan allows a header to grow to: 10% below [`MAX_HEADER_BYTES`], so that the
+/// estimate of an entry (which bounds each data offset by 20 digits) never matters.
+pub(crate) const HEADER_BUDGET: usize = 90_000_000;
+
+/// An upper bound of a tensor's entry in a safetensors header:
+/// `"name":{"dtype":"BF16","shape":[..],"data_offsets":[a,b]},` with both offsets at 20 digits.
+fn header_entry_bound(t: &HfTensor) -> usize {
+    let name = serde_json::to_string(&t.name).map_or(t.name.len() * 6 + 2, |s| s.len());
+    let shape: usize = t.shape.iter().map(|d| d.to_string().len() + 1).sum();
+    name + shape + 100
+}
+
 /// Shards greedy in tensor order, each at most `max_shard_bytes` of data (a larger tensor gets
-/// its own file); `out_dtype` is the output dtype (None: as stored).
+/// its own file) and at most `header_budget` bytes of header (a conversion of about 1.2M small
+/// tensors into one 5 GB shard would otherwise write a 137 MB header that safetensors refuses);
+/// `out_dtype` is the output dtype (None: as stored). A pure function of its arguments, so that
+/// every part of a split conversion computes the same files.
+///
+/// Errors: [`Error::UnsupportedDtype`] for a dtype safetensors lacks; [`Error::InvalidArgument`]
+/// if a header still came out over [`MAX_HEADER_BYTES`] (one tensor name larger than that).
 pub(crate) fn shard_plan(
     tensors: &[HfTensor],
     out_dtype: Option<DType>,
     max_shard_bytes: u64,
+    header_budget: usize,
 ) -> Result<ShardPlan> {
     let dtype = |t: &HfTensor| out_dtype.unwrap_or(t.src_dtype);
     let nbytes = |t: &HfTensor| t.shape.iter().product::<u64>() * dtype(t).itemsize();
+    // `{"__metadata__":{"format":"pt"},` and the closing brace.
+    const HEADER_BASE: usize = 64;
     let mut groups: Vec<Vec<usize>> = vec![Vec::new()];
-    let mut size = 0u64;
+    let (mut size, mut header) = (0u64, HEADER_BASE);
     for (i, t) in tensors.iter().enumerate() {
-        let n = nbytes(t);
-        if size > 0 && size + n > max_shard_bytes {
+        let (n, h) = (nbytes(t), header_entry_bound(t));
+        let full = size + n > max_shard_bytes || header + h > header_budget;
+        if !groups.last().unwrap().is_empty() && full {
             groups.push(Vec::new());
-            size = 0;
+            (size, header) = (0, HEADER_BASE);
         }
         groups.last_mut().unwrap().push(i);
         size += n;
+        header += h;
     }
     let mut shards = Vec::with_capacity(groups.len());
     for idx in groups {
@@ -162,6 +189,12 @@ pub(crate) fn shard_plan(
         let mut header = serde_json::to_vec(&meta)
             .map_err(|e| Error::InvalidArgument(format!("safetensors header: {e}")))?;
         header.resize(header.len().next_multiple_of(8), b' ');
+        if header.len() > MAX_HEADER_BYTES {
+            return Err(Error::InvalidArgument(format!(
+                "a safetensors header of {} bytes (safetensors opens at most {MAX_HEADER_BYTES})",
+                header.len()
+            )));
+        }
         shards.push(Shard {
             tensors: idx,
             header,
@@ -184,42 +217,46 @@ pub(crate) fn shard_plan(
     Ok(plan)
 }
 
-/// Writes the shard files of `plan` into `dir`: headers first, then every tensor read, converted
-/// to `out_dtype` and written at its offset by `threads` workers; files are synced.
-/// `progress(bytes)` is called as tensors are written. Returns the data bytes written.
+/// Writes shards `which` of `plan` (indices into `plan.shards`), shard k to `path(k)`: headers
+/// first, then every tensor of those shards read, converted to `out_dtype` and written at its
+/// offset by `threads` workers; files are synced. `progress(bytes)` is called as tensors are
+/// written. Returns the data bytes written.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn write_shards(
     ckpt: &Checkpoint,
     tensors: &[HfTensor],
     plan: &ShardPlan,
+    which: &[usize],
     out_dtype: Option<DType>,
     threads: usize,
-    dir: &Path,
+    path: &dyn Fn(usize) -> PathBuf,
     progress: &(dyn Fn(u64) + Sync),
 ) -> Result<u64> {
-    let mut place: Vec<(usize, u64)> = vec![(0, 0); tensors.len()];
-    let mut files = Vec::with_capacity(plan.shards.len());
-    for (k, s) in plan.shards.iter().enumerate() {
+    // (tensor, file, absolute offset) of every tensor to write.
+    let mut jobs: Vec<(usize, usize, u64)> = Vec::new();
+    let mut files = Vec::with_capacity(which.len());
+    for (f, &k) in which.iter().enumerate() {
+        let s = &plan.shards[k];
         let data_start = 8 + s.header.len() as u64;
-        let f = DataFile::create(&dir.join(plan.file_name(k)), data_start + s.data_len)?;
-        f.write_at(&(s.header.len() as u64).to_le_bytes(), 0)?;
-        f.write_at(&s.header, 8)?;
+        let file = DataFile::create(&path(k), data_start + s.data_len)?;
+        file.write_at(&(s.header.len() as u64).to_le_bytes(), 0)?;
+        file.write_at(&s.header, 8)?;
         let mut off = 0u64;
         for &i in &s.tensors {
-            place[i] = (k, data_start + off);
+            jobs.push((i, f, data_start + off));
             let t = &tensors[i];
             off += t.shape.iter().product::<u64>() * out_dtype.unwrap_or(t.src_dtype).itemsize();
         }
-        files.push(f);
+        files.push(file);
     }
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads.max(1))
         .build()
         .map_err(|e| Error::InvalidArgument(format!("thread pool: {e}")))?;
     let total: u64 = pool.install(|| {
-        tensors
-            .par_iter()
-            .enumerate()
-            .map(|(i, t)| -> Result<u64> {
+        jobs.par_iter()
+            .map(|&(i, f, off)| -> Result<u64> {
+                let t = &tensors[i];
                 let item = t.src_dtype.itemsize();
                 let mut buf = vec![0u8; (t.shape.iter().product::<u64>() * item) as usize];
                 read_hf_tensor(ckpt, t, &mut buf)?;
@@ -229,8 +266,7 @@ pub(crate) fn write_shards(
                 } else {
                     convert(&buf, t.src_dtype, out)?
                 };
-                let (k, off) = place[i];
-                files[k].write_at(&bytes, off)?;
+                files[f].write_at(&bytes, off)?;
                 progress(bytes.len() as u64);
                 Ok(bytes.len() as u64)
             })
@@ -242,8 +278,8 @@ pub(crate) fn write_shards(
     Ok(total)
 }
 
-/// Writes `model.safetensors.index.json` into `dir` (atomically).
-pub(crate) fn write_index(dir: &Path, plan: &ShardPlan) -> Result<()> {
+/// The bytes of `model.safetensors.index.json`.
+pub(crate) fn index_bytes(plan: &ShardPlan) -> Vec<u8> {
     #[derive(Serialize)]
     struct Index<'a> {
         metadata: BTreeMap<&'a str, u64>,
@@ -253,8 +289,56 @@ pub(crate) fn write_index(dir: &Path, plan: &ShardPlan) -> Result<()> {
         metadata: BTreeMap::from([("total_size", plan.total)]),
         weight_map: &plan.weight_map,
     };
-    atomic_write(
-        &dir.join(INDEX),
-        &serde_json::to_vec_pretty(&index).expect("serializable"),
-    )
+    serde_json::to_vec_pretty(&index).expect("serializable")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tiny(n: usize) -> Vec<HfTensor> {
+        (0..n)
+            .map(|i| HfTensor {
+                name: format!("model.layers.{i}.mlp.experts.{i}.gate_proj.weight"),
+                shape: vec![1],
+                src_dtype: DType::BF16,
+                pieces: Vec::new(),
+                post: super::super::rules::Post::None,
+            })
+            .collect()
+    }
+
+    /// Each planned file, with zeros for data, as safetensors parses it.
+    fn parses(plan: &ShardPlan) {
+        for s in &plan.shards {
+            let mut buf = (s.header.len() as u64).to_le_bytes().to_vec();
+            buf.extend_from_slice(&s.header);
+            buf.resize(buf.len() + s.data_len as usize, 0);
+            let st = safetensors::SafeTensors::deserialize(&buf).expect("safetensors opens it");
+            assert_eq!(st.len(), s.tensors.len());
+        }
+    }
+
+    #[test]
+    fn headers_stay_under_the_budget() {
+        let t = tiny(1000);
+        let plan = shard_plan(&t, None, 5_000_000_000, 8192).unwrap();
+        assert!(plan.shards.len() > 1);
+        assert!(plan.shards.iter().all(|s| s.header.len() <= 8192));
+        assert_eq!(plan.weight_map.len(), 1000);
+        parses(&plan);
+        // Order and coverage: the shards are consecutive runs of the tensor list.
+        let all: Vec<usize> = plan.shards.iter().flat_map(|s| s.tensors.clone()).collect();
+        assert_eq!(all, (0..1000).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn a_million_tensors_never_make_a_header_safetensors_refuses() {
+        // The case: ~1.2M tensors under the default 5 GB shard size wrote a 136.7 MB header.
+        let t = tiny(1_200_000);
+        let plan = shard_plan(&t, None, 5_000_000_000, HEADER_BUDGET).unwrap();
+        assert!(plan.shards.len() >= 2);
+        assert!(plan.shards.iter().all(|s| s.header.len() <= HEADER_BUDGET));
+        parses(&plan);
+    }
 }
