@@ -85,19 +85,31 @@ impl Dims {
 
     /// An integer config field, with transformers' defaults and aliases: `num_key_value_heads`
     /// defaults to `num_attention_heads`, `head_dim` to `hidden_size / num_attention_heads`,
-    /// `num_experts` is mixtral's `num_local_experts`; a product's factor that is a number
-    /// ([`rules::Out::shape`]) is itself. None when absent.
+    /// `num_experts` is mixtral's and gpt_oss's `num_local_experts`, deepseek_v3's and glm4_moe's
+    /// `n_routed_experts`; a product's factor that is a number ([`rules::Out::shape`]) is itself;
+    /// `a+b` and `a*b` (MLA's head sizes, shared experts' FFN) are the sum and product of the
+    /// fields, unless the config holds that name (a config derived from args does). None when
+    /// absent.
     pub fn field(&self, k: &str) -> Option<u64> {
         if let Ok(n) = k.parse::<u64>() {
             return Some(n);
         }
         let raw = |k: &str| self.cfg.get(k).and_then(|v| v.as_u64());
+        if let Some(v) = raw(k) {
+            return Some(v);
+        }
+        if let Some((a, b)) = k.split_once('+') {
+            return Some(self.field(a)? + self.field(b)?);
+        }
+        if let Some((a, b)) = k.split_once('*') {
+            return Some(self.field(a)? * self.field(b)?);
+        }
         match k {
             "num_key_value_heads" => raw(k).or_else(|| raw("num_attention_heads")),
             "head_dim" => raw(k).or_else(|| {
                 Some(raw("hidden_size")? / raw("num_attention_heads").filter(|&h| h > 0)?)
             }),
-            "num_experts" => raw(k).or_else(|| raw("num_local_experts")),
+            "num_experts" => raw("num_local_experts").or_else(|| raw("n_routed_experts")),
             _ => raw(k),
         }
     }
@@ -140,6 +152,9 @@ impl Dims {
                     .is_some_and(|a| a.iter().any(|x| x.as_u64() == Some(l)));
                 self.num_experts > 0 && !dense_only && (l + 1) % step == 0
             }
+            LayerPattern::FirstKDense => {
+                self.num_experts > 0 && l >= self.field("first_k_dense_replace").unwrap_or(0)
+            }
         }
     }
 
@@ -165,9 +180,12 @@ impl Dims {
                 .chain(self.spec.layer.iter().flat_map(|s| s.iter()))
                 .filter(|r| applies(r))
                 .any(|r| {
-                    r.outs
-                        .iter()
-                        .any(|o| o.shape.iter().any(|f| f.contains(&k)))
+                    r.outs.iter().any(|o| {
+                        o.shape
+                            .iter()
+                            .flat_map(|f| f.iter())
+                            .any(|f| *f == k || f.split(['+', '*']).any(|p| p == k))
+                    })
                 })
     }
 
@@ -208,7 +226,13 @@ impl Dims {
                     if let Some(p) = args.moe_layers() {
                         let dense: Vec<u64> =
                             (0..p.len() as u64).filter(|&l| !p[l as usize]).collect();
-                        cfg.insert("mlp_only_layers".into(), dense.into());
+                        let leading = p.iter().take_while(|&&m| !m).count();
+                        match spec.moe_layers {
+                            LayerPattern::FirstKDense => {
+                                cfg.insert("first_k_dense_replace".into(), leading.into())
+                            }
+                            _ => cfg.insert("mlp_only_layers".into(), dense.into()),
+                        };
                     }
                 }
             }
@@ -474,9 +498,13 @@ pub(crate) fn check_args(d: &Dims, args: Option<&Args>, rows: Option<u64>) -> Re
                         v.iter().map(|&m| if m { 'E' } else { '-' }).collect()
                     };
                     diffs.push(format!(
-                        "MoE layer pattern: {hf_src} gives {} ({} experts), args.{} gives {} (E: MoE layer)",
+                        "MoE layer pattern: {hf_src} gives {} ({} experts{}), args.{} gives {} (E: MoE layer)",
                         show(&d.moe_layers),
                         d.num_experts,
+                        match c.hf {
+                            "num_experts" => String::new(),
+                            f => format!(", {f} {}", d.field(f).unwrap_or(0)),
+                        },
                         c.args,
                         show(&p)
                     ));

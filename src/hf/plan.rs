@@ -144,7 +144,7 @@ fn apply(
                 hf_shape.push(ranges.iter().map(|x| x.1).sum());
             }
             hf_shape.extend_from_slice(rest);
-            if r.post == Post::TransposeLast2 {
+            if r.post.transposes() {
                 if hf_shape.len() < 2 {
                     return Err(Error::Validation(format!(
                         "{key}: shape {shape:?} has no two dimensions to transpose"
@@ -302,6 +302,12 @@ fn map_key(d: &Dims, key: &str, shape: &[u64], dtype: DType, lookup: Lookup) -> 
                 d.layer_type(l).as_deref().unwrap_or("of no type")
             )));
         }
+        if let (false, When::Flag(f)) = (d.may_produce(r, l), r.when) {
+            return Err(Error::Validation(format!(
+                "{f}: config.json says {}, but the checkpoint has {key}",
+                d.flag(f).unwrap_or(false)
+            )));
+        }
         if !d.may_produce(r, l) {
             return Err(Error::Validation(format!(
                 "{key}: layer {l} is {} in the config ({}), but this key belongs to {} layers",
@@ -345,6 +351,7 @@ impl Dims {
             When::MoeLayer => self.is_moe(l),
             When::DenseLayer => !self.is_moe(l),
             When::LayerType(t) => self.layer_type(l).as_deref() == Some(t),
+            When::Flag(f) => self.flag(f) == Some(true),
             When::Always | When::Optional | When::Untied => true,
         }
     }
@@ -356,7 +363,9 @@ impl Dims {
             When::Optional => false,
             When::Untied => !self.tied,
             When::LayerType(_) => l.is_some_and(|l| self.may_produce(r, l)),
-            When::MoeLayer | When::DenseLayer => l.is_some_and(|l| self.may_produce(r, l)),
+            When::MoeLayer | When::DenseLayer | When::Flag(_) => {
+                l.is_some_and(|l| self.may_produce(r, l))
+            }
         }
     }
 
@@ -526,6 +535,40 @@ fn apply_post(post: Post, dtype: DType, shape: &[u64], buf: &mut [u8]) -> Result
             }
             Ok(())
         }
+        Post::InterleaveLast | Post::InterleaveTransposeLast2 => {
+            // Gathered as [..., 2I] or [..., 2I, c] ([gate; up] rows); `shape` ends 2I. Source
+            // position s goes to 2s (gate) or 2(s - I) + 1 (up), transposed for the latter.
+            let n = shape.len();
+            let two = shape[n - 1] as usize;
+            let c = if post == Post::InterleaveLast {
+                1
+            } else {
+                shape[n - 2] as usize
+            };
+            if two % 2 != 0 {
+                return Err(Error::Validation(format!(
+                    "gate/up dimension {two} of {shape:?} is odd"
+                )));
+            }
+            let item = dtype.itemsize() as usize;
+            let mat = two * c * item;
+            let mut tmp = vec![0u8; mat];
+            for m in buf.chunks_exact_mut(mat.max(1)) {
+                for s in 0..two {
+                    let d = if s < two / 2 {
+                        2 * s
+                    } else {
+                        2 * (s - two / 2) + 1
+                    };
+                    for j in 0..c {
+                        let (src, dst) = ((s * c + j) * item, (j * two + d) * item);
+                        tmp[dst..dst + item].copy_from_slice(&m[src..src + item]);
+                    }
+                }
+                m.copy_from_slice(&tmp);
+            }
+            Ok(())
+        }
         Post::TransposeLast2 => {
             // Gathered as [..., c, r]; `shape` ends [r, c].
             let n = shape.len();
@@ -568,6 +611,21 @@ mod tests {
         apply_post(Post::TransposeLast2, DType::U8, &[2, 3, 2], &mut b).unwrap();
         assert_eq!(b, vec![0, 3, 1, 4, 2, 5, 6, 9, 7, 10, 8, 11]);
         assert!(apply_post(Post::AddOne, DType::I64, &[1], &mut [0u8; 8]).is_err());
+        // gpt_oss: one expert's [gate; up] rows [[0, 1], [2, 3] | [4, 5], [6, 7]] (I = 2, H = 2)
+        // become [H, 2I] with gate in even columns: [[0, 4, 2, 6], [1, 5, 3, 7]].
+        let mut b: Vec<u8> = (0u8..8).collect();
+        apply_post(
+            Post::InterleaveTransposeLast2,
+            DType::U8,
+            &[1, 2, 4],
+            &mut b,
+        )
+        .unwrap();
+        assert_eq!(b, vec![0, 4, 2, 6, 1, 5, 3, 7]);
+        // Its bias [g0, g1, u0, u1] per expert, two experts.
+        let mut b: Vec<u8> = (0u8..8).collect();
+        apply_post(Post::InterleaveLast, DType::U8, &[2, 4], &mut b).unwrap();
+        assert_eq!(b, vec![0, 2, 1, 3, 4, 6, 5, 7]);
     }
 
     fn dims(cfg: serde_json::Value) -> Dims {

@@ -79,7 +79,6 @@ pub(crate) enum Experts {
     /// One HF tensor over all experts, the expert axis first (gpt_oss's fused 3-D experts; with
     /// [`Post::TransposeLast2`] for its `[H, 2I]` / `[I, H]` layout). `Out::shape` includes the
     /// expert dimension.
-    #[allow(dead_code)] // first used by the gpt_oss rows (issue 16)
     Stacked,
 }
 
@@ -93,6 +92,19 @@ pub(crate) enum Post {
     AddOne,
     /// Swap the last two dimensions (per expert): gpt_oss writes experts as `x @ W`.
     TransposeLast2,
+    /// SwiGLU `[gate; up]` halves of the last dimension interleaved (gate in even, up in odd
+    /// positions): gpt_oss's `gate_up_proj_bias` (TF gpt_oss `gate_up[..., ::2]`).
+    InterleaveLast,
+    /// [`Post::TransposeLast2`] of rows `[gate; up]`, then [`Post::InterleaveLast`]: gpt_oss's
+    /// `gate_up_proj[e]` = interleave(gate, up).T, `[H, 2I]` (MB `gpt_oss_bridge.py`).
+    InterleaveTransposeLast2,
+}
+
+impl Post {
+    /// Whether the HF tensor's last two dimensions are the gathered ones swapped.
+    pub(crate) fn transposes(self) -> bool {
+        matches!(self, Post::TransposeLast2 | Post::InterleaveTransposeLast2)
+    }
 }
 
 /// When the config requires a rule's outputs (and on which layers the rule may produce them).
@@ -112,6 +124,10 @@ pub(crate) enum When {
     /// from `full_attention_interval` when the config has no list, see `Dims::layer_type`); a
     /// source on another layer is an error.
     LayerType(&'static str),
+    /// Every layer when the config's boolean field is true (transformers' default false); a
+    /// source when it is not is an error (transformers would drop it): glm4_moe's
+    /// `attention_bias`, `use_qk_norm`.
+    Flag(&'static str),
 }
 
 /// Which layers are MoE, from the config.
@@ -124,6 +140,9 @@ pub(crate) enum LayerPattern {
     /// qwen2_moe/qwen3_moe: layer l is MoE iff l is not in `mlp_only_layers`, there are experts,
     /// and (l + 1) % `decoder_sparse_step` == 0.
     QwenSparseStep,
+    /// deepseek_v3/glm4_moe: layer l is MoE iff there are experts and l >= `first_k_dense_replace`
+    /// (TF `DeepseekV3DecoderLayer`, `Glm4MoeDecoderLayer`).
+    FirstKDense,
 }
 
 /// A config field that must agree with Megatron's stored args.
@@ -444,6 +463,231 @@ pub(crate) const MIXTRAL_MOE: &[Rule] = &[
     ),
 ];
 
+// ---- deepseek_v3, glm4_moe, gpt_oss ---------------------------------------------------------------
+// Sums of config fields ("a+b") and products are resolved by `Dims::field` / `Dims::product`.
+
+const QLR: &[&str] = &["q_lora_rank"];
+const KVLR: &[&str] = &["kv_lora_rank"];
+const SHARED_EXPERTS_FFN: &[&str] = &["n_shared_experts*moe_intermediate_size"];
+const GATE_UP: &[&str] = &["2", "intermediate_size"];
+
+/// Multi-latent attention (deepseek_v3): low-rank q and kv projections with their norms (TE's
+/// fused `layer_norm_weight` and the local spec's `q_layernorm`/`kv_layernorm`). Every row layout
+/// is already transformers': `q_b_proj` per head [qk_nope; qk_rope], `kv_a_proj_with_mqa`
+/// [kv_lora_rank; qk_rope], `kv_b_proj` per head [qk_nope; v] (MC `multi_latent_attention.py`;
+/// MB `deepseek/common.py`). Megatron's MLA de-interleaves the rope dims itself, as transformers
+/// does with `rope_interleave` (its default).
+pub(crate) const MLA_ATTN: &[Rule] = &[
+    rule(
+        &["self_attention.linear_q_down_proj.weight"],
+        &[out("self_attn.q_a_proj.weight", &[QLR, H])],
+        whole,
+        When::Always,
+    ),
+    rule(
+        &[
+            "self_attention.linear_q_up_proj.layer_norm_weight",
+            "self_attention.q_layernorm.weight",
+        ],
+        &[out("self_attn.q_a_layernorm.weight", &[QLR])],
+        whole,
+        When::Always,
+    ),
+    rule(
+        &["self_attention.linear_q_up_proj.weight"],
+        &[out(
+            "self_attn.q_b_proj.weight",
+            &[
+                &["num_attention_heads", "qk_nope_head_dim+qk_rope_head_dim"],
+                QLR,
+            ],
+        )],
+        whole,
+        When::Always,
+    ),
+    rule(
+        &["self_attention.linear_kv_down_proj.weight"],
+        &[out(
+            "self_attn.kv_a_proj_with_mqa.weight",
+            &[&["kv_lora_rank+qk_rope_head_dim"], H],
+        )],
+        whole,
+        When::Always,
+    ),
+    rule(
+        &[
+            "self_attention.linear_kv_up_proj.layer_norm_weight",
+            "self_attention.kv_layernorm.weight",
+        ],
+        &[out("self_attn.kv_a_layernorm.weight", &[KVLR])],
+        whole,
+        When::Always,
+    ),
+    rule(
+        &["self_attention.linear_kv_up_proj.weight"],
+        &[out(
+            "self_attn.kv_b_proj.weight",
+            &[
+                &["num_attention_heads", "qk_nope_head_dim+v_head_dim"],
+                KVLR,
+            ],
+        )],
+        whole,
+        When::Always,
+    ),
+    rule(
+        &["self_attention.linear_proj.weight"],
+        &[out(
+            "self_attn.o_proj.weight",
+            &[H, &["num_attention_heads", "v_head_dim"]],
+        )],
+        whole,
+        When::Always,
+    ),
+];
+
+/// glm4_moe's QKV bias and q/k norm, present as its config says.
+pub(crate) const GLM_ATTN_OPTIONS: &[Rule] = &[
+    rule(
+        &["self_attention.linear_qkv.bias"],
+        QKV_BIAS_OUTS,
+        qkv_per_group,
+        When::Flag("attention_bias"),
+    ),
+    rule(
+        &["self_attention.q_layernorm.weight"],
+        &[out("self_attn.q_norm.weight", &[HD])],
+        whole,
+        When::Flag("use_qk_norm"),
+    ),
+    rule(
+        &["self_attention.k_layernorm.weight"],
+        &[out("self_attn.k_norm.weight", &[HD])],
+        whole,
+        When::Flag("use_qk_norm"),
+    ),
+];
+
+/// deepseek_v3 / glm4_moe MoE layers: sigmoid router with its expert bias
+/// (`e_score_correction_bias`, which `save_pretrained` always writes), shared experts of
+/// `n_shared_experts x moe_intermediate_size` (MB `deepseek/common.py`, `glm45_bridge.py`).
+pub(crate) const DEEPSEEK_MOE: &[Rule] = &[
+    rule(
+        &["mlp.router.weight"],
+        &[out("mlp.gate.weight", &[E, H])],
+        whole,
+        When::MoeLayer,
+    ),
+    rule(
+        &["mlp.router.expert_bias"],
+        &[out("mlp.gate.e_score_correction_bias", &[E])],
+        whole,
+        When::MoeLayer,
+    ),
+    rule(
+        &["mlp.shared_experts.linear_fc1.weight"],
+        &[
+            out(
+                "mlp.shared_experts.gate_proj.weight",
+                &[SHARED_EXPERTS_FFN, H],
+            ),
+            out(
+                "mlp.shared_experts.up_proj.weight",
+                &[SHARED_EXPERTS_FFN, H],
+            ),
+        ],
+        gate_up,
+        When::MoeLayer,
+    ),
+    rule(
+        &["mlp.shared_experts.linear_fc2.weight"],
+        &[out(
+            "mlp.shared_experts.down_proj.weight",
+            &[H, SHARED_EXPERTS_FFN],
+        )],
+        whole,
+        When::MoeLayer,
+    ),
+];
+
+/// Per-expert SwiGLU experts of `moe_intermediate_size` (the same rows as in [`QWEN_MOE`]).
+pub(crate) const ROUTED_EXPERTS: &[Rule] = &[
+    experts(
+        &["mlp.experts.experts.linear_fc1.weight"],
+        &[
+            out("mlp.experts.{e}.gate_proj.weight", &[MOE_FFN, H]),
+            out("mlp.experts.{e}.up_proj.weight", &[MOE_FFN, H]),
+        ],
+        gate_up,
+    ),
+    experts(
+        &["mlp.experts.experts.linear_fc2.weight"],
+        &[out("mlp.experts.{e}.down_proj.weight", &[H, MOE_FFN])],
+        whole,
+    ),
+];
+
+const fn stacked(src: &'static [&'static str], outs: &'static [Out], post: Post) -> Rule {
+    Rule {
+        src,
+        outs,
+        split: whole,
+        experts: Experts::Stacked,
+        post,
+        when: When::MoeLayer,
+    }
+}
+
+/// gpt_oss: QKV and output biases, attention sinks (`softmax_offset`, one per head), a router with
+/// a bias, and experts written fused over all experts and transposed (`x @ W`), `gate_up` columns
+/// interleaved (MB `gpt_oss_bridge.py`; TF gpt_oss modeling).
+pub(crate) const GPT_OSS: &[Rule] = &[
+    rule(
+        &["self_attention.linear_proj.bias"],
+        &[out("self_attn.o_proj.bias", &[H])],
+        whole,
+        When::Always,
+    ),
+    rule(
+        &["self_attention.core_attention.softmax_offset"],
+        &[out("self_attn.sinks", &[&["num_attention_heads"]])],
+        whole,
+        When::Always,
+    ),
+    rule(
+        &["mlp.router.weight"],
+        &[out("mlp.router.weight", &[E, H])],
+        whole,
+        When::MoeLayer,
+    ),
+    rule(
+        &["mlp.router.bias"],
+        &[out("mlp.router.bias", &[E])],
+        whole,
+        When::MoeLayer,
+    ),
+    stacked(
+        &["mlp.experts.experts.linear_fc1.weight"],
+        &[out("mlp.experts.gate_up_proj", &[E, H, GATE_UP])],
+        Post::InterleaveTransposeLast2,
+    ),
+    stacked(
+        &["mlp.experts.experts.linear_fc1.bias"],
+        &[out("mlp.experts.gate_up_proj_bias", &[E, GATE_UP])],
+        Post::InterleaveLast,
+    ),
+    stacked(
+        &["mlp.experts.experts.linear_fc2.weight"],
+        &[out("mlp.experts.down_proj", &[E, FFN, H])],
+        Post::TransposeLast2,
+    ),
+    stacked(
+        &["mlp.experts.experts.linear_fc2.bias"],
+        &[out("mlp.experts.down_proj_bias", &[E, H])],
+        Post::None,
+    ),
+];
+
 // ---- checks -------------------------------------------------------------------------------------
 
 const fn check(hf: &'static str, args: &'static str, rel: Rel) -> Check {
@@ -480,11 +724,48 @@ pub(crate) const QWEN_MOE_CHECKS: &[Check] = &[
     check("num_experts", "moe_layer_freq", Rel::MoeLayers),
 ];
 
-/// Mixtral: experts' FFN size is `intermediate_size`.
+/// Mixtral and gpt_oss: experts' FFN size is `intermediate_size`.
 pub(crate) const MIXTRAL_CHECKS: &[Check] = &[
     check("num_experts", "num_experts", Rel::Eq),
     check("intermediate_size", "moe_ffn_hidden_size", Rel::Eq),
     check("num_experts", "moe_layer_freq", Rel::MoeLayers),
+];
+
+/// [`BASE_CHECKS`] without the head split, which MLA does not have (transformers' deepseek_v3
+/// `head_dim` is `qk_rope_head_dim`; Megatron's `kv_channels` is unused by MLA).
+pub(crate) const MLA_BASE_CHECKS: &[Check] = &[
+    check("num_hidden_layers", "num_layers", Rel::Eq),
+    check("hidden_size", "hidden_size", Rel::Eq),
+    check("num_attention_heads", "num_attention_heads", Rel::Eq),
+    check("vocab_size", "padded_vocab_size", Rel::Vocab),
+    check(
+        "tie_word_embeddings",
+        "untie_embeddings_and_output_weights",
+        Rel::Not,
+    ),
+];
+
+/// MLA's ranks and head sizes (Megatron `--q-lora-rank`, `--kv-lora-rank`, `--qk-head-dim` (the
+/// no-rope part), `--qk-pos-emb-head-dim`, `--v-head-dim`).
+pub(crate) const MLA_CHECKS: &[Check] = &[
+    check("q_lora_rank", "q_lora_rank", Rel::Eq),
+    check("kv_lora_rank", "kv_lora_rank", Rel::Eq),
+    check("qk_nope_head_dim", "qk_head_dim", Rel::Eq),
+    check("qk_rope_head_dim", "qk_pos_emb_head_dim", Rel::Eq),
+    check("v_head_dim", "v_head_dim", Rel::Eq),
+];
+
+/// deepseek_v3 / glm4_moe: dense and expert FFN sizes, shared experts, the first dense layers.
+pub(crate) const DEEPSEEK_MOE_CHECKS: &[Check] = &[
+    check("intermediate_size", "ffn_hidden_size", Rel::Eq),
+    check("num_experts", "num_experts", Rel::Eq),
+    check("moe_intermediate_size", "moe_ffn_hidden_size", Rel::Eq),
+    check(
+        "n_shared_experts*moe_intermediate_size",
+        "moe_shared_expert_intermediate_size",
+        Rel::Eq,
+    ),
+    check("first_k_dense_replace", "moe_layer_freq", Rel::MoeLayers),
 ];
 
 // ---- architectures ------------------------------------------------------------------------------
@@ -517,6 +798,34 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
         layer: &[ATTN_QKV, QK_NORM, NORMS, DENSE_MLP, QWEN_MOE],
         checks: &[BASE_CHECKS, DENSE_CHECKS, QWEN_MOE_CHECKS],
         moe_layers: LayerPattern::QwenSparseStep,
+    },
+    ArchSpec {
+        model_types: &["deepseek_v3"],
+        model: COMMON_MODEL,
+        layer: &[MLA_ATTN, NORMS, DENSE_MLP, DEEPSEEK_MOE, ROUTED_EXPERTS],
+        checks: &[MLA_BASE_CHECKS, MLA_CHECKS, DEEPSEEK_MOE_CHECKS],
+        moe_layers: LayerPattern::FirstKDense,
+    },
+    ArchSpec {
+        model_types: &["glm4_moe"],
+        model: COMMON_MODEL,
+        layer: &[
+            GLM_ATTN_OPTIONS,
+            ATTN_QKV,
+            NORMS,
+            DENSE_MLP,
+            DEEPSEEK_MOE,
+            ROUTED_EXPERTS,
+        ],
+        checks: &[BASE_CHECKS, DEEPSEEK_MOE_CHECKS],
+        moe_layers: LayerPattern::FirstKDense,
+    },
+    ArchSpec {
+        model_types: &["gpt_oss"],
+        model: COMMON_MODEL,
+        layer: &[QKV_BIAS_REQUIRED, ATTN_QKV, NORMS, GPT_OSS],
+        checks: &[BASE_CHECKS, MIXTRAL_CHECKS],
+        moe_layers: LayerPattern::AllMoe,
     },
     ArchSpec {
         model_types: &["qwen3_next"],
