@@ -144,3 +144,17 @@ def test_args_flags_the_architecture_implies_are_checked(saved, tmp_path):
     for flag in ("args.attention_output_gate says false", "args.apply_layernorm_1p says false",
                  "args.moe_shared_expert_gate says false"):
         assert flag in str(e.value)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_args_alone_give_the_layout_of_the_config(saved, tmp_path, family):
+    """Without config.json, the GDN sizes and the layer pattern come from the stored args
+    (Megatron 0.19's common_state here): the same tensors as with the config, the embedding and
+    output keeping their padded rows."""
+    base, reference = saved(family)
+    summary = shardwise.to_hf(str(base / "resharded" / "megatron"), str(tmp_path / "hf"), arch=family)
+    assert summary["args_check"] == "passed", summary
+    got = hf_families.safetensors_tensors(str(tmp_path / "hf"))
+    padded = {"model.embed_tokens.weight", "lm_head.weight"}
+    assert {k: v for k, v in got.items() if k not in padded} == {k: v for k, v in reference.items() if k not in padded}
+    assert all(got[k][1] == [hf_families.VOCAB_MEGATRON, reference[k][1][1]] for k in padded)

@@ -214,6 +214,11 @@ impl Dims {
                         cfg.insert(c.hf.into(), (!v).into());
                     }
                 }
+                Rel::Same => {
+                    if let Some(v) = args.flag(c.args) {
+                        cfg.insert(c.hf.into(), v.into());
+                    }
+                }
                 // The embedding's rows are kept (no vocab_size).
                 Rel::Vocab => {}
                 Rel::AttnLayers => {
@@ -445,6 +450,14 @@ pub(crate) fn check_args(d: &Dims, args: Option<&Args>, rows: Option<u64>) -> Re
             },
             Rel::Not => match (d.flag(c.hf).or(Some(d.tied)), a.flag(c.args)) {
                 (Some(h), Some(m)) if h == m => diffs.push(format!(
+                    "{}: {hf_src} says {h}, args.{} says {m}",
+                    c.hf, c.args
+                )),
+                (_, None) => unchecked.push(format!("{} (args has no {})", c.hf, c.args)),
+                _ => {}
+            },
+            Rel::Same => match (d.flag(c.hf).unwrap_or(false), a.flag(c.args)) {
+                (h, Some(m)) if h != m => diffs.push(format!(
                     "{}: {hf_src} says {h}, args.{} says {m}",
                     c.hf, c.args
                 )),
