@@ -167,3 +167,72 @@ def test_unmapped_key_is_an_error_unless_allowed(tmp_path):
         shardwise.to_hf(str(ck), str(tmp_path / "o"), hf_config=str(cfg))
     with pytest.raises(shardwise.ValidationError, match="were not produced"):
         shardwise.to_hf(str(ck), str(tmp_path / "o"), hf_config=str(cfg), allow_unmapped=True)
+
+
+def _files(d):
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.is_file()}
+
+
+def test_output_folder_is_refused_unless_overwrite_which_leaves_nothing_stale(saved, tmp_path):
+    arch, base = saved
+    if arch != "llama":
+        pytest.skip("one architecture is enough")
+    ck, cfg = str(base / "shardwise"), str(base / "hf_config" / "config.json")
+    out = tmp_path / "hf"
+    first = shardwise.to_hf(ck, str(out), hf_config=cfg, max_shard_size="100KB")
+    assert first["config_written"] and first["committed"] and first["files"] > 2
+    with pytest.raises(shardwise.InvalidArgumentError, match="is not empty .*pass --overwrite"):
+        shardwise.to_hf(ck, str(out), hf_config=cfg)
+    # The user's own files stay; the earlier conversion's shards (more of them) all go.
+    (out / "tokenizer.json").write_text("{}")
+    (out / "adapter_model.safetensors").write_bytes(b"mine")
+    second = shardwise.to_hf(ck, str(out), hf_config=cfg, max_shard_size="5GB", overwrite=True)
+    assert second["files"] == 1
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        {"model.safetensors.index.json", "config.json", "tokenizer.json", "adapter_model.safetensors",
+         *index["weight_map"].values()})
+    assert (out / "adapter_model.safetensors").read_bytes() == b"mine"
+    # Without --hf-config: no config.json, and an earlier one (describing the earlier weights) goes.
+    r = subprocess.run([sys.executable, "-m", "shardwise.cli", "to-hf", ck, str(out), "--arch", "llama",
+                        "--overwrite", "--json"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["config_written"] is False
+    assert "no config.json written" in r.stderr
+    assert not (out / "config.json").exists() and (out / "tokenizer.json").exists()
+
+
+def test_parts_and_workers_write_the_same_bytes_and_commit_once(saved, tmp_path):
+    arch, base = saved
+    if arch != "qwen3_moe":
+        pytest.skip("one architecture is enough")
+    ck, cfg = str(base / "megatron"), str(base / "hf_config" / "config.json")
+    one = tmp_path / "one"
+    shardwise.to_hf(ck, str(one), hf_config=cfg, max_shard_size="50KB", threads=1)
+    want = _files(one)
+    assert len(want) > 6
+    many = tmp_path / "many"
+    shardwise.to_hf(ck, str(many), hf_config=cfg, max_shard_size="50KB", threads=4)
+    assert _files(many) == want
+    split = tmp_path / "split"
+    for i in (2, 0):
+        s = shardwise.to_hf(ck, str(split), hf_config=cfg, max_shard_size="50KB", part=f"{i}/3")
+        assert s["part"] == f"{i}/3" and not s["committed"] and not s["config_written"]
+        assert not (split / "model.safetensors.index.json").exists(), "no index before every part is done"
+    s = shardwise.to_hf(ck, str(split), hf_config=cfg, max_shard_size="50KB", part="1/3")
+    assert s["committed"] and s["config_written"]
+    assert _files(split) == want
+    assert sorted(p.name for p in split.iterdir()) == sorted(want), "markers and temporary files are gone"
+    # A part run again after the commit has nothing to do; a different conversion is refused.
+    assert shardwise.to_hf(ck, str(split), hf_config=cfg, max_shard_size="50KB", part="0/3")["files"] == 0
+    with pytest.raises(shardwise.InvalidArgumentError, match="not empty"):
+        shardwise.to_hf(ck, str(split), hf_config=cfg, max_shard_size="80KB", part="0/2")
+    # Parts as concurrent processes (as on several machines sharing the folder).
+    par = tmp_path / "par"
+    procs = [subprocess.Popen([sys.executable, "-m", "shardwise.cli", "to-hf", ck, str(par), "--hf-config", cfg,
+                               "--max-shard-size", "50KB", "--part", f"{i}/3", "--workers", "1", "--json"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(3)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1] for o in outs]
+    assert sum(json.loads(o[0])["files"] for o in outs) == len(want) - 2  # less index and config
+    assert _files(par) == want
