@@ -162,6 +162,9 @@ pub(crate) enum Rel {
     /// Booleans, one the negation of the other (`tie_word_embeddings` vs
     /// `untie_embeddings_and_output_weights`).
     Not,
+    /// Equal booleans, absent in config.json being false (transformers' default for the fields
+    /// used: glm4_moe's `use_qk_norm`, `attention_bias`).
+    Same,
     /// The vocabulary: see [`super::dims::check_vocab`].
     Vocab,
     /// The MoE layer pattern (config via [`LayerPattern`], args `moe_layer_freq`).
@@ -755,6 +758,12 @@ pub(crate) const MLA_CHECKS: &[Check] = &[
     check("v_head_dim", "v_head_dim", Rel::Eq),
 ];
 
+/// glm4_moe's optional q/k norm and QKV bias ([`GLM_ATTN_OPTIONS`]).
+pub(crate) const GLM_ATTN_CHECKS: &[Check] = &[
+    check("use_qk_norm", "qk_layernorm", Rel::Same),
+    check("attention_bias", "add_qkv_bias", Rel::Same),
+];
+
 /// deepseek_v3 / glm4_moe: dense and expert FFN sizes, shared experts, the first dense layers.
 pub(crate) const DEEPSEEK_MOE_CHECKS: &[Check] = &[
     check("intermediate_size", "ffn_hidden_size", Rel::Eq),
@@ -817,7 +826,7 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
             DEEPSEEK_MOE,
             ROUTED_EXPERTS,
         ],
-        checks: &[BASE_CHECKS, DEEPSEEK_MOE_CHECKS],
+        checks: &[BASE_CHECKS, GLM_ATTN_CHECKS, DEEPSEEK_MOE_CHECKS],
         moe_layers: LayerPattern::FirstKDense,
     },
     ArchSpec {
