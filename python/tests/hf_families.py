@@ -255,7 +255,7 @@ def gdn_model(cfg):
                 group_query_attention=True, num_query_groups=tc.num_query_groups, kv_channels=tc.kv_channels,
                 ffn_hidden_size=tc.ffn_hidden_size, swiglu=True, padded_vocab_size=VOCAB_MEGATRON,
                 untie_embeddings_and_output_weights=True, apply_layernorm_1p=True, qk_layernorm=True,
-                attention_output_gate=True, rotary_percent=rotary_percent,
+                attention_output_gate=True, rotary_percent=rotary_percent, rotary_base=int(theta),
                 experimental_attention_variant="gated_delta_net", linear_attention_freq=full_every,
                 linear_conv_kernel_dim=tc.linear_conv_kernel_dim, linear_key_head_dim=tc.linear_key_head_dim,
                 linear_value_head_dim=tc.linear_value_head_dim, linear_num_key_heads=tc.linear_num_key_heads,

@@ -103,10 +103,14 @@ WRONG_FIELDS = [
      "layer_types: config.json gives FLFL, args.linear_attention_freq .* gives LFLF"),
     ("shared_expert_intermediate_size", 32,
      "shared_expert_intermediate_size: config.json says 32, args.moe_shared_expert_intermediate_size says 48"),
+    ("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+     "partial_rotary_factor: config.json says 0.5, args.rotary_percent says 0.25"),
+    ("rope_parameters", {"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.25},
+     "rope_theta: config.json says 1000000, args.rotary_base says 10000"),
 ]
 
 
-@pytest.mark.parametrize("field,value,message", WRONG_FIELDS, ids=[f[0] for f in WRONG_FIELDS])
+@pytest.mark.parametrize("field,value,message", WRONG_FIELDS, ids=[m.split(":")[0] for _, _, m in WRONG_FIELDS])
 def test_config_field_disagreeing_with_the_args_is_refused(saved, tmp_path, field, value, message):
     base, _ = saved("qwen3_next")
     bad = _with(base, tmp_path, **{field: value})

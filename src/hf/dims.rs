@@ -119,6 +119,12 @@ impl Dims {
         self.cfg.get(k).and_then(|v| v.as_bool())
     }
 
+    /// A number of the config, at the top level or in `rope_parameters`.
+    pub fn float(&self, k: &str) -> Option<f64> {
+        let rope = self.cfg.get("rope_parameters").and_then(|r| r.get(k));
+        self.cfg.get(k).or(rope).and_then(|v| v.as_f64())
+    }
+
     /// Layer `l`'s attention type: the config's `layer_types[l]`, or from `full_attention_interval`
     /// (default 4, transformers' for qwen3_next and qwen3_5) when it has no list: layer l is
     /// `full_attention` iff (l + 1) % interval == 0, else `linear_attention`.
@@ -221,6 +227,11 @@ impl Dims {
                 }
                 // The embedding's rows are kept (no vocab_size).
                 Rel::Vocab => {}
+                Rel::Float => {
+                    if let Some(v) = args.float(c.args) {
+                        cfg.insert(c.hf.into(), v.into());
+                    }
+                }
                 Rel::AttnLayers => {
                     if let Some(p) = args.attn_layers() {
                         cfg.insert("layer_types".into(), p.into());
@@ -291,6 +302,11 @@ impl Args {
             "num_experts" => raw(k).or_else(|| self.0.contains_key(k).then_some(0)),
             _ => raw(k),
         }
+    }
+
+    /// A number of the args (None when absent or not a number).
+    pub fn float(&self, k: &str) -> Option<f64> {
+        self.raw(k).and_then(|v| v.as_f64())
     }
 
     /// Per layer, the attention type (`linear_attention` or `full_attention`):
@@ -492,6 +508,13 @@ pub(crate) fn check_args(d: &Dims, args: Option<&Args>, rows: Option<u64>) -> Re
                     None => unchecked.push(format!("layer_types (args has no {})", c.args)),
                 }
             }
+            Rel::Float => match (d.float(c.hf), a.float(c.args)) {
+                (Some(h), Some(m)) if (h - m).abs() > 1e-9 * h.abs().max(m.abs()) => diffs.push(
+                    format!("{}: {hf_src} says {h}, args.{} says {m}", c.hf, c.args),
+                ),
+                (Some(_), None) => unchecked.push(format!("{} (args has no {})", c.hf, c.args)),
+                _ => {}
+            },
             Rel::ArgsTrue => match a.flag(c.args) {
                 Some(false) => diffs.push(format!(
                     "{}: {} implies it, args.{} says false",

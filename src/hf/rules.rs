@@ -173,6 +173,9 @@ pub(crate) enum Rel {
     /// (an int N: layer i is full attention iff (i + 1) % N == 0; a list: 1 linear, 0 full) and
     /// `experimental_attention_variant` `gated_delta_net`.
     AttnLayers,
+    /// Equal numbers, integer or not (the rotary fraction); the config field is also looked up
+    /// in `rope_parameters` (transformers 5 keeps it there).
+    Float,
     /// The architecture implies that this args flag is true (the `hf` name says what in the
     /// message); false in args is an error, absent is unchecked.
     ArgsTrue,
