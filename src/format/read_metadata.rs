@@ -16,6 +16,8 @@
 
 use std::collections::{BTreeMap, HashMap};
 
+use rayon::prelude::*;
+
 use crate::format::dtype::DType;
 use crate::format::metadata::{Chunk, Entry, StorageInfo};
 use crate::format::pickle::FxBuildHasher;
@@ -348,6 +350,60 @@ impl<'a> Dcp<'a> {
         }
     }
 
+    /// The [`Entry`] of key `fqn` from its `state_dict_metadata` value, storage not yet filled
+    /// (an empty `relative_path`).
+    fn entry(&self, fqn: &str, v: V) -> R<Entry> {
+        let missing = || StorageInfo {
+            relative_path: String::new(),
+            offset: 0,
+            length: 0,
+        };
+        let rec = match (self.class_of(v), v) {
+            (Class::Bytes, _) => return Ok(Entry::Bytes { storage: missing() }),
+            (Class::Tensor, V::Obj { rec, .. }) => rec,
+            _ => {
+                return bad(format!(
+                    "{fqn}: unknown storage metadata class {:?} ({})",
+                    self.class_name(v).unwrap_or_default(),
+                    self.kind(v)
+                ))
+            }
+        };
+        let [props, size, chunk_list] = self.tensors[rec as usize];
+        if matches!(props, V::Unset) {
+            return bad(format!("{fqn}: no properties"));
+        }
+        let dtype = self.dtype(props, fqn)?;
+        if matches!(size, V::Unset) {
+            return bad(format!("{fqn}: no size"));
+        }
+        let global_shape = self.shape(size, &|| format!("{fqn}: size"))?.to_vec();
+        let list = self
+            .items(chunk_list)
+            .ok_or_else(|| MetadataError(format!("{fqn}: chunks is not a list")))?;
+        let mut chunks = Vec::with_capacity(list.len());
+        for &c in list {
+            let [offsets, sizes] = match (self.class_of(c), c) {
+                (Class::Chunk, V::Obj { rec, .. }) => self.chunks[rec as usize],
+                _ => return bad(format!("{fqn}: chunk is {}", self.kind(c))),
+            };
+            chunks.push(Chunk {
+                offsets: self
+                    .shape(offsets, &|| format!("{fqn}: chunk offsets"))?
+                    .to_vec(),
+                sizes: self
+                    .shape(sizes, &|| format!("{fqn}: chunk sizes"))?
+                    .to_vec(),
+                storage: missing(),
+            });
+        }
+        Ok(Entry::Tensor {
+            dtype,
+            global_shape,
+            chunks,
+        })
+    }
+
     /// Allocates an object's row in the table of its class.
     fn row(&mut self, class: Class) -> Result<u32, UnpickleError> {
         let (n, _) = match class {
@@ -567,61 +623,19 @@ pub fn read_metadata(bytes: &[u8]) -> R<CheckpointMetadata> {
     // The keys, in pickle order (a repeated key replaces the earlier one, as in Python).
     let mut keys: Vec<(&str, Entry)> = Vec::new();
     let mut by_fqn: HashMap<&str, usize> = HashMap::new();
-    let missing = || StorageInfo {
-        relative_path: String::new(),
-        offset: 0,
-        length: 0,
-    };
-    for &(k, v) in b.dict_pairs(sdm, "state_dict_metadata")? {
-        let fqn = b
-            .text(k)
-            .ok_or_else(|| MetadataError(format!("state_dict_metadata key is {}", b.kind(k))))?;
-        let entry = match b.class_of(v) {
-            Class::Bytes => Entry::Bytes { storage: missing() },
-            Class::Tensor => {
-                let V::Obj { rec, .. } = v else {
-                    unreachable!("class_of is a DCP class only for objects")
-                };
-                let [props, size, chunk_list] = b.tensors[rec as usize];
-                if matches!(props, V::Unset) {
-                    return bad(format!("{fqn}: no properties"));
-                }
-                let dtype = b.dtype(props, fqn)?;
-                if matches!(size, V::Unset) {
-                    return bad(format!("{fqn}: no size"));
-                }
-                let global_shape = b.shape(size, &|| format!("{fqn}: size"))?.to_vec();
-                let list = b
-                    .items(chunk_list)
-                    .ok_or_else(|| MetadataError(format!("{fqn}: chunks is not a list")))?;
-                let mut chunks = Vec::with_capacity(list.len());
-                for &c in list {
-                    let [offsets, sizes] = match (b.class_of(c), c) {
-                        (Class::Chunk, V::Obj { rec, .. }) => b.chunks[rec as usize],
-                        _ => return bad(format!("{fqn}: chunk is {}", b.kind(c))),
-                    };
-                    chunks.push(Chunk {
-                        offsets: b
-                            .shape(offsets, &|| format!("{fqn}: chunk offsets"))?
-                            .to_vec(),
-                        sizes: b.shape(sizes, &|| format!("{fqn}: chunk sizes"))?.to_vec(),
-                        storage: missing(),
-                    });
-                }
-                Entry::Tensor {
-                    dtype,
-                    global_shape,
-                    chunks,
-                }
-            }
-            _ => {
-                return bad(format!(
-                    "{fqn}: unknown storage metadata class {:?} ({})",
-                    b.class_name(v).unwrap_or_default(),
-                    b.kind(v)
-                ))
-            }
-        };
+    // Keys are made in parallel; the first error in pickle order is reported.
+    let made: Vec<R<(&str, Entry)>> = b
+        .dict_pairs(sdm, "state_dict_metadata")?
+        .par_iter()
+        .map(|&(k, v)| {
+            let fqn = b.text(k).ok_or_else(|| {
+                MetadataError(format!("state_dict_metadata key is {}", b.kind(k)))
+            })?;
+            Ok((fqn, b.entry(fqn, v)?))
+        })
+        .collect();
+    for m in made {
+        let (fqn, entry) = m?;
         match by_fqn.get(fqn) {
             Some(&i) => keys[i].1 = entry,
             None => {
@@ -659,7 +673,9 @@ pub fn read_metadata(bytes: &[u8]) -> R<CheckpointMetadata> {
 
 /// Fills each chunk's (and byte object's) storage from `storage_data`, a dict
 /// `MetadataIndex(fqn, offset, index) -> _StorageInfo` keyed by `(fqn, offset)` (later entries win,
-/// as in the Python dict). Every entry is checked, also those of keys `state_dict_metadata` lacks.
+/// as in the Python dict). Every entry is checked, in order, also those of keys
+/// `state_dict_metadata` lacks; then each key's entries are matched to its chunks, keys in
+/// parallel (the chunk lists are visited in another order than `storage_data`'s: cache misses).
 fn join_storage<'a>(
     b: &Dcp<'a>,
     sd: V,
@@ -667,15 +683,22 @@ fn join_storage<'a>(
     by_fqn: &HashMap<&'a str, usize>,
     transforms: &mut HashMap<(String, Option<Vec<u64>>), Vec<String>>,
 ) -> R<()> {
+    /// One checked entry: where its chunk's offsets are (None for a byte object), the index
+    /// hint, the path (into `paths`), offset and length.
+    struct Item<'s> {
+        offsets: Option<&'s [u64]>,
+        hint: Option<u64>,
+        path: u32,
+        offset: u64,
+        length: u64,
+    }
     // Memoized fqn and path strings repeat at the same input position: each is looked up (and its
     // path copied out) once per position. Positions are not chosen by the hash's adversary in any
     // useful way (each costs the input its bytes), so the fast hasher is fine here.
     let mut key_at: HashMap<u64, Option<usize>, FxBuildHasher> = HashMap::default();
-    let mut path_at: HashMap<u64, String, FxBuildHasher> = HashMap::default();
-    // Per key, chunk positions by offsets, made only when neither hint below finds the chunk.
-    let mut by_offsets: HashMap<usize, HashMap<Vec<u64>, usize>> = HashMap::new();
-    // Per key, the chunk after the last one matched: where an entry without a hint looks first.
-    let mut next = vec![0usize; keys.len()];
+    let mut path_at: HashMap<u64, u32, FxBuildHasher> = HashMap::default();
+    let mut paths: Vec<String> = Vec::new();
+    let mut per_key: Vec<Vec<Item>> = (0..keys.len()).map(|_| Vec::new()).collect();
     for &(k, v) in b.dict_pairs(sd, "storage_data")? {
         let [fqn_v, offset_v, index_v] = match (b.class_of(k), k) {
             (Class::Index, V::Obj { rec, .. }) => b.indexes[rec as usize],
@@ -686,7 +709,7 @@ fn join_storage<'a>(
         };
         // A string value is valid UTF-8 (checked when decoded): this is for messages.
         let fqn = || b.text(fqn_v).unwrap_or_default();
-        let offset = match offset_v {
+        let offsets = match offset_v {
             V::Unset | V::None => None,
             o => Some(b.shape(o, &|| format!("{}: MetadataIndex.offset", fqn()))?),
         };
@@ -702,14 +725,14 @@ fn join_storage<'a>(
                 MetadataError(format!("{}: {name} is not a non-negative int", fqn()))
             })
         };
-        let (offset_n, length) = (num(off_v, "offset")?, num(len_v, "length")?);
+        let (offset, length) = (num(off_v, "offset")?, num(len_v, "length")?);
         if let Some(list) = b.items(tr_v) {
             let names: Vec<String> = list
                 .iter()
                 .filter_map(|d| b.text(*d).map(String::from))
                 .collect();
             if !names.is_empty() {
-                transforms.insert((fqn().to_string(), offset.map(|o| o.to_vec())), names);
+                transforms.insert((fqn().to_string(), offsets.map(|o| o.to_vec())), names);
             }
         }
         let key = *key_at
@@ -718,44 +741,60 @@ fn join_storage<'a>(
         let Some(key) = key else {
             continue; // a key state_dict_metadata does not have: nothing reads it
         };
-        let relative_path = path_at
-            .entry(path_pos)
-            .or_insert_with(|| b.text(path_v).unwrap_or_default().to_string())
-            .clone();
-        let info = StorageInfo {
-            relative_path,
-            offset: offset_n,
+        let path = *path_at.entry(path_pos).or_insert_with(|| {
+            paths.push(b.text(path_v).unwrap_or_default().to_string());
+            (paths.len() - 1) as u32
+        });
+        per_key[key].push(Item {
+            offsets,
+            hint: b.uint(index_v),
+            path,
+            offset,
             length,
-        };
-        match (&mut keys[key].1, offset) {
-            (Entry::Bytes { storage }, None) => *storage = info,
-            (Entry::Tensor { chunks, .. }, Some(offsets)) => {
-                // torch's planner records the chunk's position; Megatron's saves record None,
-                // but list each key's chunks in the order of their storage entries.
-                let hint = b.uint(index_v).map_or(next[key], |i| i as usize);
-                let at = if chunks.get(hint).is_some_and(|c| c.offsets == offsets) {
-                    Some(hint)
-                } else {
-                    by_offsets
-                        .entry(key)
-                        .or_insert_with(|| {
-                            let mut m = HashMap::new();
-                            for (i, c) in chunks.iter().enumerate() {
-                                m.entry(c.offsets.clone()).or_insert(i);
-                            }
-                            m
-                        })
-                        .get(offsets)
-                        .copied()
+        });
+    }
+    keys.par_iter_mut()
+        .zip(per_key)
+        .for_each(|((_, entry), items)| {
+            // Per key, chunk positions by offsets, made only when neither hint finds the chunk.
+            let mut by_offsets: Option<HashMap<Vec<u64>, usize>> = None;
+            // The chunk after the last one matched: where an entry without a hint looks first
+            // (Megatron's saves record no hint, but list a key's chunks in storage order).
+            let mut next = 0usize;
+            for it in items {
+                let info = StorageInfo {
+                    relative_path: paths[it.path as usize].clone(),
+                    offset: it.offset,
+                    length: it.length,
                 };
-                if let Some(i) = at {
-                    chunks[i].storage = info;
-                    next[key] = i + 1;
+                match (&mut *entry, it.offsets) {
+                    (Entry::Bytes { storage }, None) => *storage = info,
+                    (Entry::Tensor { chunks, .. }, Some(offsets)) => {
+                        let hint = it.hint.map_or(next, |i| i as usize);
+                        let at = if chunks.get(hint).is_some_and(|c| c.offsets == offsets) {
+                            Some(hint)
+                        } else {
+                            by_offsets
+                                .get_or_insert_with(|| {
+                                    let mut m = HashMap::new();
+                                    for (i, c) in chunks.iter().enumerate() {
+                                        m.entry(c.offsets.clone()).or_insert(i);
+                                    }
+                                    m
+                                })
+                                .get(offsets)
+                                .copied()
+                        };
+                        if let Some(i) = at {
+                            chunks[i].storage = info;
+                            next = i + 1;
+                        }
+                    }
+                    // A tensor key without offsets, or a byte object with them: nothing reads it.
+                    _ => {}
                 }
             }
-            _ => {} // a tensor key without offsets, or a byte object with them: nothing reads it
-        }
-    }
+        });
     Ok(())
 }
 
