@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 
+import hf_families_moe
 from mcore import init_gloo
 
 VOCAB_MEGATRON = 256  # the model's (padded) vocabulary; the HF configs say 250: the converter trims
@@ -275,6 +276,8 @@ FAMILIES: dict[str, Family] = {
     "qwen3_5_moe": Family(qwen3_5_moe_config, gdn_model, moe=True, cpu_patches=(_cpu_gdn_patches,)),
     "qwen3_5": Family(qwen3_5_config, gdn_model, cpu_patches=(_cpu_gdn_patches,)),
 }
+# deepseek_v3 (MLA), glm4_moe, gpt_oss: their configs and Megatron builders are in hf_families_moe.
+FAMILIES.update({name: Family(**kw) for name, kw in hf_families_moe.FAMILY_ARGS.items()})
 
 
 # --- the harness ------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""`shardwise to-hf` for the hybrid Gated-DeltaNet families, qwen3_next, qwen3_5_moe and qwen3_5: a real
+"""`shardwise to-hf` for the hybrid Gated-DeltaNet families, qwen3_next, qwen3_5_moe and qwen3_5, and for
+deepseek_v3 (MLA), glm4_moe and gpt_oss (``hf_families_moe``): a real
 megatron-core 0.19.2 model of each (``hf_families``: Gated DeltaNet and gated full attention, MoE with a
 gated shared expert or a dense MLP, zero-centred norms), built on CPU, saved at TP=1 and at TP=2
 (x EP=2 for MoE) by Megatron's own torch_dist and by shardwise (one 2-process run per family), is
@@ -17,7 +18,7 @@ import hf_families
 import shardwise
 from mcore import spawn
 
-FAMILIES = ["qwen3_next", "qwen3_5_moe", "qwen3_5"]
+FAMILIES = ["qwen3_next", "qwen3_5_moe", "qwen3_5", "deepseek_v3", "glm4_moe", "gpt_oss"]
 # max |HF - Megatron| / max |Megatron| over the logits of the fixed tokens.
 MAX_REL_DIFF = 1e-4
 
@@ -162,3 +163,37 @@ def test_args_alone_give_the_layout_of_the_config(saved, tmp_path, family):
     padded = {"model.embed_tokens.weight", "lm_head.weight"}
     assert {k: v for k, v in got.items() if k not in padded} == {k: v for k, v in reference.items() if k not in padded}
     assert all(got[k][1] == [hf_families.VOCAB_MEGATRON, reference[k][1][1]] for k in padded)
+
+
+# (family, config field, bad value, message): each field of the deepseek_v3 / glm4_moe / gpt_oss
+# mappings that the checkpoint's args also store, set wrong in config.json (hf_families_moe's sizes).
+MOE_WRONG_FIELDS = [
+    ("deepseek_v3", "q_lora_rank", 32, "q_lora_rank: config.json says 32, args.q_lora_rank says 24"),
+    ("deepseek_v3", "kv_lora_rank", 8, "kv_lora_rank: config.json says 8, args.kv_lora_rank says 16"),
+    ("deepseek_v3", "qk_nope_head_dim", 8, "qk_nope_head_dim: config.json says 8, args.qk_head_dim says 16"),
+    ("deepseek_v3", "qk_rope_head_dim", 16, "qk_rope_head_dim: config.json says 16, args.qk_pos_emb_head_dim says 8"),
+    ("deepseek_v3", "v_head_dim", 16, "v_head_dim: config.json says 16, args.v_head_dim says 12"),
+    ("deepseek_v3", "n_shared_experts", 1,
+     r"n_shared_experts\*moe_intermediate_size: config.json says 32, args.moe_shared_expert_intermediate_size says 64"),
+    ("deepseek_v3", "first_k_dense_replace", 2, "MoE layer pattern: config.json gives --E .*first_k_dense_replace 2"),
+    ("deepseek_v3", "n_routed_experts", 4, "num_experts: config.json says 4, args.num_experts says 8"),
+    ("deepseek_v3", "moe_intermediate_size", 16, "moe_intermediate_size: config.json says 16, args.moe_ffn_hidden_size"),
+    ("deepseek_v3", "intermediate_size", 128, "intermediate_size: config.json says 128, args.ffn_hidden_size says 96"),
+    ("glm4_moe", "first_k_dense_replace", 0, "MoE layer pattern: config.json gives EEE"),
+    ("glm4_moe", "n_shared_experts", 2, r"n_shared_experts\*moe_intermediate_size: config.json says 64"),
+    ("glm4_moe", "use_qk_norm", False, "use_qk_norm: config.json says false, args.qk_layernorm says true"),
+    ("glm4_moe", "attention_bias", False, "attention_bias: config.json says false, args.add_qkv_bias says true"),
+    ("glm4_moe", "head_dim", 8, "head_dim: config.json says 8, args.kv_channels says 16"),
+    ("gpt_oss", "num_local_experts", 8, "num_experts: config.json says 8, args.num_experts says 4"),
+    ("gpt_oss", "intermediate_size", 64, "intermediate_size: config.json says 64, args.moe_ffn_hidden_size says 32"),
+]
+
+
+@pytest.mark.parametrize("family,field,value,message", MOE_WRONG_FIELDS,
+                         ids=[f"{f}-{k}" for f, k, _, _ in MOE_WRONG_FIELDS])
+def test_moe_family_field_disagreeing_with_the_args_is_refused(saved, tmp_path, family, field, value, message):
+    base, _ = saved(family)
+    bad = _with(base, tmp_path, **{field: value})
+    with pytest.raises(shardwise.ValidationError, match=message):
+        shardwise.to_hf(str(base / "tp1" / "shardwise"), str(tmp_path / "o"), hf_config=str(bad))
+    assert not (tmp_path / "o" / "model.safetensors.index.json").exists()
