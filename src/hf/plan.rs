@@ -175,8 +175,9 @@ fn apply(
     Ok(out)
 }
 
-/// The parts of a joined source whose first part is `key` (sub-key `first`, shape `shape`): each
-/// part's key and row count, and the joined shape (rows summed).
+/// The parts of a joined source whose first part is `key` (sub-key `first`, shape `shape`, rows on
+/// dimension `axis`: 1 when layers are stacked on dimension 0): each part's key and row count, and
+/// the joined shape (rows summed).
 ///
 /// Errors: [`Error::Validation`] for a missing part, or parts that differ in dtype or in any
 /// dimension but the rows.
@@ -186,6 +187,7 @@ fn joined_source(
     shape: &[u64],
     dtype: DType,
     parts: &[String],
+    axis: usize,
     lookup: Lookup,
 ) -> Result<(Vec<(String, u64)>, Vec<u64>)> {
     let base = &key[..key.len() - first.len()];
@@ -199,16 +201,17 @@ fn joined_source(
                 parts.join(" + ")
             )));
         };
-        if t != dtype || s.len() != shape.len() || s.is_empty() || s[1..] != shape[1..] {
+        let others = |v: &[u64]| [&v[..axis], &v[axis + 1..]].concat();
+        if t != dtype || s.len() != shape.len() || s.len() <= axis || others(&s) != others(shape) {
             return Err(Error::Validation(format!(
                 "{k} ({} {s:?}) does not join {key} ({} {shape:?}) along its rows",
                 t.torch_name(),
                 dtype.torch_name()
             )));
         }
-        out.push((k, s[0]));
+        out.push((k, s[axis]));
     }
-    joined[0] = out.iter().map(|x| x.1).sum();
+    joined[axis] = out.iter().map(|x| x.1).sum();
     Ok((out, joined))
 }
 
@@ -289,7 +292,8 @@ fn map_key(d: &Dims, key: &str, shape: &[u64], dtype: DType, lookup: Lookup) -> 
         (None, None) => return Ok(Mapped::Unmapped),
         (None, Some((_, i, _))) if i > 0 => return Ok(Mapped::Joined),
         (None, Some((r, _, parts))) => {
-            let (parts, shape) = joined_source(key, sub, shape, dtype, &parts, lookup)?;
+            let (parts, shape) =
+                joined_source(key, sub, shape, dtype, &parts, stacked as usize, lookup)?;
             (r, Some(parts), shape)
         }
     };
@@ -626,6 +630,64 @@ mod tests {
         let mut b: Vec<u8> = (0u8..8).collect();
         apply_post(Post::InterleaveLast, DType::U8, &[2, 4], &mut b).unwrap();
         assert_eq!(b, vec![0, 2, 1, 3, 4, 6, 5, 7]);
+    }
+
+    #[test]
+    fn joined_in_proj_of_stacked_layers() {
+        // Qwen3.5 GDN: q, k 2 x 3 rows, v, z 4 x 2, beta, alpha 4; two layers stacked on dim 0.
+        let d = dims(
+            serde_json::json!({"model_type": "qwen3_5_text", "num_hidden_layers": 2,
+            "hidden_size": 8, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 2,
+            "vocab_size": 10, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+            "linear_key_head_dim": 3, "linear_value_head_dim": 2, "linear_conv_kernel_dim": 4,
+            "layer_types": ["linear_attention", "linear_attention"]}),
+        );
+        let base = "decoder.layers.self_attention.in_proj.weight.";
+        let rows = |part: &str| match part {
+            "query" | "key" => 6,
+            "value" | "z" => 8,
+            _ => 4,
+        };
+        let lookup = |k: &str| Some((vec![2, rows(k.strip_prefix(base)?), 8], DType::F32));
+        let shape = [2, 6, 8];
+        let Mapped::Tensors(v) =
+            map_key(&d, &format!("{base}query"), &shape, DType::F32, &lookup).unwrap()
+        else {
+            panic!()
+        };
+        let qkv = v
+            .iter()
+            .find(|t| t.name == "model.layers.1.linear_attn.in_proj_qkv.weight")
+            .unwrap();
+        assert_eq!(qkv.shape, vec![20, 8]);
+        let got: Vec<(&str, Vec<u64>, Vec<u64>)> = qkv
+            .pieces
+            .iter()
+            .map(|p| (&p.key[base.len()..], p.offsets.clone(), p.sizes.clone()))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                ("query", vec![1, 0, 0], vec![1, 6, 8]),
+                ("key", vec![1, 0, 0], vec![1, 6, 8]),
+                ("value", vec![1, 0, 0], vec![1, 8, 8]),
+            ]
+        );
+        assert!(matches!(
+            map_key(&d, &format!("{base}z"), &[2, 8, 8], DType::F32, &lookup),
+            Ok(Mapped::Joined)
+        ));
+        // A missing part is named.
+        let e = map_key(
+            &d,
+            &format!("{base}query"),
+            &shape,
+            DType::F32,
+            &|k: &str| (!k.ends_with("alpha")).then(|| lookup(k)).flatten(),
+        );
+        assert!(e.is_err_and(|e| e
+            .to_string()
+            .contains("no decoder.layers.self_attention.in_proj.weight.alpha")));
     }
 
     fn dims(cfg: serde_json::Value) -> Dims {
