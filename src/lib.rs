@@ -2,6 +2,7 @@
 //!
 //! Each rank writes its own main-replica chunks ([`writer`]), publishes a metadata part, and a
 //! merging rank commits the global `.metadata` through a file-based rendezvous ([`commit`]).
+pub mod blockcrc;
 pub mod cli;
 pub mod commit;
 pub mod diff;

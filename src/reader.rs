@@ -43,6 +43,8 @@ pub struct Checkpoint {
     /// Save-time CRC-32s: key -> records sorted by chunk offsets (None, a byte object, first).
     /// Never changed after `open`, so a record's address identifies its item.
     recorded: Option<HashMap<String, Vec<Recorded>>>,
+    /// Payload bytes per block CRC-32 of the sidecar ([`crate::blockcrc`]); 0 without block CRCs.
+    block_bytes: u64,
     /// Items of mapped files already checked against their CRC (addresses of their records).
     verified: Mutex<HashSet<usize>>,
 }
@@ -174,7 +176,9 @@ impl Checkpoint {
             .read(".metadata")?
             .ok_or_else(|| crate::hints::no_metadata(&loc))?;
         let metadata = read_metadata(&bytes).map_err(|e| corrupt(&path, e.0))?;
-        let recorded = read_checksums(&loc)?.map(|sums| {
+        let sums = read_checksums(&loc)?;
+        let block_bytes = sums.as_ref().map_or(0, |s| s.block_bytes);
+        let recorded = sums.map(|sums| {
             let mut by_key: HashMap<String, Vec<Recorded>> = HashMap::new();
             for i in sums.items {
                 by_key.entry(i.fqn.clone()).or_default().push(i);
@@ -190,6 +194,7 @@ impl Checkpoint {
             metadata,
             files: Mutex::new(HashMap::new()),
             recorded,
+            block_bytes,
             verified: Mutex::new(HashSet::new()),
         })
     }
@@ -484,6 +489,43 @@ impl Checkpoint {
                 rec.offset,
                 rec.length,
                 rec.crc32
+            ),
+        ))
+    }
+
+    /// Payload bytes per block CRC-32 when the save recorded block CRCs ([`crate::blockcrc`]).
+    pub(crate) fn block_bytes(&self) -> Option<u64> {
+        (self.block_bytes > 0).then_some(self.block_bytes)
+    }
+
+    /// Compares the CRC-32 `got` of block `block` of an item's payload, which lies at bytes `at`
+    /// of the item's file, with the one recorded at save time.
+    ///
+    /// Errors: [`Error::Corrupt`] naming the key (and chunk), the file and the block's byte offset
+    /// in the file when the CRC-32 differs.
+    pub(crate) fn check_block_crc(
+        &self,
+        rec: &Recorded,
+        block: u64,
+        at: std::ops::Range<u64>,
+        got: u32,
+    ) -> Result<()> {
+        let want = rec.blocks[block as usize];
+        if got == want {
+            return Ok(());
+        }
+        Err(corrupt(
+            self.dir.join(&rec.relative_path),
+            format!(
+                "{} (item at offset {}, {} bytes): block {block} of its tensor data, bytes \
+                 {}..{} of the file (offset {}), fails the CRC-32 recorded at save time \
+                 (recorded {want:08x}, computed {got:08x})",
+                rec.what(),
+                rec.offset,
+                rec.length,
+                at.start,
+                at.end,
+                at.start
             ),
         ))
     }

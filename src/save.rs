@@ -266,6 +266,7 @@ fn write_and_publish(
                 offset: placed.offset,
                 length: placed.length,
                 crc32: placed.crc32,
+                blocks: placed.blocks.clone(),
             });
         }
         for (o, placed) in objects.iter().zip(&written.objects) {

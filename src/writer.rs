@@ -7,6 +7,8 @@
 
 use rayon::prelude::*;
 
+use crate::blockcrc::{hash_piece, PayloadCrc, PieceCrc};
+
 use crate::error::{Error, Result};
 use crate::format::dtype::DType;
 use crate::format::zip::ArchiveLayout;
@@ -62,11 +64,13 @@ pub struct ByteObject<'a> {
 
 /// Where one item landed: byte `offset` and `length` in the file, and the CRC-32 of its bytes
 /// (recorded in the part and the checksum sidecar; DCP itself has no checksum).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Placed {
     pub offset: u64,
     pub length: u64,
     pub crc32: u32,
+    /// CRC-32s of the blocks of a tensor's payload ([`crate::blockcrc`]); empty for objects.
+    pub blocks: Vec<u32>,
 }
 
 /// Where each item landed, tensors then objects in input order.
@@ -78,14 +82,14 @@ pub struct Written {
     pub sha256: Option<[u8; 32]>,
 }
 
-/// The file's bytes fed in file order as they are written: the running payload CRC-32 of each
-/// tensor (an archive tail holds its payload's CRC, so it is known once the payload has passed)
+/// The file's bytes fed in file order as they are written: the running payload and block CRC-32s
+/// of each tensor (an archive tail holds its payload's CRC, so it is known once the payload has passed)
 /// and, when asked for, the SHA-256 of the whole file, for megatron-core 0.19's integrity manifest
 /// (`integrity.json`, see [`crate::integrity`]). SHA-256 cannot be combined from pieces as CRC-32
 /// can, hence the order.
 struct InOrder {
     sha: Option<sha2::Sha256>,
-    payload_crc: Vec<crc32fast::Hasher>,
+    payload_crc: Vec<PayloadCrc>,
     suffixes: Vec<Option<Vec<u8>>>,
 }
 
@@ -94,7 +98,7 @@ impl InOrder {
         use sha2::Digest;
         InOrder {
             sha: digest.then(sha2::Sha256::new),
-            payload_crc: (0..tensors).map(|_| crc32fast::Hasher::new()).collect(),
+            payload_crc: vec![PayloadCrc::default(); tensors],
             suffixes: vec![None; tensors],
         }
     }
@@ -132,7 +136,7 @@ impl InOrder {
 
     /// Bytes `at..at + len` of tensor `item`'s archive tail; its payload must have been fed.
     fn tail(&mut self, lay: &FileLayout, item: usize, at: u64, len: usize) -> &[u8] {
-        let crc = &self.payload_crc[item];
+        let crc = self.payload_crc[item].payload();
         let suffix = self.suffixes[item]
             .get_or_insert_with(|| lay.layouts[item].suffix(crc.clone().finalize()));
         &suffix[at as usize..at as usize + len]
@@ -207,9 +211,6 @@ pub struct Staging<'s> {
     pub on_staged: Option<Box<dyn FnOnce() + Send + 's>>,
 }
 
-/// Payload CRC of one piece: (tensor index, offset in its payload, hasher over the piece).
-type PieceCrc = (usize, u64, crc32fast::Hasher);
-
 /// Writes all items of one rank into `file_path` and fsyncs it. `seed` makes the archives'
 /// `serialization_id`s distinct per rank. Without `staging`, host payloads are written straight from
 /// the caller's memory by parallel positioned writes; with it, payloads go through the staging pool.
@@ -242,12 +243,10 @@ pub fn write_rank_file(
     };
 
     // Combine piece CRCs in payload order and write the archive tails.
-    pieces.sort_unstable_by_key(|&(item, at, _)| (item, at));
-    let mut per_item: Vec<crc32fast::Hasher> = (0..tensors.len())
-        .map(|_| crc32fast::Hasher::new())
-        .collect();
-    for (item, _, h) in pieces {
-        per_item[item].combine(&h);
+    pieces.sort_unstable_by_key(|p| (p.item, p.at));
+    let mut per_item = vec![PayloadCrc::default(); tensors.len()];
+    for p in &pieces {
+        per_item[p.item].add_piece(p);
     }
     let tensor_crcs = per_item
         .into_par_iter()
@@ -255,11 +254,11 @@ pub fn write_rank_file(
         .map(|(i, payload)| {
             let l = &lay.layouts[i];
             let tail_at = lay.tensor_pos[i].0 + l.prefix.len() as u64 + l.payload_len;
-            let suffix = l.suffix(payload.clone().finalize());
+            let suffix = l.suffix(payload.payload().clone().finalize());
             file.write_at(&suffix, tail_at)?;
-            Ok(item_crc(l, &payload, &suffix))
+            Ok((item_crc(l, payload.payload(), &suffix), payload.finish()))
         })
-        .collect::<Result<Vec<u32>>>()?;
+        .collect::<Result<Vec<(u32, Vec<u32>)>>>()?;
     file.sync()?;
     Ok(lay.written(objects, tensor_crcs, sha256))
 }
@@ -343,7 +342,11 @@ pub fn write_rank_object(
     let tensor_crcs = (0..tensors.len())
         .map(|i| {
             let suffix = order.suffixes[i].take().unwrap_or_default();
-            item_crc(&lay.layouts[i], &order.payload_crc[i], &suffix)
+            let payload = std::mem::take(&mut order.payload_crc[i]);
+            (
+                item_crc(&lay.layouts[i], payload.payload(), &suffix),
+                payload.finish(),
+            )
         })
         .collect();
     Ok(lay.written(objects, tensor_crcs, order.sha256()))
@@ -399,13 +402,14 @@ impl FileLayout {
     fn written(
         &self,
         objects: &[ByteObject],
-        tensor_crcs: Vec<u32>,
+        tensor_crcs: Vec<(u32, Vec<u32>)>,
         sha256: Option<[u8; 32]>,
     ) -> Written {
-        let place = |&(offset, length): &(u64, u64), crc32| Placed {
+        let place = |&(offset, length): &(u64, u64), (crc32, blocks)| Placed {
             offset,
             length,
             crc32,
+            blocks,
         };
         Written {
             tensors: self
@@ -418,7 +422,7 @@ impl FileLayout {
                 .object_pos
                 .iter()
                 .zip(objects)
-                .map(|(p, o)| place(p, crc32fast::hash(o.bytes)))
+                .map(|(p, o)| place(p, (crc32fast::hash(o.bytes), Vec::new())))
                 .collect(),
             file_size: self.total,
             sha256,
@@ -478,10 +482,9 @@ fn write_direct(
                     payload_at,
                     at,
                 } => {
-                    let mut h = crc32fast::Hasher::new();
-                    h.update(bytes);
+                    let crc = hash_piece(*item, *payload_at, bytes);
                     file.write_at(bytes, *at)?;
-                    Ok(Some((*item, *payload_at, h)))
+                    Ok(Some(crc))
                 }
             }
         })
@@ -673,9 +676,8 @@ fn write_staged(
                                 let bytes = &buf.as_slice()[..used];
                                 for seg in &plan_ref[w as usize] {
                                     if let Some((item, off)) = seg.payload {
-                                        let mut h = crc32fast::Hasher::new();
-                                        h.update(&bytes[seg.buf_at..seg.buf_at + seg.len]);
-                                        crcs.push((item, off, h));
+                                        let b = &bytes[seg.buf_at..seg.buf_at + seg.len];
+                                        crcs.push(hash_piece(item, off, b));
                                     }
                                 }
                                 file.write_at(bytes, w * bsize)

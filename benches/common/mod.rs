@@ -37,6 +37,7 @@ pub fn publish_parts(dir: &Path, world: u32, chunks: u64) {
                 offset: k * 1000,
                 length: 1000,
                 crc32: 0,
+                blocks: vec![],
             })
             .collect();
         let part = RankPart {

@@ -72,6 +72,10 @@ pub struct ItemChecksum {
     pub offset: u64,
     pub length: u64,
     pub crc32: u32,
+    /// CRC-32s of the blocks of a tensor's payload ([`crate::blockcrc`], [`Checksums::block_bytes`]
+    /// each); empty for byte objects and in sidecars of shardwise before block CRCs.
+    #[serde(default)]
+    pub blocks: Vec<u32>,
 }
 
 /// The sidecar written at commit.
@@ -79,6 +83,10 @@ pub struct ItemChecksum {
 pub struct Checksums {
     pub save_id: String,
     pub items: Vec<ItemChecksum>,
+    /// Payload bytes per block CRC-32 ([`crate::blockcrc::BLOCK_BYTES`]); 0 in sidecars of
+    /// shardwise before block CRCs.
+    #[serde(default)]
+    pub block_bytes: u64,
 }
 
 /// Reads the checksum sidecar of the save that committed the checkpoint's current `.metadata` (the

@@ -49,6 +49,10 @@ pub struct TensorRecord {
     pub length: u64,
     /// CRC-32 of the item's bytes.
     pub crc32: u32,
+    /// CRC-32s of the blocks of the tensor's payload, [`crate::blockcrc::BLOCK_BYTES`] each (empty
+    /// in parts of shardwise before block CRCs).
+    #[serde(default)]
+    pub blocks: Vec<u32>,
 }
 
 /// A Megatron ShardedObject's position: base `key`, `global_shape` and `global_offset`.
@@ -260,6 +264,8 @@ pub struct TensorView<'a> {
     pub offset: u64,
     pub length: u64,
     pub crc32: u32,
+    #[serde(default)]
+    pub blocks: Vec<u32>,
 }
 
 /// [`ObjectRecord`] borrowed from a part file's bytes.
@@ -285,6 +291,7 @@ impl<'a> From<&'a TensorRecord> for TensorView<'a> {
             offset: t.offset,
             length: t.length,
             crc32: t.crc32,
+            blocks: t.blocks.clone(),
         }
     }
 }
@@ -511,6 +518,7 @@ mod tests {
             offset: 10,
             length: 20,
             crc32: 30,
+            blocks: vec![1, 2],
         });
         p.objects.push(ObjectRecord {
             fqn: "o".into(),
@@ -535,6 +543,7 @@ mod tests {
                     offset: t.offset,
                     length: t.length,
                     crc32: t.crc32,
+                    blocks: t.blocks.clone(),
                 })
                 .collect(),
             objects: objects
@@ -551,6 +560,29 @@ mod tests {
             ..header
         };
         assert_eq!(back, p);
+    }
+
+    /// A tensor record of a part written before block CRCs (9 fields) reads with no blocks.
+    #[test]
+    fn records_without_block_crcs_still_decode() {
+        #[derive(Serialize)]
+        struct Before<'a>(
+            &'a str,
+            &'a str,
+            [u64; 1],
+            [u64; 1],
+            [u64; 1],
+            u32,
+            u64,
+            u64,
+            u32,
+        );
+        let bytes =
+            rmp_serde::to_vec(&Before("w", "torch.float32", [4], [0], [4], 0, 1, 2, 3)).unwrap();
+        let t: TensorRecord = rmp_serde::from_slice(&bytes).unwrap();
+        assert_eq!((t.crc32, t.blocks), (3, vec![]));
+        let v: TensorView = rmp_serde::from_slice(&bytes).unwrap();
+        assert_eq!((v.crc32, v.blocks), (3, vec![]));
     }
 
     #[test]

@@ -21,14 +21,15 @@ use crate::format::metadata::{check_bounds, check_layout_boxes, volume, Metadata
 use crate::format::pickle::FxBuildHasher;
 
 /// Where one item is: its rank, the index of its file in that rank's part, the byte offset and
-/// length of its archive, and its CRC-32.
-#[derive(Clone, Copy, Debug)]
+/// length of its archive, its CRC-32 and its payload's block CRC-32s ([`crate::blockcrc`]).
+#[derive(Clone, Debug)]
 struct Item {
     rank: u32,
     file: u32,
     offset: u64,
     length: u64,
     crc32: u32,
+    blocks: Box<[u32]>,
 }
 
 #[derive(Debug)]
@@ -91,6 +92,7 @@ impl Fold {
                 offset: t.offset,
                 length: t.length,
                 crc32: t.crc32,
+                blocks: t.blocks.as_slice().into(),
             };
             index.add_tensor(rank, t, item)?;
         }
@@ -101,6 +103,7 @@ impl Fold {
                 offset: o.offset,
                 length: o.length,
                 crc32: o.crc32,
+                blocks: Box::default(),
             };
             index.add_object(o, item)?;
         }
@@ -141,7 +144,7 @@ impl Fold {
                         .iter()
                         .flat_map(|&i| dims[i * n..(i + 1) * n].iter().copied())
                         .collect();
-                    *items = order.iter().map(|&i| items[i]).collect();
+                    *items = order.iter().map(|&i| items[i].clone()).collect();
                 }
                 let half = shape.len();
                 check_layout_boxes(
@@ -236,6 +239,7 @@ impl Index {
     }
 
     fn add_object(&mut self, o: ObjectView, item: Item) -> Result<()> {
+        let rank = item.rank;
         let (id, new) = self.id(o.fqn, || Kind::Object {
             item,
             shard: o.shard.clone(),
@@ -246,7 +250,7 @@ impl Index {
         match &self.keys[id as usize].kind {
             Kind::Object { item: other, .. } => Err(Error::Validation(format!(
                 "byte object {} is written by ranks {} and {}; exactly one main replica may save it",
-                o.fqn, other.rank, item.rank
+                o.fqn, other.rank, rank
             ))),
             Kind::Tensor { .. } => Err(Error::Validation(format!(
                 "key {} is both a tensor and a byte object",
@@ -294,6 +298,7 @@ impl Global {
             offset: u64,
             length: u64,
             crc32: u32,
+            blocks: &'a [u32],
         }
         let encode = |e: rmp_serde::encode::Error| {
             Error::InvalidArgument(format!("cannot encode checksums: {e}"))
@@ -317,6 +322,7 @@ impl Global {
                             offset,
                             length,
                             crc32: self.item(k, c).crc32,
+                            blocks: &self.item(k, c).blocks,
                         };
                         rmp_serde::encode::write(&mut buf, &item).map_err(encode)?;
                     }
@@ -324,10 +330,10 @@ impl Global {
                 Ok(buf)
             })
             .collect::<Result<_>>()?;
-        // `Checksums` as rmp_serde writes a struct: an array of its 2 fields.
+        // `Checksums` as rmp_serde writes a struct: an array of its 3 fields.
         let (t, o) = self.counts();
         let n = t + o;
-        let mut out = vec![0x92];
+        let mut out = vec![0x93];
         out.extend(rmp_serde::to_vec(save_id).map_err(encode)?);
         match n {
             0..=15 => out.push(0x90 | n as u8),
@@ -350,6 +356,7 @@ impl Global {
         for p in pieces {
             out.extend_from_slice(&p);
         }
+        out.extend(rmp_serde::to_vec(&crate::blockcrc::BLOCK_BYTES).map_err(encode)?);
         Ok(out)
     }
 }
@@ -481,6 +488,7 @@ mod tests {
                     offset: 0,
                     length: 10,
                     crc32: 0,
+                    blocks: vec![],
                 })
                 .collect(),
             objects: vec![],
@@ -532,6 +540,7 @@ mod tests {
             p.tensors[0].sizes = vec![2, 70_000];
             p.tensors[0].offset = 5_000_000_000 + r;
             p.tensors[0].crc32 = r as u32;
+            p.tensors[0].blocks = vec![r as u32, 7];
             p.tensors[1].offsets = vec![r];
             p.tensors[1].sizes = vec![if r == 2 { 2 } else { 1 }];
         }
@@ -578,6 +587,7 @@ mod tests {
                         offset: t.offset,
                         length: t.length,
                         crc32: t.crc32,
+                        blocks: t.blocks.clone(),
                     });
                 }
                 for o in p.objects.iter().filter(|o| o.fqn == key) {
@@ -594,6 +604,7 @@ mod tests {
                         offset: o.offset,
                         length: o.length,
                         crc32: o.crc32,
+                        blocks: vec![],
                     });
                 }
             }
@@ -615,9 +626,26 @@ mod tests {
             sums,
             Checksums {
                 save_id: "s".into(),
-                items
+                items,
+                block_bytes: crate::blockcrc::BLOCK_BYTES,
             }
         );
+    }
+
+    /// A sidecar written before block CRCs (2 fields; items of 6) reads with no blocks and a block
+    /// size of 0 (its partial reads stay unchecked).
+    #[test]
+    fn a_sidecar_without_block_crcs_still_decodes() {
+        use crate::commit::Checksums;
+        #[derive(Serialize)]
+        struct Item<'a>(&'a str, Option<[u64; 1]>, &'a str, u64, u64, u32);
+        #[derive(Serialize)]
+        struct Before<'a>(&'a str, Vec<Item<'a>>);
+        let bytes =
+            rmp_serde::to_vec(&Before("s", vec![Item("w", Some([0]), "f", 1, 2, 3)])).unwrap();
+        let sums: Checksums = rmp_serde::from_slice(&bytes).unwrap();
+        assert_eq!(sums.block_bytes, 0);
+        assert_eq!((sums.items[0].crc32, sums.items[0].blocks.len()), (3, 0));
     }
 
     #[test]
