@@ -20,9 +20,13 @@
 //! bytes are hashed as they land (in the buffer, or in the destination of a direct read), per
 //! piece, and the pieces are combined in file order once the reads are done; no byte is read
 //! twice. An item of which each request needs only a part (a resharded load that takes some rows
-//! or columns of a chunk) is read only in part and cannot be checked: the stats count such items
-//! (`items_unchecked`). Reading them whole to check them would multiply the bytes a resharded
-//! load reads (by the TP ratio), which is what the per-rank planning exists to avoid. On a CRC error the destinations may hold the damaged bytes.
+//! or columns of a chunk) is read only in part: where the save also recorded block CRC-32s of the
+//! item's tensor data ([`crate::blockcrc`], 1 MiB blocks), each contiguous range read from it is
+//! widened to whole blocks (at most one block of extra bytes at each end, planned with the other
+//! reads so that coalescing still applies), and every block touched is checked the same way.
+//! Without block CRCs (saves of shardwise before them) such an item cannot be checked without
+//! reading it whole, which would multiply the bytes a resharded load reads by the TP ratio: the
+//! stats count it (`items_unchecked`). On a CRC error the destinations may hold the damaged bytes.
 
 mod plan;
 
@@ -113,9 +117,11 @@ pub struct LoadStats {
     pub seconds: f64,
     /// Wall time of validation, item location and planning, in seconds.
     pub plan_seconds: f64,
-    /// Items checked against their save-time CRC-32.
+    /// Items whose bytes read were checked against save-time CRC-32s: read whole and checked
+    /// whole, or read in part and checked by the blocks of their tensor data that were read.
     pub items_checked: u64,
-    /// Items with a recorded CRC-32 that were only partly needed, so not read whole nor checked.
+    /// Items with a recorded CRC-32 but no block CRC-32s (older saves) that were only partly
+    /// needed, so not read whole nor checked.
     pub items_unchecked: u64,
 }
 
@@ -128,14 +134,29 @@ struct Item<'a> {
     whole: bool,
     /// Stored with a transform (`stream.zstd/1`): decoded whole by the reader instead.
     transformed: bool,
-    /// Save-time record, when its CRC-32 is checked by this load.
+    /// Save-time record, when its CRC-32 is checked by this load (the item is read whole).
     check: Option<&'a Recorded>,
+    /// Save-time record, when the blocks of its payload that this load reads are checked against
+    /// their block CRC-32s (the item is read in part; [`crate::blockcrc`]).
+    blocks: Option<&'a Recorded>,
 }
 
-/// Where an item's tensor data lies: file byte of element 0 and strides in elements.
+/// Bytes of a data file whose CRC-32 this load checks: a whole item, or one block of an item's
+/// payload.
+struct Check<'a> {
+    item: usize,
+    rec: &'a Recorded,
+    range: std::ops::Range<u64>,
+    /// The block's index in its payload; None for a whole item.
+    block: Option<u64>,
+}
+
+/// Where an item's tensor data lies: file byte of element 0, strides in elements, and the file
+/// bytes of its storage (the payload a save's block CRC-32s cover).
 struct Layout {
     base: u64,
     strides: Vec<u64>,
+    payload: std::ops::Range<u64>,
 }
 
 /// Where the bytes come from.
@@ -349,6 +370,7 @@ pub unsafe fn load(ck: &Checkpoint, reqs: &[Request], opts: &LoadOptions) -> Res
                     .transforms
                     .contains_key(&(key.to_string(), Some(chunk.offsets.clone()))),
                 check: None,
+                blocks: None,
             });
             items.len() - 1
         });
@@ -369,6 +391,14 @@ pub unsafe fn load(ck: &Checkpoint, reqs: &[Request], opts: &LoadOptions) -> Res
         let rec = ck.placed_record(it.key, Some(&it.chunk.offsets), &it.chunk.storage)?;
         match rec {
             Some(rec) if opts.check_crc && it.whole && !it.transformed => it.check = Some(rec),
+            Some(rec)
+                if opts.check_crc
+                    && !it.transformed
+                    && ck.block_bytes().is_some()
+                    && !rec.blocks.is_empty() =>
+            {
+                it.blocks = Some(rec)
+            }
             Some(_) if opts.check_crc && !it.whole => stats.items_unchecked += 1,
             _ => {}
         }
@@ -514,15 +544,15 @@ pub unsafe fn load(ck: &Checkpoint, reqs: &[Request], opts: &LoadOptions) -> Res
             copy_item.push(id);
         }
     }
-    let checked: Vec<usize> = (0..items.len())
-        .filter(|&i| items[i].check.is_some())
-        .collect();
-    let extra: Vec<(usize, std::ops::Range<u64>)> = checked
+    let checks = checks(ck, &items, &layouts, &copies, &copy_item)?;
+    let items_checked = items
         .iter()
-        .map(|&i| {
-            let s = &items[i].chunk.storage;
-            (items[i].file, s.offset..s.offset + s.length)
-        })
+        .filter(|it| it.check.is_some() || it.blocks.is_some())
+        .count() as u64;
+    // The checked bytes are read too: whole items, and partial reads widened to whole blocks.
+    let extra: Vec<(usize, std::ops::Range<u64>)> = checks
+        .iter()
+        .map(|c| (items[c.item].file, c.range.clone()))
         .collect();
     let host: Vec<bool> = reqs.iter().map(|r| r.device.is_none()).collect();
     let reads = plan::reads(
@@ -535,14 +565,14 @@ pub unsafe fn load(ck: &Checkpoint, reqs: &[Request], opts: &LoadOptions) -> Res
             direct_min: DIRECT_MIN_BYTES,
         },
     );
-    // Checked items per file, sorted by offset: a read hashes the parts of those it overlaps.
-    let mut checked_by_file: Vec<Vec<usize>> = vec![Vec::new(); files.len()];
-    for &i in &checked {
-        checked_by_file[items[i].file].push(i);
-    }
-    for v in checked_by_file.iter_mut() {
-        v.sort_by_key(|&i| items[i].chunk.storage.offset);
-    }
+    // Checked ranges per file, sorted by offset (`checks` is sorted by file, then offset): a read
+    // hashes the parts of those it overlaps.
+    let checks_by_file: Vec<std::ops::Range<usize>> = (0..files.len())
+        .map(|f| {
+            let file_of = |c: &Check| items[c.item].file;
+            checks.partition_point(|c| file_of(c) < f)..checks.partition_point(|c| file_of(c) <= f)
+        })
+        .collect();
     stats.plan_seconds = t0.elapsed().as_secs_f64();
 
     let copier = match device {
@@ -557,7 +587,8 @@ pub unsafe fn load(ck: &Checkpoint, reqs: &[Request], opts: &LoadOptions) -> Res
         source: &source,
         copies: &copies,
         copy_item: &copy_item,
-        checked_by_file: &checked_by_file,
+        checks: &checks,
+        checks_by_file: &checks_by_file,
         pool: &pool,
         copier: copier.as_ref(),
         pending: Mutex::new(std::collections::VecDeque::new()),
@@ -575,7 +606,7 @@ pub unsafe fn load(ck: &Checkpoint, reqs: &[Request], opts: &LoadOptions) -> Res
             for (p, id) in &transformed_pieces {
                 exec.transformed(p, *id)?;
             }
-            exec.verify(segments.into_iter().flatten().collect(), &checked)
+            exec.verify(segments.into_iter().flatten().collect())
         });
     // Copies still in flight read staging buffers and write destinations: always wait for them.
     let finished = match &copier {
@@ -587,7 +618,7 @@ pub unsafe fn load(ck: &Checkpoint, reqs: &[Request], opts: &LoadOptions) -> Res
     for (b, _) in exec.pending.lock().unwrap().drain(..) {
         pool.give_back(b);
     }
-    let items_checked = outcome?;
+    outcome?;
     finished?;
     stats.items_checked = items_checked;
     stats.bytes_read = counters.bytes.load(std::sync::atomic::Ordering::Relaxed);
@@ -683,9 +714,11 @@ fn locate(
                 format!("{}: {reason}", what()),
             ));
         }
+        let payload = s.offset + t.storage.start as u64;
         return Ok(Layout {
-            base: s.offset + t.storage.start as u64 + t.storage_offset * dtype.itemsize(),
+            base: payload + t.storage_offset * dtype.itemsize(),
             strides: t.strides,
+            payload: payload..payload + t.storage.len as u64,
         });
     }
     Err(corrupt(
@@ -694,9 +727,74 @@ fn locate(
     ))
 }
 
-/// A CRC-32 of bytes `offset..offset+len` of an item's file.
+/// The ranges a load checks, sorted by file and offset: each item it reads whole, and each block
+/// of an item's payload that a partial read touches (so a read of part of a block is widened to
+/// the whole block: at most one block of extra bytes at each end of each contiguous range).
+///
+/// Errors: [`Error::Corrupt`] naming key and file when the sidecar's block CRCs do not cover the
+/// item's tensor data.
+fn checks<'a>(
+    ck: &Checkpoint,
+    items: &[Item<'a>],
+    layouts: &[Option<Layout>],
+    copies: &[plan::Copy],
+    copy_item: &[usize],
+) -> Result<Vec<Check<'a>>> {
+    let mut out = Vec::new();
+    let mut needed: Vec<Vec<u64>> = vec![Vec::new(); items.len()];
+    if let Some(block) = ck.block_bytes() {
+        for (c, &id) in copies.iter().zip(copy_item) {
+            if let (Some(_), Some(l)) = (items[id].blocks, &layouts[id]) {
+                let at = c.copy.src - l.payload.start;
+                needed[id].extend(crate::blockcrc::covering(&(at..at + c.copy.span()), block));
+            }
+        }
+    }
+    for (id, it) in items.iter().enumerate() {
+        if let Some(rec) = it.check {
+            let s = &it.chunk.storage;
+            out.push(Check {
+                item: id,
+                rec,
+                range: s.offset..s.offset + s.length,
+                block: None,
+            });
+        }
+        let (Some(rec), Some(l), Some(block)) = (it.blocks, &layouts[id], ck.block_bytes()) else {
+            continue;
+        };
+        let len = l.payload.end - l.payload.start;
+        if crate::blockcrc::count(len, block) != rec.blocks.len() as u64 {
+            return Err(corrupt(
+                ck.dir().join(&it.chunk.storage.relative_path),
+                format!(
+                    "{}: the checksum sidecar records {} block CRC-32s of {block} bytes, but the \
+                     item's tensor data is {len} bytes",
+                    item_name(it.key, it.chunk),
+                    rec.blocks.len()
+                ),
+            ));
+        }
+        let blocks = &mut needed[id];
+        blocks.sort_unstable();
+        blocks.dedup();
+        for &b in blocks.iter() {
+            let r = crate::blockcrc::span(b, len, block);
+            out.push(Check {
+                item: id,
+                rec,
+                range: l.payload.start + r.start..l.payload.start + r.end,
+                block: Some(b),
+            });
+        }
+    }
+    out.sort_by_key(|c| (items[c.item].file, c.range.start));
+    Ok(out)
+}
+
+/// A CRC-32 of bytes `offset..offset+len` of the file of check `check`.
 struct Segment {
-    item: usize,
+    check: usize,
     offset: u64,
     len: u64,
     crc: crc32fast::Hasher,
@@ -711,7 +809,9 @@ struct Exec<'a> {
     source: &'a Source<'a>,
     copies: &'a [plan::Copy],
     copy_item: &'a [usize],
-    checked_by_file: &'a [Vec<usize>],
+    checks: &'a [Check<'a>],
+    /// The indices in `checks` of each file's checks.
+    checks_by_file: &'a [std::ops::Range<usize>],
     pool: &'a StagingPool,
     copier: Option<&'a DeviceCopier>,
     /// Staging buffers whose host-to-device copies may still run, oldest first, each with the
@@ -832,25 +932,21 @@ impl Exec<'_> {
         })
     }
 
-    /// Hashes the parts of checked items that read `r` brought into `bytes`.
+    /// Hashes the parts of checked ranges that read `r` brought into `bytes`.
     fn hash(&self, r: &plan::Read, bytes: &[u8], out: &mut Vec<Segment>) {
-        let checked = &self.checked_by_file[r.file];
-        let end_of = |i: usize| {
-            let s = &self.items[i].chunk.storage;
-            s.offset + s.length
-        };
-        let first = checked.partition_point(|&i| end_of(i) <= r.range.start);
-        for &i in &checked[first..] {
-            let s = &self.items[i].chunk.storage;
-            if s.offset >= r.range.end {
+        let ids = self.checks_by_file[r.file].clone();
+        let checks = &self.checks[ids.clone()];
+        let first = checks.partition_point(|c| c.range.end <= r.range.start);
+        for (k, c) in checks.iter().enumerate().skip(first) {
+            if c.range.start >= r.range.end {
                 break;
             }
-            let a = s.offset.max(r.range.start);
-            let b = end_of(i).min(r.range.end);
+            let a = c.range.start.max(r.range.start);
+            let b = c.range.end.min(r.range.end);
             let mut crc = crc32fast::Hasher::new();
             crc.update(&bytes[(a - r.range.start) as usize..(b - r.range.start) as usize]);
             out.push(Segment {
-                item: i,
+                check: ids.start + k,
                 offset: a,
                 len: b - a,
                 crc,
@@ -905,39 +1001,38 @@ impl Exec<'_> {
         Ok(())
     }
 
-    /// Combines each checked item's segments in file order and compares with its recorded
-    /// CRC-32; returns the number of items checked.
+    /// Combines each checked range's segments in file order and compares with its recorded
+    /// CRC-32 (of the item, or of the block).
     ///
     /// Errors: [`Error::Corrupt`] naming key, file and offset on a mismatch.
-    fn verify(&self, mut segments: Vec<Segment>, checked: &[usize]) -> Result<u64> {
-        segments.sort_by_key(|s| (s.item, s.offset));
+    fn verify(&self, mut segments: Vec<Segment>) -> Result<()> {
+        segments.sort_by_key(|s| (s.check, s.offset));
         let mut at = 0;
-        for &i in checked {
-            let it = &self.items[i];
-            let rec = it.check.expect("checked item");
-            let s = &it.chunk.storage;
+        for (k, c) in self.checks.iter().enumerate() {
             let mut crc = crc32fast::Hasher::new();
-            let mut next = s.offset;
-            while at < segments.len() && segments[at].item < i {
-                at += 1;
-            }
-            while at < segments.len() && segments[at].item == i {
+            let mut next = c.range.start;
+            while at < segments.len() && segments[at].check == k {
                 let seg = &segments[at];
-                // Reads tile each checked item by construction; a hole would be a planning bug.
-                assert_eq!(seg.offset, next, "CRC segments of {} tile the item", it.key);
+                // Reads tile each checked range by construction; a hole would be a planning bug.
+                assert_eq!(
+                    seg.offset, next,
+                    "CRC segments tile {}",
+                    self.items[c.item].key
+                );
                 crc.combine(&seg.crc);
                 next += seg.len;
                 at += 1;
             }
-            assert_eq!(
-                next,
-                s.offset + s.length,
-                "CRC segments of {} tile the item",
-                it.key
-            );
-            self.ck.check_crc(rec, crc.finalize())?;
+            let key = self.items[c.item].key;
+            assert_eq!(next, c.range.end, "CRC segments tile {key}");
+            match c.block {
+                None => self.ck.check_crc(c.rec, crc.finalize())?,
+                Some(b) => self
+                    .ck
+                    .check_block_crc(c.rec, b, c.range.clone(), crc.finalize())?,
+            }
         }
-        Ok(checked.len() as u64)
+        Ok(())
     }
 }
 

@@ -99,7 +99,10 @@ def test_grid_whole_regions_and_small_staging(grid):
     ] + [("big", (slice(1000, 3100),)), ("big", (slice(5, 6), slice(3, 1000)))]
     outs, stats = load(ck, spanning, full)
     assert_equal(outs, spanning, full)
-    assert stats["items_unchecked"] > 0  # partly needed items are read in part, unchecked
+    # Partly needed items are read in part, and the blocks of their tensor data that the reads
+    # touch are checked against the save's block CRC-32s: every item read is checked.
+    # (every item of the 12 small keys, and big's chunks 0-3)
+    assert stats["items_unchecked"] == 0 and stats["items_checked"] == 12 * 6 + 4
     # A staging budget of 1 MiB: 512 KiB buffers, so copies are cut and reads many; same bytes.
     outs, small = load(ck, whole + spanning, full, staging_budget_bytes=1 << 20)
     assert_equal(outs, whole + spanning, full)
@@ -140,9 +143,66 @@ def test_crc_mismatch_names_key_file_and_offset(grid, tmp_path):
     assert_equal(outs, [("float32", ())], full)
     outs, stats = load(ck, [("big", ())], full, check_crc=False)
     assert stats["items_checked"] == 0 and not torch.equal(bits(outs[0]), bits(full["big"]))
-    # A region needing only part of the damaged item reads that part alone: not checkable.
+    # A region needing only part of the damaged item reads that part (and the 1 MiB block of
+    # tensor data around it), checked by its block CRC-32: the damage lies in another block.
     outs, stats = load(ck, [("big", (slice(2048, 2050),))], full)
-    assert stats["items_unchecked"] == 1 and torch.equal(outs[0], full["big"][2048:2050])
+    assert stats["items_checked"] == 1 and stats["items_unchecked"] == 0
+    assert torch.equal(outs[0], full["big"][2048:2050])
+
+
+MIB = 1 << 20
+
+
+def _flip(path, at):
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
+def test_resharded_reads_are_checked_by_block(grid, tmp_path):
+    """A resharded load reads part of a saved chunk: ``big``'s chunk 2 (rows 2048..3071, 4 MiB of
+    float32, 1 MiB = 256 rows per CRC block). One flipped byte in block 2 (row 640 of the chunk):
+    every read touching block 2 (rows, a column band, a direct read of many rows, a region that
+    ends inside it) raises CorruptFileError naming key, file and the block's file offset; reads of
+    blocks 0, 1 and 3 (outside the widened range) load the right values."""
+    d = _copy(grid, tmp_path)
+    full = grid[1]
+    ck = _native.open_checkpoint(str(d))
+    it = _item(ck, "big", 2)
+    path = d / it["relative_path"]
+    with open(path, "rb") as f:
+        f.seek(it["offset"])
+        item = f.read(it["length"])
+    payload = it["offset"] + item.index(full["big"][2048:2049].numpy().tobytes())
+    _flip(path, payload + 2 * MIB + MIB // 2 + 7)  # row 2048 + 640
+    ck = _native.open_checkpoint(str(d))
+    damaged = [
+        (slice(2048 + 640, 2048 + 642),),  # two rows inside block 2, the damaged one first
+        (slice(2048 + 760, 2048 + 770),),  # ends in block 3, starts in block 2
+        (slice(2048 + 300, 2048 + 600),),  # 1.2 MiB: read straight into the destination
+        (slice(2048, 3072), slice(0, 512)),  # half the columns (TP2 -> TP4): strided over all blocks
+    ]
+    for index in damaged:
+        with pytest.raises(shardwise.CorruptFileError) as e:
+            load(ck, [("big", index)], full)
+        msg = str(e.value)
+        assert "big chunk [2048, 0]" in msg and it["relative_path"] in msg, msg
+        assert f"block 2 of its tensor data, bytes {payload + 2 * MIB}..{payload + 3 * MIB} of the file" in msg, msg
+        assert f"(offset {payload + 2 * MIB})" in msg and "CRC-32" in msg, msg
+    # Blocks 0, 1 and 3 are intact: reads touching only them load, and are checked.
+    intact = [(slice(2048, 2050),), (slice(2048 + 256, 2048 + 512),), (slice(2048 + 768, 3072),), (slice(2048 + 511, 2048 + 512), slice(3, 9))]
+    wanted = [("big", i) for i in intact]
+    outs, stats = load(ck, wanted, full)
+    assert_equal(outs, wanted, full)
+    assert stats["items_checked"] == 1 and stats["items_unchecked"] == 0
+    # Bytes read stay bounded: two rows widen to their block (1 MiB), plus the item's probes.
+    _, stats = load(ck, wanted[:1], full)
+    assert MIB <= stats["bytes_read"] < MIB + 64 * 1024, stats
+    # check_crc=False: no block is checked and the damaged bytes load as they are.
+    outs, stats = load(ck, [("big", damaged[0])], full, check_crc=False)
+    assert stats["items_checked"] == 0 and not torch.equal(bits(outs[0]), bits(full["big"][damaged[0]]))
 
 
 def test_truncated_and_missing_data_files(grid, tmp_path):

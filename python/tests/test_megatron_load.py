@@ -346,11 +346,19 @@ def test_crc_mismatch_names_key_file_offset(plain_ckpt, tmp_path):
         f.write(bytes([byte[0] ^ 0x10]))
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    def whole():  # the engine checks the CRC of items it reads whole (a partial read is unchecked)
+    def whole():  # the engine checks the CRC of items it reads whole
         return {"rows": ShardedTensor.from_rank_offsets("rows", torch.zeros(4, 5))}
+
+    def resharded():  # rows 0..1 of the saved chunk, as rank 0 of 2 (the flipped bit is in row 0)
+        return {"rows": ShardedTensor.from_rank_offsets("rows", torch.zeros(2, 5), (0, 0, 2))}
 
     with pytest.raises(shardwise.CorruptFileError, match=rf"__0_0\.distcp: rows chunk .*offset {chunk['offset']}.*CRC-32"):
         swm.load(whole(), bad)
+    swl.clear_cache()
+    # A partial read is checked by the block CRC-32s of the tensor data (one block here: 80 bytes).
+    payload = at - 9
+    with pytest.raises(shardwise.CorruptFileError, match=rf"__0_0\.distcp: rows chunk .*block 0 of its tensor data, bytes {payload}\.\.{payload + 80} of the file"):
+        swm.load(resharded(), bad)
     swl.clear_cache()
     rows = swm.load(whole(), bad, check_crc=False)["rows"]
     assert not torch.equal(rows, vals["rows"]) and rows.shape == vals["rows"].shape

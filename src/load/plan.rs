@@ -370,7 +370,8 @@ pub struct ReadShape {
 }
 
 /// Marks the direct copies and groups every byte to read into reads: per file, the ranges of
-/// the buffered copies and `extra` ranges (whole items whose CRC-32 is checked) are merged when
+/// the buffered copies and `extra` ranges (whole items, and the CRC blocks around partial reads,
+/// whose CRC-32s are checked: bytes read but copied nowhere) are merged when
 /// closer than `gap`, minus the ranges read directly, and cut into reads of at most `max_read`
 /// bytes, never inside a copy (ranges of overlapping copies form one uncuttable cluster, so such a
 /// read may be longer).
