@@ -771,6 +771,71 @@ mod tests {
     use super::*;
     use sha2::Digest;
 
+    /// The block CRC-32s each write path records are those of the payload's 1 MiB blocks as they
+    /// lie in the file (direct pieces, staging windows of 4 KiB and 3 MiB, object-store parts),
+    /// the last block short, none for an empty tensor.
+    #[test]
+    fn block_crcs_are_those_of_the_payload_blocks_in_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let b = crate::blockcrc::BLOCK_BYTES as usize;
+        let data: Vec<Vec<u8>> = [2 * b + 1000, 0, b]
+            .iter()
+            .map(|&n| (0..n).map(|k| (k * 13 + k / 4099) as u8).collect())
+            .collect();
+        let tensors: Vec<TensorChunk> = data
+            .iter()
+            .enumerate()
+            .map(|(i, d)| TensorChunk {
+                fqn: format!("t{i}"),
+                dtype: DType::from_torch_name("torch.uint8").unwrap(),
+                global_shape: vec![d.len() as u64],
+                offsets: vec![0],
+                sizes: vec![d.len() as u64],
+                data: Payload::Host(d),
+            })
+            .collect();
+        let check = |w: &Written, file: &[u8], name: &str| {
+            for (p, d) in w.tensors.iter().zip(&data) {
+                let item = &file[p.offset as usize..(p.offset + p.length) as usize];
+                assert_eq!(crc32fast::hash(item), p.crc32, "{name}");
+                let at = if d.is_empty() {
+                    0
+                } else {
+                    item.windows(64).position(|x| x == &d[..64]).unwrap()
+                };
+                let want: Vec<u32> = item[at..at + d.len()]
+                    .chunks(b)
+                    .map(crc32fast::hash)
+                    .collect();
+                assert_eq!(p.blocks, want, "{name}");
+            }
+        };
+        let streams = std::collections::HashMap::new();
+        for (name, budget, buffer) in [
+            ("direct", 0, 0),
+            ("staged", 3 * 4096, 4096),
+            ("big", 64 << 20, 3 << 20),
+        ] {
+            let path = dir.path().join(name);
+            let pool = (budget > 0)
+                .then(|| crate::staging::StagingPool::new(budget, buffer, None).unwrap());
+            let st = pool.as_ref().map(|pool| Staging {
+                pool,
+                caller_streams: &streams,
+                on_staged: None,
+            });
+            let w = write_rank_file(&path, 1, &tensors, &[], st, false).unwrap();
+            check(&w, &std::fs::read(&path).unwrap(), name);
+        }
+        let loc = crate::storage::Location::parse("memory://b/blocks").unwrap();
+        let crate::storage::Location::Remote(r) = &loc else {
+            panic!("memory:// is an object store")
+        };
+        let w =
+            write_rank_object(r.upload("f").unwrap(), 5000, 1, &tensors, &[], None, false).unwrap();
+        check(&w, &loc.read("f").unwrap().unwrap(), "object");
+    }
+
     /// The digest computed while writing equals the SHA-256 of the file on disk, on the direct path
     /// and on the staged path with windows written out of order (more windows than buffers).
     #[test]
