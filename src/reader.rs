@@ -656,11 +656,13 @@ impl Checkpoint {
     }
 
     /// Reads the region `offsets`/`sizes` (elements) of tensor `key` into `out` (C order,
-    /// `prod(sizes) * itemsize` bytes), assembled from every chunk that overlaps it.
+    /// `prod(sizes) * itemsize` bytes), assembled from every chunk that overlaps it, through the
+    /// mapped files (each item checked once per open checkpoint). The request is validated, and
+    /// its chunks found, as a load's ([`crate::load::plan_pieces`]), before any byte is read.
     ///
-    /// Errors: [`Error::InvalidArgument`] for a region outside the global shape or a wrong `out`
-    /// length; [`Error::Validation`] when the saved chunks do not cover the region; item errors as
-    /// [`Checkpoint::chunk`].
+    /// Errors: [`Error::MissingKey`]; [`Error::InvalidArgument`] for a byte object, a region
+    /// outside the global shape or a wrong `out` length; [`Error::Validation`] naming a part of
+    /// the region that no saved chunk covers; item errors as [`Checkpoint::chunk`].
     pub fn read_region(
         &self,
         key: &str,
@@ -668,48 +670,22 @@ impl Checkpoint {
         sizes: &[u64],
         out: &mut [u8],
     ) -> Result<()> {
-        let Entry::Tensor {
-            dtype,
-            global_shape,
-            chunks,
-        } = self.entry(key)?
-        else {
-            return Err(Error::InvalidArgument(format!(
-                "{key} is a byte object, not a tensor"
-            )));
+        let request = crate::load::Request {
+            key: key.to_string(),
+            offsets: offsets.to_vec(),
+            sizes: sizes.to_vec(),
+            ptr: out.as_mut_ptr() as u64,
+            nbytes: out.len() as u64,
+            device: None,
         };
-        let n = global_shape.len();
-        let inside = offsets.len() == n
-            && sizes.len() == n
-            && offsets
-                .iter()
-                .zip(sizes)
-                .zip(global_shape)
-                .all(|((&o, &s), &g)| o.checked_add(s).is_some_and(|e| e <= g));
-        if !inside {
-            return Err(Error::InvalidArgument(format!(
-                "{key}: region {offsets:?}+{sizes:?} is outside the global shape {global_shape:?}"
-            )));
-        }
+        let pieces = crate::load::plan_pieces(self, std::slice::from_ref(&request))?;
+        let Entry::Tensor { dtype, chunks, .. } = self.entry(key)? else {
+            unreachable!("plan_pieces accepts tensors only")
+        };
         let item = dtype.itemsize();
-        let want = volume(sizes).and_then(|v| v.checked_mul(item));
-        if want != Some(out.len() as u64) {
-            return Err(Error::InvalidArgument(format!(
-                "{key}: region needs {want:?} bytes, buffer has {}",
-                out.len()
-            )));
-        }
-        let total = volume(sizes).unwrap_or(0);
-        let mut covered = 0u64;
-        for (i, c) in chunks.iter().enumerate() {
-            let lo: Vec<u64> = (0..n).map(|d| c.offsets[d].max(offsets[d])).collect();
-            let hi: Vec<u64> = (0..n)
-                .map(|d| (c.offsets[d] + c.sizes[d]).min(offsets[d] + sizes[d]))
-                .collect();
-            if c.offsets.len() != n || c.sizes.len() != n || (0..n).any(|d| lo[d] >= hi[d]) {
-                continue;
-            }
-            let (data, _, pending) = self.chunk_deferred(key, i)?;
+        for p in pieces {
+            let c = &chunks[p.chunk];
+            let (data, _, pending) = self.chunk_deferred(key, p.chunk)?;
             let t = &data.tensor;
             let copy = |out: &mut [u8]| {
                 copy_box(
@@ -719,8 +695,8 @@ impl Checkpoint {
                     &c.offsets,
                     offsets,
                     sizes,
-                    &lo,
-                    &hi,
+                    &p.lo,
+                    &p.hi,
                     item,
                     out,
                 )
@@ -737,12 +713,6 @@ impl Checkpoint {
                 }
                 None => copy(out),
             }
-            covered += (0..n).map(|d| hi[d] - lo[d]).product::<u64>();
-        }
-        if covered != total {
-            return Err(Error::Validation(format!(
-                "{key}: saved chunks cover {covered} of the {total} elements asked for"
-            )));
         }
         Ok(())
     }
