@@ -677,6 +677,10 @@ fn diff_checkpoints(a: &Checkpoint, b: &Checkpoint, opts: &DiffOptions) -> Vec<K
     out
 }
 
+/// The source of a task that reads a whole HF tensor through the to-hf mapping (NUL: never a
+/// checkpoint key).
+const WHOLE_HF: &str = "\0whole HF tensor:";
+
 /// `ckpt` (through the to-hf mapping) against the HF folder `h`; `swapped` when the folder is A.
 fn diff_hf(
     ckpt: &Checkpoint,
@@ -753,7 +757,17 @@ fn diff_hf(
                 }
                 let item = dc.itemsize().max(dh.itemsize());
                 let mut flat = 0u64;
-                for pc in &t.pieces {
+                if t.post != hf::Post::None {
+                    // Values transformed after the gather (`+1`, transposes, interleaves): the
+                    // whole HF tensor is made as to-hf makes it and compared flat.
+                    tasks.push(Task {
+                        key: out.len(),
+                        source: Some(format!("{WHOLE_HF}{name}")),
+                        a: (vec![0], vec![volume(&t.shape)]),
+                        b: Target::Flat(0),
+                    });
+                }
+                for pc in t.pieces.iter().filter(|_| t.post == hf::Post::None) {
                     // Slabs of a piece are contiguous runs of its C-order elements.
                     let mut strides = vec![1u64; pc.sizes.len()];
                     for d in (0..pc.sizes.len().saturating_sub(1)).rev() {
@@ -779,7 +793,10 @@ fn diff_hf(
     }
     // compare() is symmetric: with the folder as A only the labels above swap; reads stay
     // (checkpoint, folder) to match `types`.
-    let read_ckpt = |k: &str, o: &[u64], s: &[u64], buf: &mut [u8]| ckpt.read_region(k, o, s, buf);
+    let read_ckpt = |k: &str, o: &[u64], s: &[u64], buf: &mut [u8]| match k.strip_prefix(WHOLE_HF) {
+        Some(name) => hf::read_hf_tensor(ckpt, produced[name], buf),
+        None => ckpt.read_region(k, o, s, buf),
+    };
     let read_hf = |k: &str, t: &Target, s: &[u64], buf: &mut [u8]| -> Result<()> {
         let Target::Flat(at) = t else {
             unreachable!("HF targets are flat ranges")

@@ -28,7 +28,8 @@ use crate::reader::Checkpoint;
 use crate::storage::{create_dir_all, Location};
 
 pub use output::Part;
-pub(crate) use plan::{HfTensor, Plan};
+pub(crate) use plan::{read_hf_tensor, HfTensor, Plan};
+pub(crate) use rules::Post;
 pub(crate) use write::dtype_of_st;
 
 /// Options of a conversion.
