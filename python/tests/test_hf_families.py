@@ -186,6 +186,10 @@ MOE_WRONG_FIELDS = [
     ("glm4_moe", "head_dim", 8, "head_dim: config.json says 8, args.kv_channels says 16"),
     ("gpt_oss", "num_local_experts", 8, "num_experts: config.json says 8, args.num_experts says 4"),
     ("gpt_oss", "intermediate_size", 64, "intermediate_size: config.json says 64, args.moe_ffn_hidden_size says 32"),
+    ("gpt_oss", "sliding_window", 8,
+     r"sliding_window: config.json gives windows \[8, full, 8\] .* give \[4, full, 4\]"),
+    ("gpt_oss", "layer_types", ["full_attention", "sliding_attention", "full_attention"],
+     r"sliding_window: config.json gives windows \[full, 4, full\] .* give \[4, full, 4\]"),
 ]
 
 

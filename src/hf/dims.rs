@@ -114,6 +114,27 @@ impl Dims {
         }
     }
 
+    /// gpt_oss's attention window of each layer (None: full attention): `sliding_window` on the
+    /// layers `layer_types` calls `sliding_attention`, transformers' default every even layer.
+    fn layer_windows(&self) -> Vec<Option<u64>> {
+        let types = self.cfg.get("layer_types").and_then(|v| v.as_array());
+        (0..self.num_layers)
+            .map(|l| {
+                let sliding = match types {
+                    Some(t) => {
+                        t.get(l as usize).and_then(|v| v.as_str()) == Some("sliding_attention")
+                    }
+                    None => l % 2 == 0,
+                };
+                if sliding {
+                    self.field("sliding_window")
+                } else {
+                    None
+                }
+            })
+            .collect()
+    }
+
     /// A boolean config field.
     pub fn flag(&self, k: &str) -> Option<bool> {
         self.cfg.get(k).and_then(|v| v.as_bool())
@@ -238,6 +259,22 @@ impl Dims {
                     }
                 }
                 Rel::ArgsTrue => {}
+                Rel::SlidingWindow => {
+                    let n = args.field("num_layers").unwrap_or(0);
+                    if let Some(w) = args.layer_windows(n) {
+                        if let Some(&Some(size)) = w.iter().find(|w| w.is_some()) {
+                            cfg.insert(c.hf.into(), size.into());
+                        }
+                        let types: Vec<&str> = w
+                            .iter()
+                            .map(|w| match w {
+                                Some(_) => "sliding_attention",
+                                None => "full_attention",
+                            })
+                            .collect();
+                        cfg.insert("layer_types".into(), types.into());
+                    }
+                }
                 Rel::MoeLayers => {
                     if let Some(p) = args.moe_layers() {
                         let dense: Vec<u64> =
@@ -302,6 +339,41 @@ impl Args {
             "num_experts" => raw(k).or_else(|| self.0.contains_key(k).then_some(0)),
             _ => raw(k),
         }
+    }
+
+    /// Megatron's attention window of each of `n` layers as an HF `sliding_window` (None: full
+    /// attention): `window_size` (left, right) is `left + 1` tokens, on layers (1-based) not a
+    /// multiple of an int `window_attn_skip_freq`, or those a list marks 1 (MC
+    /// `is_layer_window_attention`). A right window other than 0 is no HF sliding window: it shows
+    /// as `u64::MAX`. None when args have no `window_size` field.
+    pub fn layer_windows(&self, n: u64) -> Option<Vec<Option<u64>>> {
+        if !self.0.contains_key("window_size") {
+            return None;
+        }
+        let w = self.raw("window_size").and_then(|v| v.as_array()).map(|a| {
+            match (
+                a.first().and_then(|x| x.as_i64()),
+                a.get(1).and_then(|x| x.as_i64()),
+            ) {
+                (Some(left), Some(0)) if left >= 0 => left as u64 + 1,
+                _ => u64::MAX,
+            }
+        });
+        let freq = self.raw("window_attn_skip_freq");
+        Some(
+            (1..=n)
+                .map(|l| {
+                    let windowed = match freq {
+                        None => true,
+                        Some(Json::Array(a)) => {
+                            a.get(l as usize - 1).and_then(|x| x.as_i64()).unwrap_or(0) != 0
+                        }
+                        Some(f) => f.as_u64().is_some_and(|f| f == 0 || l % f != 0),
+                    };
+                    w.filter(|_| windowed)
+                })
+                .collect(),
+        )
     }
 
     /// A number of the args (None when absent or not a number).
@@ -514,6 +586,24 @@ pub(crate) fn check_args(d: &Dims, args: Option<&Args>, rows: Option<u64>) -> Re
                 ),
                 (Some(_), None) => unchecked.push(format!("{} (args has no {})", c.hf, c.args)),
                 _ => {}
+            },
+            Rel::SlidingWindow => match (d.layer_windows(), a.layer_windows(d.num_layers)) {
+                (h, Some(m)) if h != m => {
+                    let show = |v: &[Option<u64>]| -> String {
+                        let w: Vec<String> = v
+                            .iter()
+                            .map(|w| w.map_or("full".into(), |w| w.to_string()))
+                            .collect();
+                        format!("[{}]", w.join(", "))
+                    };
+                    diffs.push(format!(
+                        "sliding_window: {hf_src} gives windows {} (sliding_window, layer_types), args.window_size and window_attn_skip_freq give {}",
+                        show(&h),
+                        show(&m)
+                    ))
+                }
+                (_, Some(_)) => {}
+                (_, None) => unchecked.push(format!("{} (args has no {})", c.hf, c.args)),
             },
             Rel::ArgsTrue => match a.flag(c.args) {
                 Some(false) => diffs.push(format!(

@@ -179,6 +179,11 @@ pub(crate) enum Rel {
     /// The architecture implies that this args flag is true (the `hf` name says what in the
     /// message); false in args is an error, absent is unchecked.
     ArgsTrue,
+    /// gpt_oss's attention window per layer: config `sliding_window` on the layers `layer_types`
+    /// says `sliding_attention` (default: even layers), against args `window_size` (left
+    /// `sliding_window - 1`, right 0) on the layers `window_attn_skip_freq` leaves windowed
+    /// (MC `is_layer_window_attention`).
+    SlidingWindow,
 }
 
 // ---- splits -----------------------------------------------------------------------------------
@@ -836,7 +841,11 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
         model_types: &["gpt_oss"],
         model: COMMON_MODEL,
         layer: &[QKV_BIAS_REQUIRED, ATTN_QKV, NORMS, GPT_OSS],
-        checks: &[BASE_CHECKS, MIXTRAL_CHECKS],
+        checks: &[
+            BASE_CHECKS,
+            MIXTRAL_CHECKS,
+            &[check("sliding_window", "window_size", Rel::SlidingWindow)],
+        ],
         moe_layers: LayerPattern::AllMoe,
     },
     ArchSpec {
