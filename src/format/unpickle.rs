@@ -221,10 +221,6 @@ pub trait Build<'a> {
     fn pers_id(&mut self, pid: Self::V) -> R<Self::V>;
 }
 
-/// Memo indices up to this far past the dense memo's end go into it; others (a hostile
-/// `LONG_BINPUT 4294967295`) go into a map, so a claimed index never sizes an allocation.
-const DENSE_SLACK: usize = 1 << 16;
-
 struct Vm<'a, 'b, B: Build<'a>> {
     input: &'a [u8],
     pos: usize,
@@ -233,6 +229,8 @@ struct Vm<'a, 'b, B: Build<'a>> {
     /// Stack positions of the open MARKs; values below the last one cannot be popped (`_pickle.c`'s
     /// fence).
     marks: Vec<usize>,
+    /// Memo keys `0..len`, in the order every pickler assigns them; any other key (a hostile
+    /// `LONG_BINPUT 4294967295`) goes into `sparse`, so a claimed index never sizes an allocation.
     memo: Vec<Option<B::V>>,
     sparse: HashMap<u32, B::V>,
     /// Number of memo keys set (`len(memo)`, which `MEMOIZE` uses as its index).
@@ -325,10 +323,6 @@ impl<'a, B: Build<'a>> Vm<'a, '_, B> {
                 self.memo_count += 1;
             }
         } else if i == self.memo.len() {
-            self.memo.push(Some(v));
-            self.memo_count += 1;
-        } else if i - self.memo.len() <= DENSE_SLACK && self.sparse.is_empty() {
-            self.memo.resize(i, None);
             self.memo.push(Some(v));
             self.memo_count += 1;
         } else if self.sparse.insert(idx, v).is_none() {
@@ -886,5 +880,13 @@ mod tests {
         ] {
             assert!(unpickle(input).is_err(), "{input:?}");
         }
+        // Memo keys far apart cost one entry each, not the span between them.
+        let mut far = b"\x80\x02N".to_vec();
+        for i in 0..100_000u32 {
+            far.push(b'r');
+            far.extend_from_slice(&(i * 40_000).to_le_bytes());
+        }
+        far.extend_from_slice(b"j\x00\x35\x0c\x00.");
+        assert!(matches!(*unpickle(&far).unwrap(), Value::None));
     }
 }
