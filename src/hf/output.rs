@@ -234,7 +234,7 @@ pub(crate) fn prepare_part(dir: &Path, plan: &ShardPlan, index: &[u8]) -> Result
     }
     let other: Vec<String> = found
         .into_iter()
-        .filter(|n| !ours.contains(n) && !(n.starts_with('.') && n.contains(".to-hf-part")))
+        .filter(|n| !(ours.contains(n) || n.starts_with('.') && n.contains(".to-hf-part")))
         .collect();
     if !other.is_empty() {
         return Err(not_empty(
