@@ -353,9 +353,9 @@ class _Plan:
     def _entry(self, key: str) -> dict:
         md = self.entries.get(key)
         if md is None:
-            if key not in self.ckpt:
-                raise MissingKeyError(f"key {key!r} is not in checkpoint {self.dir}")
-            md = self.entries[key] = self.ckpt.metadata(key)
+            # describe() raises MissingKeyError; unlike metadata() it builds nothing per chunk.
+            kind, dtype, global_shape = self.ckpt.describe(key)
+            md = self.entries[key] = {"kind": kind, "dtype": dtype, "global_shape": global_shape}
         return md
 
     def check_object(self, unique_key: str) -> None:
