@@ -6,6 +6,10 @@
 //!   of its payload, for 256 MiB of payload cut into items of 64 KiB .. 16 MiB (throughput per byte,
 //!   so GiB/s is directly the cost per GiB).
 //! * `encode_headers`: the same without payload, 100,000 items (the per-item fixed cost).
+//! * `payload_crc`: the writer's CRC pass over 256 MiB in 8 MiB pieces (its `PIECE_BYTES`), plain
+//!   (one CRC-32 per piece, combined: the writer before block CRCs) and with 1 MiB block CRCs
+//!   (`shardwise::blockcrc`: pieces hashed in sub-ranges cut at block boundaries, combined into
+//!   the payload and block CRCs). The difference is the CPU cost of block CRCs on a save.
 //! * `write_rank_file`: one rank's `.distcp` of 1 GiB of in-memory shards, fsync included.
 //! * `metadata_emit` / `metadata_parse`: a `.metadata` of 1,000,000 chunks (1,000 keys x 1,000).
 //! * `merge`: read, validate and commit the parts of 1,024 ranks x 100 chunks and 8,192 x 25.
@@ -40,6 +44,33 @@ fn encode_items(bencher: Bencher, piece: usize) {
                 total += l.prefix.len() as u64 + suffix.len() as u64;
             }
             black_box(total)
+        });
+}
+
+#[divan::bench(args = ["plain", "blocks"], sample_count = 7, sample_size = 1)]
+fn payload_crc(bencher: Bencher, how: &str) {
+    const PIECE: usize = 8 << 20;
+    let buf = common::host_shards(ENCODE_TOTAL, PIECE);
+    bencher
+        .counter(BytesCount::new(ENCODE_TOTAL))
+        .bench_local(|| match how {
+            "plain" => {
+                let mut crc = crc32fast::Hasher::new();
+                for piece in buf.chunks(PIECE) {
+                    let mut h = crc32fast::Hasher::new();
+                    h.update(piece);
+                    crc.combine(&h);
+                }
+                black_box(crc.finalize());
+            }
+            _ => {
+                let mut crc = shardwise::blockcrc::PayloadCrc::default();
+                for (k, piece) in buf.chunks(PIECE).enumerate() {
+                    let p = shardwise::blockcrc::hash_piece(0, (k * PIECE) as u64, piece);
+                    crc.add_piece(&p);
+                }
+                black_box(crc.finish());
+            }
         });
 }
 
