@@ -182,6 +182,18 @@ pub fn pieces_of(
             hi: phi,
         });
     });
+    // Equal volumes prove coverage only when no two pieces overlap: two chunks claiming the same
+    // elements (damaged or hostile `.metadata`; torch and our merge refuse to write them) could
+    // hide a hole of the same size, and the hole would keep the destination's old values.
+    if covered == total {
+        if let Some((a, b)) = overlapping_pair(&out[first..]) {
+            return Err(Error::Validation(format!(
+                "{key}: saved chunks {} and {} overlap inside region {lo:?}+{sizes:?}",
+                out[first + a].chunk,
+                out[first + b].chunk
+            )));
+        }
+    }
     if covered != total {
         let boxes: Vec<(Vec<u64>, Vec<u64>)> = out[first..]
             .iter()
@@ -202,6 +214,30 @@ pub fn pieces_of(
         )));
     }
     Ok(())
+}
+
+/// Two pieces (indices into `pieces`) whose boxes share an element, if any. A sweep along the
+/// first dimension: a piece is compared only with the pieces whose extent along it is still open,
+/// so a grid of chunks costs one row band per piece, not every pair.
+fn overlapping_pair(pieces: &[Piece]) -> Option<(usize, usize)> {
+    if pieces.len() < 2 || pieces[0].lo.is_empty() {
+        return None;
+    }
+    let mut order: Vec<usize> = (0..pieces.len()).collect();
+    order.sort_by_key(|&i| pieces[i].lo[0]);
+    let mut open: Vec<usize> = Vec::new();
+    for &i in &order {
+        let p = &pieces[i];
+        open.retain(|&j| pieces[j].hi[0] > p.lo[0]);
+        for &j in &open {
+            let q = &pieces[j];
+            if (0..p.lo.len()).all(|d| p.lo[d] < q.hi[d] && q.lo[d] < p.hi[d]) {
+                return Some((j.min(i), j.max(i)));
+            }
+        }
+        open.push(i);
+    }
+    None
 }
 
 /// A strided box copy: `dims` (outermost first) of `(count, src_stride, dst_stride)` in bytes over
@@ -580,6 +616,25 @@ mod tests {
             .to_string();
         assert!(e.contains("w: region [2, 2]+[4, 4]"), "{e}");
         assert!(e.contains("elements 4:6, 4:6 are in no saved chunk"), "{e}");
+    }
+
+    #[test]
+    fn overlapping_chunks_cannot_hide_a_hole() {
+        // Rows 0..4 saved twice, rows 4..8 never: the volumes add up to the request's.
+        let mut chunks = grid(1, 1, 4, 8);
+        chunks.push(chunk(&[0, 0], &[4, 8]));
+        let idx = ChunkIndex::new(&chunks, 2);
+        let mut out = Vec::new();
+        let e = pieces_of("w", 0, &chunks, &idx, &[0, 0], &[8, 8], &mut out)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("w: saved chunks 0 and 1 overlap"), "{e}");
+        // A grid's disjoint pieces pass.
+        let chunks = grid(4, 4, 2, 2);
+        let idx = ChunkIndex::new(&chunks, 2);
+        out.clear();
+        pieces_of("w", 0, &chunks, &idx, &[0, 0], &[8, 8], &mut out).unwrap();
+        assert_eq!(out.len(), 16);
     }
 
     #[test]
