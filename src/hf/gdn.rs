@@ -356,9 +356,6 @@ pub(crate) const GDN_CHECKS: &[Check] = &[
     check("linear_value_head_dim", "linear_value_head_dim", Rel::Eq),
     check("linear_conv_kernel_dim", "linear_conv_kernel_dim", Rel::Eq),
     check("layer_types", "linear_attention_freq", Rel::AttnLayers),
-    // RoPE: no tensor depends on it, but a wrong fraction or base gives a wrong model.
-    check("partial_rotary_factor", "rotary_percent", Rel::Float),
-    check("rope_theta", "rotary_base", Rel::Float),
     check(
         "attention_output_gate",
         "attention_output_gate",

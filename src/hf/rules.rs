@@ -756,6 +756,13 @@ pub(crate) const MLA_BASE_CHECKS: &[Check] = &[
     ),
 ];
 
+/// RoPE: no tensor depends on it, but a wrong fraction or base gives a wrong model (the config
+/// field at the top level or in `rope_parameters`).
+pub(crate) const ROPE_CHECKS: &[Check] = &[
+    check("partial_rotary_factor", "rotary_percent", Rel::Float),
+    check("rope_theta", "rotary_base", Rel::Float),
+];
+
 /// MLA's ranks and head sizes (Megatron `--q-lora-rank`, `--kv-lora-rank`, `--qk-head-dim` (the
 /// no-rope part), `--qk-pos-emb-head-dim`, `--v-head-dim`).
 pub(crate) const MLA_CHECKS: &[Check] = &[
@@ -820,7 +827,12 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
         model_types: &["deepseek_v3"],
         model: COMMON_MODEL,
         layer: &[MLA_ATTN, NORMS, DENSE_MLP, DEEPSEEK_MOE, ROUTED_EXPERTS],
-        checks: &[MLA_BASE_CHECKS, MLA_CHECKS, DEEPSEEK_MOE_CHECKS],
+        checks: &[
+            MLA_BASE_CHECKS,
+            ROPE_CHECKS,
+            MLA_CHECKS,
+            DEEPSEEK_MOE_CHECKS,
+        ],
         moe_layers: LayerPattern::FirstKDense,
     },
     ArchSpec {
@@ -834,7 +846,12 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
             DEEPSEEK_MOE,
             ROUTED_EXPERTS,
         ],
-        checks: &[BASE_CHECKS, GLM_ATTN_CHECKS, DEEPSEEK_MOE_CHECKS],
+        checks: &[
+            BASE_CHECKS,
+            ROPE_CHECKS,
+            GLM_ATTN_CHECKS,
+            DEEPSEEK_MOE_CHECKS,
+        ],
         moe_layers: LayerPattern::FirstKDense,
     },
     ArchSpec {
@@ -843,6 +860,7 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
         layer: &[QKV_BIAS_REQUIRED, ATTN_QKV, NORMS, GPT_OSS],
         checks: &[
             BASE_CHECKS,
+            ROPE_CHECKS,
             MIXTRAL_CHECKS,
             &[check("sliding_window", "window_size", Rel::SlidingWindow)],
         ],
@@ -864,6 +882,7 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
             DENSE_CHECKS,
             QWEN_MOE_CHECKS,
             gdn::GDN_CHECKS,
+            ROPE_CHECKS,
             gdn::GDN_MOE_CHECKS,
         ],
         moe_layers: LayerPattern::QwenSparseStep,
@@ -883,6 +902,7 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
             BASE_CHECKS,
             QWEN_MOE_CHECKS,
             gdn::GDN_CHECKS,
+            ROPE_CHECKS,
             gdn::GDN_MOE_CHECKS,
         ],
         moe_layers: LayerPattern::AllMoe,
@@ -891,7 +911,7 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
         model_types: &["qwen3_5", "qwen3_5_text"],
         model: COMMON_MODEL,
         layer: &[gdn::GDN_QWEN3_5, gdn::GDN_LAYERS, NORMS, DENSE_MLP],
-        checks: &[BASE_CHECKS, DENSE_CHECKS, gdn::GDN_CHECKS],
+        checks: &[BASE_CHECKS, DENSE_CHECKS, gdn::GDN_CHECKS, ROPE_CHECKS],
         moe_layers: LayerPattern::Dense,
     },
     ArchSpec {
