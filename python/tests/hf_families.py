@@ -177,6 +177,17 @@ def _randomize_small_params(model) -> None:
                 p.add_(0.3 * torch.randn(p.shape, generator=g))
 
 
+def _distinct_experts(model, ep_rank: int) -> None:
+    """Every EP rank initialises its local experts from the same seed, so at EP=2 expert 0 would
+    equal expert 2: a converter swapping them would go unnoticed in the logits. Noise seeded by the
+    EP rank makes every routed expert distinct (replicas of one EP rank stay equal)."""
+    g = torch.Generator().manual_seed(1000 + ep_rank)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".experts." in name:
+                p.add_(0.05 * torch.randn(p.shape, generator=g))
+
+
 def gdn_model(cfg):
     """A megatron-core GPTModel shaped like a Qwen3-Next / Qwen3.5 text config: Gated DeltaNet
     layers and gated full attention per ``cfg.layer_types``, MoE with a gated shared expert (or a
@@ -311,6 +322,7 @@ def save_and_forward(rank, world, port, base, family):
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
                                      expert_tensor_parallel_size=1 if fam.moe else None)
         model, args = fam.build(cfg)
+        _distinct_experts(model, ps.get_expert_model_parallel_rank())
         logits = _megatron_logits(model, cfg.vocab_size)
         variants = [(w, args) for w in WRITERS]
         if layout == "tp1" and fam.bad_args:

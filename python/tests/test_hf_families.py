@@ -50,6 +50,9 @@ def _convert_and_compare(base, reference, ckpt, config, out):
     assert hf_families.safetensors_tensors(str(out)) == reference
     logits, info = hf_families.hf_load_and_logits(str(out))
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    # diff in HF mode rebuilds every HF tensor (value transforms included) from the checkpoint.
+    report = shardwise.diff(str(ckpt), str(out), hf_config=str(config))
+    assert report["exit_code"] == 0 and report["different"] == 0 and report["equal"] > 0, report
     return logits
 
 
