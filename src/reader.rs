@@ -13,6 +13,7 @@
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::io::Read;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Component, Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
@@ -283,7 +284,18 @@ impl Checkpoint {
                 format!("{rel:?} resolves outside the checkpoint directory"),
             ));
         }
-        File::open(&real).map_err(Error::io("open", &path))
+        // O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer forever; the
+        // flag changes nothing for a regular file's reads. Only regular files are data files
+        // (a FIFO or device named by a hostile `.metadata` is refused, not read).
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(&real)
+            .map_err(Error::io("open", &path))?;
+        if !file.metadata().map_err(Error::io("stat", &path))?.is_file() {
+            return Err(corrupt(&path, format!("{rel:?} is not a regular file")));
+        }
+        Ok(file)
     }
 
     fn file(&self, rel: &str) -> Result<Arc<Mapped>> {

@@ -134,6 +134,23 @@ def test_data_file_symlinked_out_of_the_directory_is_refused(ckpt):
     expect_error(ckpt, shardwise.CorruptFileError, match="outside the checkpoint directory")
 
 
+def test_data_file_that_is_a_fifo_is_refused_not_waited_on(ckpt):
+    # Opening a FIFO for reading waits for a writer: in-process, the read would never return.
+    (ckpt / "__0_0.distcp").unlink()
+    os.mkfifo(ckpt / "__0_0.distcp")
+    code = (
+        "import sys, shardwise\n"
+        "r = shardwise.open(sys.argv[1])\n"
+        "try:\n"
+        "    [r.read(k) for k in r.keys()]\n"
+        "except shardwise.CorruptFileError as e:\n"
+        "    print('refused:', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(ckpt)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "refused:" in out.stdout and "is not a regular file" in out.stdout, out.stdout
+
+
 @pytest.mark.parametrize("field, value", [("offset", 1 << 62), ("length", 1 << 62), ("length", 3), ("offset", 7)])
 def test_item_bounds_absurd_or_inconsistent(ckpt, field, value):
     rewrite(ckpt, each_item(lambda v: setattr(v, field, value)))
