@@ -771,6 +771,21 @@ mod tests {
     use super::*;
     use sha2::Digest;
 
+    /// One whole 1-D uint8 tensor `t{i}` per buffer.
+    fn uint8_chunks(data: &[Vec<u8>]) -> Vec<TensorChunk<'_>> {
+        data.iter()
+            .enumerate()
+            .map(|(i, d)| TensorChunk {
+                fqn: format!("t{i}"),
+                dtype: DType::from_torch_name("torch.uint8").unwrap(),
+                global_shape: vec![d.len() as u64],
+                offsets: vec![0],
+                sizes: vec![d.len() as u64],
+                data: Payload::Host(d),
+            })
+            .collect()
+    }
+
     /// The block CRC-32s each write path records are those of the payload's 1 MiB blocks as they
     /// lie in the file (direct pieces, staging windows of 4 KiB and 3 MiB, object-store parts),
     /// the last block short, none for an empty tensor.
@@ -782,18 +797,7 @@ mod tests {
             .iter()
             .map(|&n| (0..n).map(|k| (k * 13 + k / 4099) as u8).collect())
             .collect();
-        let tensors: Vec<TensorChunk> = data
-            .iter()
-            .enumerate()
-            .map(|(i, d)| TensorChunk {
-                fqn: format!("t{i}"),
-                dtype: DType::from_torch_name("torch.uint8").unwrap(),
-                global_shape: vec![d.len() as u64],
-                offsets: vec![0],
-                sizes: vec![d.len() as u64],
-                data: Payload::Host(d),
-            })
-            .collect();
+        let tensors = uint8_chunks(&data);
         let check = |w: &Written, file: &[u8], name: &str| {
             for (p, d) in w.tensors.iter().zip(&data) {
                 let item = &file[p.offset as usize..(p.offset + p.length) as usize];
@@ -844,18 +848,7 @@ mod tests {
         let data: Vec<Vec<u8>> = (0..5u32)
             .map(|i| (0..(9_000 * (i + 1))).map(|k| (k * 31 + i) as u8).collect())
             .collect();
-        let tensors: Vec<TensorChunk> = data
-            .iter()
-            .enumerate()
-            .map(|(i, d)| TensorChunk {
-                fqn: format!("t{i}"),
-                dtype: DType::from_torch_name("torch.uint8").unwrap(),
-                global_shape: vec![d.len() as u64],
-                offsets: vec![0],
-                sizes: vec![d.len() as u64],
-                data: Payload::Host(d),
-            })
-            .collect();
+        let tensors = uint8_chunks(&data);
         let obj = b"PK object bytes".to_vec();
         let objects = [ByteObject {
             fqn: "o".into(),

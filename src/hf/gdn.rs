@@ -19,7 +19,7 @@
 //! head [q_h; gate_h] (its `view(..., head_dim * 2)` then `chunk(2)`).
 
 use super::dims::Dims;
-use super::rules::{Check, Experts, Out, Post, Rel, Rule, When, H, HD, ONE};
+use super::rules::{check, Check, Experts, Out, Post, Rel, Rule, When, H, HD, ONE};
 use crate::error::{Error, Result};
 
 type Rows = Result<Vec<Vec<(u64, u64)>>>;
@@ -341,10 +341,6 @@ pub(crate) const GATED_SHARED_EXPERT: &[Rule] = &[
         When::MoeLayer,
     ),
 ];
-
-const fn check(hf: &'static str, args: &'static str, rel: Rel) -> Check {
-    Check { hf, args, rel }
-}
 
 /// The GDN fields (Megatron-LM's `--linear-*` arguments carry the TransformerConfig names), the
 /// layer pattern, and what the architecture implies of the args: gated attention, zero-centred

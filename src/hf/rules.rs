@@ -14,8 +14,8 @@
 //!    ([`Experts`]), a value transform ([`Post`]: `+1` for zero-centred norms, transposed fused
 //!    experts), and on which layers the config requires it ([`When`]).
 //! 3. `checks`: the (config.json field, Megatron args field, [`Rel`]) rows that must agree for
-//!    this architecture, normally `BASE_CHECKS` plus its own fields (e.g. `q_lora_rank`,
-//!    `linear_num_key_heads`). Every config field a rule's `Out::shape` or `Split` uses must be
+//!    this architecture, normally `BASE_CHECKS` and `HEAD_SPLIT_CHECKS` plus its own fields
+//!    (e.g. `q_lora_rank`, `linear_num_key_heads`). Every config field a rule's `Out::shape` or `Split` uses must be
 //!    in a check row, so that a wrong config is refused wherever args are stored.
 //! 4. `moe_layers`: which layers are MoE according to the config ([`LayerPattern`]).
 //! 5. Tests: a real megatron-core model of that family, converted and loaded by transformers.
@@ -701,7 +701,7 @@ pub(crate) const GPT_OSS: &[Rule] = &[
 
 // ---- checks -------------------------------------------------------------------------------------
 
-const fn check(hf: &'static str, args: &'static str, rel: Rel) -> Check {
+pub(crate) const fn check(hf: &'static str, args: &'static str, rel: Rel) -> Check {
     Check { hf, args, rel }
 }
 
@@ -710,14 +710,19 @@ pub(crate) const BASE_CHECKS: &[Check] = &[
     check("num_hidden_layers", "num_layers", Rel::Eq),
     check("hidden_size", "hidden_size", Rel::Eq),
     check("num_attention_heads", "num_attention_heads", Rel::Eq),
-    check("num_key_value_heads", "num_query_groups", Rel::Eq),
-    check("head_dim", "kv_channels", Rel::Eq),
     check("vocab_size", "padded_vocab_size", Rel::Vocab),
     check(
         "tie_word_embeddings",
         "untie_embeddings_and_output_weights",
         Rel::Not,
     ),
+];
+
+/// The head split of standard attention (every architecture but MLA's: transformers' deepseek_v3
+/// `head_dim` is `qk_rope_head_dim`, and Megatron's `kv_channels` is unused by MLA).
+pub(crate) const HEAD_SPLIT_CHECKS: &[Check] = &[
+    check("num_key_value_heads", "num_query_groups", Rel::Eq),
+    check("head_dim", "kv_channels", Rel::Eq),
 ];
 
 /// Dense MLP size.
@@ -740,20 +745,6 @@ pub(crate) const MIXTRAL_CHECKS: &[Check] = &[
     check("num_experts", "num_experts", Rel::Eq),
     check("intermediate_size", "moe_ffn_hidden_size", Rel::Eq),
     check("num_experts", "moe_layer_freq", Rel::MoeLayers),
-];
-
-/// [`BASE_CHECKS`] without the head split, which MLA does not have (transformers' deepseek_v3
-/// `head_dim` is `qk_rope_head_dim`; Megatron's `kv_channels` is unused by MLA).
-pub(crate) const MLA_BASE_CHECKS: &[Check] = &[
-    check("num_hidden_layers", "num_layers", Rel::Eq),
-    check("hidden_size", "hidden_size", Rel::Eq),
-    check("num_attention_heads", "num_attention_heads", Rel::Eq),
-    check("vocab_size", "padded_vocab_size", Rel::Vocab),
-    check(
-        "tie_word_embeddings",
-        "untie_embeddings_and_output_weights",
-        Rel::Not,
-    ),
 ];
 
 /// RoPE: no tensor depends on it, but a wrong fraction or base gives a wrong model (the config
@@ -799,40 +790,40 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
         model_types: &["llama"],
         model: COMMON_MODEL,
         layer: &[ATTN_QKV, NORMS, DENSE_MLP],
-        checks: &[BASE_CHECKS, DENSE_CHECKS],
+        checks: &[BASE_CHECKS, HEAD_SPLIT_CHECKS, DENSE_CHECKS],
         moe_layers: LayerPattern::Dense,
     },
     ArchSpec {
         model_types: &["qwen2"],
         model: COMMON_MODEL,
         layer: &[QKV_BIAS_REQUIRED, ATTN_QKV, NORMS, DENSE_MLP],
-        checks: &[BASE_CHECKS, DENSE_CHECKS],
+        checks: &[BASE_CHECKS, HEAD_SPLIT_CHECKS, DENSE_CHECKS],
         moe_layers: LayerPattern::Dense,
     },
     ArchSpec {
         model_types: &["qwen3"],
         model: COMMON_MODEL,
         layer: &[ATTN_QKV, QK_NORM, NORMS, DENSE_MLP],
-        checks: &[BASE_CHECKS, DENSE_CHECKS],
+        checks: &[BASE_CHECKS, HEAD_SPLIT_CHECKS, DENSE_CHECKS],
         moe_layers: LayerPattern::Dense,
     },
     ArchSpec {
         model_types: &["qwen3_moe"],
         model: COMMON_MODEL,
         layer: &[ATTN_QKV, QK_NORM, NORMS, DENSE_MLP, QWEN_MOE],
-        checks: &[BASE_CHECKS, DENSE_CHECKS, QWEN_MOE_CHECKS],
+        checks: &[
+            BASE_CHECKS,
+            HEAD_SPLIT_CHECKS,
+            DENSE_CHECKS,
+            QWEN_MOE_CHECKS,
+        ],
         moe_layers: LayerPattern::QwenSparseStep,
     },
     ArchSpec {
         model_types: &["deepseek_v3"],
         model: COMMON_MODEL,
         layer: &[MLA_ATTN, NORMS, DENSE_MLP, DEEPSEEK_MOE, ROUTED_EXPERTS],
-        checks: &[
-            MLA_BASE_CHECKS,
-            ROPE_CHECKS,
-            MLA_CHECKS,
-            DEEPSEEK_MOE_CHECKS,
-        ],
+        checks: &[BASE_CHECKS, ROPE_CHECKS, MLA_CHECKS, DEEPSEEK_MOE_CHECKS],
         moe_layers: LayerPattern::FirstKDense,
     },
     ArchSpec {
@@ -848,6 +839,7 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
         ],
         checks: &[
             BASE_CHECKS,
+            HEAD_SPLIT_CHECKS,
             ROPE_CHECKS,
             GLM_ATTN_CHECKS,
             DEEPSEEK_MOE_CHECKS,
@@ -860,6 +852,7 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
         layer: &[QKV_BIAS_REQUIRED, ATTN_QKV, NORMS, GPT_OSS],
         checks: &[
             BASE_CHECKS,
+            HEAD_SPLIT_CHECKS,
             ROPE_CHECKS,
             MIXTRAL_CHECKS,
             &[check("sliding_window", "window_size", Rel::SlidingWindow)],
@@ -879,6 +872,7 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
         ],
         checks: &[
             BASE_CHECKS,
+            HEAD_SPLIT_CHECKS,
             DENSE_CHECKS,
             QWEN_MOE_CHECKS,
             gdn::GDN_CHECKS,
@@ -900,6 +894,7 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
         ],
         checks: &[
             BASE_CHECKS,
+            HEAD_SPLIT_CHECKS,
             QWEN_MOE_CHECKS,
             gdn::GDN_CHECKS,
             ROPE_CHECKS,
@@ -911,14 +906,20 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
         model_types: &["qwen3_5", "qwen3_5_text"],
         model: COMMON_MODEL,
         layer: &[gdn::GDN_QWEN3_5, gdn::GDN_LAYERS, NORMS, DENSE_MLP],
-        checks: &[BASE_CHECKS, DENSE_CHECKS, gdn::GDN_CHECKS, ROPE_CHECKS],
+        checks: &[
+            BASE_CHECKS,
+            HEAD_SPLIT_CHECKS,
+            DENSE_CHECKS,
+            gdn::GDN_CHECKS,
+            ROPE_CHECKS,
+        ],
         moe_layers: LayerPattern::Dense,
     },
     ArchSpec {
         model_types: &["mixtral"],
         model: COMMON_MODEL,
         layer: &[ATTN_QKV, NORMS, MIXTRAL_MOE],
-        checks: &[BASE_CHECKS, MIXTRAL_CHECKS],
+        checks: &[BASE_CHECKS, HEAD_SPLIT_CHECKS, MIXTRAL_CHECKS],
         moe_layers: LayerPattern::AllMoe,
     },
 ];
