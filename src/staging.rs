@@ -109,8 +109,17 @@ impl StagingPool {
             Some(d) => Memory::Pinned(gpu::context(d)?),
             None => Memory::Plain,
         };
-        let mut free = Vec::with_capacity(count);
-        let mut all = Vec::with_capacity(count);
+        // A budget of absurd size (staging_budget_bytes=1 << 62) asks for billions of buffers:
+        // refuse it as an error instead of aborting the process on the bookkeeping allocation.
+        let too_large = |_| {
+            Error::InvalidArgument(format!(
+                "staging budget of {budget} bytes ({count} buffers of {buffer_size} bytes) cannot be allocated"
+            ))
+        };
+        let mut free = Vec::new();
+        free.try_reserve_exact(count).map_err(too_large)?;
+        let mut all = Vec::new();
+        all.try_reserve_exact(count).map_err(too_large)?;
         for _ in 0..count {
             let ptr = match &memory {
                 Memory::Pinned(ctx) => gpu::alloc_pinned(ctx, buffer_size)?,

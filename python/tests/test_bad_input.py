@@ -185,3 +185,25 @@ def test_non_main_replicas_are_not_written(tmp_path):
               {"w": row_shard("w", 0, 1, replica_id=1), "b": row_shard("b", 0, 1, replica_id=(0, 1, 0))}]
     save_ranks(str(tmp_path), states)
     assert [p.name for p in tmp_path.glob("*.distcp")] == ["__0_0.distcp"]
+
+
+def test_absurd_staging_budget_is_an_error_not_an_abort(tmp_path):
+    # 1 << 62 bytes asked for 2**36 buffer slots: the bookkeeping allocation aborted the process.
+    import subprocess
+    import sys
+
+    ck = tmp_path / "ck"
+    save_ranks(str(ck), [{"w": row_shard("w", 0, 1)}])
+    code = (
+        "import sys, torch, shardwise, shardwise.megatron as swm\n"
+        "from megatron.core.dist_checkpointing.mapping import ShardedTensor\n"
+        "md = shardwise.open(sys.argv[1]).metadata('w')\n"
+        "t = torch.empty(md['global_shape'], dtype=getattr(torch, md['dtype']))\n"
+        "try:\n"
+        "    swm.load({'w': ShardedTensor.from_rank_offsets('w', t, replica_id=0)}, sys.argv[1], staging_budget_bytes=1 << 62)\n"
+        "except shardwise.InvalidArgumentError as e:\n"
+        "    print('refused:', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(ck)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "refused:" in out.stdout and "cannot be allocated" in out.stdout, out.stdout
