@@ -8,7 +8,7 @@ import warnings
 
 import torch
 
-from mcore import build_gpt, init_gloo, model_tensors
+from mcore import build_gpt, build_moe, init_gloo, model_tensors
 from mcore_workers import DistRecorder
 
 warnings.filterwarnings("ignore")
@@ -226,32 +226,11 @@ def moe_ep2(rank, world, port, base):
     init_gloo(rank, world, port)
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     import shardwise.megatron as swm
 
     ps.initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=2)
-
-    def build(seed):
-        torch.manual_seed(seed)  # equal on every rank: replicas hold equal weights
-        cfg = TransformerConfig(
-            num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, moe_ffn_hidden_size=128,
-            num_moe_experts=4, expert_model_parallel_size=2, moe_router_topk=2, use_cpu_initialization=True,
-            add_bias_linear=False, normalization="RMSNorm", params_dtype=torch.float32,
-        )
-        model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False),
-                         vocab_size=256, max_sequence_length=64)
-        # Each EP rank holds other experts: give them other values (equal within the expert-DP group).
-        g = torch.Generator().manual_seed(seed + 7 * ps.get_expert_model_parallel_rank())
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if ".experts." in name:
-                    p.copy_(torch.randn(p.shape, generator=g))
-        return model
-
-    model = build(1)
+    model = build_moe(1)
     root = os.path.join(base, "save")
     balance = swm.DPBalance.from_parallel_state()
     reports = {}
@@ -263,7 +242,7 @@ def moe_ep2(rank, world, port, base):
     expert_keys = sorted({k for k in model.sharded_state_dict() if ".experts." in k})
     replica_ids = sorted({repr(v.replica_id) for k, v in model.sharded_state_dict().items() if ".experts." in k})
 
-    fresh = build(2)
+    fresh = build_moe(2)
     differed = sum(not torch.equal(a, b) for a, b in zip(model_tensors(model).values(), model_tensors(fresh).values()))
     sd = fresh.sharded_state_dict()
     sd["rng_state"] = _rng_state(ps, with_ep=True)

@@ -11,7 +11,7 @@ import warnings
 
 import torch
 
-from mcore import build_gpt, init_gloo, model_tensors
+from mcore import build_gpt, build_moe, init_gloo, model_tensors
 from mcore_workers import DistRecorder
 
 warnings.filterwarnings("ignore")
@@ -99,29 +99,6 @@ def _reinit(ps, tp=1, pp=1, ep=1) -> None:
     )
 
 
-def build_moe(seed: int):
-    """A 2-layer MoE GPT (4 experts, top-2) at the current EP size; each EP rank's experts get
-    other values (equal within the expert-DP group)."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    torch.manual_seed(seed)
-    ep = ps.get_expert_model_parallel_world_size()
-    cfg = TransformerConfig(
-        num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, moe_ffn_hidden_size=128,
-        num_moe_experts=4, expert_model_parallel_size=ep, moe_router_topk=2, use_cpu_initialization=True,
-        add_bias_linear=False, normalization="RMSNorm", params_dtype=torch.float32, gated_linear_unit=True,
-    )
-    model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False),
-                     vocab_size=256, max_sequence_length=64)
-    g = torch.Generator().manual_seed(seed + 7 * ps.get_expert_model_parallel_rank())
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".experts." in name:
-                p.copy_(torch.randn(p.shape, generator=g))
-    return model
 
 
 def load_matrix(rank, world, port, base):
@@ -157,7 +134,7 @@ def load_matrix(rank, world, port, base):
 
     # MoE, EP=2 x expert-DP 2, saved and loaded at the same layout.
     _reinit(ps, tp=1, ep=2)
-    moe = build_moe(1)
+    moe = build_moe(1, gated=True)
     moe_ckpts = {src: os.path.join(base, f"moe_{src}") for src in ("megatron", "shardwise")}
     swm.save(moe.sharded_state_dict(), moe_ckpts["shardwise"], timeout_s=120)
     os.makedirs(moe_ckpts["megatron"], exist_ok=True)
@@ -165,7 +142,7 @@ def load_matrix(rank, world, port, base):
     dist_checkpointing.save(moe.sharded_state_dict(), moe_ckpts["megatron"])
     dist.barrier()
     for src, ckpt in moe_ckpts.items():
-        out[f"moe_ep2_{src}"] = _model_case(build_moe(2), ckpt)
+        out[f"moe_ep2_{src}"] = _model_case(build_moe(2, gated=True), ckpt)
         dist.barrier()
 
     out.update(_distopt(ps, base))

@@ -37,6 +37,32 @@ def init_gloo(rank: int, world: int, port: int, timeout_s: float = 120.0) -> Non
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
 
 
+def build_moe(seed: int, gated: bool = False):
+    """A 2-layer MoE GPT (4 experts, top-2, SwiGLU when ``gated``) at the current EP size; each EP
+    rank's experts get other values (equal within the expert-DP group), the rest is equal on every
+    rank."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    torch.manual_seed(seed)
+    ep = ps.get_expert_model_parallel_world_size()
+    cfg = TransformerConfig(
+        num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, moe_ffn_hidden_size=128,
+        num_moe_experts=4, expert_model_parallel_size=ep, moe_router_topk=2, use_cpu_initialization=True,
+        add_bias_linear=False, normalization="RMSNorm", params_dtype=torch.float32, gated_linear_unit=gated,
+    )
+    model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False),
+                     vocab_size=256, max_sequence_length=64)
+    g = torch.Generator().manual_seed(seed + 7 * ps.get_expert_model_parallel_rank())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".experts." in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+    return model
+
+
 def build_gpt(seed: int, pp_stage_layers: bool = True, heads: int = 4, query_groups: int = 2):
     """A tiny megatron-core GPTModel: local layer spec, SwiGLU, GQA (4 heads, 2 query groups by
     default; TP must divide ``query_groups``), RMSNorm."""
