@@ -227,6 +227,21 @@ def test_parts_and_workers_write_the_same_bytes_and_commit_once(saved, tmp_path)
     assert shardwise.to_hf(ck, str(split), hf_config=cfg, max_shard_size="50KB", part="0/3")["files"] == 0
     with pytest.raises(shardwise.InvalidArgumentError, match="not empty"):
         shardwise.to_hf(ck, str(split), hf_config=cfg, max_shard_size="80KB", part="0/2")
+    # Parts of two conversions never make one: another checkpoint with the same shapes (another
+    # iteration), or a part rerun with other options.
+    mixed = tmp_path / "mixed"
+    shardwise.to_hf(ck, str(mixed), hf_config=cfg, max_shard_size="50KB", part="0/2")
+    with pytest.raises(shardwise.ValidationError, match="another conversion"):
+        shardwise.to_hf(str(base / "shardwise"), str(mixed), hf_config=cfg, max_shard_size="50KB", part="1/2")
+    assert not (mixed / "model.safetensors.index.json").exists()
+    rerun = tmp_path / "rerun"
+    other_cfg = tmp_path / "other_config.json"
+    other_cfg.write_text(json.dumps({**json.loads(open(cfg).read()), "_name_or_path": "another run"}))
+    shardwise.to_hf(ck, str(rerun), hf_config=cfg, max_shard_size="50KB", part="0/2")
+    shardwise.to_hf(ck, str(rerun), hf_config=str(other_cfg), max_shard_size="50KB", part="0/2")
+    with pytest.raises(shardwise.ValidationError, match="another conversion"):
+        shardwise.to_hf(ck, str(rerun), hf_config=cfg, max_shard_size="50KB", part="1/2")
+    assert not (rerun / "model.safetensors.index.json").exists()
     # Parts as concurrent processes (as on several machines sharing the folder).
     par = tmp_path / "par"
     procs = [subprocess.Popen([sys.executable, "-m", "shardwise.cli", "to-hf", ck, str(par), "--hf-config", cfg,

@@ -200,8 +200,14 @@ pub fn to_hf(
                     &path,
                     progress,
                 )?;
-                let committed =
-                    output::commit_part(out_dir, &shards, part, &index, config.as_deref())?;
+                let committed = output::commit_part(
+                    out_dir,
+                    &source_identity(&ckpt)?,
+                    &shards,
+                    part,
+                    &index,
+                    config.as_deref(),
+                )?;
                 (which, committed)
             }
         }
@@ -225,6 +231,30 @@ pub fn to_hf(
         part: opts.part.map(|p| format!("{}/{}", p.index, p.count)),
         committed,
     })
+}
+
+/// The identity of the checkpoint a part converts, for [`output::fingerprint`]: the storage
+/// stamps (size and mtime, or ETag) of `.metadata`, `common.pt` and every data file it names. Parts
+/// of one conversion on several machines read the same files, so they agree; two iterations of one
+/// model, whose `.metadata` can be byte-identical, do not.
+pub(crate) fn source_identity(ckpt: &Checkpoint) -> Result<Vec<u8>> {
+    let mut files = std::collections::BTreeSet::new();
+    for entry in ckpt.metadata.entries.values() {
+        match entry {
+            crate::format::metadata::Entry::Tensor { chunks, .. } => {
+                files.extend(chunks.iter().map(|c| c.storage.relative_path.as_str()))
+            }
+            crate::format::metadata::Entry::Bytes { storage } => {
+                files.insert(storage.relative_path.as_str());
+            }
+        }
+    }
+    let mut id = Vec::new();
+    for rel in [".metadata", "common.pt"].into_iter().chain(files) {
+        let stamp = ckpt.location().stamp(rel)?.unwrap_or_default();
+        id.extend_from_slice(format!("{rel}\0{stamp}\0").as_bytes());
+    }
+    Ok(id)
 }
 
 /// The hyperparameters of `ckpt` (config.json, else the stored args), checked against the args.

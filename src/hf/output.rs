@@ -9,9 +9,13 @@
 //! Several processes or machines (`--part i/n`): every part computes the same plan and writes its
 //! own shards (shard k belongs to part `k % n`) under their final names (temporary name, fsync,
 //! rename), then an empty marker `.to-hf-parts/<fingerprint>.<i>-of-<n>`; the fingerprint is a
-//! SHA-256 of the index, every header and config.json, so parts of different conversions never
-//! count for each other. The part that finds all n markers writes config.json and creates the
-//! index if absent; a part that finds the index already there checks it is the same bytes.
+//! SHA-256 of the source checkpoint's identity (the storage stamps of `.metadata`, `common.pt` and
+//! every data file: two iterations of one model can have byte-identical `.metadata`), the index,
+//! every header and config.json, so parts of different conversions never count for each other. A
+//! part replaces its own earlier marker and refuses to publish beside another conversion's. The
+//! part that finds all n markers checks every shard file's header and size against the plan,
+//! writes config.json and creates the index if absent; a part that finds the index already there
+//! checks it is the same bytes.
 
 use std::path::{Path, PathBuf};
 
@@ -201,9 +205,17 @@ pub(crate) fn commit(
     fsync_dir(dir)
 }
 
-/// A fingerprint of a conversion's output: the index, every header, and config.json.
-pub(crate) fn fingerprint(plan: &ShardPlan, index: &[u8], config: Option<&[u8]>) -> String {
+/// A fingerprint of a conversion: its source's identity (`source`, see [`super::source_identity`]),
+/// the index, every header, and config.json.
+pub(crate) fn fingerprint(
+    source: &[u8],
+    plan: &ShardPlan,
+    index: &[u8],
+    config: Option<&[u8]>,
+) -> String {
     let mut h = Sha256::new();
+    h.update((source.len() as u64).to_le_bytes());
+    h.update(source);
     h.update(index);
     for s in &plan.shards {
         h.update((s.header.len() as u64).to_le_bytes());
@@ -256,23 +268,44 @@ pub(crate) fn part_temp(dir: &Path, name: &str, part: Part) -> PathBuf {
 /// marker, then commits when every part's marker is there. Returns whether the conversion is
 /// committed (by this part or an earlier one).
 ///
-/// Errors: [`Error::Validation`] when a different index is already committed; [`Error::Io`].
+/// Errors: [`Error::Validation`] when a different index is already committed, when the folder
+/// holds a marker of another conversion (another checkpoint, options or config), or when a shard
+/// file's header or size is not the plan's; [`Error::Io`].
 pub(crate) fn commit_part(
     dir: &Path,
+    source: &[u8],
     plan: &ShardPlan,
     part: Part,
     index: &[u8],
     config: Option<&[u8]>,
 ) -> Result<bool> {
+    let fp = fingerprint(source, plan, index, config);
+    let parts = dir.join(PARTS);
+    let marker = |i: usize| parts.join(format!("{fp}.{i}-of-{}", part.count));
+    // This part's earlier marker (a rerun, perhaps with other options) goes before its shards
+    // change; any other conversion's marker means the folder mixes two conversions.
+    for name in entries(&parts)? {
+        let (of, which) = name.split_once('.').unwrap_or((&name, ""));
+        if of == fp {
+            continue;
+        }
+        if which.split_once("-of-").map(|(i, _)| i) == Some(part.index.to_string().as_str()) {
+            let path = parts.join(&name);
+            std::fs::remove_file(&path).map_err(Error::io("remove", &path))?;
+        } else {
+            return Err(Error::Validation(format!(
+                "{} holds parts of another conversion (marker {name}: another checkpoint, \
+                 options or config); empty the folder and run every part again",
+                dir.display()
+            )));
+        }
+    }
     for k in part.shards(plan.shards.len()) {
         let name = plan.file_name(k);
         let to = dir.join(&name);
         std::fs::rename(part_temp(dir, &name, part), &to).map_err(Error::io("rename", &to))?;
     }
     fsync_dir(dir)?;
-    let fp = fingerprint(plan, index, config);
-    let parts = dir.join(PARTS);
-    let marker = |i: usize| parts.join(format!("{fp}.{i}-of-{}", part.count));
     atomic_write(&marker(part.index), b"")?;
     let index_path = dir.join(INDEX);
     let same_index = || -> Result<bool> {
@@ -292,6 +325,7 @@ pub(crate) fn commit_part(
     if !(0..part.count).all(|i| marker(i).exists()) {
         return Ok(false);
     }
+    check_shard_files(dir, plan)?;
     if let Some(c) = config {
         atomic_write(&dir.join(CONFIG), c)?;
     }
@@ -303,6 +337,27 @@ pub(crate) fn commit_part(
     // committed too may have removed them already).
     let _ = std::fs::remove_dir_all(&parts);
     Ok(true)
+}
+
+/// Every shard file of `plan` in `dir` has the planned header and size.
+fn check_shard_files(dir: &Path, plan: &ShardPlan) -> Result<()> {
+    use std::io::Read;
+    for (k, s) in plan.shards.iter().enumerate() {
+        let path = dir.join(plan.file_name(k));
+        let mut f = std::fs::File::open(&path).map_err(Error::io("open", &path))?;
+        let len = f.metadata().map_err(Error::io("stat", &path))?.len();
+        let mut head = vec![0u8; 8 + s.header.len()];
+        let read = f.read_exact(&mut head);
+        let expected = 8 + s.header.len() as u64 + s.data_len;
+        if read.is_err() || len != expected || head[8..] != s.header[..] {
+            return Err(Error::Validation(format!(
+                "{} is not the shard this conversion planned ({len} bytes, {expected} planned, or \
+                 another header): a part of another conversion wrote it; nothing committed",
+                path.display()
+            )));
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
