@@ -594,20 +594,42 @@ pub unsafe fn load(ck: &Checkpoint, reqs: &[Request], opts: &LoadOptions) -> Res
         pending: Mutex::new(std::collections::VecDeque::new()),
         counters: &counters,
     };
-    let outcome = readers
-        .install(|| {
-            reads
-                .par_iter()
-                .with_max_len(1)
-                .map(|r| exec.read(r))
-                .collect::<Result<Vec<Vec<Segment>>>>()
-        })
-        .and_then(|segments| {
-            for (p, id) in &transformed_pieces {
-                exec.transformed(p, *id)?;
-            }
-            exec.verify(segments.into_iter().flatten().collect())
+    // The reads run on the pool while this thread watches for Ctrl-C (a load of hundreds of GB
+    // must stop within a read, not at its end): reads not yet started then fail as Interrupted.
+    let cancel = std::sync::atomic::AtomicBool::new(false);
+    let caller = std::thread::current();
+    let outcome = std::thread::scope(|scope| {
+        let job = scope.spawn(|| {
+            let r = readers.install(|| {
+                reads
+                    .par_iter()
+                    .with_max_len(1)
+                    .map(|r| {
+                        if cancel.load(std::sync::atomic::Ordering::Relaxed) {
+                            return Err(Error::Interrupted);
+                        }
+                        exec.read(r)
+                    })
+                    .collect::<Result<Vec<Vec<Segment>>>>()
+            });
+            caller.unpark();
+            r
         });
+        while !job.is_finished() {
+            if crate::commit::wait::interrupted() {
+                cancel.store(true, std::sync::atomic::Ordering::Relaxed);
+            }
+            std::thread::park_timeout(std::time::Duration::from_millis(50));
+        }
+        job.join()
+            .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+    })
+    .and_then(|segments| {
+        for (p, id) in &transformed_pieces {
+            exec.transformed(p, *id)?;
+        }
+        exec.verify(segments.into_iter().flatten().collect())
+    });
     // Copies still in flight read staging buffers and write destinations: always wait for them.
     let finished = match &copier {
         Some(c) => c.finish_into(opts.cuda_stream),

@@ -46,7 +46,8 @@ pub fn set_interrupt_check(check: fn() -> bool) {
     let _ = INTERRUPT_CHECK.set(check);
 }
 
-fn interrupted() -> bool {
+/// Whether the process was asked to stop (Ctrl-C seen by the check [`set_interrupt_check`] set).
+pub(crate) fn interrupted() -> bool {
     INTERRUPT_CHECK.get().is_some_and(|f| f())
 }
 
