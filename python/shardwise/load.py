@@ -36,8 +36,9 @@ class UnsafeObjectError(ShardwiseError, pickle.UnpicklingError):
 # every rank's request can tell (megatron-core validation.py `_determine_missing_and_unexpected_keys`).
 _GLOBAL_STRICT = ("log_all", "raise_all", "return_all")
 
-# Open checkpoints of this process, most recent last: (path) -> ((size, mtime_ns) of .metadata,
-# Checkpoint). A parsed .metadata can hold millions of chunks; two entries cover a load of the
+# Open checkpoints of this process, most recent last: (path) -> ((device, inode, size, mtime_ns,
+# ctime_ns) of .metadata, Checkpoint). The inode and ctime tell apart a .metadata replaced by one of
+# the same size whose mtime was preserved (cp -p, rsync -a): ctime cannot be set back. A parsed .metadata can hold millions of chunks; two entries cover a load of the
 # latest checkpoint while the previous one is still being compared or cleaned up.
 _CACHE: "collections.OrderedDict[str, tuple]" = collections.OrderedDict()
 _CACHE_SIZE = 2
@@ -63,7 +64,7 @@ def open_cached(checkpoint_dir: str):
     path = os.path.abspath(checkpoint_dir)
     try:
         st = os.stat(os.path.join(path, ".metadata"))
-        stamp = (st.st_size, st.st_mtime_ns)
+        stamp = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
     except OSError:
         stamp = None  # open_checkpoint raises StorageError describing the directory
     with _CACHE_LOCK:
