@@ -5,6 +5,7 @@ the logits on fixed tokens equal the Megatron model's forward output."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -178,6 +179,12 @@ def test_output_folder_is_refused_unless_overwrite_which_leaves_nothing_stale(sa
     if arch != "llama":
         pytest.skip("one architecture is enough")
     ck, cfg = str(base / "shardwise"), str(base / "hf_config" / "config.json")
+    # Never into the checkpoint, even with --overwrite, nor into a folder inside it (new or not).
+    before = sorted(os.listdir(ck))
+    for inside, overwrite in ((ck, True), (os.path.join(ck, "hf", "sub"), False), (ck + "/.shardwise", True)):
+        with pytest.raises(shardwise.InvalidArgumentError, match="inside the checkpoint directory"):
+            shardwise.to_hf(ck, inside, hf_config=cfg, overwrite=overwrite)
+    assert sorted(os.listdir(ck)) == before
     out = tmp_path / "hf"
     first = shardwise.to_hf(ck, str(out), hf_config=cfg, max_shard_size="100KB")
     assert first["config_written"] and first["committed"] and first["files"] > 2

@@ -143,6 +143,9 @@ pub fn to_hf(
             "--overwrite cannot be combined with --part: empty the folder first".into(),
         ));
     }
+    if let Location::Local(dir) = ckpt {
+        output::check_outside(out_dir, dir)?;
+    }
     if opts.part.is_none() {
         output::check_folder(out_dir, opts.overwrite)?;
     }

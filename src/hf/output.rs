@@ -153,6 +153,38 @@ pub(crate) fn check_folder(dir: &Path, overwrite: bool) -> Result<()> {
     Ok(())
 }
 
+/// Refuses an output folder that is the checkpoint's directory or lies inside it: the shards
+/// would be written among the checkpoint's files (and `--overwrite` would remove files there).
+/// A folder that does not exist yet is judged by its nearest existing ancestor.
+///
+/// Errors: [`Error::InvalidArgument`] naming both.
+pub(crate) fn check_outside(out: &Path, checkpoint_dir: &Path) -> Result<()> {
+    let (Ok(ckpt), Ok(abs)) = (checkpoint_dir.canonicalize(), std::path::absolute(out)) else {
+        return Ok(()); // opening the checkpoint reports a missing one
+    };
+    let mut existing = abs.as_path();
+    let mut rest = Vec::new();
+    while !existing.exists() {
+        let Some(parent) = existing.parent() else {
+            return Ok(());
+        };
+        rest.push(existing.file_name().unwrap_or_default().to_owned());
+        existing = parent;
+    }
+    let mut resolved = existing
+        .canonicalize()
+        .map_err(Error::io("resolve", existing))?;
+    resolved.extend(rest.iter().rev());
+    if resolved.starts_with(&ckpt) {
+        return Err(Error::InvalidArgument(format!(
+            "output folder {} is inside the checkpoint directory {}: choose a folder outside it",
+            out.display(),
+            checkpoint_dir.display()
+        )));
+    }
+    Ok(())
+}
+
 /// The staging folder of a one-process conversion in `dir`, created empty (a crashed run's is
 /// removed: it is to-hf's own by name).
 ///
