@@ -513,25 +513,12 @@ def dist_checkpointing_load(sharded_state_dict: dict, checkpoint_dir, *args, **k
     """
     import inspect
 
-    from .megatron import _original_megatron
+    from .megatron import _original_megatron, bind_release_args
 
     import megatron.core.dist_checkpointing.serialization as mser
 
     params = list(inspect.signature(_original_megatron(mser, "load")).parameters.values())[2:]
-    if len(args) > len(params):
-        raise TypeError(
-            f"megatron.core.dist_checkpointing.load takes at most {len(params) + 2} positional arguments "
-            f"({len(args) + 2} given)"
-        )
-    bound = {p.name: a for p, a in zip(params, args)}
-    for p in params:
-        if p.name in kwargs:
-            if p.name in bound:
-                raise TypeError(f"megatron.core.dist_checkpointing.load got multiple values for argument {p.name!r}")
-            bound[p.name] = kwargs.pop(p.name)
-    unknown = [p.name for p in params if p.name not in _LOAD_PARAMS and bound.get(p.name, p.default) is not p.default]
-    if unknown:
-        raise InvalidArgumentError(f"megatron.core.dist_checkpointing.load parameters {unknown} are not supported by shardwise")
+    bound = bind_release_args("load", params, args, kwargs, _LOAD_PARAMS)
     strategy = bound.get("sharded_strategy")
     backend = strategy[0] if isinstance(strategy, tuple) else _strategy_backend(strategy)
     if strategy is not None and backend != "torch_dist":

@@ -500,6 +500,32 @@ def megatron_save_parameters() -> list:
     return list(inspect.signature(_original_megatron_save()).parameters.values())[2:]
 
 
+def bind_release_args(function: str, params, args: tuple, kwargs: dict, handled) -> dict:
+    """Binds ``args`` and the keywords of ``kwargs`` naming ``params`` (the installed release's
+    parameters of ``megatron.core.dist_checkpointing.<function>`` after the first two) as that
+    function would; the bound keywords are popped from ``kwargs``, the rest stay for shardwise.
+
+    Raises ``TypeError`` as Megatron's own function would (too many positional arguments, one given
+    both ways), and ``InvalidArgumentError`` for a parameter outside ``handled`` given with a value
+    other than its default (a newer megatron-core's)."""
+    name = f"megatron.core.dist_checkpointing.{function}"
+    if len(args) > len(params):
+        raise TypeError(f"{name} takes at most {len(params) + 2} positional arguments ({len(args) + 2} given)")
+    bound = {p.name: a for p, a in zip(params, args)}
+    for p in params:
+        if p.name in kwargs:
+            if p.name in bound:
+                raise TypeError(f"{name} got multiple values for argument {p.name!r}")
+            bound[p.name] = kwargs.pop(p.name)
+    for p in params:
+        value = bound.get(p.name, p.default)
+        if p.name not in handled and not (value is p.default or value == p.default):
+            raise InvalidArgumentError(
+                f"{name} parameter {p.name!r} is not supported by shardwise (a megatron-core newer than 0.19?)"
+            )
+    return bound
+
+
 def dist_checkpointing_save(sharded_state_dict: dict, checkpoint_dir: str, *args, **kwargs):
     """``megatron.core.dist_checkpointing.save`` done by shardwise, with the installed megatron-core's
     own signature (0.13-0.19): positional arguments are bound to that release's parameters in its
@@ -547,25 +573,7 @@ def dist_checkpointing_save(sharded_state_dict: dict, checkpoint_dir: str, *args
             given with a value other than its default.
         Everything :func:`save` raises.
     """
-    params = megatron_save_parameters()
-    if len(args) > len(params):
-        raise TypeError(
-            f"megatron.core.dist_checkpointing.save takes at most {len(params) + 2} positional arguments "
-            f"({len(args) + 2} given)"
-        )
-    megatron_args = {p.name: a for p, a in zip(params, args)}
-    for p in params:
-        if p.name in kwargs:
-            if p.name in megatron_args:
-                raise TypeError(f"megatron.core.dist_checkpointing.save got multiple values for argument {p.name!r}")
-            megatron_args[p.name] = kwargs.pop(p.name)
-    for p in params:
-        value = megatron_args.get(p.name, p.default)
-        if p.name not in _HANDLED_MEGATRON_PARAMS and not (value is p.default or value == p.default):
-            raise InvalidArgumentError(
-                f"megatron.core.dist_checkpointing.save parameter {p.name!r} is not supported by shardwise "
-                "(a megatron-core newer than 0.19?)"
-            )
+    megatron_args = bind_release_args("save", megatron_save_parameters(), args, kwargs, _HANDLED_MEGATRON_PARAMS)
     sharded_strategy = megatron_args.get("sharded_strategy")
     if megatron_args.get("common_strategy") is not None:
         raise InvalidArgumentError("common_strategy is not supported (megatron-core supports only the default torch one)")
