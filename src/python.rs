@@ -771,6 +771,14 @@ fn cli_main(py: Python<'_>, argv: Vec<std::ffi::OsString>) -> i32 {
     py.detach(|| crate::cli::run(argv))
 }
 
+/// Wall-clock start of this process, ns since the Unix epoch: files written before it belong to an
+/// earlier launch (the save's `Freshness` rule, `crate::commit::wait`; also the strict-load key
+/// exchange, `shardwise.requested_keys`).
+#[pyfunction]
+fn process_start_ns() -> u64 {
+    crate::commit::wait::process_start_ns()
+}
+
 /// Whether `checkpoint_dir` holds a committed, whole checkpoint: the one definition shared with
 /// the save and `shardwise status` (`crate::commit::state`). Never raises for a missing or
 /// unreadable directory (False).
@@ -805,6 +813,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let _ = MAIN_THREAD.set(std::thread::current().id());
     crate::commit::wait::set_interrupt_check(python_interrupted);
     m.add_function(wrap_pyfunction!(is_committed, m)?)?;
+    m.add_function(wrap_pyfunction!(process_start_ns, m)?)?;
     m.add_function(wrap_pyfunction!(same_tensor_crcs, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(save_rank, m)?)?;

@@ -20,9 +20,10 @@ import pickle
 import threading
 from typing import Any, Iterable, Optional, Union
 
-from . import _native
-from ._native import InvalidArgumentError, MissingKeyError, ShardwiseError, ValidationError
+from . import _native, requested_keys
 from ._fs import is_url
+from ._native import InvalidArgumentError, MissingKeyError, ShardwiseError, ValidationError
+from .megatron_errors import megatron_compatible
 
 logger = logging.getLogger(__name__)
 
@@ -33,9 +34,19 @@ class UnsafeObjectError(ShardwiseError, pickle.UnpicklingError):
     ``safe_globals=[...]``."""
 
 
-# Strict modes whose "missing keys" are the checkpoint keys no rank asked for: only an all_gather of
-# every rank's request can tell (megatron-core validation.py `_determine_missing_and_unexpected_keys`).
+class KeyMismatchError(MissingKeyError):
+    """``strict="raise_unexpected"``/``"raise_all"``: requested keys the checkpoint lacks
+    ("unexpected"), or with ``raise_all`` checkpoint keys that no rank requests ("missing"). The
+    message is Megatron's (``validation.py`` ``maybe_report_missing_and_unexpected_keys``)."""
+
+
+# Strict modes whose "missing keys" are the checkpoint keys no rank asked for: only every rank's
+# request can tell (megatron-core validation.py `_determine_missing_and_unexpected_keys`), which
+# requested_keys gathers through files. ignore_all needs none: it reports nothing.
 _GLOBAL_STRICT = ("log_all", "raise_all", "return_all")
+# Megatron 0.19's own common state object; its load leaves it out of the strict key checks.
+_COMMON_STATE_KEY = "common_state"
+_DEFAULT_KEYS_TIMEOUT_S = 600.0
 
 # Open checkpoints of this process, most recent last: (path) -> ((device, inode, size, mtime_ns,
 # ctime_ns) of .metadata, Checkpoint). The inode and ctime tell apart a .metadata replaced by one of
@@ -148,6 +159,7 @@ def _unpickle(data: bytes, what: str, extra_globals: Iterable) -> Any:
             ) from None
 
 
+@megatron_compatible
 def load_common_state_dict(checkpoint_dir, *, safe_globals: Iterable = ()) -> dict:
     """The common (non-sharded) state of a checkpoint: ``common.pt`` (megatron-core <= 0.18 and
     shardwise saves), else 0.19's ``common_state`` object; ``{}`` for a plain DCP checkpoint that
@@ -168,6 +180,7 @@ def _read_common(ckpt, safe_globals) -> dict:
     return value if source == "common.pt" else value[0]
 
 
+@megatron_compatible
 def load(
     sharded_state_dict: dict,
     checkpoint_dir,
@@ -178,6 +191,9 @@ def load(
     staging_budget_bytes: Optional[int] = None,
     check_crc: bool = True,
     safe_globals: Iterable = (),
+    rank: Optional[int] = None,
+    world_size: Optional[int] = None,
+    process_group=None,
 ) -> Union[dict, tuple]:
     """Loads this rank's part of a Megatron sharded state dict with no collective communication.
 
@@ -194,7 +210,7 @@ def load(
     box holding the range, or the 0.13 flattened layout's own range. ``allow_shape_mismatch``
     tensors are zeroed, then the part inside the checkpoint's shape is read.
 
-    No ``torch.distributed`` function is called: it needs no process group and may run in any
+    No ``torch.distributed`` collective is called: it needs no process group and may run in any
     thread. Only the ``torch_dist`` format is read (a plain DCP checkpoint too).
 
     Args:
@@ -202,23 +218,33 @@ def load(
             ``ShardedObject``, ``ShardedTensorFactory``, ``LocalNonpersistentObject``, other values).
         checkpoint_dir: the checkpoint directory (``str``/``bytes``/``PathLike``) or an
             object-store URL.
-        strict: a megatron ``StrictHandling`` or its string. Supported: ``assume_ok_unexpected``
-            (default; a requested key that the checkpoint lacks raises ``MissingKeyError``),
-            ``log_unexpected``, ``raise_unexpected``, ``return_unexpected`` (returns
-            ``(state_dict, set(), unexpected_keys)``) and ``ignore_all``: requested keys absent from
-            the checkpoint are dropped from the request and logged / raised / returned / ignored.
-            ``log_all``, ``raise_all`` and ``return_all`` raise ``InvalidArgumentError``: their
-            "missing keys" are the checkpoint keys that *no rank* requests, which needs an
-            all_gather of every rank's request.
+        strict: a megatron ``StrictHandling`` or its string, with Megatron's meaning. With
+            ``assume_ok_unexpected`` (default) a requested key that the checkpoint lacks raises
+            ``MissingKeyError``. Every other mode drops such "unexpected" keys from the request;
+            ``*_all`` modes also find the "missing" keys, the checkpoint keys that *no rank*
+            requests: every rank publishes its requested keys in files beside the checkpoint and
+            reads the others' (:mod:`shardwise.requested_keys`; all ranks must make the load, each
+            with its ``rank``). Then ``raise_*`` raises :class:`KeyMismatchError`, ``log_*`` logs
+            (both with Megatron's own report, ``maybe_report_missing_and_unexpected_keys``),
+            ``return_*`` returns ``(state_dict, missing_keys, unexpected_keys)`` (``missing_keys``
+            empty for ``return_unexpected``) and ``ignore_all`` ignores them.
         validate_access_integrity: accepted for Megatron's signature. Megatron's check (every shard
             read by exactly one main replica across ranks) needs an all_gather; instead each rank
             checks that every region it asks for is fully covered by saved chunks (always on).
-        timeout_s: bound in seconds on each object-store request.
+        timeout_s: bound in seconds on each object-store request, and on the wait for the other
+            ranks' requested keys (``*_all`` modes; default 600 s).
         staging_budget_bytes: pinned host memory for reads into CUDA tensors (default: the
             engine's).
         check_crc: check the CRC-32 recorded at save time of every item read (shardwise saves).
         safe_globals: extra classes that the ``ShardedObject`` values or the common state may
             contain (explicit opt-in; everything else outside the allow-list is refused).
+        rank, world_size, process_group: who loads together, for the ``*_all`` modes only: this
+            rank among them and their number. Default: this rank in ``process_group`` (the
+            ``torch.distributed`` default group when None; read locally, nothing is exchanged), else
+            ``RANK``/``WORLD_SIZE``.
+
+    Every error below is also a megatron-core ``CheckpointingException``
+    (:mod:`shardwise.megatron_errors`).
 
     Raises:
         MissingKeyError: a requested key (tensor, or an object's unique key) is not in the
@@ -229,8 +255,12 @@ def load(
         CorruptFileError: a missing or truncated data file, a CRC-32 mismatch (names key, file,
             offset).
         UnsafeObjectError: an object or the common state needs a class not allowed.
-        InvalidArgumentError: a global strict mode; a ``metadata.json`` naming another backend.
-        StorageError: the directory or ``.metadata`` cannot be read.
+        KeyMismatchError: ``raise_unexpected``/``raise_all`` found keys that do not match.
+        MissingRanksError: (``*_all``) ranks had not published their requested keys in time.
+        InvalidArgumentError: a ``metadata.json`` naming another backend; ``*_all`` with an
+            object-store URL, or without a rank and world size.
+        StorageError: the directory or ``.metadata`` cannot be read; (``*_all``) the requested keys
+            cannot be published beside the checkpoint (set ``SHARDWISE_KEYS_DIR``).
     """
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, merge, nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factory_merges
@@ -240,28 +270,24 @@ def load(
 
     checkpoint_dir = os.fsdecode(checkpoint_dir)
     strict = parse_strict_flag(strict)
-    if strict.value in _GLOBAL_STRICT:
-        raise InvalidArgumentError(
-            f"strict={strict.value!r} is not supported by shardwise: its missing keys are the checkpoint "
-            "keys no rank requests, which needs an all_gather of every rank's request; use "
-            f"{strict.value.replace('_all', '_unexpected')!r} (checks this rank's own keys)"
-        )
     _check_backend(checkpoint_dir)
-    ckpt = open_cached(checkpoint_dir)
 
     _dequantize_fp8(sharded_state_dict)
     sharded_state_dict, nonpersistent, factories = load_preprocess(sharded_state_dict)
+    sharded_state_dict, _ = extract_sharded_base(sharded_state_dict)
+    everyone = None
+    if strict.value in _GLOBAL_STRICT:
+        everyone = _everyones_keys(
+            sharded_state_dict, checkpoint_dir, strict.value, rank, world_size, process_group, timeout_s
+        )
+    ckpt = open_cached(checkpoint_dir)
     common = _read_common(ckpt, safe_globals)
     merge(common, nonpersistent)
-    sharded_state_dict, _ = extract_sharded_base(sharded_state_dict)
 
+    missing: set = set()
     unexpected: set = set()
     if strict != StrictHandling.ASSUME_OK_UNEXPECTED:
-        sharded_state_dict, unexpected = _drop_unexpected(sharded_state_dict, ckpt)
-        if unexpected and strict == StrictHandling.RAISE_UNEXPECTED:
-            raise MissingKeyError(f"keys not in checkpoint {checkpoint_dir}: {sorted(unexpected)}")
-        if unexpected and strict == StrictHandling.LOG_UNEXPECTED:
-            logger.warning("keys not in checkpoint %s (not loaded): %s", checkpoint_dir, sorted(unexpected))
+        sharded_state_dict, missing, unexpected = _strict_keys(sharded_state_dict, ckpt, strict, everyone)
 
     items = list(nested_values(sharded_state_dict))
     plan = _Plan(ckpt, checkpoint_dir)
@@ -294,8 +320,8 @@ def load(
     dict_list_map_inplace(result, sharded_state_dict)
     merge(common, sharded_state_dict)
     apply_factory_merges(common, factories)
-    if strict == StrictHandling.RETURN_UNEXPECTED:
-        return common, set(), unexpected
+    if strict in (StrictHandling.RETURN_UNEXPECTED, StrictHandling.RETURN_ALL):
+        return common, missing, unexpected
     return common
 
 
@@ -308,21 +334,75 @@ def _dequantize_fp8(sharded_state_dict) -> None:
     force_all_tensors_to_non_fp8(sharded_state_dict)
 
 
-def _drop_unexpected(sharded_state_dict, ckpt):
-    """(request without the keys the checkpoint lacks, those keys), as megatron's
-    ``adjust_non_strict_load``: an object counts as present when any shard of its key was saved."""
-    from megatron.core.dist_checkpointing.dict_utils import extract_matching_values, nested_values
+def _everyones_keys(sharded_state_dict, checkpoint_dir, mode, rank, world_size, process_group, timeout_s) -> set:
+    """The keys that the ranks loading together request (:func:`requested_keys.gather`)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
 
+    from .save import _rank_and_world
+
+    what = f"strict={mode!r}"
+    if is_url(checkpoint_dir) and not os.environ.get(requested_keys.ENV_DIR):
+        raise InvalidArgumentError(
+            f"{what}: the ranks publish their requested keys beside the checkpoint, which needs a filesystem "
+            f"path; {checkpoint_dir} is an object store (set {requested_keys.ENV_DIR} to a shared directory)"
+        )
+    group = ""
+    if process_group is not None and (rank is None or world_size is None):
+        import torch.distributed as dist
+
+        # Local reads of the group's layout, no collective.
+        rank = dist.get_rank(process_group) if rank is None else rank
+        world_size = dist.get_world_size(process_group) if world_size is None else world_size
+        group = ",".join(map(str, dist.get_process_group_ranks(process_group)))
+    rank, world_size = _rank_and_world(rank, world_size)
+    return requested_keys.gather(
+        checkpoint_dir,
+        (sh.key for sh in nested_values(sharded_state_dict)),
+        rank=rank,
+        world_size=world_size,
+        timeout_s=_DEFAULT_KEYS_TIMEOUT_S if timeout_s is None else timeout_s,
+        group=group,
+        what=what,
+    )
+
+
+def _saved_keys(ckpt) -> set:
+    """The checkpoint's keys as Megatron's strict checks name them (``load_sharded_metadata``): tensor
+    fqns and ``ShardedObject`` keys (a byte object's key before ``/shard_...``), without 0.19's
+    ``common_state``."""
     saved = set()
     for k in ckpt.keys():
+        if ckpt.describe(k)[0] == "object":
+            base, sep, shard = k.rpartition("/")
+            k = base if sep and shard.startswith("shard_") else k
         saved.add(k)
-        base, sep, shard = k.rpartition("/")
-        if sep and shard.startswith("shard_"):
-            saved.add(base)
+    saved.discard(_COMMON_STATE_KEY)
+    return saved
+
+
+def _strict_keys(sharded_state_dict, ckpt, strict, everyone):
+    """Megatron's ``validate_integrity_and_strict_load`` without its collective: (the request without
+    the keys the checkpoint lacks, missing keys, unexpected keys), reported as ``strict`` says.
+    ``everyone``: every rank's requested keys (``*_all`` modes), else None."""
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from megatron.core.dist_checkpointing.dict_utils import extract_matching_values, nested_values
+    from megatron.core.dist_checkpointing.validation import StrictHandling, maybe_report_missing_and_unexpected_keys
+
+    saved = _saved_keys(ckpt)
     unexpected = {sh.key for sh in nested_values(sharded_state_dict) if sh.key not in saved}
+    missing = saved - everyone if everyone is not None else set()
     if unexpected:
         _, sharded_state_dict = extract_matching_values(sharded_state_dict, lambda sh: sh.key in unexpected)
-    return sharded_state_dict, unexpected
+    if strict == StrictHandling.IGNORE_ALL:
+        return sharded_state_dict, set(), set()
+    if strict in (StrictHandling.RAISE_UNEXPECTED, StrictHandling.RAISE_ALL):
+        try:
+            maybe_report_missing_and_unexpected_keys(missing, unexpected, True)
+        except CheckpointingException as e:
+            raise KeyMismatchError(str(e)) from None
+    elif strict in (StrictHandling.LOG_UNEXPECTED, StrictHandling.LOG_ALL):
+        maybe_report_missing_and_unexpected_keys(missing, unexpected, False)
+    return sharded_state_dict, missing, unexpected
 
 
 _FLOATING = ("float", "bfloat")

@@ -24,12 +24,14 @@ from typing import Any, Optional
 from . import _native
 from ._fs import is_url
 from ._native import InvalidArgumentError
+from .megatron_errors import megatron_compatible
 
 
-# Per-process count of saves into each directory. All ranks of an SPMD job call save() the same
-# number of times, so the count is part of a save id every rank derives alike, and a retry into
-# the same directory gets a new id, which keeps parts of a crashed attempt out of the merge.
-_ATTEMPTS: dict[str, int] = defaultdict(int)
+# Per-process count of saves (and of strict *_all loads) of each directory. All ranks of an SPMD job
+# make the same calls the same number of times, so the count is part of an id every rank derives
+# alike, and a retry into the same directory gets a new id, which keeps parts of a crashed attempt
+# out of the merge.
+_ATTEMPTS: dict[tuple[str, str], int] = defaultdict(int)
 
 # Environment values that are equal on every rank of one launch and differ between launches.
 _LAUNCH_ENV = (
@@ -51,14 +53,24 @@ def default_save_id(checkpoint_dir: str) -> str:
     how many times this process has saved into that directory. Pass ``save_id`` explicitly when
     ranks may call :func:`save` a different number of times for the same directory.
     """
+    return derived_id(checkpoint_dir, "save")
+
+
+def derived_id(checkpoint_dir, purpose: str, group: str = "") -> str:
+    """An id of the ``purpose`` operation on ``checkpoint_dir`` that every rank of one launch derives
+    alike (see :func:`default_save_id`): the directory, the launch environment, how many times this
+    process did ``purpose`` on that directory, and ``group`` (the ranks taking part, when not all).
+    ``"save"`` ids are the save ids; each purpose counts its own calls."""
     path = os.fsdecode(checkpoint_dir)
     if not is_url(path):
         path = os.path.abspath(path)
-    _ATTEMPTS[path] += 1
+    _ATTEMPTS[purpose, path] += 1
     h = hashlib.sha256(os.fsencode(path))  # the path's own bytes: it need not be UTF-8
     for name in _LAUNCH_ENV:
         h.update(f"\0{name}={os.environ.get(name, '')}".encode())
-    h.update(f"\0attempt={_ATTEMPTS[path]}".encode())
+    h.update(f"\0attempt={_ATTEMPTS[purpose, path]}".encode())
+    if purpose != "save":  # save ids stay what earlier releases derived
+        h.update(f"\0purpose={purpose}\0group={group}".encode())
     return h.hexdigest()[:24]
 
 
@@ -180,6 +192,7 @@ class DPBalance:
         return zlib.crc32(ident) % size == rank
 
 
+@megatron_compatible
 def save(
     sharded_state_dict: dict,
     checkpoint_dir: str,
@@ -265,7 +278,9 @@ def save(
             store unreachable after its retries).
         InvalidArgumentError: rank/world_size/save_id/timeout out of range, unsupported tensors.
 
-    A failed save never writes ``.metadata`` and touches no other directory.
+    Every error above is also a megatron-core ``CheckpointingException`` (:mod:`shardwise.megatron_errors`;
+    not those of an async save's ``handle.wait()``). A failed save never writes ``.metadata`` and
+    touches no other directory.
     """
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import (

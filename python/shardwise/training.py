@@ -12,6 +12,7 @@ from typing import Optional
 from . import _native
 from ._fs import atomic_write, is_url
 from ._native import InvalidArgumentError
+from .megatron_errors import megatron_compatible
 from .save import _rank_and_world, _replace_pending, save
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -202,6 +203,7 @@ def _unchanged_since(save_root: str, iteration: int, on_unchanged: str) -> Optio
     return prev
 
 
+@megatron_compatible
 def save_checkpoint(
     save_root: str,
     iteration: int,
@@ -323,6 +325,7 @@ class CheckpointHandle:
     def done(self) -> bool:
         return self._handle.done()
 
+    @megatron_compatible
     def wait(self, timeout_s: Optional[float] = None) -> dict:
         with self._lock:
             if self._report is None:
