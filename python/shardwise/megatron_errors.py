@@ -37,6 +37,10 @@ unsafe pickle in an object or the common       ``UnsafeObjectError``: a ``pickle
 state                                          as torch.load's, and a ``CheckpointingException``
 =============================================  ==============================================
 
+megatron-core 0.13-0.15 read ``.metadata`` themselves before DCP does: a missing or unreadable one
+raises the raw ``FileNotFoundError`` / ``pickle.UnpicklingError`` there; the drop-in raises what
+0.16-0.19 raise (torch's ``CheckpointException``) with every release.
+
 torch's ``CheckpointException`` derives from ``BaseException`` only, as Megatron's does: code that
 treats ``except CheckpointingException`` (or ``except Exception``) as "no checkpoint here, start
 fresh" does not swallow a damaged checkpoint through the drop-in either.

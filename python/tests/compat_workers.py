@@ -145,8 +145,9 @@ def _plain(value):
 
 def strict_matrix(rank, world, port, base) -> dict:
     """``world`` ranks load one checkpoint (tensors a, b, c; object o) with every strict mode, with
-    Megatron's own load and through the drop-in. Rank 0 asks for a and a key the checkpoint lacks,
-    rank 1 for b and o, so c is missing for all ranks. Returns per mode and implementation the
+    Megatron's own load and through the drop-in. Rank 0 asks for a, rank 1 for b and o, and each for
+    a key the checkpoint lacks (extra<rank>: a ``raise_*`` mode raising on one rank only would leave
+    the other in Megatron's next collective), so c is missing for all ranks. Returns per mode and implementation the
     outcome, the missing and unexpected key sets (``return_*``), the loaded values and the warnings
     Megatron's validation logger wrote (``log_*``)."""
     init_gloo(rank, world, port)
@@ -166,7 +167,7 @@ def strict_matrix(rank, world, port, base) -> dict:
     def request():
         if rank == 0:
             return {"a": _tensor("a", replica_id=0), "extra": _tensor(f"extra{rank}", replica_id=0)}
-        return {"b": _tensor("b", replica_id=0), "o": _object("o", replica_id=0)}
+        return {"b": _tensor("b", replica_id=0), "o": _object("o", replica_id=0), "extra": _tensor(f"extra{rank}")}
 
     logged: list[str] = []
     handler = logging.Handler(logging.WARNING)

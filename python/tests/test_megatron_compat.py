@@ -36,6 +36,19 @@ def strict(tmp_path_factory):
     return _run(tmp_path_factory, "strict_matrix", compat_workers.strict_matrix, 2)[1]
 
 
+# Situations where megatron-core 0.13-0.15 raise the raw error of their own .metadata read.
+_OWN_METADATA_READ = {
+    "metadata_json_without_metadata": "builtins.FileNotFoundError",
+    "garbage_metadata": "_pickle.UnpicklingError",
+}
+
+
+def _mcore_version() -> tuple:
+    from megatron.core import package_info
+
+    return tuple(int(x) for x in package_info.__version__.split("+")[0].split(".")[:2])
+
+
 def _raised(case: dict, side: str) -> dict:
     out = case[side]
     assert "mro" in out, f"{side} did not raise: {out}"
@@ -67,6 +80,11 @@ def test_dropin_raises_the_class_megatron_raises(errors, situation):
     if situation not in errors:
         pytest.skip("megatron-core < 0.19 has no integrity manifest")
     megatron, dropin = _raised(errors[situation], "megatron"), _raised(errors[situation], "dropin")
+    if situation in _OWN_METADATA_READ and _mcore_version() < (0, 16):
+        # The documented difference (shardwise/megatron_errors.py): 0.13-0.15 read .metadata
+        # themselves, outside DCP, and raise its raw error; the drop-in raises what 0.16+ raise.
+        assert megatron["mro"][0] == _OWN_METADATA_READ[situation] and dropin["mro"][0] == TORCH_CHECKPOINT
+        return
     assert megatron["mro"][0] in dropin["mro"], (situation, megatron["mro"][0], dropin["mro"], dropin["traceback"])
     assert dropin["is_exception"] == megatron["is_exception"], situation
     if megatron["mro"][0] == TORCH_CHECKPOINT:
@@ -110,7 +128,7 @@ def test_strict_modes_equal_megatron(strict, mode):
         assert dropin["logged"] == megatron["logged"]
     if mode == "return_all":
         assert [r["modes"][mode]["dropin"]["missing"] for r in strict] == [["c"], ["c"]]
-        assert [r["modes"][mode]["dropin"]["unexpected"] for r in strict] == [["extra0"], []]
+        assert [r["modes"][mode]["dropin"]["unexpected"] for r in strict] == [["extra0"], ["extra1"]]
     # The files of the key exchange are gone once every rank has read them.
     assert all(r["keys_dirs_left"] == [] for r in strict)
 
