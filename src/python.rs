@@ -328,7 +328,9 @@ fn save_rank<'py>(
     }
     let raw = raw_chunks(&tensors)?;
     let opts = SaveOptions {
-        location: location(&checkpoint_dir).map_err(to_py)?,
+        location: location(&checkpoint_dir)
+            .and_then(|l| l.with_timeout(Some(timeout)))
+            .map_err(to_py)?,
         rank,
         world_size,
         save_id,
@@ -538,7 +540,7 @@ fn merge(
     let timeout = timeout_from_secs("timeout_s", timeout_s).map_err(to_py)?;
     let s = py
         .detach(|| {
-            let loc = location(&checkpoint_dir)?;
+            let loc = location(&checkpoint_dir)?.with_timeout(Some(timeout))?;
             crate::commit::merge(&loc, &save_id, world_size, timeout, &Freshness::any_part())
         })
         .map_err(to_py)?;
@@ -548,6 +550,29 @@ fn merge(
     d.set_item("tensor_chunks", s.tensor_chunks)?;
     d.set_item("data_bytes", s.data_bytes)?;
     Ok(d)
+}
+
+/// Merges the rank-local `__{rank}.metadata` files of a torch DCP `use_collectives=False` save
+/// into its global `.metadata` (`shardwise.dcp.finish`; see `crate::dcp_local`). `world_size`,
+/// when given, is waited for up to `timeout_s` seconds. Returns the summary as a dict (ranks, keys,
+/// tensor_chunks, byte_objects, replicas_dropped, metadata_bytes in bytes, already_merged).
+#[pyfunction]
+#[pyo3(signature = (checkpoint_dir, world_size=None, timeout_s=0.0))]
+fn merge_rank_local(
+    py: Python<'_>,
+    checkpoint_dir: PathBuf,
+    world_size: Option<u32>,
+    timeout_s: f64,
+) -> PyResult<Py<PyAny>> {
+    let timeout = timeout_from_secs("timeout_s", timeout_s).map_err(to_py)?;
+    let s = py
+        .detach(|| {
+            let loc = location(&checkpoint_dir)?.with_timeout(Some(timeout))?;
+            crate::dcp_local::merge(&loc, world_size, timeout)
+        })
+        .map_err(to_py)?;
+    let json = serde_json::to_string(&s).expect("serializable");
+    Ok(py.import("json")?.call_method1("loads", (json,))?.unbind())
 }
 
 /// An open checkpoint (any DCP / torch_dist checkpoint), parsed as data.
@@ -809,6 +834,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(save_rank, m)?)?;
     m.add_function(wrap_pyfunction!(merge, m)?)?;
+    m.add_function(wrap_pyfunction!(merge_rank_local, m)?)?;
     m.add_function(wrap_pyfunction!(cli_main, m)?)?;
     m.add_function(wrap_pyfunction!(open_checkpoint, m)?)?;
     m.add_class::<PyCheckpoint>()?;
