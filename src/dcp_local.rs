@@ -167,6 +167,16 @@ pub fn merge(loc: &Location, world_size: Option<u32>, timeout: Duration) -> Resu
              torch.distributed.checkpoint.save(..., use_collectives=False))"
         )));
     }
+    if let Some(w) = world_size {
+        let beyond: Vec<u32> = ranks.iter().copied().filter(|&r| r >= w).collect();
+        if !beyond.is_empty() {
+            return Err(Error::Validation(format!(
+                "{loc}: ranks {} have rank-local metadata, beyond world_size {w}: files of another \
+                 save; nothing committed",
+                fmt_ranks(&beyond)
+            )));
+        }
+    }
     let n = world_size
         .unwrap_or(ranks.len() as u32)
         .max(ranks.last().map_or(0, |r| r + 1));

@@ -95,6 +95,8 @@ def test_finish_from_python_with_the_world_size(rank_local, tmp_path):
     assert shardwise.dcp.finish(str(ckpt))["already_merged"]
     with pytest.raises(shardwise.ValidationError, match=r"ranks 4-5"):
         shardwise.dcp.finish(ckpt, world_size=6, timeout_s=0.5)
+    with pytest.raises(shardwise.ValidationError, match=r"ranks 2-3 have rank-local metadata, beyond world_size 2"):
+        shardwise.dcp.finish(ckpt, world_size=2)
 
 
 def _refused(ckpt: Path, *match: str) -> None:

@@ -255,3 +255,18 @@ def test_overwrite_needs_a_new_save_id_and_a_filesystem(where, tmp_path, s3_buck
     assert cli("verify", url).returncode == 0
     zero = cli("merge", url, "--world-size", "0", "--save-id", "same")
     assert zero.returncode == 1 and "world_size must be at least 1" in zero.stderr
+
+
+def test_load_refuses_another_backend_on_s3_as_locally(s3_bucket, s3_server):
+    """metadata.json naming another backend is refused up front at an s3:// URL, as in a directory."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    url = f"s3://{s3_bucket}/zarr"
+    w = torch.arange(8.0).reshape(2, 4)
+    swm.save({"w": ShardedTensor.from_rank_offsets("w", w, replica_id=0)}, url, rank=0, world_size=1, save_id="z")
+    request = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(2, 4), replica_id=0)}
+    assert torch.equal(swm.load(request, url, timeout_s=30)["w"], w)
+    s3_server.client().put_object(Bucket=s3_bucket, Key="zarr/metadata.json",
+                                  Body=json.dumps({"sharded_backend": "zarr"}).encode())
+    with pytest.raises(shardwise.InvalidArgumentError, match="sharded_backend 'zarr'"):
+        swm.load(request, url, timeout_s=30)

@@ -50,7 +50,8 @@ def test_a_torch_2_15_checkpoint_rewritten_loads_in_torch_2_3(tmp_path):
     reasons = [p["message"] for p in json.loads(v.stdout)["problems"]]
     assert any("6-tuples" in r for r in reasons) and any("StorageMeta" in r for r in reasons), reasons
     v14 = cli("verify", ck, "--torch-compat", "2.14", "--json")
-    assert [p["message"] for p in json.loads(v14.stdout)["problems"]] == [r for r in reasons if "6-tuples" in r]
+    only = [p["message"] for p in json.loads(v14.stdout)["problems"]]
+    assert len(only) == 1 and "6-tuples" in only[0] and "torch 2.14" in only[0], only
     ok = cli("verify", ck, "--torch-compat", "2.15")
     assert ok.returncode == 0 and "torch 2.15 reads" in ok.stdout, ok.stdout + ok.stderr
 
@@ -83,7 +84,7 @@ def test_a_torch_2_15_checkpoint_rewritten_loads_in_torch_2_3(tmp_path):
 def test_what_no_rewrite_fixes_is_refused(tmp_path):
     """uint16 tensors load in no torch 2.4-2.5 whatever `.metadata` says: said, and nothing is written."""
     ck = tmp_path / "ck"
-    dcp.save({"u": torch.arange(4, dtype=torch.uint16), "w": torch.ones(2)}, checkpoint_id=str(ck), no_dist=True)
+    dcp.save({"u": torch.arange(4, dtype=torch.int32).to(torch.uint16), "w": torch.ones(2)}, checkpoint_id=str(ck), no_dist=True)
     before = (ck / ".metadata").read_bytes()
     v = cli("verify", ck, "--torch-compat", "2.5")
     assert v.returncode == 1 and "uint16" in v.stdout and "no rewrite" in v.stdout, v.stdout + v.stderr
