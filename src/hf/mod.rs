@@ -14,6 +14,7 @@ mod dims;
 mod gdn;
 mod output;
 mod plan;
+pub(crate) mod quant;
 pub(crate) mod rules;
 mod write;
 
