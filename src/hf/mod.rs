@@ -17,6 +17,7 @@ mod families;
 mod gdn;
 mod output;
 mod plan;
+pub(crate) mod quant;
 mod rules;
 mod spec;
 mod write;
