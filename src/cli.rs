@@ -1073,6 +1073,9 @@ fn to_hf(dir: &Location, out: &Path, opts: &crate::hf::HfOptions, json: bool) ->
             "shardwise: note: no config.json written (no --hf-config); transformers needs one beside the weights"
         );
     }
+    for w in &summary.warnings {
+        let _ = writeln!(err, "shardwise: warning: {w}");
+    }
     if json {
         print_json(&summary)?;
     } else {
