@@ -183,13 +183,17 @@ fn store_for(url: &url::Url, bound: Bound) -> Result<Arc<dyn ObjectStore>> {
     // reqwest is built without a default TLS provider (no aws-lc C build): install ring's before
     // the first client is built (a no-op when the process already has one).
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let root = format!(
-        "{}://{} {}ms {}ms",
-        url.scheme(),
-        url.host_str().unwrap_or(""),
-        bound.request.as_millis(),
-        bound.retry.as_millis()
-    );
+    // memory:// has no client to bound, and its objects live in the store instance: every bound
+    // must reach the same one, or a read with a caller's timeout would find an empty store.
+    let root = match url.scheme() {
+        "memory" => format!("memory://{}", url.host_str().unwrap_or("")),
+        scheme => format!(
+            "{scheme}://{} {}ms {}ms",
+            url.host_str().unwrap_or(""),
+            bound.request.as_millis(),
+            bound.retry.as_millis()
+        ),
+    };
     let retry = bound.retry_config();
     let mut stores = STORES
         .get_or_init(Default::default)
