@@ -1,7 +1,8 @@
 """compare.py <baseline_run_dir> <dropin_run_dir> [out.md]: per-test outcome from the junit_r*.xml files
 anywhere under each run directory (run.sh or run-files.sh).
 A test's outcome over ranks: 'failed' if any rank failed/errored, else 'skipped' if any rank skipped,
-else 'passed'. Prints counts, regressions (baseline passed, drop-in not), fixes, and both-pass."""
+else 'passed'. Prints a per-file table of passed/failed/skipped (baseline | drop-in), regressions
+(baseline passed, drop-in not), fixes, and both-pass."""
 import glob
 import sys
 import xml.etree.ElementTree as ET
@@ -26,6 +27,18 @@ def load(run_dir):
     return out, msgs
 
 
+def _file(test_id):
+    """The test file of a junit test id (module path up to the test class; a collection error has
+    no class name and the module path as its name)."""
+    classname, name = test_id.split("::", 1)
+    module = classname or name
+    parts = module.split(".")
+    # classname is package.module.Class: drop the class (it starts with an upper-case letter)
+    if parts and parts[-1][:1].isupper():
+        parts = parts[:-1]
+    return parts[-1] if parts else module
+
+
 def main():
     b, bm = load(sys.argv[1])
     d, dm = load(sys.argv[2])
@@ -33,22 +46,26 @@ def main():
     p = lines.append
     p(f"baseline {sys.argv[1]}: {dict(Counter(b.values()))} ({len(b)} tests)")
     p(f"drop-in  {sys.argv[2]}: {dict(Counter(d.values()))} ({len(d)} tests)")
+    p("\n| file | baseline passed / failed / skipped | drop-in passed / failed / skipped |")
+    p("|---|---|---|")
+    files = sorted({_file(t) for t in list(b) + list(d)})
+    for f in files:
+        bc = Counter(st for t, st in b.items() if _file(t) == f)
+        dc = Counter(st for t, st in d.items() if _file(t) == f)
+        p(f"| {f} | {bc['passed']} / {bc['failed']} / {bc['skipped']} | {dc['passed']} / {dc['failed']} / {dc['skipped']} |")
     reg = [t for t in b if b[t] == "passed" and d.get(t) != "passed"]
     fix = [t for t in d if d[t] == "passed" and b.get(t) != "passed"]
     both = [t for t in b if b[t] == "passed" and d.get(t) == "passed"]
     other = [t for t in b if t in d and b[t] != d[t] and t not in reg and t not in fix]
-    p(f"\n## Regressions (pass in baseline, not with drop-in): {len(reg)}")
-    for t in reg:
-        p(f"- {t}: {d.get(t)} -- {dm.get(t, '')!r}")
-    p(f"\n## Pass only with drop-in: {len(fix)}")
-    for t in fix:
-        p(f"- {t}: baseline {b.get(t)} -- {bm.get(t, '')!r}")
-    p(f"\n## Other outcome changes: {len(other)}")
-    for t in other:
-        p(f"- {t}: {b[t]} -> {d[t]}")
-    p(f"\n## Pass with both: {len(both)}")
-    for t in both:
-        p(f"- {t}")
+    sections = [
+        ("Regressions (pass in baseline, not with drop-in)", reg, lambda t: f"{t}: {d.get(t)} -- {dm.get(t, '')!r}"),
+        ("Pass only with drop-in", fix, lambda t: f"{t}: baseline {b.get(t)} -- {bm.get(t, '')!r}"),
+        ("Other outcome changes", other, lambda t: f"{t}: {b[t]} -> {d[t]}"),
+        ("Pass with both", both, str),
+    ]
+    for title, tests, line in sections:
+        p(f"\n## {title}: {len(tests)}")
+        lines.extend(f"- {line(t)}" for t in tests)
     text = "\n".join(lines)
     print(text)
     if len(sys.argv) > 3:
