@@ -665,7 +665,7 @@ impl PyCheckpoint {
                 // and nbytes, and keeps the tensor alive until this call returns.
                 unsafe { std::slice::from_raw_parts_mut(data_ptr as *mut u8, nbytes) }
             };
-            self.inner.read_region(key, &offsets, &sizes, out)
+            crate::load::read_region(&self.inner, key, &offsets, &sizes, out)
         })
         .map_err(to_py)
     }
@@ -803,7 +803,7 @@ fn python_interrupted() -> bool {
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     let _ = MAIN_THREAD.set(std::thread::current().id());
-    crate::commit::wait::set_interrupt_check(python_interrupted);
+    crate::interrupt::set_interrupt_check(python_interrupted);
     m.add_function(wrap_pyfunction!(is_committed, m)?)?;
     m.add_function(wrap_pyfunction!(same_tensor_crcs, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

@@ -18,11 +18,11 @@
 use rayon::prelude::*;
 use serde::Serialize;
 
-use crate::commit::part::COMMON_FILE;
 use crate::error::{Error, Result};
 use crate::format::archive::{bad_record_crcs, records};
 use crate::format::metadata::{check_layout, Chunk, Entry, StorageInfo};
-use crate::reader::{check_relative_path, Checkpoint, COMMON_STATE_PREFIX};
+use crate::format::{COMMON_FILE, METADATA_JSON_FILE};
+use crate::reader::{Checkpoint, COMMON_STATE_PREFIX};
 use crate::storage::Location;
 
 /// One problem found.
@@ -170,9 +170,6 @@ fn check_placement(ckpt: &Checkpoint, it: &Item) -> Vec<Problem> {
             message: "no storage_data entry for this chunk in .metadata".into(),
         }];
     }
-    if let Err(message) = check_relative_path(it.path) {
-        return vec![item_problem(it, message)];
-    }
     let mut problems = Vec::new();
     match ckpt.file_size(it.path) {
         Err(e) => problems.push(item_problem(it, strip(e))),
@@ -210,7 +207,7 @@ fn check_placement(ckpt: &Checkpoint, it: &Item) -> Vec<Problem> {
 
 /// Reads one item: decoding, zip CRCs and (through the reader) the sidecar CRC.
 fn check_item(ckpt: &Checkpoint, it: &Item) -> (Vec<Problem>, bool) {
-    if it.path.is_empty() || check_relative_path(it.path).is_err() {
+    if it.path.is_empty() {
         return (check_placement(ckpt, it), false);
     }
     let offsets = it.chunk.map(|(_, c)| c.offsets.as_slice());
@@ -280,10 +277,10 @@ fn check_megatron_files(ckpt: &Checkpoint, quick: bool) -> Vec<Problem> {
         .entries
         .keys()
         .any(|k| k.starts_with(COMMON_STATE_PREFIX));
-    match loc.read("metadata.json") {
-        Err(e) => problems.push(file_problem("metadata.json", strip(e))),
+    match loc.read(METADATA_JSON_FILE) {
+        Err(e) => problems.push(file_problem(METADATA_JSON_FILE, strip(e))),
         Ok(None) if has_common_pt => problems.push(file_problem(
-            "metadata.json",
+            METADATA_JSON_FILE,
             "missing: Megatron does not recognise the directory as a distributed checkpoint \
              without it (common.pt is there)"
                 .into(),
@@ -291,7 +288,7 @@ fn check_megatron_files(ckpt: &Checkpoint, quick: bool) -> Vec<Problem> {
         Ok(None) => {}
         Ok(Some(bytes)) => {
             if let Err(m) = check_metadata_json(&bytes) {
-                problems.push(file_problem("metadata.json", m));
+                problems.push(file_problem(METADATA_JSON_FILE, m));
             }
             if !has_common_pt && !has_common_state {
                 problems.push(file_problem(
