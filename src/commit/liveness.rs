@@ -24,7 +24,12 @@ pub fn hostname() -> String {
 /// This process as a part records it: `host:pid:start` (start in ns since the epoch), unique
 /// among the processes of a cluster.
 pub fn publisher() -> String {
-    format!("{}:{}:{}", hostname(), std::process::id(), process_start_ns())
+    format!(
+        "{}:{}:{}",
+        hostname(),
+        std::process::id(),
+        process_start_ns()
+    )
 }
 
 /// A publisher string split into host, pid and start (ns since the epoch); None when malformed.
