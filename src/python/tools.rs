@@ -159,7 +159,8 @@ pub(super) fn read_file(
 /// Merges the rank-local `__{rank}.metadata` files of a torch DCP `use_collectives=False` save
 /// into its global `.metadata` (`shardwise.dcp.finish`; see `crate::dcp_local`). `world_size`,
 /// when given, is waited for up to `timeout_s` seconds. Returns the summary as a dict (ranks, keys,
-/// tensor_chunks, byte_objects, replicas_dropped, metadata_bytes in bytes, already_merged).
+/// tensor_chunks, byte_objects, replicas_dropped, metadata_bytes in bytes, already_merged,
+/// replaced_stale).
 #[pyfunction]
 #[pyo3(signature = (checkpoint_dir, world_size=None, timeout_s=0.0))]
 pub(super) fn merge_rank_local(
@@ -190,7 +191,7 @@ pub(super) fn cli_main(py: Python<'_>, argv: Vec<std::ffi::OsString>) -> i32 {
 /// exchange, `shardwise.requested_keys`).
 #[pyfunction]
 pub(super) fn process_start_ns() -> u64 {
-    crate::commit::wait::process_start_ns()
+    crate::commit::liveness::process_start_ns()
 }
 
 /// Whether `checkpoint_dir` holds a committed, whole checkpoint: the one definition shared with
