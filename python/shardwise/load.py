@@ -213,9 +213,10 @@ def load(
         validate_access_integrity: accepted for Megatron's signature. Megatron's check (every shard
             read by exactly one main replica across ranks) needs an all_gather; instead each rank
             checks that every region it asks for is fully covered by saved chunks (always on).
-        timeout_s: bound in seconds on each object-store request.
-        staging_budget_bytes: pinned host memory for reads into CUDA tensors (default: the
-            engine's).
+        timeout_s: bound in seconds on each object-store request (None: the store's own retry
+            timeout); a finite number in ``0..1e9``.
+        staging_budget_bytes: pinned host memory for reads into CUDA tensors, in bytes, a whole
+            number >= 1 (default: the engine's).
         check_crc: check the CRC-32 recorded at save time of every item read (shardwise saves).
         safe_globals: extra classes that the ``ShardedObject`` values or the common state may
             contain (explicit opt-in; everything else outside the allow-list is refused).
@@ -229,7 +230,8 @@ def load(
         CorruptFileError: a missing or truncated data file, a CRC-32 mismatch (names key, file,
             offset).
         UnsafeObjectError: an object or the common state needs a class not allowed.
-        InvalidArgumentError: a global strict mode; a ``metadata.json`` naming another backend.
+        InvalidArgumentError: a global strict mode; a ``metadata.json`` naming another backend; a
+            ``timeout_s`` or ``staging_budget_bytes`` out of range.
         StorageError: the directory or ``.metadata`` cannot be read.
     """
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, merge, nested_values
@@ -239,6 +241,8 @@ def load(
     from megatron.core.dist_checkpointing.validation import StrictHandling, parse_strict_flag
 
     checkpoint_dir = os.fsdecode(checkpoint_dir)
+    if timeout_s is not None:  # checked before any read, also when no tensor is requested
+        _native.check_seconds("timeout_s", timeout_s)
     strict = parse_strict_flag(strict)
     if strict.value in _GLOBAL_STRICT:
         raise InvalidArgumentError(
@@ -472,16 +476,23 @@ class _Plan:
         ordered before its current stream, so the tensors are usable on return."""
         import torch
 
-        by_device: dict[int, list] = {}
+        by_device: dict[Optional[int], list] = {}
         for key, offsets, sizes, out in self.requests:
-            device = out.device.index if out.device.type == "cuda" else -1
+            device = out.device.index if out.device.type == "cuda" else None
             by_device.setdefault(device, []).append(
-                (key, offsets, sizes, out.data_ptr(), out.numel() * out.element_size(), device)
+                _native.Region(
+                    key=key,
+                    offsets=offsets,
+                    sizes=sizes,
+                    data_ptr=out.data_ptr(),
+                    nbytes=out.numel() * out.element_size(),
+                    device=device,
+                )
             )
-        for device, requests in by_device.items():
-            stream = torch.cuda.current_stream(device).cuda_stream if device >= 0 else 0
+        for device, regions in by_device.items():
+            stream = 0 if device is None else torch.cuda.current_stream(device).cuda_stream
             self.ckpt.load_into(
-                requests,
+                regions,
                 staging_budget_bytes=staging_budget_bytes,
                 cuda_stream=stream,
                 check_crc=check_crc,
