@@ -139,6 +139,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(args::check_seconds, m)?)?;
     m.add("MAX_TIMEOUT_S", crate::commit::wait::MAX_TIMEOUT_S)?;
     m.add_function(wrap_pyfunction!(tools::merge, m)?)?;
+    m.add_function(wrap_pyfunction!(tools::merge_rank_local, m)?)?;
+    m.add_function(wrap_pyfunction!(tools::read_file, m)?)?;
     m.add_function(wrap_pyfunction!(tools::cli_main, m)?)?;
     m.add_function(wrap_pyfunction!(checkpoint::open_checkpoint, m)?)?;
     m.add_class::<checkpoint::PyCheckpoint>()?;

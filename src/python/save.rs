@@ -296,14 +296,18 @@ impl SaveOptions {
         derived_save_id: bool,
         megatron: bool,
     ) -> PyResult<Self> {
+        let timeout = seconds("timeout_s", timeout_s)?;
         let inner = crate::save::SaveOptions {
-            location: location(&checkpoint_dir).map_err(to_py)?,
+            // Every object-store request of the save is bounded by the save's timeout too.
+            location: location(&checkpoint_dir)
+                .and_then(|l| l.with_timeout(Some(timeout)))
+                .map_err(to_py)?,
             rank: whole("rank", rank)?,
             world_size: positive("world_size", world_size)?,
             save_id,
             megatron,
             merge_rank: opt_whole("merge_rank", merge_rank)?,
-            timeout: seconds("timeout_s", timeout_s)?,
+            timeout,
             wait_for_commit,
             overwrite,
             integrity,

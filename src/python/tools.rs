@@ -1,10 +1,12 @@
 //! Whole-checkpoint operations from Python: merge, to-hf, diff, the committed checks, the CLI.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use pyo3::prelude::*;
+use pyo3::types::PyBytes;
 
-use super::args::{opt_positive, positive, seconds};
+use super::args::{opt_positive, opt_seconds, positive, seconds};
 use super::report::to_dict;
 use super::{location, to_py, InvalidArgumentError};
 use crate::commit::wait::Freshness;
@@ -136,8 +138,55 @@ pub(super) fn merge<'py>(
     let timeout = seconds("timeout_s", timeout_s)?;
     let s = py
         .detach(|| {
-            let loc = location(&checkpoint_dir)?;
+            let loc = location(&checkpoint_dir)?.with_timeout(Some(timeout))?;
             crate::commit::merge(&loc, &save_id, world_size, timeout, &Freshness::any_part())
+        })
+        .map_err(to_py)?;
+    to_dict(py, &s)
+}
+
+/// The whole file `rel` of the checkpoint `checkpoint_dir` (a directory or URL), or None when it
+/// does not exist; object-store requests bounded by `timeout_s` seconds when given.
+///
+/// Raises `InvalidArgumentError` (a timeout that is not a finite number of seconds in
+/// `0..=MAX_TIMEOUT_S`) or `StorageError`.
+#[pyfunction]
+#[pyo3(signature = (checkpoint_dir, rel, timeout_s=None))]
+pub(super) fn read_file<'py>(
+    py: Python<'py>,
+    checkpoint_dir: PathBuf,
+    rel: String,
+    timeout_s: Option<&Bound<'py, PyAny>>,
+) -> PyResult<Option<Bound<'py, PyBytes>>> {
+    let timeout = opt_seconds("timeout_s", timeout_s)?;
+    let got = py
+        .detach(|| location(&checkpoint_dir)?.with_timeout(timeout)?.read(&rel))
+        .map_err(to_py)?;
+    Ok(got.map(|b| PyBytes::new(py, &b)))
+}
+
+/// Merges the rank-local `__{rank}.metadata` files of a torch DCP `use_collectives=False` save
+/// into its global `.metadata` (`shardwise.dcp.finish`; see `crate::dcp_local`). `world_size`,
+/// when given, is waited for up to `timeout_s` seconds. Returns the summary as a dict (the fields
+/// of `crate::dcp_local::Summary`: `ranks`, `keys`, `tensor_chunks`, `byte_objects`,
+/// `replicas_dropped`, `metadata_bytes` in bytes, `already_merged`).
+///
+/// Raises `InvalidArgumentError` (a `world_size` that is not a whole number >= 1, a timeout that
+/// is not a finite number of seconds in `0..=MAX_TIMEOUT_S`), `ValidationError`, `StorageError`.
+#[pyfunction]
+#[pyo3(signature = (checkpoint_dir, world_size=None, timeout_s=None))]
+pub(super) fn merge_rank_local<'py>(
+    py: Python<'py>,
+    checkpoint_dir: PathBuf,
+    world_size: Option<&Bound<'py, PyAny>>,
+    timeout_s: Option<&Bound<'py, PyAny>>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let world_size: Option<u32> = opt_positive("world_size", world_size)?;
+    let timeout = opt_seconds("timeout_s", timeout_s)?.unwrap_or(Duration::ZERO);
+    let s = py
+        .detach(|| {
+            let loc = location(&checkpoint_dir)?.with_timeout(Some(timeout))?;
+            crate::dcp_local::merge(&loc, world_size, timeout)
         })
         .map_err(to_py)?;
     to_dict(py, &s)
