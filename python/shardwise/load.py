@@ -100,6 +100,9 @@ def _check_backend(checkpoint_dir: str, timeout_s: Optional[float] = None) -> No
         if not os.path.isdir(checkpoint_dir):
             raise _native.StorageError(f"checkpoint directory {checkpoint_dir} does not exist") from None
         return
+    except NotADirectoryError:
+        # Before the OSError below: a file given as the directory is not a corrupt checkpoint.
+        raise _native.StorageError(f"{checkpoint_dir} is a file, not a checkpoint directory") from None
     except (OSError, ValueError) as e:
         raise _native.CorruptFileError(f"corrupt file {path}: {e}") from None
     backend = config.get("sharded_backend") if isinstance(config, dict) else None

@@ -16,6 +16,7 @@ import torch
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
 import shardwise
+import shardwise.dcp
 import shardwise.megatron as swm
 from dcp_util import row_shard
 from shardwise import _native
@@ -170,6 +171,12 @@ def test_load_merge_barrier_and_tools_refuse_bad_numbers(tmp_path):
             shardwise.merge(str(d), "x", 1, t)
         with pytest.raises(shardwise.InvalidArgumentError, match="timeout_s"):
             shardwise.barrier(tmp_path / "b", "b1", 0, 1, t)
+        with pytest.raises(shardwise.InvalidArgumentError, match="timeout_s"):
+            _native.open_checkpoint(str(d), t)
+        with pytest.raises(shardwise.InvalidArgumentError, match="timeout_s"):
+            _native.read_file(str(d), "metadata.json", t)
+        with pytest.raises(shardwise.InvalidArgumentError, match="timeout_s"):
+            shardwise.dcp.finish(str(d), world_size=1, timeout_s=t)
     for b in BAD_BYTES:
         with pytest.raises(shardwise.InvalidArgumentError, match="staging_budget_bytes"):
             swm.load(request(), str(d), staging_budget_bytes=b)
@@ -178,6 +185,8 @@ def test_load_merge_barrier_and_tools_refuse_bad_numbers(tmp_path):
     for n in (-1, 0, 1.5, True, 2**64):
         with pytest.raises(shardwise.InvalidArgumentError, match="world_size"):
             shardwise.merge(str(d), "x", n, 1.0)
+        with pytest.raises(shardwise.InvalidArgumentError, match="world_size"):
+            shardwise.dcp.finish(str(d), world_size=n, timeout_s=1.0)
         with pytest.raises(shardwise.InvalidArgumentError, match="threads"):
             shardwise.to_hf(str(d), str(tmp_path / "hf"), threads=n)
         with pytest.raises(shardwise.InvalidArgumentError, match="threads"):
@@ -230,3 +239,12 @@ def test_diff_status_and_load_reports_are_plain_dicts(tmp_path):
         [_native.Region(key="w", offsets=[0, 0], sizes=[1, 8], data_ptr=out.data_ptr(), nbytes=32)])
     assert set(stats) == {"bytes_read", "read_ops", "requests", "seconds", "plan_seconds", "items_checked",
                           "items_unchecked"} and stats["requests"] == 1 and stats["items_checked"] == 1
+
+
+def test_a_file_given_as_the_checkpoint_dir_is_named_as_such(tmp_path):
+    f = tmp_path / "not_a_dir"
+    f.write_bytes(b"x")
+    request = {"w": ShardedTensor.from_rank_offsets("w", torch.empty(4, 8), replica_id=0)}
+    with pytest.raises(shardwise.StorageError, match="is a file, not a checkpoint directory"):
+        swm.load(request, str(f))
+    assert f.read_bytes() == b"x"
