@@ -224,7 +224,7 @@ impl PyCheckpoint {
                 // the caller owns that memory and keeps it alive, untouched, until this returns.
                 unsafe { std::slice::from_raw_parts_mut(r.ptr as *mut u8, r.nbytes as usize) }
             };
-            self.inner.read_region(&r.key, &r.offsets, &r.sizes, out)
+            crate::load::read_region(&self.inner, &r.key, &r.offsets, &r.sizes, out)
         })
         .map_err(to_py)
     }

@@ -169,7 +169,7 @@ pub(super) fn read_file<'py>(
 /// into its global `.metadata` (`shardwise.dcp.finish`; see `crate::dcp_local`). `world_size`,
 /// when given, is waited for up to `timeout_s` seconds. Returns the summary as a dict (the fields
 /// of `crate::dcp_local::Summary`: `ranks`, `keys`, `tensor_chunks`, `byte_objects`,
-/// `replicas_dropped`, `metadata_bytes` in bytes, `already_merged`).
+/// `replicas_dropped`, `metadata_bytes` in bytes, `already_merged`, `replaced_stale`).
 ///
 /// Raises `InvalidArgumentError` (a `world_size` that is not a whole number >= 1, a timeout that
 /// is not a finite number of seconds in `0..=MAX_TIMEOUT_S`), `ValidationError`, `StorageError`.
