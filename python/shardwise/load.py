@@ -111,6 +111,9 @@ def _check_backend(checkpoint_dir: str, timeout_s: Optional[float] = None) -> No
         if not os.path.isdir(checkpoint_dir):
             raise _native.StorageError(f"checkpoint directory {checkpoint_dir} does not exist") from None
         return
+    except NotADirectoryError:
+        # Before the OSError below: a file given as the directory is not a corrupt checkpoint.
+        raise _native.StorageError(f"{checkpoint_dir} is a file, not a checkpoint directory") from None
     except (OSError, ValueError) as e:
         raise _native.CorruptFileError(f"corrupt file {path}: {e}") from None
     backend = config.get("sharded_backend") if isinstance(config, dict) else None
@@ -236,10 +239,11 @@ def load(
         validate_access_integrity: accepted for Megatron's signature. Megatron's check (every shard
             read by exactly one main replica across ranks) needs an all_gather; instead each rank
             checks that every region it asks for is fully covered by saved chunks (always on).
-        timeout_s: bound in seconds on each object-store request, and on the wait for the other
-            ranks' requested keys (``*_all`` modes; default 600 s).
-        staging_budget_bytes: pinned host memory for reads into CUDA tensors (default: the
-            engine's).
+        timeout_s: bound in seconds on each object-store request (None: the store's own retry
+            timeout), and on the wait for the other ranks' requested keys (``*_all`` modes;
+            default 600 s); a finite number in ``0..1e9``.
+        staging_budget_bytes: pinned host memory for reads into CUDA tensors, in bytes, a whole
+            number >= 1 (default: the engine's).
         check_crc: check the CRC-32 recorded at save time of every item read (shardwise saves).
         safe_globals: extra classes that the ``ShardedObject`` values or the common state may
             contain (explicit opt-in; everything else outside the allow-list is refused).
@@ -263,7 +267,8 @@ def load(
         KeyMismatchError: ``raise_unexpected``/``raise_all`` found keys that do not match.
         MissingRanksError: (``*_all``) ranks had not published their requested keys in time.
         InvalidArgumentError: a ``metadata.json`` naming another backend; ``*_all`` with an
-            object-store URL, or without a rank and world size.
+            object-store URL, or without a rank and world size; a ``timeout_s`` or
+            ``staging_budget_bytes`` out of range.
         StorageError: the directory or ``.metadata`` cannot be read; (``*_all``) the requested keys
             cannot be published beside the checkpoint (set ``SHARDWISE_KEYS_DIR``).
     """
@@ -274,6 +279,8 @@ def load(
     from megatron.core.dist_checkpointing.validation import StrictHandling, parse_strict_flag
 
     checkpoint_dir = os.fsdecode(checkpoint_dir)
+    if timeout_s is not None:  # checked before any read, also when no tensor is requested
+        _native.check_seconds("timeout_s", timeout_s)
     strict = parse_strict_flag(strict)
     _check_backend(checkpoint_dir, timeout_s)
 
@@ -557,16 +564,23 @@ class _Plan:
         ordered before its current stream, so the tensors are usable on return."""
         import torch
 
-        by_device: dict[int, list] = {}
+        by_device: dict[Optional[int], list] = {}
         for key, offsets, sizes, out in self.requests:
-            device = out.device.index if out.device.type == "cuda" else -1
+            device = out.device.index if out.device.type == "cuda" else None
             by_device.setdefault(device, []).append(
-                (key, offsets, sizes, out.data_ptr(), out.numel() * out.element_size(), device)
+                _native.Region(
+                    key=key,
+                    offsets=offsets,
+                    sizes=sizes,
+                    data_ptr=out.data_ptr(),
+                    nbytes=out.numel() * out.element_size(),
+                    device=device,
+                )
             )
-        for device, requests in by_device.items():
-            stream = torch.cuda.current_stream(device).cuda_stream if device >= 0 else 0
+        for device, regions in by_device.items():
+            stream = 0 if device is None else torch.cuda.current_stream(device).cuda_stream
             self.ckpt.load_into(
-                requests,
+                regions,
                 staging_budget_bytes=staging_budget_bytes,
                 cuda_stream=stream,
                 check_crc=check_crc,

@@ -253,8 +253,9 @@ def save_checkpoint(
         its ``wait()`` returns that report once the save committed and the tracker moved.
 
     Raises:
-        InvalidArgumentError: negative ``iteration``, ``keep_last`` < 1, or ``common_state`` keys
-            that collide with the sharded state dict.
+        InvalidArgumentError: negative ``iteration``, ``keep_last`` < 1, ``timeout_s`` not a finite
+            number of seconds in ``0..1e9``, or ``common_state`` keys that collide with the sharded
+            state dict.
         Everything :func:`save` raises; on any error the tracker is not moved and nothing is deleted.
     """
     if not isinstance(iteration, int) or iteration < 0:
@@ -263,6 +264,7 @@ def save_checkpoint(
         raise InvalidArgumentError(f"keep_last must be an integer >= 1, got {keep_last!r}")
     if on_unchanged not in ("warn", "error", "ignore"):
         raise InvalidArgumentError(f"on_unchanged must be 'warn', 'error' or 'ignore', got {on_unchanged!r}")
+    _native.check_seconds("timeout_s", timeout_s)  # before the save root is created
     if common_state:
         clash = sorted(set(common_state) & set(sharded_state_dict))
         if clash:
