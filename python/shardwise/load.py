@@ -181,6 +181,7 @@ def load(
     staging_budget_bytes: Optional[int] = None,
     check_crc: bool = True,
     safe_globals: Iterable = (),
+    hybrid_layer_pattern: Optional[str] = None,
 ) -> Union[dict, tuple]:
     """Loads this rank's part of a Megatron sharded state dict with no collective communication.
 
@@ -222,6 +223,14 @@ def load(
         check_crc: check the CRC-32 recorded at save time of every item read (shardwise saves).
         safe_globals: extra classes that the ``ShardedObject`` values or the common state may
             contain (explicit opt-in; everything else outside the allow-list is refused).
+        hybrid_layer_pattern: the pattern the requesting HybridModel was built with
+            (``model.hybrid_layer_pattern``, e.g. ``"*-*-"``). When the checkpoint was saved by a
+            GPTModel, the request is first retargeted at the GPT keys by megatron-core's own
+            ``gpt_checkpoint_interop`` (0.19+), as Megatron-LM's ``load_checkpoint`` does: the i-th
+            attention ('*') and the i-th MLP ('-' or 'E') layer read GPT layer i, ``decoder.final_norm``
+            reads ``decoder.final_layernorm``, Mamba ('M') layers keep their values. A checkpoint whose
+            stored args have a hybrid pattern (or, without args, which holds ``decoder.final_norm``)
+            is read as is. Without it, a HybridModel request against a GPT checkpoint is refused.
 
     Raises:
         MissingKeyError: a requested key (tensor, or an object's unique key) is not in the
@@ -232,7 +241,11 @@ def load(
         CorruptFileError: a missing or truncated data file, a CRC-32 mismatch (names key, file,
             offset).
         UnsafeObjectError: an object or the common state needs a class not allowed.
-        InvalidArgumentError: a global strict mode; a ``metadata.json`` naming another backend.
+        InvalidArgumentError: a global strict mode; a ``metadata.json`` naming another backend; a
+            HybridModel request against a GPT checkpoint without ``hybrid_layer_pattern``, or with a
+            pattern Megatron's interop cannot pair with GPT layers (or a megatron-core without it).
+        ValidationError: also a GPT checkpoint whose stored ``num_layers`` differs from the
+            pattern's attention layers.
         StorageError: the directory or ``.metadata`` cannot be read.
     """
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, merge, nested_values
@@ -253,8 +266,9 @@ def load(
     ckpt = open_cached(checkpoint_dir)
 
     _dequantize_fp8(sharded_state_dict)
-    sharded_state_dict, nonpersistent, factories = load_preprocess(sharded_state_dict)
     common = _read_common(ckpt, safe_globals)
+    _retarget_hybrid_request(sharded_state_dict, ckpt, checkpoint_dir, common.get("args"), hybrid_layer_pattern)
+    sharded_state_dict, nonpersistent, factories = load_preprocess(sharded_state_dict)
     merge(common, nonpersistent)
     sharded_state_dict, _ = extract_sharded_base(sharded_state_dict)
 
@@ -300,6 +314,65 @@ def load(
     if strict == StrictHandling.RETURN_UNEXPECTED:
         return common, set(), unexpected
     return common
+
+
+def _is_gpt_checkpoint(ckpt, args) -> Optional[bool]:
+    """Whether a GPTModel saved the checkpoint: Megatron-LM's test (``_maybe_setup_gpt_to_hybrid_load``:
+    no ``hybrid_layer_pattern`` / ``hybrid_override_pattern`` in the stored args); without args, by its
+    final norm (``decoder.final_layernorm`` GPT, ``decoder.final_norm`` hybrid). None: cannot tell."""
+    if args is not None:
+        return not (getattr(args, "hybrid_layer_pattern", None) or getattr(args, "hybrid_override_pattern", None))
+    if "decoder.final_norm.weight" in ckpt:
+        return False
+    if "decoder.final_layernorm.weight" in ckpt:
+        return True
+    return None
+
+
+def _retarget_hybrid_request(sharded_state_dict, ckpt, checkpoint_dir: str, args, pattern: Optional[str]) -> None:
+    """Points a HybridModel's request at a GPT checkpoint's keys, in place, with megatron-core's own
+    translation (see ``load``'s ``hybrid_layer_pattern``)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    gpt = _is_gpt_checkpoint(ckpt, args)
+    if pattern is None:
+        hybrid_keys = [sh.key for sh in nested_values(sharded_state_dict)
+                       if getattr(sh, "key", "").startswith("decoder.final_norm.")]
+        if gpt and hybrid_keys and hybrid_keys[0] not in ckpt:
+            raise InvalidArgumentError(
+                f"{checkpoint_dir} was saved by a GPTModel and the request is a HybridModel's "
+                f"({hybrid_keys[0]}): pass hybrid_layer_pattern=model.hybrid_layer_pattern to load it through "
+                "megatron-core's GPT -> hybrid translation"
+            )
+        return
+    if gpt is None:
+        raise InvalidArgumentError(
+            f"{checkpoint_dir}: no stored args and neither decoder.final_layernorm.weight (GPTModel) nor "
+            "decoder.final_norm.weight (HybridModel): cannot tell whether hybrid_layer_pattern applies"
+        )
+    if not gpt:
+        return
+    try:
+        from megatron.core.dist_checkpointing.gpt_checkpoint_interop import (
+            gpt_compatible_layer_maps,
+            retarget_sharded_state_dict_to_gpt_checkpoint,
+        )
+    except ImportError:
+        raise InvalidArgumentError(
+            "loading a GPT checkpoint into a HybridModel needs megatron-core 0.19 or later "
+            "(megatron.core.dist_checkpointing.gpt_checkpoint_interop)"
+        ) from None
+    try:
+        maps = gpt_compatible_layer_maps(pattern)
+    except ValueError as e:
+        raise InvalidArgumentError(f"cannot load the GPT checkpoint {checkpoint_dir} into this hybrid model: {e}") from None
+    layers = getattr(args, "num_layers", None)
+    if layers is not None and layers != maps.num_gpt_layers:
+        raise ValidationError(
+            f"hybrid layer pattern {pattern!r} pairs with a GPT checkpoint of {maps.num_gpt_layers} layers; "
+            f"{checkpoint_dir} has num_layers={layers}"
+        )
+    retarget_sharded_state_dict_to_gpt_checkpoint(sharded_state_dict, maps)
 
 
 def _dequantize_fp8(sharded_state_dict) -> None:

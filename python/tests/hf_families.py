@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib
 import os
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from typing import Callable
 
 import torch
 
+import hf_families_hybrid
 import hf_families_moe
 from mcore import init_gloo
 
@@ -42,6 +44,13 @@ class Family:
     moe: the resharded layout adds EP=2 (experts split between the two ranks) to TP=2.
     bad_args: when given, the TP=1 model is also saved by shardwise with these args changed
         (``base/tp1/bad_args``), for the tests of flags the architecture implies.
+    load_check: the resharded model also loads both TP=1 checkpoints with
+        ``shardwise.megatron.load`` and records its logits (``base/resharded/loaded_<writer>.pt``).
+    gpt_twin: builds the GPTModel of the same config (a HybridModel family): saved by Megatron at
+        TP=1 (``base/gpt``, with ``logits.pt``), then loaded into the resharded HybridModel by
+        ``shardwise.megatron.load`` (``base/resharded/loaded_gpt.pt``) and by Megatron's own
+        ``dist_checkpointing.load`` after its ``gpt_checkpoint_interop`` retargeting: the worker
+        returns whether every tensor of the two loads is equal (``gpt_load_equal``).
     """
 
     hf_config: Callable[[], object]
@@ -49,6 +58,8 @@ class Family:
     moe: bool = False
     cpu_patches: tuple[Callable[[], None], ...] = field(default=())
     bad_args: dict = field(default_factory=dict)
+    load_check: bool = False
+    gpt_twin: Callable[[object], object] | None = None
 
 
 # --- CPU stand-ins for Transformer Engine modules -----------------------------------------------
@@ -287,8 +298,12 @@ FAMILIES: dict[str, Family] = {
     "qwen3_5_moe": Family(qwen3_5_moe_config, gdn_model, moe=True, cpu_patches=(_cpu_gdn_patches,)),
     "qwen3_5": Family(qwen3_5_config, gdn_model, cpu_patches=(_cpu_gdn_patches,)),
 }
-# deepseek_v3 (MLA), glm4_moe, gpt_oss: their configs and Megatron builders are in hf_families_moe.
+# deepseek_v3 (MLA), glm4_moe, gpt_oss, deepseek_v32 (DSA), minimax_m2: their configs and Megatron
+# builders are in hf_families_moe; HybridModel families in hf_families_hybrid.
 FAMILIES.update({name: Family(**kw) for name, kw in hf_families_moe.FAMILY_ARGS.items()})
+FAMILIES.update({name: Family(**kw, load_check=True) for name, kw in hf_families_hybrid.FAMILY_ARGS.items()})
+for _name in ("deepseek_v32", "minimax_m2"):
+    FAMILIES[_name] = dataclasses.replace(FAMILIES[_name], load_check=True)
 
 
 # --- the harness ------------------------------------------------------------------------------
@@ -301,10 +316,43 @@ def _megatron_logits(model, vocab: int):
         return model(TOKENS, torch.arange(seq).unsqueeze(0), mask)[0, :, :vocab].clone()
 
 
+def _load_into(model, ckpt, **kwargs):
+    """Loads ``ckpt`` into ``model`` with ``shardwise.megatron.load`` (no collective) and returns the
+    model's logits; the state dict's tensors as loaded, by key."""
+    import shardwise.megatron as swm
+
+    state = swm.load(model.sharded_state_dict(), ckpt, **kwargs)
+    for k in ("args", "iteration"):
+        state.pop(k, None)
+    model.load_state_dict(state)
+    return _megatron_logits(model, HF_VOCAB), state
+
+
+def _gpt_checkpoint_loads(model, ckpt, pattern) -> dict:
+    """The GPT -> hybrid load of ``ckpt`` into ``model``: shardwise's (logits) and Megatron's own
+    (``retarget_sharded_state_dict_to_gpt_checkpoint`` then ``dist_checkpointing.load``), every tensor
+    compared."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.gpt_checkpoint_interop import (
+        gpt_compatible_layer_maps,
+        retarget_sharded_state_dict_to_gpt_checkpoint,
+    )
+
+    logits, ours = _load_into(model, ckpt, hybrid_layer_pattern=pattern)
+    sd = model.sharded_state_dict()
+    retarget_sharded_state_dict_to_gpt_checkpoint(sd, gpt_compatible_layer_maps(pattern))
+    theirs = dist_checkpointing.load(sd, ckpt)
+    keys = sorted(k for k, v in theirs.items() if isinstance(v, torch.Tensor))
+    equal = keys == sorted(k for k, v in ours.items() if isinstance(v, torch.Tensor)) and all(
+        torch.equal(ours[k], theirs[k]) for k in keys)
+    return {"logits": logits, "equal": equal, "tensors": len(keys)}
+
+
 def save_and_forward(rank, world, port, base, family):
     """Worker (2 ranks): for each layout of ``LAYOUTS``, builds the family's model, records its logits
     (``base/<layout>/logits.pt``) and saves it with Megatron and with shardwise
-    (``base/<layout>/<writer>``). Writes the HF config to ``base/hf_config``."""
+    (``base/<layout>/<writer>``). Writes the HF config to ``base/hf_config``. The load checks of
+    ``Family.load_check`` and ``Family.gpt_twin`` run on the resharded model."""
     init_gloo(rank, world, port)
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
@@ -316,6 +364,7 @@ def save_and_forward(rank, world, port, base, family):
     for patch in fam.cpu_patches:
         patch()
     cfg = fam.hf_config()
+    result = {}
     for layout in LAYOUTS:
         tp = 1 if layout == "tp1" else 2
         ep = 2 if layout != "tp1" and fam.moe else 1
@@ -339,10 +388,28 @@ def save_and_forward(rank, world, port, base, family):
                 swm.save(sd, d, timeout_s=120)
         if rank == 0:
             torch.save(logits, os.path.join(base, layout, "logits.pt"))
+        if layout == "tp1" and fam.gpt_twin is not None:
+            twin = fam.gpt_twin(cfg)
+            os.makedirs(os.path.join(base, "gpt", "megatron"), exist_ok=True)
+            sd = twin.sharded_state_dict()
+            sd["args"] = argparse.Namespace(num_layers=cfg.num_hidden_layers)
+            dist_checkpointing.save(sd, os.path.join(base, "gpt", "megatron"))
+            if rank == 0:
+                torch.save(_megatron_logits(twin, cfg.vocab_size), os.path.join(base, "gpt", "logits.pt"))
+        if layout != "tp1" and fam.load_check:
+            for writer in WRITERS:
+                loaded, _ = _load_into(model, os.path.join(base, "tp1", writer))
+                if rank == 0:
+                    torch.save(loaded, os.path.join(base, layout, f"loaded_{writer}.pt"))
+        if layout != "tp1" and fam.gpt_twin is not None:
+            gpt = _gpt_checkpoint_loads(model, os.path.join(base, "gpt", "megatron"), args["hybrid_layer_pattern"])
+            result.update(gpt_load_equal=gpt["equal"], gpt_load_tensors=gpt["tensors"])
+            if rank == 0:
+                torch.save(gpt["logits"], os.path.join(base, layout, "loaded_gpt.pt"))
         ps.destroy_model_parallel()
     if rank == 0:
         cfg.save_pretrained(os.path.join(base, "hf_config"))
-    return {}
+    return result
 
 
 def hf_reference_tensors(config_dir: str, out_dir: str) -> dict:
