@@ -21,6 +21,7 @@ import socket
 import time
 from typing import Optional
 
+from ._fs import atomic_write
 from ._native import InvalidArgumentError, MissingRanksError
 
 # Barrier names become directory names.
@@ -42,14 +43,6 @@ class BarrierTimeoutError(MissingRanksError):
         self.name = name
         self.missing = missing
         self.last_phases = last_phases
-
-
-def _atomic_write(path: str, data: bytes) -> None:
-    # Write then rename, so a reader sees the whole old or the whole new content.
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
 
 
 def _check_rank(rank: int, world_size: int) -> None:
@@ -76,7 +69,7 @@ def record_phase(dir: str, rank: int, phase: str) -> None:
     phases = os.path.join(os.fspath(dir), "phases")
     os.makedirs(phases, exist_ok=True)
     record = {"phase": phase, "time": time.time(), "host": socket.gethostname(), "pid": os.getpid()}
-    _atomic_write(os.path.join(phases, f"rank{rank}.json"), json.dumps(record).encode())
+    atomic_write(os.path.join(phases, f"rank{rank}.json"), json.dumps(record).encode())
 
 
 def last_phases(dir: str, ranks) -> dict:
@@ -133,7 +126,7 @@ def barrier(
     record_phase(dir, rank, f"barrier:{name}" if phase is None else phase)
     arrivals = os.path.join(dir, "barriers", name)
     os.makedirs(arrivals, exist_ok=True)
-    _atomic_write(os.path.join(arrivals, f"rank{rank}"), b"")
+    atomic_write(os.path.join(arrivals, f"rank{rank}"), b"")
 
     start = time.monotonic()
     deadline = start + float(timeout_s)

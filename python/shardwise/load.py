@@ -22,6 +22,7 @@ from typing import Any, Iterable, Optional, Union
 
 from . import _native
 from ._native import InvalidArgumentError, MissingKeyError, ShardwiseError, ValidationError
+from ._fs import is_url
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +58,6 @@ def open_cached(checkpoint_dir: str):
     """The open ``_native.Checkpoint`` of ``checkpoint_dir``, parsed once per process: reused while
     ``.metadata`` keeps its size and mtime (a new save into the same directory is parsed anew).
     Object-store URLs are opened on every call (no cheap stamp to check)."""
-    from .megatron import is_url
-
     if is_url(checkpoint_dir):
         return _native.open_checkpoint(checkpoint_dir)
     path = os.path.abspath(checkpoint_dir)
@@ -86,8 +85,6 @@ def _check_backend(checkpoint_dir: str) -> None:
     """Refuses checkpoints whose ``metadata.json`` names another backend than ``torch_dist``
     (``zarr``, ``torch`` ``mp_rank_*`` files...). A plain DCP checkpoint (``.metadata``, no
     ``metadata.json``) is the same format and is read."""
-    from .megatron import is_url
-
     if is_url(checkpoint_dir):
         return
     path = os.path.join(checkpoint_dir, "metadata.json")
@@ -566,68 +563,3 @@ class _Plan:
 
     def result(self, sh):
         return self.finish[id(sh)]()
-
-
-def dist_checkpointing_load(sharded_state_dict: dict, checkpoint_dir, *args, **kwargs):
-    """``megatron.core.dist_checkpointing.load`` done by :func:`load`, with the installed
-    megatron-core's own signature: 0.13-0.18 ``(sharded_state_dict, checkpoint_dir,
-    sharded_strategy, common_strategy, validate_access_integrity, strict)``, 0.19
-    ``(..., sharded_strategy, validate_access_integrity, strict, verify_integrity, process_group)``.
-    Positional arguments are bound to that release's parameters in its order.
-
-    sharded_strategy: None or a torch_dist strategy (the fully-parallel wrapper too: its exchange
-        is not needed, every rank reads its own regions); another backend raises
-        ``InvalidArgumentError``. common_strategy must be None.
-    verify_integrity (0.19): checks the SHA-256 manifest (``integrity.json``) with megatron-core's
-        own check, on every rank (Megatron hashes on rank 0 and broadcasts the outcome; a mismatch
-        here is a ``CorruptFileError``).
-    process_group (0.19): ignored (nothing is exchanged). Keyword arguments of :func:`load`
-    (``timeout_s``, ``safe_globals``...) pass through.
-    """
-    import inspect
-
-    from .megatron import _original_megatron, bind_release_args
-
-    import megatron.core.dist_checkpointing.serialization as mser
-
-    params = list(inspect.signature(_original_megatron(mser, "load")).parameters.values())[2:]
-    bound = bind_release_args("load", params, args, kwargs, _LOAD_PARAMS)
-    strategy = bound.get("sharded_strategy")
-    backend = strategy[0] if isinstance(strategy, tuple) else _strategy_backend(strategy)
-    if strategy is not None and backend != "torch_dist":
-        raise InvalidArgumentError(f"shardwise loads the torch_dist format; sharded_strategy has backend {backend!r}")
-    if bound.get("common_strategy") is not None:
-        raise InvalidArgumentError("common_strategy is not supported (megatron-core supports only the default torch one)")
-    if bound.get("verify_integrity"):
-        _verify_manifest(os.fsdecode(checkpoint_dir))
-    for name in ("strict", "validate_access_integrity"):
-        if name in bound:
-            kwargs[name] = bound[name]
-    return load(sharded_state_dict, checkpoint_dir, **kwargs)
-
-
-_LOAD_PARAMS = {"sharded_strategy", "common_strategy", "validate_access_integrity", "strict", "verify_integrity", "process_group"}
-
-
-def _strategy_backend(strategy) -> Optional[str]:
-    """The backend of a megatron load strategy; the fully-parallel wrapper's is its base strategy's.
-    megatron-core 0.19's TorchDistLoadShardedStrategy has no ``backend`` attribute (torch_dist is the
-    only one)."""
-    if strategy is None:
-        return None
-    inner = getattr(strategy, "base_strategy", strategy)
-    from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
-
-    if isinstance(inner, TorchDistLoadShardedStrategy):
-        return "torch_dist"
-    return getattr(inner, "backend", type(inner).__name__)
-
-
-def _verify_manifest(checkpoint_dir: str) -> None:
-    from megatron.core.dist_checkpointing.core import CheckpointingException
-    from megatron.core.dist_checkpointing.validation import _verify_integrity_manifest_impl
-
-    try:
-        _verify_integrity_manifest_impl(checkpoint_dir)
-    except CheckpointingException as e:
-        raise _native.CorruptFileError(str(e)) from None

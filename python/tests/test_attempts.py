@@ -50,7 +50,7 @@ def kill_all(procs) -> None:
 
 def assert_holds(ckpt: Path, offsets) -> None:
     """Committed, whole (verify checks every item CRC), and holding exactly these values."""
-    assert swm._is_committed(str(ckpt))
+    assert shardwise._native.is_committed(str(ckpt))
     out = cli("verify", ckpt)
     assert out.returncode == 0, out.stdout + out.stderr
     assert torch.equal(shardwise.open(ckpt).read("w"), expected_w(offsets))
@@ -225,9 +225,9 @@ def test_committed_means_whole_for_rust_cli_and_python(committed, damage):
     random bytes or a hostile pickle (never executed), a missing or truncated data file, a removed
     `.metadata`, a replaced `common.pt`: not committed anywhere."""
     root, ckpt = committed
-    assert swm._is_committed(str(ckpt)) and json.loads(cli("status", ckpt, "--json").stdout)["checkpoint"] == "committed"
+    assert shardwise._native.is_committed(str(ckpt)) and json.loads(cli("status", ckpt, "--json").stdout)["checkpoint"] == "committed"
     DAMAGE[damage](ckpt)
-    assert not swm._is_committed(str(ckpt))
+    assert not shardwise._native.is_committed(str(ckpt))
     st = json.loads(cli("status", ckpt, "--json").stdout)
     assert st["checkpoint"] == "damaged", st
     with pytest.raises(shardwise.NotCommittedError):
@@ -246,7 +246,7 @@ def test_merge_repair_rebuilds_a_damaged_metadata_from_the_parts(committed, dama
     assert "DAMAGED" in st.stdout and "shardwise merge --repair" in st.stdout, st.stdout
     fixed = cli("merge", ckpt, "--repair")
     assert fixed.returncode == 0, fixed.stderr
-    assert swm._is_committed(str(ckpt)) and cli("verify", ckpt).returncode == 0
+    assert shardwise._native.is_committed(str(ckpt)) and cli("verify", ckpt).returncode == 0
     assert torch.equal(shardwise.open(ckpt).read("w"), torch.cat([row_shard("w", r, 2).data for r in range(2)]))
     assert cli("merge", ckpt, "--repair").returncode == 1, "a whole checkpoint has nothing to repair"
 
@@ -256,9 +256,9 @@ def test_a_torch_written_checkpoint_is_committed_by_its_metadata(tmp_path):
 
     d = tmp_path / "dcp"
     dcp.save({"x": torch.arange(10.0)}, storage_writer=dcp.FileSystemWriter(str(d)))
-    assert swm._is_committed(str(d))
+    assert shardwise._native.is_committed(str(d))
     (d / "__0_0.distcp").write_bytes(b"")
-    assert not swm._is_committed(str(d)), "a torch checkpoint whose data file is empty is not whole"
+    assert not shardwise._native.is_committed(str(d)), "a torch checkpoint whose data file is empty is not whole"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -300,7 +300,7 @@ def test_interpreter_exit_waits_for_pending_async_saves_and_reports_failures(tmp
     1 with the error on stderr, instead of a silent exit 0."""
     ok = run_exit_script(tmp_path / "ok", 1, 65536, 60.0)  # 256 MiB: still in flight at exit
     assert ok.returncode == 0 and "staged" in ok.stdout, ok.stderr
-    assert swm._is_committed(str(tmp_path / "ok")), ok.stderr
+    assert shardwise._native.is_committed(str(tmp_path / "ok")), ok.stderr
     bad = run_exit_script(tmp_path / "bad", 2, 16, 1.0)  # rank 1 never comes
     assert bad.returncode == 1, bad.stderr
     assert "FAILED at exit" in bad.stderr and "ranks [1]" in bad.stderr, bad.stderr

@@ -407,7 +407,7 @@ def test_common_state_of_megatron_019_and_install_routes(plain_ckpt):
 
     path, vals = plain_ckpt
     with swm.installed():
-        assert dist_checkpointing.load is swl.dist_checkpointing_load
+        assert dist_checkpointing.load is swm.dist_checkpointing_load
         with NoDistributed():
             res = dist_checkpointing.load(_request(), str(path), None, strict="assume_ok_unexpected")
             common = dist_checkpointing.load_common_state_dict(str(path))
@@ -415,13 +415,13 @@ def test_common_state_of_megatron_019_and_install_routes(plain_ckpt):
             dist_checkpointing.load(_request(), str(path), ("zarr", 1))
     _check_plain(res, vals)
     assert common["iteration"] == 11
-    assert dist_checkpointing.load is not swl.dist_checkpointing_load
+    assert dist_checkpointing.load is not swm.dist_checkpointing_load
     original_load = dist_checkpointing.load
     with swm.installed(load=False):
         assert dist_checkpointing.load is original_load
         assert dist_checkpointing.save.func is swm.dist_checkpointing_save
         swm.install()  # a later call may route the load, and load=False un-routes it again
-        assert dist_checkpointing.load is swl.dist_checkpointing_load
+        assert dist_checkpointing.load is swm.dist_checkpointing_load
         swm.install(load=False)
         assert dist_checkpointing.load is original_load
     assert dist_checkpointing.load is original_load

@@ -33,7 +33,7 @@ def test_an_unchanged_save_warns_a_changed_one_is_silent_and_error_keeps_the_tra
     assert report["unchanged_since"] is None
     with pytest.raises(shardwise.ValidationError, match="stale copy"):
         save(tmp_path, 4, state(b_offset=1e-3), on_unchanged="error")
-    assert swm._is_committed(swm.checkpoint_name(str(tmp_path), 4)), "the save itself committed"
+    assert shardwise._native.is_committed(swm.checkpoint_name(str(tmp_path), 4)), "the save itself committed"
     assert swm.read_tracker(str(tmp_path)) == 3, "the tracker does not move onto a suspicious save"
     with warnings.catch_warnings():
         warnings.simplefilter("error", swm.UnchangedSaveWarning)

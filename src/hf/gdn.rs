@@ -18,8 +18,8 @@
 //! heads), k, v] (MC `attention.py` `get_query_key_value_tensors`), transformers' `q_proj` rows per
 //! head [q_h; gate_h] (its `view(..., head_dim * 2)` then `chunk(2)`).
 
-use super::dims::Dims;
-use super::rules::{check, Check, Experts, Out, Post, Rel, Rule, When, H, HD, ONE};
+use super::rules::{gate_up, whole, H, HD, ONE};
+use super::spec::{check, out, rule, Check, Dims, Post, Rel, Rule, When};
 use crate::error::{Error, Result};
 
 type Rows = Result<Vec<Vec<(u64, u64)>>>;
@@ -126,10 +126,6 @@ fn conv_qkv(d: &Dims, key: &str, shape: &[u64]) -> Rows {
     Ok(vec![vec![(0, want)]])
 }
 
-fn whole(_: &Dims, _: &str, shape: &[u64]) -> Rows {
-    Ok(vec![vec![(0, shape.first().copied().unwrap_or(1))]])
-}
-
 /// Gated attention: `linear_qkv` rows per query group [q (n heads); gate (n); k; v] to `q_proj`
 /// rows per head [q_h; gate_h], `k_proj`, `v_proj`.
 fn qkv_gated(d: &Dims, key: &str, shape: &[u64]) -> Rows {
@@ -167,27 +163,6 @@ const Q: &[&str] = &["num_attention_heads", "head_dim"];
 const LINEAR: When = When::LayerType("linear_attention");
 const FULL: When = When::LayerType("full_attention");
 
-const fn out(name: &'static str, shape: &'static [&'static [&'static str]]) -> Out {
-    Out { name, shape }
-}
-
-const fn rule(
-    src: &'static [&'static str],
-    outs: &'static [Out],
-    split: super::rules::Split,
-    post: Post,
-    when: When,
-) -> Rule {
-    Rule {
-        src,
-        outs,
-        split,
-        experts: Experts::No,
-        post,
-        when,
-    }
-}
-
 const IN_PROJ: &str = "self_attention.in_proj.weight.{query|key|value|z|beta|alpha}";
 
 /// The parts of a GDN layer both layouts share.
@@ -196,7 +171,6 @@ pub(crate) const GDN_LAYERS: &[Rule] = &[
         &["self_attention.in_proj.layer_norm_weight"],
         &[out("input_layernorm.weight", &[H])],
         whole,
-        Post::None,
         LINEAR,
     ),
     rule(
@@ -206,21 +180,18 @@ pub(crate) const GDN_LAYERS: &[Rule] = &[
             &[CONV, ONE, &["linear_conv_kernel_dim"]],
         )],
         conv_qkv,
-        Post::None,
         LINEAR,
     ),
     rule(
         &["self_attention.A_log"],
         &[out("linear_attn.A_log", &[NV])],
         whole,
-        Post::None,
         LINEAR,
     ),
     rule(
         &["self_attention.dt_bias"],
         &[out("linear_attn.dt_bias", &[NV])],
         whole,
-        Post::None,
         LINEAR,
     ),
     rule(
@@ -230,14 +201,13 @@ pub(crate) const GDN_LAYERS: &[Rule] = &[
             &[&["linear_value_head_dim"]],
         )],
         whole,
-        Post::AddOne,
         LINEAR,
-    ),
+    )
+    .with_post(Post::AddOne),
     rule(
         &["self_attention.out_proj.weight"],
         &[out("linear_attn.out_proj.weight", &[H, V_DIM])],
         whole,
-        Post::None,
         LINEAR,
     ),
     // Gated full attention.
@@ -249,28 +219,24 @@ pub(crate) const GDN_LAYERS: &[Rule] = &[
             out("self_attn.v_proj.weight", &[KV, H]),
         ],
         qkv_gated,
-        Post::None,
         FULL,
     ),
     rule(
         &["self_attention.linear_proj.weight"],
         &[out("self_attn.o_proj.weight", &[H, Q])],
         whole,
-        Post::None,
         FULL,
     ),
     rule(
         &["self_attention.q_layernorm.weight"],
         &[out("self_attn.q_norm.weight", &[HD])],
         whole,
-        Post::None,
         FULL,
     ),
     rule(
         &["self_attention.k_layernorm.weight"],
         &[out("self_attn.k_norm.weight", &[HD])],
         whole,
-        Post::None,
         FULL,
     ),
 ];
@@ -285,7 +251,6 @@ pub(crate) const GDN_QWEN3_5: &[Rule] = &[rule(
         out("linear_attn.in_proj_a.weight", &[NV, H]),
     ],
     in_proj_flat,
-    Post::None,
     LINEAR,
 )];
 
@@ -300,7 +265,6 @@ pub(crate) const GDN_QWEN3_NEXT: &[Rule] = &[rule(
         ),
     ],
     in_proj_per_key_head,
-    Post::None,
     LINEAR,
 )];
 
@@ -319,8 +283,7 @@ pub(crate) const GATED_SHARED_EXPERT: &[Rule] = &[
                 &[&["shared_expert_intermediate_size"], H],
             ),
         ],
-        super::rules::gate_up,
-        Post::None,
+        gate_up,
         When::MoeLayer,
     ),
     rule(
@@ -330,14 +293,12 @@ pub(crate) const GATED_SHARED_EXPERT: &[Rule] = &[
             &[H, &["shared_expert_intermediate_size"]],
         )],
         whole,
-        Post::None,
         When::MoeLayer,
     ),
     rule(
         &["mlp.shared_experts.gate_weight"],
         &[out("mlp.shared_expert_gate.weight", &[ONE, H])],
         whole,
-        Post::None,
         When::MoeLayer,
     ),
 ];

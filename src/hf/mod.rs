@@ -3,18 +3,22 @@
 //! needs, converted, and written at its precomputed offset by one of `threads` workers, so peak
 //! memory is about `threads x largest HF tensor` whatever the model size.
 //!
-//! Modules: [`dims`] (hyperparameters from config.json and the stored args, and their checks),
-//! [`rules`] (the mapping as a table, per architecture), [`plan`] (the table applied to the
-//! checkpoint's keys), [`write`] (shard plan, safetensors headers, index). Name mapping:
+//! Modules, each importing only those before it: [`spec`] (the rule vocabulary and [`spec::Dims`]),
+//! [`rules`] and [`gdn`] (the rule slices), [`families`] (the architectures), [`config`]
+//! (hyperparameters from config.json and the stored args, and their checks), [`plan`] (the table
+//! applied to the checkpoint's keys), [`write`] (shard plan, safetensors headers, index),
+//! [`output`] (the folder and the commit). Name mapping:
 //! megatron-torch-dist.md §2.7 and §4.3, shared/reference/hf-mappings-2026.md. Output files:
 //! safetensors sharded as `model-0000k-of-0000n.safetensors` with
 //! `model.safetensors.index.json`, as `transformers` writes them.
 
-mod dims;
+mod config;
+mod families;
 mod gdn;
 mod output;
 mod plan;
-pub(crate) mod rules;
+mod rules;
+mod spec;
 mod write;
 
 use std::path::{Path, PathBuf};
@@ -29,7 +33,7 @@ use crate::storage::{create_dir_all, Location};
 
 pub use output::Part;
 pub(crate) use plan::{read_hf_tensor, HfTensor, Plan};
-pub(crate) use rules::Post;
+pub(crate) use spec::Post;
 pub(crate) use write::dtype_of_st;
 
 /// Options of a conversion.
@@ -264,8 +268,8 @@ pub(crate) fn source_identity(ckpt: &Checkpoint) -> Result<Vec<u8>> {
 fn hyperparameters(
     ckpt: &Checkpoint,
     opts: &HfOptions,
-) -> Result<(dims::Dims, dims::ArgsCheck, Option<u64>)> {
-    let args = dims::megatron_args(ckpt)?;
+) -> Result<(spec::Dims, config::ArgsCheck, Option<u64>)> {
+    let args = config::megatron_args(ckpt)?;
     let config: Option<serde_json::Value> = match &opts.config {
         Some(p) => Some(
             serde_json::from_slice(&std::fs::read(p).map_err(Error::io("read", p))?)
@@ -274,8 +278,8 @@ fn hyperparameters(
         None => None,
     };
     let d = match (&config, &args) {
-        (Some(c), _) => dims::Dims::from_config(c, opts.arch.as_deref())?,
-        (None, Some(a)) => dims::Dims::from_args(a, opts.arch.as_deref())?,
+        (Some(c), _) => spec::Dims::from_config(c, opts.arch.as_deref())?,
+        (None, Some(a)) => spec::Dims::from_args(a, opts.arch.as_deref())?,
         (None, None) => {
             return Err(Error::InvalidArgument(
                 "no --hf-config and no Megatron args in common.pt: pass --hf-config".into(),
@@ -290,7 +294,7 @@ fn hyperparameters(
             }
             _ => None,
         });
-    let check = dims::check_args(&d, args.as_ref(), rows)?;
+    let check = config::check_args(&d, args.as_ref(), rows)?;
     Ok((d, check, rows))
 }
 

@@ -1,4 +1,4 @@
-//! Applies the rule table ([`super::rules`]) to a checkpoint's keys: the HF tensors to write, each
+//! Applies the rule table ([`super::rules`] (through [`super::spec`])) to a checkpoint's keys: the HF tensors to write, each
 //! as boxes of checkpoint tensors, plus the checks that the config's required tensors are all
 //! produced with the shapes the config implies.
 //!
@@ -8,8 +8,7 @@
 
 use std::collections::BTreeSet;
 
-use super::dims::Dims;
-use super::rules::{Experts, Post, Rule, When};
+use super::spec::{Dims, Experts, Post, Rule, When};
 use crate::error::{Error, Result};
 use crate::format::dtype::DType;
 use crate::format::metadata::Entry;

@@ -1,9 +1,10 @@
-//! The Megatron → Hugging Face mapping as a table: one [`ArchSpec`] per architecture, built from
-//! shared rule slices. What differs between architectures is data here; the code that applies the
-//! table (`map.rs`-style logic in [`super::mapping`]) is shared.
+//! The Megatron → Hugging Face mapping as data: the rule slices that architectures share, their
+//! split functions and the check rows. One [`super::spec::ArchSpec`] per architecture assembles them in
+//! [`super::families`]; the vocabulary is [`super::spec`]; the code that applies the table to a
+//! checkpoint is [`super::plan`], shared by every architecture.
 //!
 //! HOW TO ADD AN ARCHITECTURE
-//! 1. Add an `ArchSpec` to [`ARCHS`] with the `model_type` names its config.json uses.
+//! 1. Add an `ArchSpec` to [`super::families::ARCHS`] with the `model_type` names its config.json uses.
 //! 2. `layer`: list the rule slices its layers use, reusing the shared ones below ([`ATTN_QKV`],
 //!    [`QK_NORM`], [`NORMS`], [`DENSE_MLP`], ...) and adding a slice for what is its own. A
 //!    [`Rule`] names the Megatron sub-key(s) (aliases: TE's fused norms, the local spec's), the HF
@@ -17,178 +18,18 @@
 //!    this architecture, normally `BASE_CHECKS` and `HEAD_SPLIT_CHECKS` plus its own fields
 //!    (e.g. `q_lora_rank`, `linear_num_key_heads`). Every config field a rule's `Out::shape` or `Split` uses must be
 //!    in a check row, so that a wrong config is refused wherever args are stored.
-//! 4. `moe_layers`: which layers are MoE according to the config ([`LayerPattern`]).
+//! 4. `moe_layers`: which layers are MoE according to the config ([`super::spec::LayerPattern`]).
 //! 5. Tests: a real megatron-core model of that family, converted and loaded by transformers.
 //!
 //! The set of HF tensors a config requires is derived from the same rows (`When`), so a config
 //! that demands a tensor no checkpoint key produces is refused, not written incomplete.
 
-use super::dims::Dims;
-use super::gdn;
+use super::spec::{check, out, rule, Check, Dims, Experts, Out, Post, Rel, Rule, Split, When};
 use crate::error::{Error, Result};
-
-/// One architecture.
-pub(crate) struct ArchSpec {
-    /// `model_type` values of config.json (and `--arch`) that select it.
-    pub model_types: &'static [&'static str],
-    /// Rules for whole-model keys (full checkpoint key).
-    pub model: &'static [Rule],
-    /// Rules for per-layer keys (sub-key after `decoder.layers.{i}.`, or after `decoder.layers.`
-    /// when layers are stacked on a leading axis).
-    pub layer: &'static [&'static [Rule]],
-    /// Config fields checked against Megatron's stored args.
-    pub checks: &'static [&'static [Check]],
-    /// Which layers are MoE.
-    pub moe_layers: LayerPattern,
-}
-
-/// A rule: Megatron tensor → HF tensors.
-pub(crate) struct Rule {
-    /// Megatron (sub-)keys this rule maps; several are aliases of one tensor.
-    pub src: &'static [&'static str],
-    /// HF tensors, in the order [`Split`] returns their rows; names after `model.layers.{l}.` for
-    /// layer rules, `{e}` standing for the expert index.
-    pub outs: &'static [Out],
-    pub split: Split,
-    pub experts: Experts,
-    pub post: Post,
-    pub when: When,
-}
-
-/// An HF tensor of a rule.
-pub(crate) struct Out {
-    pub name: &'static str,
-    /// The shape the config implies, each dimension a product of config fields (resolved by
-    /// [`Dims::field`], with transformers' defaults); a dimension whose field the config lacks is
-    /// not checked. Per expert for [`Experts::PerExpert`].
-    pub shape: &'static [&'static [&'static str]],
-}
-
-/// Row ranges `(start, len)` of the source's first dimension (after the layer and expert axes)
-/// that make each [`Rule::outs`] entry, concatenated in order. Arguments: the dims, the Megatron
-/// key (for errors) and the source's shape after the layer and expert axes.
-pub(crate) type Split = fn(&Dims, &str, &[u64]) -> Result<Vec<Vec<(u64, u64)>>>;
-
-/// Whether the source has a leading expert axis (after the layer axis, when stacked).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Experts {
-    No,
-    /// One HF tensor per expert (`{e}` in the names): what `save_pretrained` writes for qwen3_moe,
-    /// mixtral, qwen3_5_moe, qwen3_next, deepseek_v3 and glm4_moe.
-    PerExpert,
-    /// One HF tensor over all experts, the expert axis first (gpt_oss's fused 3-D experts; with
-    /// [`Post::TransposeLast2`] for its `[H, 2I]` / `[I, H]` layout). `Out::shape` includes the
-    /// expert dimension.
-    Stacked,
-}
-
-/// A value transform applied after the rows are gathered (`plan::apply_post`; the writer and
-/// every reader of a plan go through `read_hf_tensor`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[allow(dead_code)] // AddOne and TransposeLast2 are first used by the issue-16 families
-pub(crate) enum Post {
-    None,
-    /// `w + 1`: Megatron's zero-centred gated norm (Gated DeltaNet `out_norm`) to HF's plain one.
-    AddOne,
-    /// Swap the last two dimensions (per expert): gpt_oss writes experts as `x @ W`.
-    TransposeLast2,
-    /// SwiGLU `[gate; up]` halves of the last dimension interleaved (gate in even, up in odd
-    /// positions): gpt_oss's `gate_up_proj_bias` (TF gpt_oss `gate_up[..., ::2]`).
-    InterleaveLast,
-    /// [`Post::TransposeLast2`] of rows `[gate; up]`, then [`Post::InterleaveLast`]: gpt_oss's
-    /// `gate_up_proj[e]` = interleave(gate, up).T, `[H, 2I]` (MB `gpt_oss_bridge.py`).
-    InterleaveTransposeLast2,
-}
-
-impl Post {
-    /// Whether the HF tensor's last two dimensions are the gathered ones swapped.
-    pub(crate) fn transposes(self) -> bool {
-        matches!(self, Post::TransposeLast2 | Post::InterleaveTransposeLast2)
-    }
-}
-
-/// When the config requires a rule's outputs (and on which layers the rule may produce them).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum When {
-    /// Every layer (the model, for model rules).
-    Always,
-    /// Mapped when the checkpoint has it, never required.
-    Optional,
-    /// Required unless the config ties the embeddings (`lm_head`).
-    Untied,
-    /// Layers the config makes MoE; a source on another layer is an error.
-    MoeLayer,
-    /// Layers the config makes dense.
-    DenseLayer,
-    /// Layers whose config `layer_types` entry is this (`linear_attention`, `full_attention`;
-    /// from `full_attention_interval` when the config has no list, see `Dims::layer_type`); a
-    /// source on another layer is an error.
-    LayerType(&'static str),
-    /// Every layer when the config's boolean field is true (transformers' default false); a
-    /// source when it is not is an error (transformers would drop it): glm4_moe's
-    /// `attention_bias`, `use_qk_norm`.
-    Flag(&'static str),
-}
-
-/// Which layers are MoE, from the config.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum LayerPattern {
-    /// None.
-    Dense,
-    /// All.
-    AllMoe,
-    /// qwen2_moe/qwen3_moe: layer l is MoE iff l is not in `mlp_only_layers`, there are experts,
-    /// and (l + 1) % `decoder_sparse_step` == 0.
-    QwenSparseStep,
-    /// deepseek_v3/glm4_moe: layer l is MoE iff there are experts and l >= `first_k_dense_replace`
-    /// (TF `DeepseekV3DecoderLayer`, `Glm4MoeDecoderLayer`).
-    FirstKDense,
-}
-
-/// A config field that must agree with Megatron's stored args.
-pub(crate) struct Check {
-    /// config.json field (resolved with transformers' defaults by [`Dims::field`]).
-    pub hf: &'static str,
-    /// Megatron args field (resolved with Megatron's defaults by [`super::dims::Args::field`]).
-    pub args: &'static str,
-    pub rel: Rel,
-}
-
-/// How a config field relates to its args field.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Rel {
-    /// Equal integers.
-    Eq,
-    /// Booleans, one the negation of the other (`tie_word_embeddings` vs
-    /// `untie_embeddings_and_output_weights`).
-    Not,
-    /// Equal booleans, absent in config.json being false (transformers' default for the fields
-    /// used: glm4_moe's `use_qk_norm`, `attention_bias`).
-    Same,
-    /// The vocabulary: see [`super::dims::check_vocab`].
-    Vocab,
-    /// The MoE layer pattern (config via [`LayerPattern`], args `moe_layer_freq`).
-    MoeLayers,
-    /// The attention layer pattern: config `layer_types` against args `linear_attention_freq`
-    /// (an int N: layer i is full attention iff (i + 1) % N == 0; a list: 1 linear, 0 full) and
-    /// `experimental_attention_variant` `gated_delta_net`.
-    AttnLayers,
-    /// Equal numbers, integer or not (the rotary fraction); the config field is also looked up
-    /// in `rope_parameters` (transformers 5 keeps it there).
-    Float,
-    /// The architecture implies that this args flag is true (the `hf` name says what in the
-    /// message); false in args is an error, absent is unchecked.
-    ArgsTrue,
-    /// gpt_oss's attention window per layer: config `sliding_window` on the layers `layer_types`
-    /// says `sliding_attention` (default: even layers), against args `window_size` (left
-    /// `sliding_window - 1`, right 0) on the layers `window_attn_skip_freq` leaves windowed
-    /// (MC `is_layer_window_attention`).
-    SlidingWindow,
-}
 
 // ---- splits -----------------------------------------------------------------------------------
 
-fn whole(_: &Dims, _: &str, shape: &[u64]) -> Result<Vec<Vec<(u64, u64)>>> {
+pub(crate) fn whole(_: &Dims, _: &str, shape: &[u64]) -> Result<Vec<Vec<(u64, u64)>>> {
     Ok(vec![vec![(0, shape.first().copied().unwrap_or(1))]])
 }
 
@@ -246,26 +87,6 @@ const MOE_FFN: &[&str] = &["moe_intermediate_size"];
 const SHARED_FFN: &[&str] = &["shared_expert_intermediate_size"];
 const E: &[&str] = &["num_experts"];
 pub(crate) const ONE: &[&str] = &[];
-
-const fn out(name: &'static str, shape: &'static [&'static [&'static str]]) -> Out {
-    Out { name, shape }
-}
-
-const fn rule(
-    src: &'static [&'static str],
-    outs: &'static [Out],
-    split: Split,
-    when: When,
-) -> Rule {
-    Rule {
-        src,
-        outs,
-        split,
-        experts: Experts::No,
-        post: Post::None,
-        when,
-    }
-}
 
 const fn experts(src: &'static [&'static str], outs: &'static [Out], split: Split) -> Rule {
     Rule {
@@ -701,10 +522,6 @@ pub(crate) const GPT_OSS: &[Rule] = &[
 
 // ---- checks -------------------------------------------------------------------------------------
 
-pub(crate) const fn check(hf: &'static str, args: &'static str, rel: Rel) -> Check {
-    Check { hf, args, rel }
-}
-
 /// Fields every architecture's mapping uses.
 pub(crate) const BASE_CHECKS: &[Check] = &[
     check("num_hidden_layers", "num_layers", Rel::Eq),
@@ -782,212 +599,3 @@ pub(crate) const DEEPSEEK_MOE_CHECKS: &[Check] = &[
     ),
     check("first_k_dense_replace", "moe_layer_freq", Rel::MoeLayers),
 ];
-
-// ---- architectures ------------------------------------------------------------------------------
-
-pub(crate) static ARCHS: &[ArchSpec] = &[
-    ArchSpec {
-        model_types: &["llama"],
-        model: COMMON_MODEL,
-        layer: &[ATTN_QKV, NORMS, DENSE_MLP],
-        checks: &[BASE_CHECKS, HEAD_SPLIT_CHECKS, DENSE_CHECKS],
-        moe_layers: LayerPattern::Dense,
-    },
-    ArchSpec {
-        model_types: &["qwen2"],
-        model: COMMON_MODEL,
-        layer: &[QKV_BIAS_REQUIRED, ATTN_QKV, NORMS, DENSE_MLP],
-        checks: &[BASE_CHECKS, HEAD_SPLIT_CHECKS, DENSE_CHECKS],
-        moe_layers: LayerPattern::Dense,
-    },
-    ArchSpec {
-        model_types: &["qwen3"],
-        model: COMMON_MODEL,
-        layer: &[ATTN_QKV, QK_NORM, NORMS, DENSE_MLP],
-        checks: &[BASE_CHECKS, HEAD_SPLIT_CHECKS, DENSE_CHECKS],
-        moe_layers: LayerPattern::Dense,
-    },
-    ArchSpec {
-        model_types: &["qwen3_moe"],
-        model: COMMON_MODEL,
-        layer: &[ATTN_QKV, QK_NORM, NORMS, DENSE_MLP, QWEN_MOE],
-        checks: &[
-            BASE_CHECKS,
-            HEAD_SPLIT_CHECKS,
-            DENSE_CHECKS,
-            QWEN_MOE_CHECKS,
-        ],
-        moe_layers: LayerPattern::QwenSparseStep,
-    },
-    ArchSpec {
-        model_types: &["deepseek_v3"],
-        model: COMMON_MODEL,
-        layer: &[MLA_ATTN, NORMS, DENSE_MLP, DEEPSEEK_MOE, ROUTED_EXPERTS],
-        checks: &[BASE_CHECKS, ROPE_CHECKS, MLA_CHECKS, DEEPSEEK_MOE_CHECKS],
-        moe_layers: LayerPattern::FirstKDense,
-    },
-    ArchSpec {
-        model_types: &["glm4_moe"],
-        model: COMMON_MODEL,
-        layer: &[
-            GLM_ATTN_OPTIONS,
-            ATTN_QKV,
-            NORMS,
-            DENSE_MLP,
-            DEEPSEEK_MOE,
-            ROUTED_EXPERTS,
-        ],
-        checks: &[
-            BASE_CHECKS,
-            HEAD_SPLIT_CHECKS,
-            ROPE_CHECKS,
-            GLM_ATTN_CHECKS,
-            DEEPSEEK_MOE_CHECKS,
-        ],
-        moe_layers: LayerPattern::FirstKDense,
-    },
-    ArchSpec {
-        model_types: &["gpt_oss"],
-        model: COMMON_MODEL,
-        layer: &[QKV_BIAS_REQUIRED, ATTN_QKV, NORMS, GPT_OSS],
-        checks: &[
-            BASE_CHECKS,
-            HEAD_SPLIT_CHECKS,
-            ROPE_CHECKS,
-            MIXTRAL_CHECKS,
-            &[check("sliding_window", "window_size", Rel::SlidingWindow)],
-        ],
-        moe_layers: LayerPattern::AllMoe,
-    },
-    ArchSpec {
-        model_types: &["qwen3_next"],
-        model: COMMON_MODEL,
-        layer: &[
-            gdn::GDN_QWEN3_NEXT,
-            gdn::GDN_LAYERS,
-            NORMS,
-            DENSE_MLP,
-            gdn::GATED_SHARED_EXPERT,
-            QWEN_MOE,
-        ],
-        checks: &[
-            BASE_CHECKS,
-            HEAD_SPLIT_CHECKS,
-            DENSE_CHECKS,
-            QWEN_MOE_CHECKS,
-            gdn::GDN_CHECKS,
-            ROPE_CHECKS,
-            gdn::GDN_MOE_CHECKS,
-        ],
-        moe_layers: LayerPattern::QwenSparseStep,
-    },
-    ArchSpec {
-        // A Qwen3.5 config.json with a `text_config` (the multimodal one) converts its text model.
-        model_types: &["qwen3_5_moe", "qwen3_5_moe_text"],
-        model: COMMON_MODEL,
-        layer: &[
-            gdn::GDN_QWEN3_5,
-            gdn::GDN_LAYERS,
-            NORMS,
-            gdn::GATED_SHARED_EXPERT,
-            QWEN_MOE,
-        ],
-        checks: &[
-            BASE_CHECKS,
-            HEAD_SPLIT_CHECKS,
-            QWEN_MOE_CHECKS,
-            gdn::GDN_CHECKS,
-            ROPE_CHECKS,
-            gdn::GDN_MOE_CHECKS,
-        ],
-        moe_layers: LayerPattern::AllMoe,
-    },
-    ArchSpec {
-        model_types: &["qwen3_5", "qwen3_5_text"],
-        model: COMMON_MODEL,
-        layer: &[gdn::GDN_QWEN3_5, gdn::GDN_LAYERS, NORMS, DENSE_MLP],
-        checks: &[
-            BASE_CHECKS,
-            HEAD_SPLIT_CHECKS,
-            DENSE_CHECKS,
-            gdn::GDN_CHECKS,
-            ROPE_CHECKS,
-        ],
-        moe_layers: LayerPattern::Dense,
-    },
-    ArchSpec {
-        model_types: &["mixtral"],
-        model: COMMON_MODEL,
-        layer: &[ATTN_QKV, NORMS, MIXTRAL_MOE],
-        checks: &[BASE_CHECKS, HEAD_SPLIT_CHECKS, MIXTRAL_CHECKS],
-        moe_layers: LayerPattern::AllMoe,
-    },
-];
-
-/// `prefix.{a|b}` as (`prefix.`, [a, b]); None for a plain key.
-fn joined_parts(src: &str) -> Option<(&str, Vec<&str>)> {
-    let (prefix, rest) = src.split_once('{')?;
-    Some((prefix, rest.strip_suffix('}')?.split('|').collect()))
-}
-
-/// The architecture of a `model_type`.
-///
-/// Errors: [`Error::InvalidArgument`] naming the supported ones.
-pub(crate) fn arch(name: &str) -> Result<&'static ArchSpec> {
-    ARCHS
-        .iter()
-        .find(|a| a.model_types.contains(&name))
-        .ok_or_else(|| {
-            let known: Vec<&str> = ARCHS
-                .iter()
-                .flat_map(|a| a.model_types.iter().copied())
-                .collect();
-            Error::InvalidArgument(format!(
-                "unsupported architecture {name:?}: shardwise maps {}",
-                known.join(", ")
-            ))
-        })
-}
-
-impl ArchSpec {
-    /// The layer rule of Megatron sub-key `sub` (the first in table order: a more specific slice
-    /// listed first wins, e.g. qwen2's required QKV bias over the optional one).
-    pub(crate) fn layer_rule(&self, sub: &str) -> Option<&'static Rule> {
-        self.layer
-            .iter()
-            .flat_map(|s| s.iter())
-            .find(|r| r.src.contains(&sub))
-    }
-
-    /// The layer rule whose source joins several keys (`prefix.{a|b|c}`: the rows of
-    /// `prefix.a`, `prefix.b`, `prefix.c` concatenated, as Megatron holds them fused in memory)
-    /// and of which `sub` is one: the rule, `sub`'s index among the parts, and every part's
-    /// sub-key in order.
-    pub(crate) fn joined_rule(&self, sub: &str) -> Option<(&'static Rule, usize, Vec<String>)> {
-        self.layer_rules().find_map(|r| {
-            let (prefix, parts) = r.src.iter().find_map(|s| joined_parts(s))?;
-            let part = sub.strip_prefix(prefix)?;
-            let i = parts.iter().position(|p| *p == part)?;
-            Some((r, i, parts.iter().map(|p| format!("{prefix}{p}")).collect()))
-        })
-    }
-
-    /// The model rule of checkpoint key `key`.
-    pub(crate) fn model_rule(&self, key: &str) -> Option<&'static Rule> {
-        self.model.iter().find(|r| r.src.contains(&key))
-    }
-
-    /// The rules that apply to layers: each Megatron source once (the first rule of each).
-    pub(crate) fn layer_rules(&self) -> impl Iterator<Item = &'static Rule> + '_ {
-        let all: Vec<&'static Rule> = self.layer.iter().flat_map(|s| s.iter()).collect();
-        all.clone()
-            .into_iter()
-            .enumerate()
-            .filter(move |(i, r)| !all[..*i].iter().any(|p| p.src == r.src))
-            .map(|(_, r)| r)
-    }
-
-    pub(crate) fn checks(&self) -> impl Iterator<Item = &'static Check> + '_ {
-        self.checks.iter().flat_map(|s| s.iter())
-    }
-}

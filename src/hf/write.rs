@@ -303,7 +303,7 @@ mod tests {
                 shape: vec![1],
                 src_dtype: DType::BF16,
                 pieces: Vec::new(),
-                post: super::super::rules::Post::None,
+                post: super::super::spec::Post::None,
             })
             .collect()
     }

@@ -1,33 +1,15 @@
 //! Hyperparameters of a conversion: from the HF `config.json` (transformers' field names and
 //! defaults) or, without one, from Megatron's stored `args` through the architecture's check rows;
-//! and the checks of one against the other ([`super::rules::Check`]).
+//! and the checks of one against the other ([`super::spec::Check`]).
 
 use serde_json::{Map, Value as Json};
 
-use super::rules::{self, ArchSpec, LayerPattern, Rel, When};
+use super::families;
+use super::spec::{Dims, LayerPattern, Rel};
 use crate::error::{Error, Result};
 use crate::format::archive::records;
 use crate::format::unpickle::{unpickle, Value};
 use crate::reader::Checkpoint;
-
-/// The model's hyperparameters, as the mapping uses them.
-pub(crate) struct Dims {
-    pub spec: &'static ArchSpec,
-    /// The config (config.json, or the one derived from args), transformers' field names.
-    pub cfg: Map<String, Json>,
-    pub num_layers: u64,
-    pub hidden: u64,
-    pub heads: u64,
-    /// Query groups (`num_key_value_heads`).
-    pub groups: u64,
-    pub head_dim: u64,
-    /// None: no config says it (args only): the embedding's rows are kept.
-    pub vocab_size: Option<u64>,
-    pub tied: bool,
-    pub num_experts: u64,
-    /// Per layer: MoE (true) or dense.
-    pub moe_layers: Vec<bool>,
-}
 
 impl Dims {
     /// Dims from an HF config; `arch` overrides its `model_type`.
@@ -39,7 +21,7 @@ impl Dims {
                 "config.json is not a JSON object".into(),
             ));
         };
-        let spec = rules::arch(
+        let spec = families::arch(
             arch.or_else(|| cfg.get("model_type").and_then(|v| v.as_str()))
                 .unwrap_or(""),
         )?;
@@ -52,180 +34,11 @@ impl Dims {
         }
         Dims::new(spec, cfg)
     }
-
-    fn new(spec: &'static ArchSpec, cfg: Map<String, Json>) -> Result<Dims> {
-        let mut d = Dims {
-            spec,
-            cfg,
-            num_layers: 0,
-            hidden: 0,
-            heads: 0,
-            groups: 0,
-            head_dim: 0,
-            vocab_size: None,
-            tied: false,
-            num_experts: 0,
-            moe_layers: Vec::new(),
-        };
-        let need = |d: &Dims, k: &str| {
-            d.field(k)
-                .ok_or_else(|| Error::InvalidArgument(format!("config.json has no integer {k:?}")))
-        };
-        d.num_layers = need(&d, "num_hidden_layers")?;
-        d.hidden = need(&d, "hidden_size")?;
-        d.heads = need(&d, "num_attention_heads")?;
-        d.groups = need(&d, "num_key_value_heads")?;
-        d.head_dim = need(&d, "head_dim")?;
-        d.vocab_size = d.field("vocab_size");
-        d.tied = d.flag("tie_word_embeddings").unwrap_or(false);
-        d.num_experts = d.field("num_experts").unwrap_or(0);
-        d.moe_layers = (0..d.num_layers).map(|l| d.is_moe_layer(l)).collect();
-        Ok(d)
-    }
-
-    /// An integer config field, with transformers' defaults and aliases: `num_key_value_heads`
-    /// defaults to `num_attention_heads`, `head_dim` to `hidden_size / num_attention_heads`,
-    /// `num_experts` is mixtral's and gpt_oss's `num_local_experts`, deepseek_v3's and glm4_moe's
-    /// `n_routed_experts`; a product's factor that is a number ([`rules::Out::shape`]) is itself;
-    /// `a+b` and `a*b` (MLA's head sizes, shared experts' FFN) are the sum and product of the
-    /// fields, unless the config holds that name (a config derived from args does). None when
-    /// absent.
-    pub fn field(&self, k: &str) -> Option<u64> {
-        if let Ok(n) = k.parse::<u64>() {
-            return Some(n);
-        }
-        let raw = |k: &str| self.cfg.get(k).and_then(|v| v.as_u64());
-        if let Some(v) = raw(k) {
-            return Some(v);
-        }
-        if let Some((a, b)) = k.split_once('+') {
-            return Some(self.field(a)? + self.field(b)?);
-        }
-        if let Some((a, b)) = k.split_once('*') {
-            return Some(self.field(a)? * self.field(b)?);
-        }
-        match k {
-            "num_key_value_heads" => raw(k).or_else(|| raw("num_attention_heads")),
-            "head_dim" => raw(k).or_else(|| {
-                Some(raw("hidden_size")? / raw("num_attention_heads").filter(|&h| h > 0)?)
-            }),
-            "num_experts" => raw("num_local_experts").or_else(|| raw("n_routed_experts")),
-            _ => raw(k),
-        }
-    }
-
-    /// gpt_oss's attention window of each layer (None: full attention): `sliding_window` on the
-    /// layers `layer_types` calls `sliding_attention`, transformers' default every even layer.
-    fn layer_windows(&self) -> Vec<Option<u64>> {
-        let types = self.cfg.get("layer_types").and_then(|v| v.as_array());
-        (0..self.num_layers)
-            .map(|l| {
-                let sliding = match types {
-                    Some(t) => {
-                        t.get(l as usize).and_then(|v| v.as_str()) == Some("sliding_attention")
-                    }
-                    None => l % 2 == 0,
-                };
-                if sliding {
-                    self.field("sliding_window")
-                } else {
-                    None
-                }
-            })
-            .collect()
-    }
-
-    /// A boolean config field.
-    pub fn flag(&self, k: &str) -> Option<bool> {
-        self.cfg.get(k).and_then(|v| v.as_bool())
-    }
-
-    /// A number of the config, at the top level or in `rope_parameters`.
-    pub fn float(&self, k: &str) -> Option<f64> {
-        let rope = self.cfg.get("rope_parameters").and_then(|r| r.get(k));
-        self.cfg.get(k).or(rope).and_then(|v| v.as_f64())
-    }
-
-    /// Layer `l`'s attention type: the config's `layer_types[l]`, or from `full_attention_interval`
-    /// (default 4, transformers' for qwen3_next and qwen3_5) when it has no list: layer l is
-    /// `full_attention` iff (l + 1) % interval == 0, else `linear_attention`.
-    pub fn layer_type(&self, l: u64) -> Option<String> {
-        match self.cfg.get("layer_types") {
-            Some(Json::Array(a)) => a.get(l as usize)?.as_str().map(str::to_string),
-            _ => {
-                let k = self.field("full_attention_interval").unwrap_or(4).max(1);
-                Some(
-                    if (l + 1) % k == 0 {
-                        "full_attention"
-                    } else {
-                        "linear_attention"
-                    }
-                    .into(),
-                )
-            }
-        }
-    }
-
-    fn is_moe_layer(&self, l: u64) -> bool {
-        match self.spec.moe_layers {
-            LayerPattern::Dense => false,
-            LayerPattern::AllMoe => true,
-            LayerPattern::QwenSparseStep => {
-                let step = self.field("decoder_sparse_step").unwrap_or(1).max(1);
-                let dense_only = self
-                    .cfg
-                    .get("mlp_only_layers")
-                    .and_then(|v| v.as_array())
-                    .is_some_and(|a| a.iter().any(|x| x.as_u64() == Some(l)));
-                self.num_experts > 0 && !dense_only && (l + 1) % step == 0
-            }
-            LayerPattern::FirstKDense => {
-                self.num_experts > 0 && l >= self.field("first_k_dense_replace").unwrap_or(0)
-            }
-        }
-    }
-
-    /// Whether the mapping uses config field `k` for this config: the layer count, or a field of
-    /// an output shape of a rule that applies (MoE rules when some layer is MoE, dense MLP rules
-    /// when some layer is dense). A check row of an unused field is not checked (a MoE model's
-    /// args may hold any dense `ffn_hidden_size`).
-    pub fn uses(&self, k: &str) -> bool {
-        let (moe, dense) = (
-            self.moe_layers.iter().any(|&m| m),
-            self.moe_layers.iter().any(|&m| !m),
-        );
-        let applies = |r: &rules::Rule| match r.when {
-            When::MoeLayer => moe,
-            When::DenseLayer => dense,
-            _ => true,
-        };
-        k == "num_hidden_layers"
-            || self
-                .spec
-                .model
-                .iter()
-                .chain(self.spec.layer.iter().flat_map(|s| s.iter()))
-                .filter(|r| applies(r))
-                .any(|r| {
-                    r.outs.iter().any(|o| {
-                        o.shape
-                            .iter()
-                            .flat_map(|f| f.iter())
-                            .any(|f| *f == k || f.split(['+', '*']).any(|p| p == k))
-                    })
-                })
-    }
-
-    /// A dimension of [`rules::Out::shape`]: the product of its fields, None when one is absent.
-    pub fn product(&self, fields: &[&str]) -> Option<u64> {
-        fields.iter().map(|f| self.field(f)).product()
-    }
-
     /// Dims from Megatron's args alone: each check row's config field from its args field.
     ///
     /// Errors: [`Error::InvalidArgument`] when `arch` is absent or args lack a required field.
     pub fn from_args(args: &Args, arch: Option<&str>) -> Result<Dims> {
-        let spec = rules::arch(arch.ok_or_else(|| {
+        let spec = families::arch(arch.ok_or_else(|| {
             Error::InvalidArgument("without --hf-config, --arch is required".into())
         })?)?;
         let mut cfg = Map::new();
@@ -301,6 +114,27 @@ impl Dims {
             )));
         }
         Dims::new(spec, cfg)
+    }
+
+    /// gpt_oss's attention window of each layer (None: full attention): `sliding_window` on the
+    /// layers `layer_types` calls `sliding_attention`, transformers' default every even layer.
+    fn layer_windows(&self) -> Vec<Option<u64>> {
+        let types = self.cfg.get("layer_types").and_then(|v| v.as_array());
+        (0..self.num_layers)
+            .map(|l| {
+                let sliding = match types {
+                    Some(t) => {
+                        t.get(l as usize).and_then(|v| v.as_str()) == Some("sliding_attention")
+                    }
+                    None => l % 2 == 0,
+                };
+                if sliding {
+                    self.field("sliding_window")
+                } else {
+                    None
+                }
+            })
+            .collect()
     }
 }
 

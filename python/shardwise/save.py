@@ -1,0 +1,415 @@
+"""Collective-free save of a Megatron-Core sharded state dict in the ``torch_dist`` format.
+
+The output is what ``megatron.core.dist_checkpointing.save`` writes with the default ``torch_dist``
+strategy (``__{rank}_0.distcp`` data files, ``.metadata``, ``common.pt``, ``metadata.json``), and is
+loaded by unmodified ``megatron.core.dist_checkpointing.load`` and ``torch.distributed.checkpoint``.
+
+This module: the save id every rank derives alike, the state dict turned into native chunk and
+object descriptions, DP write balancing, and the lifetime of async saves (waited for at exit).
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import hashlib
+import io
+import os
+import sys
+import threading
+import zlib
+from collections import defaultdict
+from typing import Any, Optional
+
+from . import _native
+from ._fs import is_url
+from ._native import InvalidArgumentError
+
+
+# Per-process count of saves into each directory. All ranks of an SPMD job call save() the same
+# number of times, so the count is part of a save id every rank derives alike, and a retry into
+# the same directory gets a new id, which keeps parts of a crashed attempt out of the merge.
+_ATTEMPTS: dict[str, int] = defaultdict(int)
+
+# Environment values that are equal on every rank of one launch and differ between launches.
+_LAUNCH_ENV = (
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "SLURM_JOB_ID",
+    "SLURM_STEP_ID",
+    "SLURM_RESTART_COUNT",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
+def default_save_id(checkpoint_dir: str) -> str:
+    """Save id that every rank of one launch derives alike, without communication.
+
+    It hashes the absolute checkpoint directory, the launch identity found in the environment
+    (``TORCHELASTIC_RUN_ID``, ``SLURM_JOB_ID``, ``MASTER_ADDR``/``MASTER_PORT``, restart counts) and
+    how many times this process has saved into that directory. Pass ``save_id`` explicitly when
+    ranks may call :func:`save` a different number of times for the same directory.
+    """
+    path = os.fsdecode(checkpoint_dir)
+    if not is_url(path):
+        path = os.path.abspath(path)
+    _ATTEMPTS[path] += 1
+    h = hashlib.sha256(os.fsencode(path))  # the path's own bytes: it need not be UTF-8
+    for name in _LAUNCH_ENV:
+        h.update(f"\0{name}={os.environ.get(name, '')}".encode())
+    h.update(f"\0attempt={_ATTEMPTS[path]}".encode())
+    return h.hexdigest()[:24]
+
+
+def _rank_and_world(rank: Optional[int], world_size: Optional[int]) -> tuple[int, int]:
+    if rank is None or world_size is None:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            # Reading the rank and size of the default group is local; no collective runs.
+            rank = dist.get_rank() if rank is None else rank
+            world_size = dist.get_world_size() if world_size is None else world_size
+        else:
+            try:
+                rank = int(os.environ["RANK"]) if rank is None else rank
+                world_size = int(os.environ["WORLD_SIZE"]) if world_size is None else world_size
+            except (KeyError, ValueError) as e:
+                raise InvalidArgumentError(
+                    "rank and world_size are not given, torch.distributed is not initialised and "
+                    f"RANK/WORLD_SIZE are not set to integers ({e})"
+                ) from None
+    return int(rank), int(world_size)
+
+
+def _torch_save_bytes(obj: Any) -> bytes:
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _chunk_memory(t):
+    """``(tensor, device)``: ``t``'s elements contiguous where they are (no copy when ``t`` already
+    is contiguous), and the CUDA ordinal or -1 for host memory. CUDA tensors are read by the Rust side
+    through their device pointer; there is no ``.cpu()`` here."""
+    t = t.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t, (t.device.index if t.device.type == "cuda" else -1)
+
+
+def _caller_streams(tensors) -> dict:
+    """The current CUDA stream of each device holding ``tensors``: shardwise's copies start after
+    the work already queued there, so a kernel still writing a tensor finishes first."""
+    import torch
+
+    devices = {t.device.index for t in tensors if t.device.type == "cuda"}
+    return {d: torch.cuda.current_stream(d).cuda_stream for d in devices}
+
+
+@dataclasses.dataclass(frozen=True)
+class DPBalance:
+    """How to spread the writes of DP-replicated tensors over the DP ranks, without communication.
+
+    A ``ShardedTensor`` counts as replicated across DP when its ``replica_id`` is a tuple
+    ``(0, ..., 0, c)`` with ``c`` equal to this rank's DP coordinate and its grid is regular
+    (``axis_fragmentations`` set). That is how megatron-core marks model weights (``(0, 0, dp_rank)``
+    for TP-sharded weights, and for TP-replicated ones on TP rank 0; reference §2.2) and the
+    ``fully_reshardable`` optimizer state, which copies the weights' replica ids (with
+    ``distrib_optim_fully_reshardable_mem_efficient`` only DP rank 0 holds that state, so balancing
+    fails there with ``ValidationError``). The distributed
+    optimizer's ``dp_reshardable`` buckets are DP-*sharded*: replica ``(0, 0, 0)`` on every DP rank and
+    ``axis_fragmentations=None`` (``distrib_optimizer.py`` ``sharded_param_state_dp_reshardable``), so
+    they keep the default rule. Such a shard ``s`` is written by the DP rank ``c`` with
+    ``crc32(key, global_offset) % size == c``: every replica computes the same owner from local facts.
+
+    Routed-expert tensors (keys containing ``.experts.``, reference §2.7) are replicated across the
+    expert-DP group instead; they are balanced with ``expert_dp_size``/``expert_dp_rank``, or left to
+    the default rule (expert-DP rank 0 writes) when those are None.
+
+    Every failure of these assumptions (a shard written twice or by nobody) is caught by the merge
+    validation, which then raises ``ValidationError`` and commits nothing.
+    """
+
+    dp_size: int
+    dp_rank: int
+    expert_dp_size: Optional[int] = None
+    expert_dp_rank: Optional[int] = None
+
+    def __post_init__(self):
+        for size, rank, what in (
+            (self.dp_size, self.dp_rank, "dp"),
+            (self.expert_dp_size, self.expert_dp_rank, "expert_dp"),
+        ):
+            if size is None and rank is None and what == "expert_dp":
+                continue
+            if not isinstance(size, int) or not isinstance(rank, int) or size < 1 or not 0 <= rank < size:
+                raise InvalidArgumentError(f"DPBalance: {what}_rank {rank!r} is not in 0..{what}_size ({size!r})")
+
+    @classmethod
+    def from_parallel_state(cls) -> "DPBalance":
+        """Sizes and ranks of the DP x CP group and the expert-DP group from
+        ``megatron.core.parallel_state`` (local reads, no collective)."""
+        from megatron.core import parallel_state as ps
+
+        return cls(
+            dp_size=ps.get_data_parallel_world_size(with_context_parallel=True),
+            dp_rank=ps.get_data_parallel_rank(with_context_parallel=True),
+            expert_dp_size=ps.get_expert_data_parallel_world_size(),
+            expert_dp_rank=ps.get_expert_data_parallel_rank(),
+        )
+
+    def writes(self, sh) -> Optional[bool]:
+        """Whether this rank writes DP-replicated ``sh``; None when ``sh`` is not DP-replicated."""
+        rid = sh.replica_id
+        if not isinstance(rid, tuple) or len(rid) < 2 or any(r != 0 for r in rid[:-1]):
+            return None
+        if sh.axis_fragmentations is None:
+            return None
+        if ".experts." in sh.key:
+            size, rank = self.expert_dp_size, self.expert_dp_rank
+            if size is None:
+                return None
+        else:
+            size, rank = self.dp_size, self.dp_rank
+        if rid[-1] != rank:
+            return None
+        ident = f"{sh.key}\0{tuple(sh.global_offset)}".encode()
+        return zlib.crc32(ident) % size == rank
+
+
+def save(
+    sharded_state_dict: dict,
+    checkpoint_dir: str,
+    *,
+    rank: Optional[int] = None,
+    world_size: Optional[int] = None,
+    timeout_s: float = 600.0,
+    content_metadata: Optional[dict] = None,
+    save_id: Optional[str] = None,
+    merge_rank: Optional[int] = 0,
+    wait_for_commit: bool = True,
+    overwrite: bool = False,
+    async_save: bool = False,
+    staging_budget_bytes: Optional[int] = None,
+    balance_dp: Optional[DPBalance] = None,
+    verify_integrity: bool = False,
+) -> dict:
+    """Save this rank's part of a Megatron sharded state dict, with no collective communication.
+
+    Accepts what ``megatron.core.dist_checkpointing.save`` accepts: ``ShardedTensor`` (including
+    ``prepend_axis_num`` and several local chunks of one key), ``ShardedTensorFactory``,
+    ``ShardedObject`` and ``LocalNonpersistentObject``, in nested dicts and lists; every other value is
+    common state, which rank 0 writes to ``common.pt`` with ``torch.save`` as Megatron does. Only main
+    replicas (``replica_id`` all zeros) are written. No ``torch.distributed`` function is called,
+    except ``get_rank``/``get_world_size`` when ``rank``/``world_size`` are not given.
+
+    Args:
+        sharded_state_dict: the Megatron sharded state dict (factories are applied in place).
+        checkpoint_dir: the checkpoint directory (created if absent), e.g. ``.../iter_0000100``, or
+            an object-store URL (``s3://bucket/run/iter_0000100``, ``gs://``, ``az://``): data files
+            stream there as multipart uploads, parts and the commit are created only-if-absent.
+            Credentials and endpoints come from the cloud's usual environment variables (README).
+        rank, world_size: this rank's index among the ranks that save, and their number. Default to
+            the ``torch.distributed`` default group when it is initialised, else ``RANK`` and
+            ``WORLD_SIZE``. When the default group also holds processes that do not save (rollout or
+            inference workers), pass the saving ranks' own ``rank`` and ``world_size``.
+        timeout_s: bound in seconds on every wait: the merging rank's wait for all parts, and the other
+            ranks' wait for the commit. Ctrl-C ends a wait at its next poll (at most 0.5 s) with
+            ``KeyboardInterrupt``; a merging rank then publishes the failure so the others stop too.
+        content_metadata: stored in ``common.pt`` under ``content_metadata``, as Megatron does.
+        save_id: identifies this save attempt; must be equal on every rank. Default: derived from the
+            directory, the launch environment and the attempt count (:func:`default_save_id`); a
+            relaunch with the same environment derives the same id again, and parts and markers
+            written before this process started are then ignored as an earlier attempt's
+            (``docs/guarantees.md``, "Attempts").
+        merge_rank: the rank that merges the parts and commits ``.metadata``; ``None`` leaves the
+            commit to ``shardwise merge``.
+        wait_for_commit: other ranks return only once the save is committed.
+        overwrite: replace a committed checkpoint in ``checkpoint_dir`` instead of raising (local
+            directories only; refused on object stores). The new data goes to file names the old
+            checkpoint does not use, so the old one stays loadable until the new ``.metadata``
+            replaces it; its files are removed after the commit. A failed save leaves it intact.
+        async_save: return a :class:`shardwise.SaveHandle` as soon as every tensor byte of this rank
+            is staged in host memory (the caller may then modify its tensors); writing, fsync and the
+            rendezvous go on in a Rust thread. ``handle.wait(timeout_s)`` returns the report or
+            raises the save's error; ``handle.done()``; ``handle.stall_s`` (seconds blocked) and
+            ``handle.staged_bytes``. A second save on this rank waits for the first to finish.
+        staging_budget_bytes: host memory for staging, pinned when CUDA is there, allocated once per
+            process and reused by later saves that fit. CUDA tensors and async saves go through it;
+            when a rank's bytes exceed it, staging waits for writes to free buffers (the stall
+            grows). Default: this rank's bytes plus one 64 MiB buffer (so an async save stalls only
+            for the copy), at least 4 GiB and at most half of the machine's memory divided by
+            ``LOCAL_WORLD_SIZE`` (``SHARDWISE_STAGING_MAX_BYTES`` overrides that bound).
+        balance_dp: spread the writes of DP-replicated tensors over the DP ranks by a stable hash
+            (see :class:`DPBalance`) instead of DP rank 0 writing them all. Default: off.
+        verify_integrity: also write megatron-core 0.19's ``integrity.json`` (SHA-256 of every file
+            of the checkpoint, computed from the bytes as they are written), which
+            ``dist_checkpointing.load(..., verify_integrity=True)`` checks. Every rank must agree.
+
+    Returns:
+        A dict report: ``rank``, ``save_id``, ``data_file``, ``data_bytes`` (bytes), ``write_s`` and
+        ``rendezvous_s`` (seconds), ``committed``; on the merging rank also ``keys``,
+        ``tensor_chunks``, ``byte_objects`` and ``metadata_bytes``.
+
+    Raises:
+        UnsupportedDtypeError: a tensor dtype DCP cannot store here (complex, uint16, ...).
+        ValidationError: two ranks save the same main-replica chunk, chunks leave a coverage gap, or
+            global shape, dtype or world_size disagree across ranks.
+        MissingRanksError: (merging rank) a rank's part is still missing at ``timeout_s``; names it.
+        NotCommittedError: (other ranks) the merger failed, or no commit within ``timeout_s``.
+        CheckpointExistsError: ``checkpoint_dir`` holds a committed checkpoint and not ``overwrite``.
+        StorageError: the directory or a file cannot be written (permissions, full disk, object
+            store unreachable after its retries).
+        InvalidArgumentError: rank/world_size/save_id/timeout out of range, unsupported tensors.
+
+    A failed save never writes ``.metadata`` and touches no other directory.
+    """
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import (
+        ShardedObject,
+        ShardedTensor,
+        apply_factories,
+        is_main_replica,
+    )
+    from megatron.core.dist_checkpointing.utils import extract_nonpersistent, extract_sharded_base
+
+    rank, world_size = _rank_and_world(rank, world_size)
+    if not 0 <= rank < world_size:
+        raise InvalidArgumentError(f"rank {rank} is not in 0..world_size ({world_size})")
+    checkpoint_dir = os.fsdecode(checkpoint_dir)  # str, bytes or PathLike; need not be UTF-8
+    derived_save_id = save_id is None
+    if derived_save_id:
+        save_id = default_save_id(checkpoint_dir)
+
+    if content_metadata is not None:
+        content_metadata = {k: v for k, v in content_metadata.items() if k != "dp_cp_group"}
+        sharded_state_dict["content_metadata"] = content_metadata
+    apply_factories(sharded_state_dict)
+    _, sharded_state_dict = extract_nonpersistent(sharded_state_dict)
+    sharded_part, common_state_dict = extract_sharded_base(sharded_state_dict)
+
+    tensors = []  # (fqn, dtype, global_shape, offsets, sizes, data_ptr, nbytes)
+    keep_alive = []
+    objects_by_key: dict[str, list] = {}
+    for sh in nested_values(sharded_part):
+        balanced = balance_dp.writes(sh) if balance_dp is not None and isinstance(sh, ShardedTensor) else None
+        if not (is_main_replica(sh.replica_id) if balanced is None else balanced):
+            continue
+        if isinstance(sh, ShardedTensor):
+            if sh.flattened_range is not None:
+                raise InvalidArgumentError(
+                    f"{sh.key}: ShardedTensor.flattened_range is not supported (megatron-core >= 0.16 "
+                    "rejects it too); use the dp_reshardable or fully_reshardable optimizer format"
+                )
+            t, device = _chunk_memory(sh.data)
+            keep_alive.append(t)
+            sizes = (1,) * sh.prepend_axis_num + tuple(t.shape)
+            tensors.append(
+                (
+                    sh.key,
+                    str(t.dtype),
+                    list(sh.global_shape),
+                    list(sh.global_offset),
+                    list(sizes),
+                    t.data_ptr(),
+                    t.numel() * t.element_size(),
+                    device,
+                )
+            )
+        elif isinstance(sh, ShardedObject):
+            objects_by_key.setdefault(sh.unique_key, []).append(sh)
+        else:
+            raise InvalidArgumentError(f"unsupported sharded item {type(sh).__name__} for key {sh.key}")
+
+    # A byte object is torch.save of the list of all local main-replica data with that unique key
+    # (megatron strategies/torch.py `_mcore_to_torch_sharded_object`).
+    objects = [
+        (
+            unique_key,
+            _torch_save_bytes([o.data for o in objs]),
+            (objs[0].key, list(objs[0].global_shape), list(objs[0].global_offset)),
+        )
+        for unique_key, objs in objects_by_key.items()
+    ]
+    common = _torch_save_bytes(common_state_dict) if rank == 0 else None
+
+    report = _native.save_rank(
+        checkpoint_dir,
+        rank,
+        world_size,
+        save_id,
+        tensors,
+        objects,
+        common,
+        True,
+        merge_rank,
+        float(timeout_s),
+        wait_for_commit,
+        overwrite,
+        async_save=async_save,
+        staging_budget=staging_budget_bytes,
+        caller_streams=_caller_streams(keep_alive),
+        integrity=verify_integrity,
+        derived_save_id=derived_save_id,
+    )
+    del keep_alive  # the tensors must outlive the native call, which reads their memory
+    if async_save:
+        _track_pending(report, checkpoint_dir, timeout_s)
+    return report
+
+
+# Async saves not yet waited for: (handle, checkpoint_dir, timeout_s). At interpreter exit each is
+# waited for, bounded by its timeout, as concurrent.futures waits for its workers; a save that
+# fails or does not finish makes the exit status 1, so a lost checkpoint is never an exit 0.
+_PENDING: list = []
+_PENDING_LOCK = threading.Lock()
+_EXIT_FAILED = False
+
+
+def _track_pending(handle, checkpoint_dir: str, timeout_s: float) -> None:
+    with _PENDING_LOCK:
+        _PENDING[:] = [p for p in _PENDING if not p[0].done()]
+        _PENDING.append((handle, checkpoint_dir, timeout_s))
+
+
+def _finish_pending_saves() -> None:
+    """atexit: waits for every async save still in flight and reports failures on stderr."""
+    global _EXIT_FAILED
+    with _PENDING_LOCK:
+        pending, _PENDING[:] = list(_PENDING), []
+    for handle, checkpoint_dir, timeout_s in pending:
+        if not handle.done():
+            print(
+                f"shardwise: waiting for the async save to {checkpoint_dir} to finish "
+                f"(at most {timeout_s:g} s)",
+                file=sys.stderr,
+                flush=True,
+            )
+        try:
+            # The save's own waits are bounded by timeout_s; the extra bounds its write.
+            handle.wait(timeout_s + 60.0)
+        except BaseException as e:  # noqa: BLE001 - reported, then the exit status says so
+            _EXIT_FAILED = True
+            print(f"shardwise: the async save to {checkpoint_dir} FAILED at exit: {e}", file=sys.stderr, flush=True)
+
+
+def _exit_status_on_failure() -> None:
+    """atexit, registered first so it runs last: exit 1 when a pending save failed."""
+    if _EXIT_FAILED:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+atexit.register(_exit_status_on_failure)
+atexit.register(_finish_pending_saves)
+
+
+def _replace_pending(old, new, checkpoint_dir: str, timeout_s: float) -> None:
+    """Track ``new`` at exit in place of ``old`` (a handle that wraps ``old`` and must finish too)."""
+    with _PENDING_LOCK:
+        _PENDING[:] = [p for p in _PENDING if p[0] is not old]
+    _track_pending(new, checkpoint_dir, timeout_s)

@@ -1,0 +1,166 @@
+//! The architectures `to-hf` maps, by `model_type`: each an [`ArchSpec`] assembled from the rule
+//! slices of [`super::rules`] and [`super::gdn`] (see the header of [`super::rules`] for how to add
+//! one).
+
+use super::gdn;
+use super::rules::*;
+use super::spec::{check, ArchSpec, LayerPattern, Rel};
+use crate::error::{Error, Result};
+
+pub(crate) static ARCHS: &[ArchSpec] = &[
+    ArchSpec {
+        model_types: &["llama"],
+        model: COMMON_MODEL,
+        layer: &[ATTN_QKV, NORMS, DENSE_MLP],
+        checks: &[BASE_CHECKS, HEAD_SPLIT_CHECKS, DENSE_CHECKS],
+        moe_layers: LayerPattern::Dense,
+    },
+    ArchSpec {
+        model_types: &["qwen2"],
+        model: COMMON_MODEL,
+        layer: &[QKV_BIAS_REQUIRED, ATTN_QKV, NORMS, DENSE_MLP],
+        checks: &[BASE_CHECKS, HEAD_SPLIT_CHECKS, DENSE_CHECKS],
+        moe_layers: LayerPattern::Dense,
+    },
+    ArchSpec {
+        model_types: &["qwen3"],
+        model: COMMON_MODEL,
+        layer: &[ATTN_QKV, QK_NORM, NORMS, DENSE_MLP],
+        checks: &[BASE_CHECKS, HEAD_SPLIT_CHECKS, DENSE_CHECKS],
+        moe_layers: LayerPattern::Dense,
+    },
+    ArchSpec {
+        model_types: &["qwen3_moe"],
+        model: COMMON_MODEL,
+        layer: &[ATTN_QKV, QK_NORM, NORMS, DENSE_MLP, QWEN_MOE],
+        checks: &[
+            BASE_CHECKS,
+            HEAD_SPLIT_CHECKS,
+            DENSE_CHECKS,
+            QWEN_MOE_CHECKS,
+        ],
+        moe_layers: LayerPattern::QwenSparseStep,
+    },
+    ArchSpec {
+        model_types: &["deepseek_v3"],
+        model: COMMON_MODEL,
+        layer: &[MLA_ATTN, NORMS, DENSE_MLP, DEEPSEEK_MOE, ROUTED_EXPERTS],
+        checks: &[BASE_CHECKS, ROPE_CHECKS, MLA_CHECKS, DEEPSEEK_MOE_CHECKS],
+        moe_layers: LayerPattern::FirstKDense,
+    },
+    ArchSpec {
+        model_types: &["glm4_moe"],
+        model: COMMON_MODEL,
+        layer: &[
+            GLM_ATTN_OPTIONS,
+            ATTN_QKV,
+            NORMS,
+            DENSE_MLP,
+            DEEPSEEK_MOE,
+            ROUTED_EXPERTS,
+        ],
+        checks: &[
+            BASE_CHECKS,
+            HEAD_SPLIT_CHECKS,
+            ROPE_CHECKS,
+            GLM_ATTN_CHECKS,
+            DEEPSEEK_MOE_CHECKS,
+        ],
+        moe_layers: LayerPattern::FirstKDense,
+    },
+    ArchSpec {
+        model_types: &["gpt_oss"],
+        model: COMMON_MODEL,
+        layer: &[QKV_BIAS_REQUIRED, ATTN_QKV, NORMS, GPT_OSS],
+        checks: &[
+            BASE_CHECKS,
+            HEAD_SPLIT_CHECKS,
+            ROPE_CHECKS,
+            MIXTRAL_CHECKS,
+            &[check("sliding_window", "window_size", Rel::SlidingWindow)],
+        ],
+        moe_layers: LayerPattern::AllMoe,
+    },
+    ArchSpec {
+        model_types: &["qwen3_next"],
+        model: COMMON_MODEL,
+        layer: &[
+            gdn::GDN_QWEN3_NEXT,
+            gdn::GDN_LAYERS,
+            NORMS,
+            DENSE_MLP,
+            gdn::GATED_SHARED_EXPERT,
+            QWEN_MOE,
+        ],
+        checks: &[
+            BASE_CHECKS,
+            HEAD_SPLIT_CHECKS,
+            DENSE_CHECKS,
+            QWEN_MOE_CHECKS,
+            gdn::GDN_CHECKS,
+            ROPE_CHECKS,
+            gdn::GDN_MOE_CHECKS,
+        ],
+        moe_layers: LayerPattern::QwenSparseStep,
+    },
+    ArchSpec {
+        // A Qwen3.5 config.json with a `text_config` (the multimodal one) converts its text model.
+        model_types: &["qwen3_5_moe", "qwen3_5_moe_text"],
+        model: COMMON_MODEL,
+        layer: &[
+            gdn::GDN_QWEN3_5,
+            gdn::GDN_LAYERS,
+            NORMS,
+            gdn::GATED_SHARED_EXPERT,
+            QWEN_MOE,
+        ],
+        checks: &[
+            BASE_CHECKS,
+            HEAD_SPLIT_CHECKS,
+            QWEN_MOE_CHECKS,
+            gdn::GDN_CHECKS,
+            ROPE_CHECKS,
+            gdn::GDN_MOE_CHECKS,
+        ],
+        moe_layers: LayerPattern::AllMoe,
+    },
+    ArchSpec {
+        model_types: &["qwen3_5", "qwen3_5_text"],
+        model: COMMON_MODEL,
+        layer: &[gdn::GDN_QWEN3_5, gdn::GDN_LAYERS, NORMS, DENSE_MLP],
+        checks: &[
+            BASE_CHECKS,
+            HEAD_SPLIT_CHECKS,
+            DENSE_CHECKS,
+            gdn::GDN_CHECKS,
+            ROPE_CHECKS,
+        ],
+        moe_layers: LayerPattern::Dense,
+    },
+    ArchSpec {
+        model_types: &["mixtral"],
+        model: COMMON_MODEL,
+        layer: &[ATTN_QKV, NORMS, MIXTRAL_MOE],
+        checks: &[BASE_CHECKS, HEAD_SPLIT_CHECKS, MIXTRAL_CHECKS],
+        moe_layers: LayerPattern::AllMoe,
+    },
+];
+
+/// The architecture of a `model_type`.
+///
+/// Errors: [`Error::InvalidArgument`] naming the supported ones.
+pub(crate) fn arch(name: &str) -> Result<&'static ArchSpec> {
+    ARCHS
+        .iter()
+        .find(|a| a.model_types.contains(&name))
+        .ok_or_else(|| {
+            let known: Vec<&str> = ARCHS
+                .iter()
+                .flat_map(|a| a.model_types.iter().copied())
+                .collect();
+            Error::InvalidArgument(format!(
+                "unsupported architecture {name:?}: shardwise maps {}",
+                known.join(", ")
+            ))
+        })
+}
