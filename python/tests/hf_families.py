@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import dataclasses
 import importlib
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Callable
@@ -302,7 +303,7 @@ FAMILIES: dict[str, Family] = {
 # builders are in hf_families_moe; HybridModel families in hf_families_hybrid.
 FAMILIES.update({name: Family(**kw) for name, kw in hf_families_moe.FAMILY_ARGS.items()})
 FAMILIES.update({name: Family(**kw, load_check=True) for name, kw in hf_families_hybrid.FAMILY_ARGS.items()})
-for _name in ("deepseek_v32", "minimax_m2"):
+for _name in ("deepseek_v32", "minimax_m2", "qwen2", "mixtral"):
     FAMILIES[_name] = dataclasses.replace(FAMILIES[_name], load_check=True)
 
 
@@ -351,20 +352,40 @@ def _gpt_checkpoint_loads(model, ckpt, pattern) -> dict:
 def save_and_forward(rank, world, port, base, family):
     """Worker (2 ranks): for each layout of ``LAYOUTS``, builds the family's model, records its logits
     (``base/<layout>/logits.pt``) and saves it with Megatron and with shardwise
-    (``base/<layout>/<writer>``). Writes the HF config to ``base/hf_config``. The load checks of
-    ``Family.load_check`` and ``Family.gpt_twin`` run on the resharded model."""
+    (``base/<layout>/<writer>``); a HybridModel's TP=1 model also without args
+    (``base/tp1/noargs``). Writes the HF config to ``base/hf_config``. The load checks of
+    ``Family.load_check`` and ``Family.gpt_twin`` run on the resharded model; each rank writes
+    whether its share of the GPT -> hybrid load equals Megatron's (``base/gpt_load_rank<r>.json``)."""
     init_gloo(rank, world, port)
+    _cpu_common_patches()
+    _save_and_forward(rank, base, family)
+    return {}
+
+
+def save_and_forward_group(rank, world, port, base, families):
+    """``save_and_forward`` of several families in one 2-process run (one start-up and import of
+    megatron-core for all), each into ``base/<family>``. Their CPU patches must not conflict."""
+    init_gloo(rank, world, port)
+    _cpu_common_patches()
+    for family in families:
+        _save_and_forward(rank, os.path.join(base, family), family)
+    return {}
+
+
+# Families whose runs share one 2-process run (``save_and_forward_group``).
+GROUP = ("deepseek_v32", "minimax_m2", "hybrid_qwen3", "hybrid_glm_moe_dsa", "qwen2", "mixtral")
+
+
+def _save_and_forward(rank, base, family):
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
     import shardwise.megatron as swm
 
     fam = FAMILIES[family]
-    _cpu_common_patches()
     for patch in fam.cpu_patches:
         patch()
     cfg = fam.hf_config()
-    result = {}
     for layout in LAYOUTS:
         tp = 1 if layout == "tp1" else 2
         ep = 2 if layout != "tp1" and fam.moe else 1
@@ -376,9 +397,12 @@ def save_and_forward(rank, world, port, base, family):
         variants = [(w, args) for w in WRITERS]
         if layout == "tp1" and fam.bad_args:
             variants.append(("bad_args", {**args, **fam.bad_args}))
+        if layout == "tp1" and "hybrid_layer_pattern" in args:
+            variants.append(("noargs", None))
         for name, stored_args in variants:
             sd = model.sharded_state_dict()
-            sd["args"] = argparse.Namespace(**stored_args)
+            if stored_args is not None:
+                sd["args"] = argparse.Namespace(**stored_args)
             sd["iteration"] = 1
             d = os.path.join(base, layout, name)
             os.makedirs(d, exist_ok=True)
@@ -403,13 +427,13 @@ def save_and_forward(rank, world, port, base, family):
                     torch.save(loaded, os.path.join(base, layout, f"loaded_{writer}.pt"))
         if layout != "tp1" and fam.gpt_twin is not None:
             gpt = _gpt_checkpoint_loads(model, os.path.join(base, "gpt", "megatron"), args["hybrid_layer_pattern"])
-            result.update(gpt_load_equal=gpt["equal"], gpt_load_tensors=gpt["tensors"])
+            with open(os.path.join(base, f"gpt_load_rank{rank}.json"), "w") as f:
+                json.dump({"equal": gpt["equal"], "tensors": gpt["tensors"]}, f)
             if rank == 0:
                 torch.save(gpt["logits"], os.path.join(base, layout, "loaded_gpt.pt"))
         ps.destroy_model_parallel()
     if rank == 0:
         cfg.save_pretrained(os.path.join(base, "hf_config"))
-    return result
 
 
 def hf_reference_tensors(config_dir: str, out_dir: str) -> dict:

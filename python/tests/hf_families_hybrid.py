@@ -102,7 +102,9 @@ def build_gpt(family: str, cfg):
 # in hybrid layers.
 FAMILY_ARGS = {
     "hybrid_qwen3": dict(hf_config=functools.partial(hfm.hf_config, "qwen3"), build=functools.partial(build, "qwen3"),
-                         cpu_patches=(cpu_patches,), gpt_twin=functools.partial(build_gpt, "qwen3")),
+                         cpu_patches=(cpu_patches,), gpt_twin=functools.partial(build_gpt, "qwen3"),
+                         # A stored pattern that does not pair into HF layers (``base/tp1/bad_args``).
+                         bad_args=dict(hybrid_layer_pattern="*--**-")),
     "hybrid_glm_moe_dsa": dict(hf_config=functools.partial(hfm.hf_config, "glm_moe_dsa"),
                                build=functools.partial(build, "glm_moe_dsa"), moe=True,
                                cpu_patches=(hfm.cpu_patches, cpu_patches)),

@@ -59,6 +59,11 @@ def hf_config(family: str):
     if family == "qwen3":
         return transformers.Qwen3Config(**common, num_key_value_heads=2, head_dim=16, intermediate_size=96,
                                         rope_parameters=rope)
+    if family == "qwen2":
+        return transformers.Qwen2Config(**common, num_key_value_heads=2, intermediate_size=96, rope_parameters=rope)
+    if family == "mixtral":
+        return transformers.MixtralConfig(**common, num_key_value_heads=2, head_dim=16, intermediate_size=32,
+                                          num_local_experts=4, num_experts_per_tok=2, rope_parameters=rope)
     if family in ("deepseek_v32", "glm_moe_dsa"):
         # deepseek_v3's sizes, plus an indexer of 4 heads of 16 keeping the top 4 of the 12 tokens
         # (so the indexer decides which tokens each query attends to; 3 of them are rope dims).
@@ -74,11 +79,13 @@ def hf_config(family: str):
         return transformers.GlmMoeDsaConfig(**kw, index_topk_freq=2, index_skip_topk_offset=2)
     if family == "minimax_m2":
         return transformers.MiniMaxM2Config(
-            **{**common, "rms_norm_eps": 1e-6}, num_key_value_heads=2, head_dim=16, intermediate_size=32,
+            **{**common, "rms_norm_eps": 1e-6}, bos_token_id=None, eos_token_id=None, num_key_value_heads=2,
+            head_dim=16, intermediate_size=32,
             num_local_experts=4, num_experts_per_tok=2, rope_parameters={**rope, "partial_rotary_factor": 0.5})
     raise ValueError(family)
 
 
+DENSE_FAMILIES = ("qwen3", "qwen2")
 MLA_FAMILIES = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")
 DSA_FAMILIES = ("deepseek_v32", "glm_moe_dsa")
 
@@ -88,15 +95,23 @@ def dsa_topk_schedule(cfg, layer_numbers) -> dict:
     that reproduces ``cfg``'s ``indexer_types`` on the DSA layers numbered ``layer_numbers`` (1-based,
     one per HF layer: 1, 2, 3 in a GPTModel, 1, 3, 5 in a HybridModel with an MLP layer after each).
     Megatron runs the indexer on layer n iff max(n - max(offset, 1), 0) % freq == 0
-    (``dsa.is_dsa_skip_topk_layer``); the smallest freq and offset that give the config's pattern."""
-    from megatron.core.transformer.experimental_attention_variant.dsa import is_dsa_skip_topk_layer
+    (``dsa.is_dsa_skip_topk_layer``), and a skipping layer reuses layer ``source_dsa_compute_layer``'s
+    top-k, which must be the previous DSA layer (as transformers reuses the previous layer's); the
+    smallest freq and offset that give the config's pattern."""
+    from megatron.core.transformer.experimental_attention_variant.dsa import (
+        is_dsa_skip_topk_layer,
+        source_dsa_compute_layer,
+    )
 
     want = [t == "full" for t in getattr(cfg, "indexer_types", None) or ["full"] * len(layer_numbers)]
     if all(want):
         return dict(dsa_indexer_topk_freq=1, dsa_indexer_skip_topk_offset=0)
+    source = [max(m for m, full in zip(layer_numbers[:i], want) if full) if not w else n
+              for i, (n, w) in enumerate(zip(layer_numbers, want))]
     for freq in range(2, 4 * len(want) + 1):
         for offset in range(0, 2 * len(want) + 2):
-            if [not is_dsa_skip_topk_layer(n, offset, freq) for n in layer_numbers] == want:
+            if [not is_dsa_skip_topk_layer(n, offset, freq) for n in layer_numbers] == want and [
+                    source_dsa_compute_layer(n, offset, freq) for n in layer_numbers] == source:
                 return dict(dsa_indexer_topk_freq=freq, dsa_indexer_skip_topk_offset=offset)
     raise ValueError(f"no Megatron top-k schedule gives {cfg.indexer_types} on layers {layer_numbers}")
 
@@ -109,16 +124,19 @@ def transformer_config_kwargs(family: str, cfg) -> dict:
         num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
         normalization="RMSNorm", layernorm_epsilon=cfg.rms_norm_eps, gated_linear_unit=True,
     )
-    if family != "qwen3":
+    if family not in DENSE_FAMILIES:
         kw.update(
             num_moe_experts=getattr(cfg, "n_routed_experts", None) or cfg.num_local_experts,
             moe_router_topk=cfg.num_experts_per_tok, moe_ffn_hidden_size=getattr(cfg, "moe_intermediate_size", None)
             or cfg.intermediate_size, moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
             moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
         )
-    if family == "qwen3":
-        kw.update(num_query_groups=cfg.num_key_value_heads, kv_channels=cfg.head_dim, ffn_hidden_size=cfg.intermediate_size,
-                  activation_func=F.silu, add_bias_linear=False, qk_layernorm=True)
+    if family in ("qwen3", "qwen2", "mixtral"):
+        kw.update(num_query_groups=cfg.num_key_value_heads, kv_channels=cfg.hidden_size // cfg.num_attention_heads,
+                  ffn_hidden_size=cfg.intermediate_size, activation_func=F.silu, add_bias_linear=False,
+                  qk_layernorm=family == "qwen3", add_qkv_bias=family == "qwen2")
+    if family == "mixtral":
+        kw.update(moe_router_pre_softmax=False)  # softmax over the top-k logits = transformers' renormalised top-k
     if family in ("deepseek_v3", "glm4_moe", "deepseek_v32", "glm_moe_dsa"):
         kw.update(
             ffn_hidden_size=cfg.intermediate_size, activation_func=F.silu, add_bias_linear=False,
@@ -395,9 +413,12 @@ def build(family: str, cfg):
     return model.eval(), megatron_args(family, cfg, tc)
 
 
-# name -> the fields of its ``hf_families.Family`` (all MoE: the resharded layout is TP=2 x EP=2).
+# name -> the fields of its ``hf_families.Family`` (the MoE ones' resharded layout is TP=2 x EP=2).
 FAMILY_ARGS = {
-    name: dict(hf_config=functools.partial(hf_config, name), build=functools.partial(build, name), moe=True,
-               cpu_patches=(cpu_patches,))
-    for name in ("deepseek_v3", "glm4_moe", "gpt_oss", "deepseek_v32", "minimax_m2")
+    name: dict(hf_config=functools.partial(hf_config, name), build=functools.partial(build, name),
+               moe=name not in DENSE_FAMILIES, cpu_patches=(cpu_patches,))
+    for name in ("deepseek_v3", "glm4_moe", "gpt_oss", "deepseek_v32", "minimax_m2", "qwen2", "mixtral")
 }
+# Flags the architecture implies, saved wrong (``base/tp1/bad_args``): transformers' deepseek_v32
+# indexer rotates its rope dims in halves and puts its scores through a ReLU.
+FAMILY_ARGS["deepseek_v32"]["bad_args"] = dict(dsa_indexer_rope_interleaved=True, dsa_indexer_scoring_relu=False)
