@@ -200,6 +200,17 @@ def _distinct_experts(model, ep_rank: int) -> None:
                 p.add_(0.05 * torch.randn(p.shape, generator=g))
 
 
+def _other_weights(model) -> None:
+    """The resharded model of a ``load_check`` family is built from the TP=1 model's seed, and with
+    CPU initialisation a dense model's weights come out equal at any TP: noise (the same on every rank,
+    so replicas stay equal) makes it another model, so a load that leaves a tensor unread changes its
+    logits."""
+    g = torch.Generator().manual_seed(2000)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+
+
 def gdn_model(cfg):
     """A megatron-core GPTModel shaped like a Qwen3-Next / Qwen3.5 text config: Gated DeltaNet
     layers and gated full attention per ``cfg.layer_types``, MoE with a gated shared expert (or a
@@ -394,6 +405,8 @@ def _save_and_forward(rank, base, family):
                                      expert_tensor_parallel_size=1 if fam.moe else None)
         model, args = fam.build(cfg)
         _distinct_experts(model, ps.get_expert_model_parallel_rank())
+        if layout != "tp1" and fam.load_check:
+            _other_weights(model)
         logits = _megatron_logits(model, cfg.vocab_size)
         variants = [(w, args) for w in WRITERS]
         if layout == "tp1" and fam.bad_args:

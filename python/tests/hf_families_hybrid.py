@@ -63,8 +63,11 @@ def build(family: str, cfg):
     tc = hfm.transformer_config(family, cfg, **overrides)
 
     def part(cls, layer, **fields):
+        # The GPT layer's key map too: its norms are saved under Transformer Engine's fused names
+        # (``linear_qkv.layer_norm_weight``), as a HybridModel (always TE) and the GPT twin save them.
         return ModuleSpec(module=cls, submodules=TransformerLayerSubmodules(
-            **{f: getattr(layer.submodules, f) for f in fields}))
+            **{f: getattr(layer.submodules, f) for f in fields},
+            sharded_state_dict_keys_map=dict(layer.submodules.sharded_state_dict_keys_map)))
 
     slot = {"*": "attention_layer", "+": "mla_layer", "D": "dsa_layer"}[mixer]
     stack = {slot: part(TransformerLayer, layers[0], input_layernorm=1, self_attention=1, self_attn_bda=1)}

@@ -4,8 +4,19 @@
 
 use super::gdn;
 use super::rules::*;
-use super::spec::{check, ArchSpec, LayerPattern, Rel};
+use super::spec::{check, ArchSpec, LayerPattern, Rel, Rule};
 use crate::error::{Error, Result};
+
+/// deepseek_v32's and glm_moe_dsa's layer: deepseek_v3's with DeepSeek sparse attention's indexer
+/// (the two differ only in the indexer's rope, a check row).
+const DSA_LAYER: &[&[Rule]] = &[
+    MLA_ATTN,
+    DSA_INDEXER,
+    NORMS,
+    DENSE_MLP,
+    DEEPSEEK_MOE,
+    ROUTED_EXPERTS,
+];
 
 pub(crate) static ARCHS: &[ArchSpec] = &[
     ArchSpec {
@@ -140,14 +151,7 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
     ArchSpec {
         model_types: &["deepseek_v32"],
         model: COMMON_MODEL,
-        layer: &[
-            MLA_ATTN,
-            DSA_INDEXER,
-            NORMS,
-            DENSE_MLP,
-            DEEPSEEK_MOE,
-            ROUTED_EXPERTS,
-        ],
+        layer: DSA_LAYER,
         checks: &[
             BASE_CHECKS,
             ROPE_CHECKS,
@@ -166,14 +170,7 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
     ArchSpec {
         model_types: &["glm_moe_dsa"],
         model: COMMON_MODEL,
-        layer: &[
-            MLA_ATTN,
-            DSA_INDEXER,
-            NORMS,
-            DENSE_MLP,
-            DEEPSEEK_MOE,
-            ROUTED_EXPERTS,
-        ],
+        layer: DSA_LAYER,
         checks: &[
             BASE_CHECKS,
             ROPE_CHECKS,
