@@ -110,5 +110,7 @@ FAMILY_ARGS = {
                          bad_args=dict(hybrid_layer_pattern="*--**-")),
     "hybrid_glm_moe_dsa": dict(hf_config=functools.partial(hfm.hf_config, "glm_moe_dsa"),
                                build=functools.partial(build, "glm_moe_dsa"), moe=True,
-                               cpu_patches=(hfm.cpu_patches, cpu_patches)),
+                               cpu_patches=(hfm.cpu_patches, cpu_patches),
+                               # transformers' glm_moe_dsa indexer rotates its rope dims interleaved.
+                               bad_args=dict(dsa_indexer_rope_interleaved=False)),
 }

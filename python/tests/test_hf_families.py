@@ -252,16 +252,23 @@ def test_moe_family_field_disagreeing_with_the_args_is_refused(saved, tmp_path, 
     assert not (tmp_path / "o" / "model.safetensors.index.json").exists()
 
 
-def test_dsa_flags_the_architecture_implies_are_checked(saved, tmp_path):
-    """transformers' deepseek_v32 indexer rotates its rope dims in halves and puts its scores through
-    a ReLU; a checkpoint whose args say otherwise computes another model and is refused, both named."""
-    base, _ = saved("deepseek_v32")
+@pytest.mark.parametrize("family,flags", [
+    ("deepseek_v32", ("non-interleaved indexer rope: deepseek_v32 implies it, args.dsa_indexer_rope_interleaved says true",
+                      "ReLU on the indexer scores: deepseek_v32 implies it, args.dsa_indexer_scoring_relu says false")),
+    ("hybrid_glm_moe_dsa",
+     ("interleaved indexer rope: glm_moe_dsa implies it, args.dsa_indexer_rope_interleaved says false",)),
+])
+def test_dsa_flags_the_architecture_implies_are_checked(saved, tmp_path, family, flags):
+    """transformers' deepseek_v32 indexer rotates its rope dims in halves, glm_moe_dsa's interleaved,
+    and both put their scores through a ReLU; a checkpoint whose args say otherwise computes another
+    model and is refused, each flag named."""
+    base, _ = saved(family)
     with pytest.raises(shardwise.ValidationError) as e:
         shardwise.to_hf(str(base / "tp1" / "bad_args"), str(tmp_path / "o"),
                         hf_config=str(base / "hf_config" / "config.json"))
-    for flag in ("non-interleaved indexer rope: deepseek_v32 implies it, args.dsa_indexer_rope_interleaved says true",
-                 "ReLU on the indexer scores: deepseek_v32 implies it, args.dsa_indexer_scoring_relu says false"):
+    for flag in flags:
         assert flag in str(e.value)
+    assert not (tmp_path / "o" / "model.safetensors.index.json").exists()
 
 
 def test_a_hybrid_pattern_that_does_not_pair_is_refused_naming_the_layers(saved, tmp_path):
