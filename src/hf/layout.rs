@@ -113,7 +113,7 @@ impl Layout {
     /// The layout of a checkpoint whose tensor keys are `keys`, given the pattern its args store
     /// (`args_pattern`: the args field's name and value). With a pattern, the keys must be a
     /// HybridModel's; without one, `decoder.final_norm.weight` (HybridStack's final norm) or
-    /// per-layer keys that each hold only an attention or only an MLP make the checkpoint
+    /// per-layer keys with attention-only and MLP-only layers and none holding both make the checkpoint
     /// hybrid, and those keys must alternate from an attention.
     ///
     /// Errors: [`Error::Validation`] for a pattern that does not pair, keys that contradict the
@@ -156,7 +156,12 @@ impl Layout {
             .filter(|(_, &(a, m))| a && m)
             .map(|(&g, _)| g)
             .collect();
-        let single = !layers.is_empty() && both.is_empty() && gpt_key.is_none();
+        // Attention-only and MLP-only layers and none holding both: only a HybridModel saves
+        // that (a layer of keys no role knows, e.g. an unmapped one, proves nothing).
+        let single = layers.values().any(|&(a, m)| a && !m)
+            && layers.values().any(|&(a, m)| m && !a)
+            && both.is_empty()
+            && gpt_key.is_none();
         let show = |v: &[u64]| {
             v.iter()
                 .map(|g| g.to_string())
@@ -342,5 +347,9 @@ mod tests {
             "{e}"
         );
         assert_eq!(detect(&mixed[..2], None).unwrap(), Layout::Gpt);
+        // Per-layer keys of no known half, or only attentions: nothing says hybrid.
+        let unknown = ["decoder.layers.0.mystery.weight"];
+        assert_eq!(detect(&unknown, None).unwrap(), Layout::Gpt);
+        assert_eq!(detect(&hybrid[..1], None).unwrap(), Layout::Gpt);
     }
 }
