@@ -202,6 +202,7 @@ def load(
     rank: Optional[int] = None,
     world_size: Optional[int] = None,
     process_group=None,
+    hybrid_layer_pattern: Optional[str] = None,
 ) -> Union[dict, tuple]:
     """Loads this rank's part of a Megatron sharded state dict with no collective communication.
 
@@ -251,6 +252,14 @@ def load(
             rank among them and their number. Default: this rank in ``process_group`` (the
             ``torch.distributed`` default group when None; read locally, nothing is exchanged), else
             ``RANK``/``WORLD_SIZE``.
+        hybrid_layer_pattern: the pattern the requesting HybridModel was built with
+            (``model.hybrid_layer_pattern``, e.g. ``"*-*-"``). When the checkpoint was saved by a
+            GPTModel, the request is first retargeted at the GPT keys by megatron-core's own
+            ``gpt_checkpoint_interop`` (0.19+), as Megatron-LM's ``load_checkpoint`` does: the i-th
+            attention ('*') and the i-th MLP ('-' or 'E') layer read GPT layer i, ``decoder.final_norm``
+            reads ``decoder.final_layernorm``, Mamba ('M') layers keep their values. A checkpoint whose
+            stored args have a hybrid pattern (or, without args, which holds ``decoder.final_norm``)
+            is read as is. Without it, a HybridModel request against a GPT checkpoint is refused.
 
     Every error below is also a megatron-core ``CheckpointingException``
     (:mod:`shardwise.megatron_errors`).
@@ -268,7 +277,11 @@ def load(
         MissingRanksError: (``*_all``) ranks had not published their requested keys in time.
         InvalidArgumentError: a ``metadata.json`` naming another backend; ``*_all`` with an
             object-store URL, or without a rank and world size; a ``timeout_s`` or
-            ``staging_budget_bytes`` out of range.
+            ``staging_budget_bytes`` out of range; a HybridModel request against a GPT checkpoint
+            without ``hybrid_layer_pattern``, or with a pattern Megatron's interop cannot pair with
+            GPT layers (or a megatron-core without it).
+        ValidationError: also a GPT checkpoint whose stored ``num_layers`` differs from the
+            pattern's attention layers.
         StorageError: the directory or ``.metadata`` cannot be read; (``*_all``) the requested keys
             cannot be published beside the checkpoint (set ``SHARDWISE_KEYS_DIR``).
     """
@@ -284,7 +297,12 @@ def load(
     strict = parse_strict_flag(strict)
     _check_backend(checkpoint_dir, timeout_s)
 
+    # The hybrid retarget needs the stored args and renames the request's keys: it runs on the raw
+    # request, before preprocessing and before the *_all modes share the (GPT) key names.
+    ckpt = open_cached(checkpoint_dir, timeout_s)
     _dequantize_fp8(sharded_state_dict)
+    common = _read_common(ckpt, safe_globals)
+    _retarget_hybrid_request(sharded_state_dict, ckpt, checkpoint_dir, common.get("args"), hybrid_layer_pattern)
     sharded_state_dict, nonpersistent, factories = load_preprocess(sharded_state_dict)
     sharded_state_dict, _ = extract_sharded_base(sharded_state_dict)
     everyone = None
@@ -292,8 +310,6 @@ def load(
         everyone = _everyones_keys(
             sharded_state_dict, checkpoint_dir, strict.value, rank, world_size, process_group, timeout_s
         )
-    ckpt = open_cached(checkpoint_dir, timeout_s)
-    common = _read_common(ckpt, safe_globals)
     merge(common, nonpersistent)
 
     missing: set = set()
@@ -335,6 +351,65 @@ def load(
     if strict in (StrictHandling.RETURN_UNEXPECTED, StrictHandling.RETURN_ALL):
         return common, missing, unexpected
     return common
+
+
+def _is_gpt_checkpoint(ckpt, args) -> Optional[bool]:
+    """Whether a GPTModel saved the checkpoint: Megatron-LM's test (``_maybe_setup_gpt_to_hybrid_load``:
+    no ``hybrid_layer_pattern`` / ``hybrid_override_pattern`` in the stored args); without args, by its
+    final norm (``decoder.final_layernorm`` GPT, ``decoder.final_norm`` hybrid). None: cannot tell."""
+    if args is not None:
+        return not (getattr(args, "hybrid_layer_pattern", None) or getattr(args, "hybrid_override_pattern", None))
+    if "decoder.final_norm.weight" in ckpt:
+        return False
+    if "decoder.final_layernorm.weight" in ckpt:
+        return True
+    return None
+
+
+def _retarget_hybrid_request(sharded_state_dict, ckpt, checkpoint_dir: str, args, pattern: Optional[str]) -> None:
+    """Points a HybridModel's request at a GPT checkpoint's keys, in place, with megatron-core's own
+    translation (see ``load``'s ``hybrid_layer_pattern``)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    gpt = _is_gpt_checkpoint(ckpt, args)
+    if pattern is None:
+        hybrid_keys = [sh.key for sh in nested_values(sharded_state_dict)
+                       if getattr(sh, "key", "").startswith("decoder.final_norm.")]
+        if gpt and hybrid_keys and hybrid_keys[0] not in ckpt:
+            raise InvalidArgumentError(
+                f"{checkpoint_dir} was saved by a GPTModel and the request is a HybridModel's "
+                f"({hybrid_keys[0]}): pass hybrid_layer_pattern=model.hybrid_layer_pattern to load it through "
+                "megatron-core's GPT -> hybrid translation"
+            )
+        return
+    if gpt is None:
+        raise InvalidArgumentError(
+            f"{checkpoint_dir}: no stored args and neither decoder.final_layernorm.weight (GPTModel) nor "
+            "decoder.final_norm.weight (HybridModel): cannot tell whether hybrid_layer_pattern applies"
+        )
+    if not gpt:
+        return
+    try:
+        from megatron.core.dist_checkpointing.gpt_checkpoint_interop import (
+            gpt_compatible_layer_maps,
+            retarget_sharded_state_dict_to_gpt_checkpoint,
+        )
+    except ImportError:
+        raise InvalidArgumentError(
+            "loading a GPT checkpoint into a HybridModel needs megatron-core 0.19 or later "
+            "(megatron.core.dist_checkpointing.gpt_checkpoint_interop)"
+        ) from None
+    try:
+        maps = gpt_compatible_layer_maps(pattern)
+    except ValueError as e:
+        raise InvalidArgumentError(f"cannot load the GPT checkpoint {checkpoint_dir} into this hybrid model: {e}") from None
+    layers = getattr(args, "num_layers", None)
+    if layers is not None and layers != maps.num_gpt_layers:
+        raise ValidationError(
+            f"hybrid layer pattern {pattern!r} pairs with a GPT checkpoint of {maps.num_gpt_layers} layers; "
+            f"{checkpoint_dir} has num_layers={layers}"
+        )
+    retarget_sharded_state_dict_to_gpt_checkpoint(sharded_state_dict, maps)
 
 
 def _dequantize_fp8(sharded_state_dict) -> None:
