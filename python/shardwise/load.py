@@ -22,22 +22,10 @@ from typing import Any, Iterable, Optional, Union
 
 from . import _native, requested_keys
 from ._fs import is_url
-from ._native import InvalidArgumentError, MissingKeyError, ShardwiseError, ValidationError
-from .megatron_errors import megatron_compatible
+from ._native import InvalidArgumentError, ValidationError
+from .megatron_errors import KeyMismatchError, UnsafeObjectError, megatron_compatible
 
 logger = logging.getLogger(__name__)
-
-
-class UnsafeObjectError(ShardwiseError, pickle.UnpicklingError):
-    """A ``ShardedObject`` or the common state needs a class outside the ``weights_only`` allow-list
-    (torch's own plus megatron-core's ``safe_globals.SAFE_GLOBALS``). Pass the classes you trust in
-    ``safe_globals=[...]``."""
-
-
-class KeyMismatchError(MissingKeyError):
-    """``strict="raise_unexpected"``/``"raise_all"``: requested keys the checkpoint lacks
-    ("unexpected"), or with ``raise_all`` checkpoint keys that no rank requests ("missing"). The
-    message is Megatron's (``validation.py`` ``maybe_report_missing_and_unexpected_keys``)."""
 
 
 # Strict modes whose "missing keys" are the checkpoint keys no rank asked for: only every rank's

@@ -31,7 +31,8 @@ from .dropin import (
     megatron_save_parameters,
     uninstall,
 )
-from .load import KeyMismatchError, UnsafeObjectError, load, load_common_state_dict
+from .load import load, load_common_state_dict
+from .megatron_errors import KeyMismatchError, UnsafeObjectError
 from .save import DPBalance, default_save_id, save
 from .training import (
     TRACKER_FILE,

@@ -50,9 +50,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import pickle
 import traceback
 
 from . import _native
+from ._native import MissingKeyError, ShardwiseError
 
 # Errors that Megatron raises as torch's CheckpointException (DCP wraps its read and write failures
 # per rank), by operation; every other error keeps the direct API's class.
@@ -66,10 +68,20 @@ _MEGATRON_OWN = ("KeyMismatchError",)
 _COMPAT: dict[type, type] = {}
 
 
+class UnsafeObjectError(ShardwiseError, pickle.UnpicklingError):
+    """A ``ShardedObject`` or the common state needs a class outside the ``weights_only`` allow-list
+    (torch's own plus megatron-core's ``safe_globals.SAFE_GLOBALS``). Pass the classes you trust in
+    ``safe_globals=[...]``."""
+
+
+class KeyMismatchError(MissingKeyError):
+    """``strict="raise_unexpected"``/``"raise_all"``: requested keys the checkpoint lacks
+    ("unexpected"), or with ``raise_all`` checkpoint keys that no rank requests ("missing"). The
+    message is Megatron's (``validation.py`` ``maybe_report_missing_and_unexpected_keys``)."""
+
+
 def _known() -> dict[str, type]:
     """shardwise's error classes by name: the extension's and the Python ones."""
-    from .load import KeyMismatchError, UnsafeObjectError
-
     named = {n: getattr(_native, n) for n in dir(_native) if n.endswith("Error")}
     named.update(UnsafeObjectError=UnsafeObjectError, KeyMismatchError=KeyMismatchError)
     return {n: c for n, c in named.items() if isinstance(c, type) and issubclass(c, _native.ShardwiseError)}

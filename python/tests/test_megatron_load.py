@@ -228,9 +228,9 @@ def test_strict_modes(plain_ckpt, monkeypatch):
         r["missing"] = ShardedTensor.from_rank_offsets("not.saved", torch.zeros(3))
         return r
 
-    with pytest.raises(swl.MissingKeyError, match="not.saved"):
+    with pytest.raises(shardwise.MissingKeyError, match="not.saved"):
         swm.load(req(), path)
-    with pytest.raises(swl.MissingKeyError, match="not.saved"):
+    with pytest.raises(shardwise.MissingKeyError, match="not.saved"):
         swm.load(req(), path, strict=StrictHandling.RAISE_UNEXPECTED)
     res, missing, unexpected = swm.load(req(), path, strict="return_unexpected")
     assert missing == set() and unexpected == {"not.saved"} and "missing" not in res
@@ -252,7 +252,7 @@ def test_strict_modes(plain_ckpt, monkeypatch):
     res, missing, unexpected = swm.load(few, path, strict="return_all", rank=0, world_size=1)
     assert missing == {"layers.weight", "fc1.w", "fc1.v", "extra"} and unexpected == {"not.saved"}
     assert torch.equal(res["rows"], vals["rows"])
-    with pytest.raises(swl.KeyMismatchError, match=r"Missing keys \(for all ranks\)"):
+    with pytest.raises(swm.KeyMismatchError, match=r"Missing keys \(for all ranks\)"):
         swm.load(few, path, strict="raise_all", rank=0, world_size=1)
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
@@ -269,10 +269,10 @@ def test_missing_key_raised_before_any_read(plain_ckpt, monkeypatch):
     monkeypatch.setattr(swl, "open_cached", lambda p, *timeout: _Counting(ckpt, reads))
     r = _request()
     r["z"] = ShardedTensor.from_rank_offsets("zz.missing", torch.zeros(3))
-    with pytest.raises(swl.MissingKeyError, match="zz.missing"):
+    with pytest.raises(shardwise.MissingKeyError, match="zz.missing"):
         swm.load(r, path)
     assert reads == []
-    assert issubclass(swl.MissingKeyError, shardwise.ShardwiseError)
+    assert issubclass(shardwise.MissingKeyError, shardwise.ShardwiseError)
 
 
 class _Counting:
@@ -386,7 +386,7 @@ def test_other_backend_refused(plain_ckpt, tmp_path):
 def test_disallowed_class_in_object_needs_opt_in(tmp_path):
     path = tmp_path / "ckpt"
     vals = _save_plain(path, obj=Opaque(5))
-    with pytest.raises(swl.UnsafeObjectError, match="Opaque"):
+    with pytest.raises(swm.UnsafeObjectError, match="Opaque"):
         swm.load(_request(), path)
     res = swm.load(_request(), path, safe_globals=[Opaque])
     assert res["obj"] == Opaque(5)
