@@ -485,11 +485,9 @@ pub fn rewrite(loc: &Location, target: Torch) -> Result<Rewritten> {
         if let Some(mut r) = read_commit_record(loc, &id).filter(|r| r.metadata == old_digest) {
             r.metadata = new_digest;
             r.summary.metadata_bytes = after.len() as u64;
-            let bytes = serde_json::to_vec(&r).map_err(|e| {
-                Error::InvalidArgument(format!("cannot encode the commit record: {e}"))
-            })?;
+            r.stamp_files(loc)?;
             let rel = Marker::Committed.rel(&id);
-            loc.write(&rel, bytes)?;
+            loc.write(&rel, r.to_json()?)?;
             out.records_updated.push(rel);
         }
     }

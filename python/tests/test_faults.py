@@ -339,6 +339,51 @@ def test_retain_keeps_newest_committed_newer_and_tracked(tmp_path):
     assert not [p for p in tmp_path.iterdir() if ".deleting." in p.name]
 
 
+def _bytes_read() -> int:
+    """Bytes this process has read through read(2) and its kin so far (Linux /proc/self/io)."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+
+
+def test_commit_state_reads_no_metadata_bytes(tmp_path):
+    """Issue 27: status, is_committed and retention of committed saves decide from each COMMITTED
+    record and a stat of .metadata (the stamp the commit recorded), so their cost does not grow
+    with .metadata: at 1M+ chunks a .metadata is GBs, and retention looks at every iteration."""
+    root = str(tmp_path)
+    many = lambda r: {f"layer{i}.w": row_shard(f"layer{i}.w", r, 2, rows=1, cols=1) for i in range(2000)}
+    iters = [1, 2, 3, 4, 5]
+    for it in iters:
+        save_ranks(swm.checkpoint_name(root, it), [many(r) for r in range(2)])
+    metas = [Path(swm.checkpoint_name(root, it)) / ".metadata" for it in iters]
+    meta_bytes = sum(m.stat().st_size for m in metas)
+    # Parts and records are what status may read (the per-rank layout it reports).
+    state_bytes = sum(p.stat().st_size for it in iters
+                      for p in Path(swm.checkpoint_name(root, it), ".shardwise").rglob("*") if p.is_file())
+
+    def state_calls():
+        assert swm.committed_iterations(root) == iters
+        for it in iters:
+            assert shardwise.status(swm.checkpoint_name(root, it))["checkpoint"] == "committed"
+
+    state_calls()  # imports and first-use costs
+    before = _bytes_read()
+    state_calls()
+    read = _bytes_read() - before
+    assert read < state_bytes + (1 << 16) < meta_bytes, (read, state_bytes, meta_bytes)
+
+    before = _bytes_read()
+    deleted = swm.retain(root, keep=2)
+    assert _bytes_read() - before < state_bytes + (1 << 16)
+    assert sorted(Path(p).name for p in deleted) == ["iter_0000001", "iter_0000002", "iter_0000003"]
+
+    # The measure sees .metadata reads: a .metadata whose mtime changed (copied without its
+    # timestamps, touched) no longer has its recorded stamp, so it is read and CRC'd whole.
+    os.utime(metas[-1])
+    before = _bytes_read()
+    assert swm.committed_iterations(root) == [4, 5]
+    assert _bytes_read() - before >= metas[-1].stat().st_size
+
+
 @pytest.mark.parametrize("finish_with", ["merge", "rerun"])
 def test_metadata_without_committed_marker_is_not_a_checkpoint(tmp_path, finish_with):
     """A merger killed between `.metadata` and COMMITTED leaves `.metadata` without the marker: status

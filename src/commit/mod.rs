@@ -66,13 +66,9 @@ pub fn read_checksums(loc: &Location) -> Result<Option<Checksums>> {
     let rel = if records.is_empty() {
         format!("{STATE_DIR}/{CHECKSUMS_FILE}")
     } else {
-        let Some(meta) = loc.read(".metadata")? else {
-            return Ok(None);
-        };
-        let digest = Digest::of(&meta);
-        match records.iter().find(|r| r.metadata == digest) {
-            Some(r) => marker_rel(&r.save_id, CHECKSUMS_FILE),
-            None => return Ok(None),
+        match state::metadata_record(loc, &records)? {
+            Ok(r) => marker_rel(&r.save_id, CHECKSUMS_FILE),
+            Err(_) => return Ok(None),
         }
     };
     match loc.read(&rel)? {
@@ -307,8 +303,7 @@ fn commit_unguarded(
     let record = commit_record(save_id, &parts, &global, &meta, common_digest, megatron);
     drop(global);
     let integrity = integrity_manifest(&parts, &meta, megatron)?;
-    let record_bytes = serde_json::to_vec(&record)
-        .map_err(|e| Error::InvalidArgument(format!("cannot encode the commit record: {e}")))?;
+    let mut record = record;
     let committed_rel = Marker::Committed.rel(save_id);
     match loc {
         Location::Local(dir) => {
@@ -323,8 +318,9 @@ fn commit_unguarded(
                 )?;
             }
             write_integrity(loc, integrity)?;
+            record.stamp_files(loc)?;
             // We hold the lock: a COMMITTED here is an earlier attempt's, replaced.
-            loc.write(&committed_rel, record_bytes)?;
+            loc.write(&committed_rel, record.to_json()?)?;
             fsync_dir(dir)?;
             // Every rank of this save has published its part, so no writer of it is still writing
             // here; what is left are temporary files of processes killed mid-write.
@@ -343,7 +339,8 @@ fn commit_unguarded(
                 )?;
             }
             write_integrity(loc, integrity)?;
-            if !r.put_new(&committed_rel, record_bytes)? {
+            record.stamp_files(loc)?;
+            if !r.put_new(&committed_rel, record.to_json()?)? {
                 // A racing merger created the marker first: the commit is its.
                 return Ok(read_commit_record(loc, save_id)
                     .map(|r| CommitSummary {
@@ -411,6 +408,9 @@ fn commit_record(
         megatron,
         files,
         summary,
+        // Set once the files are written (`stamp_files`).
+        metadata_stamp: None,
+        common_stamp: None,
     }
 }
 

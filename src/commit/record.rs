@@ -53,6 +53,62 @@ pub struct CommitRecord {
     /// The data files (name inside the checkpoint, size in bytes).
     pub files: Vec<(String, u64)>,
     pub summary: CommitSummary,
+    /// The storage stamps ([`Location::stamp`]: size and mtime in ns locally, the ETag on object
+    /// stores) of `.metadata` and `common.pt` right after this commit wrote them. While a file
+    /// keeps its stamp, its digest above holds without reading the file (issue 27: `status`,
+    /// `is_committed` and retention cost a `stat`, not a read of a `.metadata` of several GB).
+    /// Absent in records written before shardwise 0.4: the files are then read and CRC'd.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metadata_stamp: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub common_stamp: Option<String>,
+}
+
+impl CommitRecord {
+    /// Records the stamps `.metadata` and `common.pt` have now: called by the commit after it
+    /// wrote them and before it writes this record.
+    ///
+    /// Errors: storage errors.
+    pub fn stamp_files(&mut self, loc: &Location) -> Result<(), Error> {
+        self.metadata_stamp = loc.stamp(".metadata")?;
+        if self.common.is_some() {
+            self.common_stamp = loc.stamp(crate::format::COMMON_FILE)?;
+        }
+        Ok(())
+    }
+
+    /// The record as `COMMITTED`'s JSON bytes.
+    ///
+    /// Errors: [`Error::InvalidArgument`] when it cannot be encoded.
+    pub fn to_json(&self) -> Result<Vec<u8>, Error> {
+        serde_json::to_vec(self)
+            .map_err(|e| Error::InvalidArgument(format!("cannot encode the commit record: {e}")))
+    }
+}
+
+/// Whether `rel` in `loc` still holds the bytes of `digest`: by a `stat` when the file still has
+/// `stamp`, the one storage gave right after the commit wrote it; otherwise (no stamp recorded,
+/// the file was copied without its timestamps, touched or replaced) by reading it whole.
+/// `Ok(Err(now))` gives the digest the file has now, `None` when it is absent.
+///
+/// Errors: storage errors.
+pub fn still_holds(
+    loc: &Location,
+    rel: &str,
+    digest: Digest,
+    stamp: Option<&str>,
+) -> Result<Result<(), Option<Digest>>, Error> {
+    if let Some(stamp) = stamp {
+        if loc.stamp(rel)?.as_deref() == Some(stamp) {
+            return Ok(Ok(()));
+        }
+    }
+    let now = loc.read(rel)?.map(|b| Digest::of(&b));
+    Ok(if now == Some(digest) {
+        Ok(())
+    } else {
+        Err(now)
+    })
 }
 
 /// The `COMMITTED` record of `save_id`, if it has one that parses.

@@ -18,7 +18,7 @@ use std::collections::BTreeMap;
 
 use super::lock::dead_merger;
 use super::part::{listed_parts, read_failed, read_part, Marker, STATE_DIR};
-use super::record::{read_commit_record, CommitRecord, Digest};
+use super::record::{read_commit_record, still_holds, CommitRecord, Digest};
 use super::wait::{stale_reason, Freshness};
 use crate::error::Result;
 use crate::format::metadata::Entry;
@@ -54,7 +54,6 @@ pub fn save_ids(loc: &Location) -> Result<Vec<String>> {
 ///
 /// Errors: storage errors when `.metadata` or the state directory cannot be read.
 pub fn checkpoint_state(loc: &Location) -> Result<CheckpointState> {
-    let meta = loc.read(".metadata")?;
     let ids = save_ids(loc)?;
     let mut records: Vec<CommitRecord> = Vec::new();
     let mut legacy_marker = false;
@@ -66,44 +65,45 @@ pub fn checkpoint_state(loc: &Location) -> Result<CheckpointState> {
         }
     }
     records.sort_by_key(|r| std::cmp::Reverse(r.committed_at_ns));
-    let damaged = |reason: String, save: Option<&CommitRecord>| CheckpointState::Damaged {
-        reason,
-        repairable: save.map(|r| r.save_id.clone()),
-    };
-    let Some(meta) = meta else {
-        return Ok(match records.first() {
-            Some(r) => damaged(
-                format!(
+    if !records.is_empty() {
+        let damaged = |reason: String, save: &CommitRecord| CheckpointState::Damaged {
+            reason,
+            repairable: Some(save.save_id.clone()),
+        };
+        let r = match metadata_record(loc, &records)? {
+            Ok(r) => r,
+            Err(None) => {
+                let r = &records[0];
+                let why = format!(
                     ".metadata is missing, although save {} committed it",
                     r.save_id
-                ),
-                Some(r),
-            ),
-            None => CheckpointState::NotCommitted {
-                reason: ".metadata is absent".into(),
-            },
-        });
-    };
-    if !records.is_empty() {
-        let digest = Digest::of(&meta);
-        let Some(r) = records.iter().find(|r| r.metadata == digest) else {
-            let r = &records[0];
-            return Ok(damaged(
-                format!(
-                    ".metadata ({} bytes, CRC-32 {:08x}) is not the one save {} committed ({} bytes, \
-                     CRC-32 {:08x}): replaced or damaged",
-                    digest.size, digest.crc32, r.save_id, r.metadata.size, r.metadata.crc32
-                ),
-                Some(r),
-            ));
+                );
+                return Ok(damaged(why, r));
+            }
+            Err(Some(digest)) => {
+                let r = &records[0];
+                return Ok(damaged(
+                    format!(
+                        ".metadata ({} bytes, CRC-32 {:08x}) is not the one save {} committed ({} \
+                         bytes, CRC-32 {:08x}): replaced or damaged",
+                        digest.size, digest.crc32, r.save_id, r.metadata.size, r.metadata.crc32
+                    ),
+                    r,
+                ));
+            }
         };
         if let Some(problem) = missing_committed_file(loc, r)? {
-            return Ok(damaged(problem, Some(r)));
+            return Ok(damaged(problem, r));
         }
         return Ok(CheckpointState::Committed {
             record: Some(r.clone()),
         });
     }
+    let Some(meta) = loc.read(".metadata")? else {
+        return Ok(CheckpointState::NotCommitted {
+            reason: ".metadata is absent".into(),
+        });
+    };
     if !ids.is_empty() && !legacy_marker {
         return Ok(CheckpointState::NotCommitted {
             reason:
@@ -114,8 +114,40 @@ pub fn checkpoint_state(loc: &Location) -> Result<CheckpointState> {
     }
     Ok(match foreign_problem(loc, &meta)? {
         None => CheckpointState::Committed { record: None },
-        Some(reason) => damaged(reason, None),
+        Some(reason) => CheckpointState::Damaged {
+            reason,
+            repairable: None,
+        },
     })
+}
+
+/// The record among `records` (newest first) whose commit wrote the `.metadata` now in `loc`:
+/// found by the file's storage stamp alone while it has the one a record holds (no read: this is
+/// what keeps `status` and retention O(1) in the `.metadata` size), else by the size and CRC-32
+/// of the whole file. `Err(None)`: `.metadata` is absent; `Err(Some(digest))`: no record wrote it.
+///
+/// Errors: storage errors.
+pub(crate) fn metadata_record<'a>(
+    loc: &Location,
+    records: &'a [CommitRecord],
+) -> Result<std::result::Result<&'a CommitRecord, Option<Digest>>> {
+    let Some(stamp) = loc.stamp(".metadata")? else {
+        return Ok(Err(None));
+    };
+    if let Some(r) = records
+        .iter()
+        .find(|r| r.metadata_stamp.as_deref() == Some(stamp.as_str()))
+    {
+        return Ok(Ok(r));
+    }
+    let Some(meta) = loc.read(".metadata")? else {
+        return Ok(Err(None));
+    };
+    let digest = Digest::of(&meta);
+    Ok(records
+        .iter()
+        .find(|r| r.metadata == digest)
+        .ok_or(Some(digest)))
 }
 
 /// Whether `loc` holds a committed checkpoint ([`checkpoint_state`]); unreadable counts as not.
@@ -136,8 +168,7 @@ fn missing_committed_file(loc: &Location, r: &CommitRecord) -> Result<Option<Str
         }
     }
     if let Some(d) = r.common {
-        let now = loc.read(COMMON_FILE)?.map(|b| Digest::of(&b));
-        if now != Some(d) {
+        if let Err(now) = still_holds(loc, COMMON_FILE, d, r.common_stamp.as_deref())? {
             return Ok(Some(format!(
                 "{COMMON_FILE} is {} (save {} committed {} bytes, CRC-32 {:08x})",
                 now.map_or("missing".into(), |n| format!(
