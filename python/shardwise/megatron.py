@@ -33,7 +33,7 @@ from .dropin import (
 )
 from .load import load, load_common_state_dict
 from .megatron_errors import KeyMismatchError, UnsafeObjectError
-from .save import DPBalance, default_save_id, save
+from .save import DPBalance, default_save_id, reserve_staging, save
 from .training import (
     TRACKER_FILE,
     CheckpointHandle,
@@ -70,6 +70,7 @@ __all__ = [
     "load_common_state_dict",
     "megatron_save_parameters",
     "read_tracker",
+    "reserve_staging",
     "retain",
     "save",
     "save_checkpoint",

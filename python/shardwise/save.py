@@ -378,6 +378,52 @@ def save(
     return report
 
 
+def reserve_staging(rank_bytes_or_state_dict, *, staging_budget_bytes: Optional[int] = None) -> dict:
+    """Start pinning this process's staging pool now, in a background thread, so that the first
+    ``save(async_save=True)`` stalls only for its copies (issue 27: pinning ~0.75 s per GiB made the
+    first async save of a 16 GiB rank stall 12.2 s, 37x the device-to-host copy). Returns at once.
+
+    Call it as soon as the model and optimizer exist, e.g. with the sharded state dict the training
+    loop will save. A save that arrives before the pool is complete uses the buffers pinned so far
+    and pins the rest itself; it never waits for the whole pool. Later saves reuse the pool.
+
+    Args:
+        rank_bytes_or_state_dict: this rank's bytes to save (an int), or a Megatron sharded state
+            dict, whose main-replica ``ShardedTensor`` (and factory) bytes are counted; the dict is
+            not modified (factories are not applied).
+        staging_budget_bytes: the pool's size in bytes, as ``save``'s argument of that name. Default:
+            what ``save`` uses by default for those bytes (the bytes plus one 64 MiB buffer, within
+            the host bound).
+
+    Returns:
+        A dict: ``pinned`` (False when there is no CUDA device: host saves need no reservation, and
+        nothing is done), ``rank_bytes`` (counted), ``budget_bytes``, ``buffer_bytes``, ``buffers`` (the
+        pool's capacity).
+
+    Raises:
+        InvalidArgumentError: a negative or non-integer byte count or budget.
+        GpuError: pinned memory cannot be allocated at all.
+    """
+    device = None
+    if isinstance(rank_bytes_or_state_dict, dict):
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory, is_main_replica
+
+        rank_bytes = 0
+        for sh in nested_values(rank_bytes_or_state_dict):
+            if isinstance(sh, (ShardedTensor, ShardedTensorFactory)) and is_main_replica(sh.replica_id):
+                rank_bytes += sh.data.numel() * sh.data.element_size()
+                if device is None and sh.data.device.type == "cuda":
+                    device = sh.data.device.index
+    else:
+        rank_bytes = rank_bytes_or_state_dict
+        import torch
+
+        if torch.cuda.is_available():
+            device = torch.cuda.current_device()
+    return _native.reserve_staging(rank_bytes=rank_bytes, device=device, staging_budget_bytes=staging_budget_bytes)
+
+
 # Async saves not yet waited for: (handle, checkpoint_dir, timeout_s). At interpreter exit each is
 # waited for, bounded by its timeout, as concurrent.futures waits for its workers; a save that
 # fails or does not finish makes the exit status 1, so a lost checkpoint is never an exit 0.

@@ -66,3 +66,25 @@ def test_wait_times_out_while_in_flight_and_concurrent_saves_both_land(tmp_path)
     assert ha.wait(30)["committed"] and hb.wait(30)["committed"]
     assert read_all(str(a))[0]["w"].shape == (8, 8)
     assert torch.equal(read_all(str(b))[0]["v"], big["v"].data)
+
+
+def test_reserve_staging_counts_main_replicas_and_refuses_bad_numbers():
+    """Issue 27: reserve_staging returns at once; from a sharded state dict it counts the bytes the
+    save writes (main replicas only), and the default budget is the save's. Without CUDA nothing is
+    pinned (host saves need no reservation); the GPU test measures the stall it removes."""
+    state = {"a": row_shard("a", 0, 2, rows=256, cols=1024),  # 1 MiB, main replica
+             "b": row_shard("b", 0, 2, rows=256, cols=1024, replica_id=1),  # another rank writes it
+             "opt": {"c": row_shard("c", 1, 2, rows=128, cols=1024)}}  # 0.5 MiB
+    t0 = time.monotonic()
+    r = swm.reserve_staging(state)
+    assert time.monotonic() - t0 < 5
+    assert r["rank_bytes"] == (256 + 128) * 1024 * 4
+    assert r["budget_bytes"] == 4 << 30  # the save's default: at least 4 GiB
+    assert swm.reserve_staging(10 << 30, staging_budget_bytes=1 << 30)["budget_bytes"] == 1 << 30
+    if not torch.cuda.is_available():
+        assert r["pinned"] is False and r["buffers"] == 0
+    for bad in (-1, 1.5, True, 2**64, "1"):
+        with pytest.raises(shardwise.InvalidArgumentError):
+            swm.reserve_staging(bad)
+    with pytest.raises(shardwise.InvalidArgumentError, match="staging_budget_bytes"):
+        swm.reserve_staging(1, staging_budget_bytes=0)

@@ -144,3 +144,19 @@ def test_load_into_cuda_tensors(tmp_path):
         for o, (key, idx) in zip(outs, wanted):
             want = full[key][idx] if idx else full[key]
             assert torch.equal(bits(o.cpu()), bits(want)), (key, idx, budget)
+
+
+def test_reserve_staging_then_async_save_round_trips(tmp_path):
+    """A save that arrives while the reservation is still pinning uses the buffers pinned so far
+    and pins the rest itself; the bytes are the tensors' as they were at the call."""
+    state = _cuda_state(1, 0, rows=4096, cols=4096)  # 64 MiB per key
+    r = swm.reserve_staging(state)
+    assert r["pinned"] and r["buffers"] >= 2
+    want = {sh.key: sh.data.cpu().clone() for sh in state.values()}
+    h = swm.save(state, str(tmp_path), rank=0, world_size=1, async_save=True)
+    for v in state.values():
+        v.data.zero_()
+    h.wait(120)
+    tensors, _ = read_all(str(tmp_path))
+    for k, v in want.items():
+        assert torch.equal(tensors[k].cpu(), v), k

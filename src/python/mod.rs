@@ -133,6 +133,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(tools::same_tensor_crcs, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(save::save_rank, m)?)?;
+    m.add_function(wrap_pyfunction!(save::reserve_staging, m)?)?;
     m.add_class::<save::Chunk>()?;
     m.add_class::<save::ObjectItem>()?;
     m.add_class::<save::SaveOptions>()?;

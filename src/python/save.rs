@@ -552,3 +552,39 @@ pub(super) fn save_rank<'py>(
     };
     Ok(Py::new(py, handle)?.into_any())
 }
+
+/// Starts pinning the process's staging pool in a background thread, for a rank of `rank_bytes`
+/// bytes (the pool a save of that many bytes uses by default: `rank_bytes` plus one 64 MiB
+/// buffer, within the host bound) or of `staging_budget_bytes` when given, on CUDA device
+/// `device`. Returns at once with a dict: `pinned` (False without a CUDA device or driver: plain
+/// memory costs nothing to reserve, and nothing is done), `rank_bytes`, `budget_bytes`, `buffer_bytes`,
+/// `buffers` (the pool's capacity in buffers). Raises
+/// `InvalidArgumentError` for a bad number, `GpuError` when pinning fails at once.
+#[pyfunction]
+#[pyo3(signature = (*, rank_bytes, device=None, staging_budget_bytes=None))]
+pub(super) fn reserve_staging<'py>(
+    py: Python<'py>,
+    rank_bytes: &Bound<'py, PyAny>,
+    device: Option<&Bound<'py, PyAny>>,
+    staging_budget_bytes: Option<&Bound<'py, PyAny>>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let rank_bytes: u64 = whole("rank_bytes", rank_bytes)?;
+    let device: Option<u32> = opt_whole("device", device)?;
+    let budget = opt_positive("staging_budget_bytes", staging_budget_bytes)?
+        .unwrap_or_else(|| staging::default_budget(rank_bytes));
+    let reserved = match device {
+        Some(d) if crate::gpu::available() => {
+            let (buffer_bytes, buffers) =
+                py.detach(|| staging::reserve(budget, d)).map_err(to_py)?;
+            Some((buffer_bytes, buffers))
+        }
+        _ => None,
+    };
+    let dict = pyo3::types::PyDict::new(py);
+    dict.set_item("pinned", reserved.is_some())?;
+    dict.set_item("rank_bytes", rank_bytes)?;
+    dict.set_item("budget_bytes", budget)?;
+    dict.set_item("buffer_bytes", reserved.map_or(0, |r| r.0))?;
+    dict.set_item("buffers", reserved.map_or(0, |r| r.1))?;
+    Ok(dict.into_any())
+}
