@@ -250,8 +250,9 @@ def save(
             rendezvous go on in a Rust thread. ``handle.wait(timeout_s)`` returns the report or
             raises the save's error; ``handle.done()``; ``handle.stall_s`` (seconds blocked) and
             ``handle.staged_bytes``. A second save on this rank waits for the first to finish.
-        staging_budget_bytes: host memory for staging, pinned when CUDA is there, allocated once per
-            process and reused by later saves that fit. CUDA tensors and async saves go through it;
+        staging_budget_bytes: host memory for staging, pinned when CUDA is there: 64 MiB buffers,
+            pinned as staging needs them (or ahead of need by :func:`reserve_staging`), kept by the
+            process and reused by later saves. CUDA tensors and async saves go through it;
             when a rank's bytes exceed it, staging waits for writes to free buffers (the stall
             grows). Default: this rank's bytes plus one 64 MiB buffer (so an async save stalls only
             for the copy), at least 4 GiB and at most half of the machine's memory divided by
