@@ -22,6 +22,7 @@ from ._native import (
     ValidationError,
     __version__,
     cuda_available,
+    from_hf,
     merge,
     to_hf,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "cuda_available",
     "__version__",
     "merge",
+    "from_hf",
     "to_hf",
     "diff",
     "open",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib
 import os
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from typing import Callable
 import torch
 
 import hf_families_moe
+import hf_workers
 from mcore import init_gloo
 
 VOCAB_MEGATRON = 256  # the model's (padded) vocabulary; the HF configs say 250: the converter trims
@@ -42,6 +44,8 @@ class Family:
     moe: the resharded layout adds EP=2 (experts split between the two ranks) to TP=2.
     bad_args: when given, the TP=1 model is also saved by shardwise with these args changed
         (``base/tp1/bad_args``), for the tests of flags the architecture implies.
+    transformer_impl: the Megatron-LM ``--transformer-impl`` whose keys ``build`` gives (the GDN
+        families' CPU stand-ins store Transformer Engine's fused norms), for ``from-hf``.
     """
 
     hf_config: Callable[[], object]
@@ -49,6 +53,7 @@ class Family:
     moe: bool = False
     cpu_patches: tuple[Callable[[], None], ...] = field(default=())
     bad_args: dict = field(default_factory=dict)
+    transformer_impl: str = "local"
 
 
 # --- CPU stand-ins for Transformer Engine modules -----------------------------------------------
@@ -284,12 +289,31 @@ def gdn_model(cfg):
 FAMILIES: dict[str, Family] = {
     "qwen3_next": Family(qwen3_next_config, gdn_model, moe=True, cpu_patches=(_cpu_gdn_patches,),
                          bad_args=dict(attention_output_gate=False, apply_layernorm_1p=False,
-                                       moe_shared_expert_gate=False)),
-    "qwen3_5_moe": Family(qwen3_5_moe_config, gdn_model, moe=True, cpu_patches=(_cpu_gdn_patches,)),
-    "qwen3_5": Family(qwen3_5_config, gdn_model, cpu_patches=(_cpu_gdn_patches,)),
+                                       moe_shared_expert_gate=False), transformer_impl="transformer_engine"),
+    "qwen3_5_moe": Family(qwen3_5_moe_config, gdn_model, moe=True, cpu_patches=(_cpu_gdn_patches,),
+                          transformer_impl="transformer_engine"),
+    "qwen3_5": Family(qwen3_5_config, gdn_model, cpu_patches=(_cpu_gdn_patches,), transformer_impl="transformer_engine"),
 }
 # deepseek_v3 (MLA), glm4_moe, gpt_oss: their configs and Megatron builders are in hf_families_moe.
 FAMILIES.update({name: Family(**kw) for name, kw in hf_families_moe.FAMILY_ARGS.items()})
+
+
+def _moe_without_te_patch() -> None:
+    # megatron-core 0.16.1 without Transformer Engine: moe_utils reads the global te_general_gemm,
+    # defined only when TE imports; None selects its plain torch path.
+    from megatron.core.transformer.moe import moe_utils
+
+    moe_utils.__dict__.setdefault("te_general_gemm", None)
+
+
+# llama, qwen3 and qwen3_moe: the configs and builders of the to-hf tests (hf_workers), registered
+# here for from-hf's load-and-compare run (their to-hf tests are test_hf.py's; ``args`` is unused).
+FAMILIES.update({
+    arch: Family(functools.partial(hf_workers.hf_config, arch),
+                 functools.partial(lambda arch, cfg: (hf_workers.build_model(arch, cfg), {}), arch),
+                 moe=arch == "qwen3_moe", cpu_patches=(_moe_without_te_patch,))
+    for arch in ("llama", "qwen3", "qwen3_moe")
+})
 
 
 # --- the harness ------------------------------------------------------------------------------
@@ -344,6 +368,86 @@ def save_and_forward(rank, world, port, base, family):
     if rank == 0:
         cfg.save_pretrained(os.path.join(base, "hf_config"))
     return {}
+
+
+def random_hf_model(cfg, out_dir: str):
+    """A transformers model of ``cfg`` (float32) with every weight random and distinct: norms,
+    biases, the GDN decay parameters, attention sinks and router biases too (transformers
+    initialises many of them to constants, which would hide a swapped or dropped tensor). Norm
+    weights lie in [0.6, 1.6), where ``w - 1`` and ``+ 1`` are exact in float32 (the GDN output
+    norm's offset). Saved with ``save_pretrained`` into ``out_dir``; returns its logits on
+    ``TOKENS``."""
+    import transformers
+
+    hf_cpu_torch_paths()
+    torch.manual_seed(4321)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(99)
+    with torch.no_grad():
+        for name, p in [*model.named_parameters(), *model.named_buffers()]:
+            if not p.is_floating_point() or "rotary" in name or name.endswith("inv_freq"):
+                continue
+            if "norm" in name or name.endswith("dt_bias"):
+                p.copy_(0.6 + torch.rand(p.shape, generator=g))
+            elif p.dim() < 2 or name.endswith("_bias"):
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+        model.save_pretrained(out_dir)
+        return model(TOKENS).logits[0].clone()
+
+
+def checkpoint_key_mismatch(model, ckpt_dir: str) -> tuple[list, list]:
+    """What megatron-core's ``strict=raise_all`` compares, over all ranks: the keys of the
+    checkpoint no rank asks for, and the keys some rank asks for that the checkpoint lacks
+    (``validation._determine_missing_and_unexpected_keys``). megatron-core reads the checkpoint's
+    keys with ``load_sharded_metadata``, which fails under torch 2.15 for any checkpoint
+    (``torch.empty(**TensorProperties.__dict__)`` gets torch 2.15's new ``strides`` field), so the
+    keys come from torch DCP's own ``.metadata`` reader here (a ShardedObject is stored as
+    ``key/shard_<offset>_<shape>``)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedBase, apply_factories
+
+    sd = model.sharded_state_dict()
+    apply_factories(sd)
+    asked = {v.key for v in nested_values(sd) if isinstance(v, ShardedBase)}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, sorted(asked))
+    asked_anywhere = set().union(*map(set, gathered))
+    stored = {k.split("/shard_")[0] for k in dcp.FileSystemReader(ckpt_dir).read_metadata().state_dict_metadata}
+    return sorted(stored - asked_anywhere), sorted(asked - stored)
+
+
+def load_and_forward(rank, world, port, base, families):
+    """Worker (2 ranks): for each family, builds a fresh megatron-core model in the resharded layout
+    (TP=2, EP=2 for MoE), fills it with megatron-core's own unmodified ``dist_checkpointing.load``
+    from ``base/<family>/ckpt`` and records its logits (``base/<family>/megatron_logits.pt``).
+    Returns, per family, the key mismatches ``strict=raise_all`` would report
+    (:func:`checkpoint_key_mismatch`)."""
+    init_gloo(rank, world, port)
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    _cpu_common_patches()
+    mismatch = {}
+    for family in families:
+        fam = FAMILIES[family]
+        for patch in fam.cpu_patches:
+            patch()
+        cfg = fam.hf_config()
+        ps.initialize_model_parallel(tensor_model_parallel_size=2, expert_model_parallel_size=2 if fam.moe else 1,
+                                     expert_tensor_parallel_size=1 if fam.moe else None)
+        model, _ = fam.build(cfg)
+        ckpt = os.path.join(base, family, "ckpt")
+        mismatch[family] = checkpoint_key_mismatch(model, ckpt)
+        model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), ckpt))
+        logits = _megatron_logits(model, cfg.vocab_size)
+        if rank == 0:
+            torch.save(logits, os.path.join(base, family, "megatron_logits.pt"))
+        ps.destroy_model_parallel()
+    return {"mismatch": mismatch}
 
 
 def hf_reference_tensors(config_dir: str, out_dir: str) -> dict:
