@@ -4,8 +4,7 @@ transformers (``save_pretrained``) are converted at TP=2 (the vocabulary padded 
 own unmodified ``dist_checkpointing.load`` fills a freshly built model at TP=2 (x EP=2 for MoE) on gloo
 CPU ranks (one 2-process run for all families), with no key mismatch of the kind ``strict=raise_all``
 reports (``hf_families.checkpoint_key_mismatch``: that check itself fails under torch 2.15); Megatron's logits equal
-transformers' (an expected failure until from-hf writes the linears' ``_extra_state`` objects); and ``to-hf``
-of the result gives back the input tensors bitwise. Quantized inputs
+transformers'; and ``to-hf`` of the result gives back the input tensors bitwise. Quantized inputs
 (block FP8, MXFP4) are dequantized bitwise as the tests' own reference computes; bad inputs are refused,
 naming the tensor, with nothing committed; ``--workers`` and ``--part`` write byte-identical files."""
 
@@ -25,10 +24,7 @@ import hf_families
 import shardwise
 from mcore import spawn
 
-# The families whose Megatron model has the local spec. The GDN families' models (Transformer
-# Engine layout) also ask for the TE modules' ``_extra_state`` ShardedObjects, which from-hf does
-# not write yet: megatron-core's load reports them missing.
-FAMILIES = [name for name, fam in hf_families.FAMILIES.items() if fam.transformer_impl == "local"]
+FAMILIES = list(hf_families.FAMILIES)
 MAX_REL_DIFF = 1e-4
 MCORE = importlib.metadata.version("megatron-core")
 
@@ -72,12 +68,6 @@ def megatron_loaded(converted):
     return spawn(hf_families.load_and_forward, 2, str(base / "out"), str(base), FAMILIES, timeout_s=900)
 
 
-# Every megatron-core linear (the local ColumnParallelLinear / RowParallelLinear as well as Transformer
-# Engine's) puts an ``_extra_state`` entry in its state dict, which ``sharded_state_dict`` turns into a
-# ShardedObject (``<module>._extra_state/shard_<layer,expert offsets>_<their sizes>``, shard_0_1 without
-# them); from-hf does not write these objects yet, so megatron-core's load stops at the first one
-# ("Missing key in checkpoint state_dict: decoder.layers.0.mlp.linear_fc1._extra_state/shard_0_1").
-@pytest.mark.xfail(strict=True, reason="from-hf does not write the linears' _extra_state ShardedObjects yet")
 @pytest.mark.parametrize("family", FAMILIES)
 def test_megatron_loads_it_strictly_and_its_logits_equal_transformers(converted, megatron_loaded, family):
     base, summaries = converted
@@ -332,3 +322,46 @@ def test_cli_from_hf(tmp_path):
     r = subprocess.run([sys.executable, "-m", "shardwise.cli", "from-hf", str(hf), str(tmp_path / "release")],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 1 and "not empty" in r.stderr
+
+
+def test_ctrl_c_commits_nothing_and_a_rerun_completes(tmp_path):
+    """A real SIGINT to a running ``shardwise from-hf`` (the CLI; data files already written): it
+    exits non-zero with nothing committed (no .metadata, metadata.json or common.pt), and the same
+    command run again into that folder completes and commits."""
+    import signal
+    import time
+
+    import transformers
+
+    # About 400 MB of bf16 weights, written as fp32 in 16 MB data files: seconds of work.
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=1024, intermediate_size=4096, num_hidden_layers=12,
+                                   num_attention_heads=8, num_key_value_heads=8, tie_word_embeddings=False)
+    tensors = {"model.embed_tokens.weight": torch.zeros(256, 1024), "lm_head.weight": torch.zeros(256, 1024),
+               "model.norm.weight": torch.ones(1024)}
+    for l in range(cfg.num_hidden_layers):
+        p = f"model.layers.{l}."
+        for n, shape in [("self_attn.q_proj.weight", (1024, 1024)), ("self_attn.k_proj.weight", (1024, 1024)),
+                         ("self_attn.v_proj.weight", (1024, 1024)), ("self_attn.o_proj.weight", (1024, 1024)),
+                         ("mlp.gate_proj.weight", (4096, 1024)), ("mlp.up_proj.weight", (4096, 1024)),
+                         ("mlp.down_proj.weight", (1024, 4096)), ("input_layernorm.weight", (1024,)),
+                         ("post_attention_layernorm.weight", (1024,))]:
+            tensors[p + n] = torch.full(shape, float(l), dtype=torch.bfloat16)
+    hf = _folder(tmp_path / "hf", cfg.to_dict(), {k: t.to(torch.bfloat16) for k, t in tensors.items()})
+    ckpt = tmp_path / "ckpt"
+    cmd = [sys.executable, "-m", "shardwise.cli", "from-hf", str(hf), str(ckpt), "--transformer-impl", "local",
+           "--dtype", "fp32", "--workers", "1", "--max-file-size", "16MB"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(ckpt.glob("*.distcp")):  # data files are being written
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0, "the conversion finished before the interrupt: make the folder larger"
+    assert "interrupted" in err, err
+    for name in (".metadata", "metadata.json", "common.pt"):
+        assert not (ckpt / name).exists(), name
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert (ckpt / ".metadata").is_file() and (ckpt / "common.pt").is_file()

@@ -27,12 +27,13 @@ use sha2::{Digest, Sha256};
 
 use super::output::{check_outside, Part};
 use super::spec::Dims;
+use crate::commit::part::ObjectShard;
 use crate::commit::wait::{interrupted, missing_ranks, Freshness};
 use crate::error::{Error, Result};
 use crate::format::dtype::DType;
-use crate::save::{save_rank, SaveOptions};
+use crate::save::{save_rank, ObjectItem, SaveOptions};
 use crate::storage::Location;
-use crate::writer::{Payload, TensorChunk};
+use crate::writer::{ByteObject, Payload, TensorChunk};
 
 pub use plan::Impl;
 
@@ -302,6 +303,31 @@ pub fn from_hf(
         add_bias_linear: has("self_attn.o_proj.bias"),
     };
     let common = args::common_pt(&args::megatron_args(&d, &layout), opts.iteration);
+    // The linears' `_extra_state` objects, written by group 0 beside common.pt: `torch.save(None)`,
+    // what megatron-core's torch_dist save stores for the local linears' `get_extra_state()`.
+    let none_pt = {
+        let mut p = crate::format::pickle::Pickler::new(false);
+        p.none();
+        crate::format::zip::object_archive(&p.finish(), "0000000000000000000000000000000000000000")
+    };
+    let extra = plan::extra_states(&p.jobs);
+    let objects: Vec<ObjectItem> = extra
+        .iter()
+        .map(|(key, shape, offset)| {
+            let dims = |v: &[u64]| v.iter().map(u64::to_string).collect::<Vec<_>>().join(".");
+            ObjectItem {
+                object: ByteObject {
+                    fqn: format!("{key}/shard_{}_{}", dims(offset), dims(shape)),
+                    bytes: &none_pt,
+                },
+                shard: Some(ObjectShard {
+                    key: key.clone(),
+                    global_shape: shape.clone(),
+                    global_offset: offset.clone(),
+                }),
+            }
+        })
+        .collect();
 
     // Phase 3: groups, this part's written as parts of one save.
     let item = opts.dtype.itemsize();
@@ -367,7 +393,7 @@ pub fn from_hf(
         let report = save_rank(
             &save_opts(g),
             &tensors,
-            &[],
+            if g == 0 { &objects } else { &[] },
             (g == 0).then_some(common.as_slice()),
             None,
         )?;

@@ -510,6 +510,37 @@ fn job(
     })
 }
 
+/// A Megatron ShardedObject position: `key`, `global_shape`, `global_offset`.
+pub(crate) type ObjectPos = (String, Vec<u64>, Vec<u64>);
+
+/// The `_extra_state` ShardedObjects megatron-core asks for beside the linears the plan writes:
+/// every linear of a decoder layer (`linear_*`, GDN's `in_proj` / `out_proj`; the local
+/// `ColumnParallelLinear` / `RowParallelLinear` as well as Transformer Engine's) has an
+/// `_extra_state` entry in its state dict, which `sharded_state_dict` turns into a ShardedObject
+/// whose shape and offset are the layer and expert axes of its weight, `(1,)` / `(0,)` without
+/// them (megatron-core 0.19 `utils._get_extra_state_offsets`). Sorted, each once.
+pub(crate) fn extra_states(jobs: &[Job]) -> Vec<ObjectPos> {
+    let mut out: BTreeSet<ObjectPos> = BTreeSet::new();
+    for c in jobs.iter().flat_map(|j| &j.chunks) {
+        let Some(module) = c.key.strip_suffix(".weight") else {
+            continue;
+        };
+        let last = module.rsplit('.').next().unwrap_or(module);
+        let linear = last.starts_with("linear_") || last == "in_proj" || last == "out_proj";
+        if !c.key.starts_with("decoder.layers.") || !linear || c.global_shape.len() < 2 {
+            continue;
+        }
+        let lead = c.global_shape.len() - 2;
+        let (shape, offset) = if lead == 0 {
+            (vec![1], vec![0])
+        } else {
+            (c.global_shape[..lead].to_vec(), c.offsets[..lead].to_vec())
+        };
+        out.insert((format!("{module}._extra_state"), shape, offset));
+    }
+    out.into_iter().collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -591,6 +622,25 @@ mod tests {
             .unwrap();
         assert_eq!((emb.rows, emb.pad_from), (16, Some(10)));
         assert_eq!(emb.chunks[0].global_shape, vec![16, 8]);
+    }
+
+    #[test]
+    fn each_stacked_linear_has_an_extra_state_object_per_layer() {
+        // What megatron-core 0.19's sharded_state_dict of a llama GPTModel (local spec) asks for.
+        let (d, hf) = llama_hf();
+        let p = plan(&d, &hf, Impl::Local, 16).unwrap();
+        let want: Vec<ObjectPos> = [
+            "mlp.linear_fc1",
+            "mlp.linear_fc2",
+            "self_attention.linear_proj",
+            "self_attention.linear_qkv",
+        ]
+        .iter()
+        .flat_map(|m| {
+            (0..2).map(move |l| (format!("decoder.layers.{m}._extra_state"), vec![2], vec![l]))
+        })
+        .collect();
+        assert_eq!(extra_states(&p.jobs), want);
     }
 
     #[test]
