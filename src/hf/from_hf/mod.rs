@@ -303,11 +303,17 @@ pub fn from_hf(
         add_bias_linear: has("self_attn.o_proj.bias"),
     };
     let common = args::common_pt(&args::megatron_args(&d, &layout), opts.iteration);
-    // The linears' `_extra_state` objects, written by group 0 beside common.pt: `torch.save(None)`,
-    // what megatron-core's torch_dist save stores for the local linears' `get_extra_state()`.
+    // The linears' `_extra_state` objects, written by group 0 beside common.pt: `torch.save([None])`,
+    // what megatron-core's torch_dist save stores for a local linear's `get_extra_state()` (None;
+    // every ShardedObject is saved as the list of its shards' data,
+    // `strategies/torch.py` `_mcore_to_torch_sharded_object`, and loaded back as that list).
     let none_pt = {
         let mut p = crate::format::pickle::Pickler::new(false);
+        p.empty_list();
+        p.put();
+        p.mark();
         p.none();
+        p.appends();
         crate::format::zip::object_archive(&p.finish(), "0000000000000000000000000000000000000000")
     };
     let extra = plan::extra_states(&p.jobs);
