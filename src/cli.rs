@@ -10,7 +10,7 @@ use clap::{Parser, Subcommand};
 use indicatif::HumanBytes;
 use serde::Serialize;
 
-use crate::commit::part::{listed_parts, read_part, save_rel, RankPart, STATE_DIR};
+use crate::commit::part::{listed_parts, read_part, save_rel, Marker, RankPart, STATE_DIR};
 use crate::commit::state::{checkpoint_state, orphaned_data_files, save_state, CheckpointState};
 use crate::commit::wait::{missing_ranks, timeout_from_secs, Freshness};
 use crate::error::{fmt_ranks, Error, Result};
@@ -1035,7 +1035,7 @@ fn merge(
         None => {
             let ids: Vec<String> = save_ids(dir)?
                 .into_iter()
-                .filter(|id| !dir.exists(&crate::commit::part::marker_rel(id, "COMMITTED")))
+                .filter(|id| !dir.exists(&Marker::Committed.rel(id)))
                 .collect();
             match ids.as_slice() {
                 [one] => one.clone(),
@@ -1120,6 +1120,9 @@ fn merge_rank_local(
         count(s.byte_objects, "byte object"),
         count(s.replicas_dropped, "replicated item")
     );
+    if s.replaced_stale {
+        out!("{dir}: replaced the .metadata of an earlier save (older than every rank-local file)");
+    }
     if s.already_merged {
         out!("{dir}: .metadata is already the merge of the rank-local metadata of {} (nothing to do): {what}", count(s.ranks as usize, "rank"));
     } else {

@@ -510,7 +510,7 @@ pub(crate) fn read_hf_tensor(ckpt: &Checkpoint, t: &HfTensor, buf: &mut [u8]) ->
     let mut at = 0usize;
     for pc in &t.pieces {
         let n = (pc.sizes.iter().product::<u64>() * item) as usize;
-        ckpt.read_region(&pc.key, &pc.offsets, &pc.sizes, &mut buf[at..at + n])?;
+        crate::load::read_region(ckpt, &pc.key, &pc.offsets, &pc.sizes, &mut buf[at..at + n])?;
         at += n;
     }
     apply_post(t.post, t.src_dtype, &t.shape, buf)

@@ -129,7 +129,7 @@ impl PyCheckpoint {
                 // and nbytes, and keeps the tensor alive until this call returns.
                 unsafe { std::slice::from_raw_parts_mut(data_ptr as *mut u8, nbytes) }
             };
-            self.inner.read_region(key, &offsets, &sizes, out)
+            crate::load::read_region(&self.inner, key, &offsets, &sizes, out)
         })
         .map_err(to_py)
     }

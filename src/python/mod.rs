@@ -125,7 +125,7 @@ fn python_interrupted() -> bool {
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     let _ = MAIN_THREAD.set(std::thread::current().id());
-    crate::commit::wait::set_interrupt_check(python_interrupted);
+    crate::interrupt::set_interrupt_check(python_interrupted);
     m.add_function(wrap_pyfunction!(tools::is_committed, m)?)?;
     m.add_function(wrap_pyfunction!(tools::same_tensor_crcs, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
