@@ -28,9 +28,10 @@ use sha2::{Digest, Sha256};
 use super::output::{check_outside, Part};
 use super::spec::Dims;
 use crate::commit::part::ObjectShard;
-use crate::commit::wait::{interrupted, missing_ranks, Freshness};
+use crate::commit::wait::{missing_ranks, Freshness};
 use crate::error::{Error, Result};
 use crate::format::dtype::DType;
+use crate::interrupt::interrupted;
 use crate::save::{save_rank, ObjectItem, SaveOptions};
 use crate::storage::Location;
 use crate::writer::{ByteObject, Payload, TensorChunk};
@@ -482,11 +483,11 @@ fn save_id(src: &source::HfSource, opts: &FromHfOptions, d: &Dims) -> Result<Str
         .as_bytes(),
     );
     let digest: [u8; 32] = h.finalize().into();
-    let id = format!("from-hf-{}", &crate::integrity::hex(&digest)[..24]);
+    let id = format!("from-hf-{}", &crate::commit::manifest::hex(&digest)[..24]);
     // A folder committed by this very conversion is replaced under another id (a save never
     // overwrites its own commit); there is no part to agree with (--overwrite excludes --part).
     Ok(if opts.overwrite {
-        format!("{id}-{}", crate::commit::part::now_ns())
+        format!("{id}-{}", crate::commit::liveness::now_ns())
     } else {
         id
     })
