@@ -106,8 +106,8 @@ impl Default for LoadOptions {
     }
 }
 
-/// What a load did.
-#[derive(Clone, Debug, Default)]
+/// What a load did (`Checkpoint.load_into` returns its fields as a dict).
+#[derive(Clone, Debug, Default, serde::Serialize)]
 pub struct LoadStats {
     /// Bytes read from storage (item probes included).
     pub bytes_read: u64,

@@ -24,6 +24,7 @@ from ._native import (
     cuda_available,
     from_hf,
     merge,
+    status,
     to_hf,
 )
 from .barriers import BarrierTimeoutError, barrier, record_phase
@@ -50,6 +51,7 @@ __all__ = [
     "__version__",
     "merge",
     "from_hf",
+    "status",
     "to_hf",
     "diff",
     "open",

@@ -19,6 +19,7 @@
 use std::collections::BTreeMap;
 
 use super::super::spec::{Dims, LayerPattern, Rel};
+use crate::error::{Error, Result};
 use crate::format::pickle::Pickler;
 use crate::format::zip::object_archive;
 
@@ -90,8 +91,27 @@ fn period(on: &[bool]) -> Option<u64> {
     })
 }
 
+/// The smallest `(dsa_indexer_topk_freq, dsa_indexer_skip_topk_offset)` under which exactly the
+/// layers `on` run their own DSA indexer, counted as megatron-core 0.19.2 does for a GPTModel
+/// (`dsa.is_dsa_skip_topk_layer`: layer number `l + 1`, offset at least 1; the same reading as
+/// [`super::super::config`]'s check of stored args), if any.
+fn indexer_schedule(on: &[bool]) -> Option<(u64, u64)> {
+    let n = on.len() as u64;
+    (1..=n.max(1)).find_map(|freq| {
+        (0..=n).find_map(|offset| {
+            on.iter()
+                .enumerate()
+                .all(|(l, &x)| x == ((l as u64 + 1).saturating_sub(offset.max(1)) % freq == 0))
+                .then_some((freq, offset))
+        })
+    })
+}
+
 /// Megatron-LM's `args` for a model of `d` converted as `lay` says.
-pub(crate) fn megatron_args(d: &Dims, lay: &Layout) -> BTreeMap<String, Arg> {
+///
+/// Errors: [`Error::Validation`] when the config's DSA indexer layers (`indexer_types`) fit no
+/// schedule Megatron's args can express.
+pub(crate) fn megatron_args(d: &Dims, lay: &Layout) -> Result<BTreeMap<String, Arg>> {
     let mut a: BTreeMap<String, Arg> = BTreeMap::new();
     let int = |v: u64| Arg::Int(v as i64);
     for c in d.spec.checks() {
@@ -124,8 +144,19 @@ pub(crate) fn megatron_args(d: &Dims, lay: &Layout) -> BTreeMap<String, Arg> {
                     a.insert(c.args.into(), arg);
                 }
             }
-            Rel::ArgsTrue => {
-                a.insert(c.args.into(), Arg::Bool(true));
+            Rel::ArgsTrue | Rel::ArgsFalse => {
+                a.insert(c.args.into(), Arg::Bool(c.rel == Rel::ArgsTrue));
+            }
+            Rel::IndexerLayers => {
+                let on: Vec<bool> = (0..d.num_layers).map(|l| d.indexer(l)).collect();
+                let (freq, offset) = indexer_schedule(&on).ok_or_else(|| {
+                    Error::Validation(format!(
+                        "indexer_types: no dsa_indexer_topk_freq and dsa_indexer_skip_topk_offset of Megatron give the layers' pattern {}",
+                        on.iter().map(|&f| if f { 'F' } else { 'S' }).collect::<String>()
+                    ))
+                })?;
+                a.insert(c.args.into(), int(freq));
+                a.insert("dsa_indexer_skip_topk_offset".into(), int(offset));
             }
             // A warning of to-hf only; norm_epsilon itself is the Float row's.
             Rel::MlaNormEps => {}
@@ -226,7 +257,7 @@ pub(crate) fn megatron_args(d: &Dims, lay: &Layout) -> BTreeMap<String, Arg> {
     if let Some(m) = d.field("max_position_embeddings") {
         a.insert("max_position_embeddings".into(), int(m));
     }
-    a
+    Ok(a)
 }
 
 /// The bytes of `common.pt`: `torch.save({'args': Namespace(**args), 'checkpoint_version': 3.0,
@@ -272,6 +303,21 @@ mod tests {
         assert_eq!(period(&[true, false, true, false]), Some(2));
         assert_eq!(period(&[true, true, true, false]), Some(4));
         assert_eq!(period(&[true, false, false, true]), None);
+    }
+
+    #[test]
+    fn indexer_schedules_are_megatrons() {
+        assert_eq!(indexer_schedule(&[true; 4]), Some((1, 0)));
+        // Layers 1, 3 and 5 (1-based) run their indexer: freq 2 from offset 1.
+        assert_eq!(
+            indexer_schedule(&[true, false, true, false, true]),
+            Some((2, 0))
+        );
+        // Layers 1-2 run theirs, then every third from layer 5.
+        let on = [true, true, false, false, true, false, false, true];
+        let (f, o) = indexer_schedule(&on).unwrap();
+        assert_eq!((f, o), (3, 2));
+        assert_eq!(indexer_schedule(&[false, true]), None);
     }
 
     #[test]

@@ -303,7 +303,7 @@ pub fn from_hf(
         mla: has("self_attn.kv_a_proj_with_mqa.weight"),
         add_bias_linear: has("self_attn.o_proj.bias"),
     };
-    let common = args::common_pt(&args::megatron_args(&d, &layout), opts.iteration);
+    let common = args::common_pt(&args::megatron_args(&d, &layout)?, opts.iteration);
     // The linears' `_extra_state` objects, written by group 0 beside common.pt: `torch.save([None])`,
     // what megatron-core's torch_dist save stores for a local linear's `get_extra_state()` (None;
     // every ShardedObject is saved as the list of its shards' data,
