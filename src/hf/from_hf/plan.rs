@@ -13,7 +13,11 @@
 //! into the linear after it when the layer has that linear (`X.layer_norm_weight` when the layer
 //! has `X.weight`: `linear_qkv`, a dense layer's `linear_fc1`, MLA's `linear_q_up_proj` /
 //! `linear_kv_up_proj`, GDN's `in_proj`), else it is its own module (`input_layernorm.weight`,
-//! `pre_mlp_layernorm.weight`); `local` never fuses. The vocabulary rows are padded to
+//! `pre_mlp_layernorm.weight`). `local` keeps each norm its own module, but the local GPT layer
+//! spec of a `linear_qkv` attention saves its two norms under the fused names on every layer, MoE
+//! layers included (`get_gpt_layer_local_submodules`' `sharded_state_dict_keys_map`
+//! `input_layernorm.` -> `self_attention.linear_qkv.layer_norm_`, `pre_mlp_layernorm.` ->
+//! `mlp.linear_fc1.layer_norm_`, megatron-core 0.13.1 to 0.19.2); its MLA spec has no such map. The vocabulary rows are padded to
 //! `padded_vocab` by repeating the last row, as Megatron-LM's own checkpoint converter does
 //! (`tools/checkpoint/saver_mcore.py`: "Expanding embedding to larger size by replicating final
 //! entry").
@@ -90,11 +94,26 @@ fn fused_module(alias: &str) -> Option<&str> {
     alias.strip_suffix(".layer_norm_weight")
 }
 
+/// Whether the local GPT spec saves norm `alias` under this fused name on a layer whose rules'
+/// sources are `srcs`: the two norms of a layer with a `linear_qkv` attention (see the module
+/// doc).
+fn local_fused(alias: &str, srcs: &[&str]) -> bool {
+    matches!(
+        alias,
+        "self_attention.linear_qkv.layer_norm_weight" | "mlp.linear_fc1.layer_norm_weight"
+    ) && srcs.contains(&"self_attention.linear_qkv.weight")
+}
+
 /// The Megatron sub-key rule `r` has on a layer whose rules' sources are `srcs`: under
-/// Transformer Engine a fused `X.layer_norm_weight` when the layer has a source `X.weight...`,
-/// else the first alias that is no fused norm (None when the rule has only fused aliases and the
-/// layer lacks the linear they belong to, or under the local spec).
+/// Transformer Engine a fused `X.layer_norm_weight` when the layer has a source `X.weight...`;
+/// under the local spec a fused name [`local_fused`] gives; else the first alias that is no fused
+/// norm (None when the rule has only fused aliases and the layer lacks the linear they belong to).
 fn choose_alias(r: &Rule, imp: Impl, srcs: &[&str]) -> Option<&'static str> {
+    if imp == Impl::Local {
+        if let Some(a) = r.src.iter().find(|a| local_fused(a, srcs)) {
+            return Some(a);
+        }
+    }
     if imp == Impl::TransformerEngine {
         let fused = r.src.iter().find(|a| {
             fused_module(a).is_some_and(|m| {
@@ -143,8 +162,20 @@ fn layer_rules(d: &Dims, l: u64, imp: Impl) -> Vec<(&'static Rule, &'static str)
                 .iter()
                 .any(|o| chosen[j].0.outs.iter().any(|p| p.name == o.name));
             if keep[i] && keep[j] && shares {
-                let fused_i = fused_module(chosen[i].1).is_some();
-                let prefer_i = fused_i == (imp == Impl::TransformerEngine);
+                let prefer_i = match imp {
+                    Impl::TransformerEngine => fused_module(chosen[i].1).is_some(),
+                    // The local spec's fused name, else the plain one.
+                    Impl::Local => {
+                        let rank = |a: &str| {
+                            if local_fused(a, &srcs) {
+                                2
+                            } else {
+                                u8::from(fused_module(a).is_none())
+                            }
+                        };
+                        rank(chosen[i].1) >= rank(chosen[j].1)
+                    }
+                };
                 if prefer_i {
                     keep[j] = false;
                 } else {
@@ -522,7 +553,13 @@ pub(crate) type ObjectPos = (String, Vec<u64>, Vec<u64>);
 pub(crate) fn extra_states(jobs: &[Job]) -> Vec<ObjectPos> {
     let mut out: BTreeSet<ObjectPos> = BTreeSet::new();
     for c in jobs.iter().flat_map(|j| &j.chunks) {
-        let Some(module) = c.key.strip_suffix(".weight") else {
+        // GDN's `in_proj` weight is saved in parts (`in_proj.weight.query`, ...; megatron-core
+        // 0.19 `gated_delta_net.py` `sharded_state_dict`), one `_extra_state` for the module.
+        let module = c
+            .key
+            .strip_suffix(".weight")
+            .or_else(|| c.key.rsplit_once(".weight.").map(|(m, _)| m));
+        let Some(module) = module else {
             continue;
         };
         let last = module.rsplit('.').next().unwrap_or(module);
@@ -545,6 +582,36 @@ pub(crate) fn extra_states(jobs: &[Job]) -> Vec<ObjectPos> {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn a_linear_saved_in_parts_has_one_extra_state() {
+        let chunk = |key: &str| Chunk {
+            key: key.into(),
+            global_shape: vec![4, 8],
+            offsets: vec![0, 0],
+            sizes: vec![4, 8],
+            start: 0,
+        };
+        let job = Job {
+            post: Post::None,
+            inputs: vec![],
+            experts: 1,
+            rows: 4,
+            rest: vec![8],
+            pad_from: None,
+            chunks: vec![
+                chunk("decoder.layers.0.self_attention.in_proj.weight.query"),
+                chunk("decoder.layers.0.self_attention.in_proj.weight.key"),
+                chunk("decoder.layers.0.self_attention.conv1d.weight.key"),
+            ],
+        };
+        let want: Vec<ObjectPos> = vec![(
+            "decoder.layers.0.self_attention.in_proj._extra_state".into(),
+            vec![1],
+            vec![0],
+        )];
+        assert_eq!(extra_states(&[job]), want);
+    }
 
     fn dims(cfg: serde_json::Value) -> Dims {
         Dims::from_config(&cfg, None).unwrap()
@@ -590,8 +657,10 @@ mod tests {
             .iter()
             .flat_map(|j| j.chunks.iter().map(|c| c.key.as_str()))
             .collect();
-        assert!(keys.contains("decoder.layers.input_layernorm.weight"));
-        assert!(keys.contains("decoder.layers.pre_mlp_layernorm.weight"));
+        // The local GPT spec's keys map (megatron-core 0.19.2 gpt_layer_specs.py).
+        assert!(keys.contains("decoder.layers.self_attention.linear_qkv.layer_norm_weight"));
+        assert!(keys.contains("decoder.layers.mlp.linear_fc1.layer_norm_weight"));
+        assert!(!keys.contains("decoder.layers.input_layernorm.weight"));
         let te = plan(&d, &hf, Impl::TransformerEngine, 16).unwrap();
         let te_keys: BTreeSet<&str> = te
             .jobs
