@@ -106,6 +106,20 @@ enum Command {
         /// is removed only after they are all written, the new index written last.
         #[arg(long)]
         overwrite: bool,
+        /// The original HF release of a multimodal model (a config.json with a text_config, e.g.
+        /// Qwen3.5's): its vision tower (model.visual.*) is copied byte for byte, after its
+        /// names and shapes are checked against the config's vision_config; the text model is
+        /// written under model.language_model.*, as save_pretrained writes it.
+        #[arg(long, value_name = "DIR")]
+        base_hf: Option<PathBuf>,
+        /// For a multimodal config: write the text model alone (model.*) with the text model's
+        /// own config.json (e.g. Qwen3_5MoeForCausalLM).
+        #[arg(long)]
+        text_only: bool,
+        /// Convert without the checkpoint's MTP layers (mtp.layers.*); the config.json written
+        /// then declares none.
+        #[arg(long)]
+        drop_mtp: bool,
         /// Skip checkpoint keys that no rule maps instead of failing.
         #[arg(long)]
         allow_unmapped: bool,
@@ -233,6 +247,9 @@ where
             part,
             overwrite,
             allow_unmapped,
+            base_hf,
+            text_only,
+            drop_mtp,
             json,
         } => {
             let mut opts = crate::hf::HfOptions::from_user(
@@ -245,6 +262,9 @@ where
             )?;
             opts.overwrite = overwrite;
             opts.part = part.as_deref().map(crate::hf::Part::parse).transpose()?;
+            opts.base_hf = base_hf;
+            opts.text_only = text_only;
+            opts.drop_mtp = drop_mtp;
             to_hf(&location(&dir)?, &out, &opts, json)
         }
     })();

@@ -38,13 +38,13 @@ def hf_config(family: str):
             n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=2,
             routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1, q_lora_rank=24,
             kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, rope_interleave=True,
-            rope_parameters=rope, num_mtp_layers=0, attention_bias=False)
+            rope_parameters=rope, num_mtp_layers=1, attention_bias=False)
     if family == "glm4_moe":
         return transformers.Glm4MoeConfig(
             **common, num_key_value_heads=2, head_dim=16, intermediate_size=96, moe_intermediate_size=32,
             n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1,
             routed_scaling_factor=1.5, norm_topk_prob=True, first_k_dense_replace=1, use_qk_norm=True,
-            attention_bias=True, rope_parameters={**rope, "partial_rotary_factor": 0.5}, num_mtp_layers=0)
+            attention_bias=True, rope_parameters={**rope, "partial_rotary_factor": 0.5}, num_mtp_layers=1)
     if family == "gpt_oss":
         # Layer 0 slides (window 4 < the 12 tokens), layer 1 attends fully, layer 2 slides.
         return transformers.GptOssConfig(
@@ -67,6 +67,8 @@ def transformer_config_kwargs(family: str, cfg) -> dict:
         moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
     )
     if family in ("deepseek_v3", "glm4_moe"):
+        # One MTP layer (DeepSeek-V3's and GLM-4.5's releases have one): an MoE layer after the last.
+        kw.update(mtp_num_layers=cfg.num_nextn_predict_layers or None)
         kw.update(
             ffn_hidden_size=cfg.intermediate_size, activation_func=F.silu, add_bias_linear=False,
             moe_layer_freq=[0] * cfg.first_k_dense_replace + [1] * (cfg.num_hidden_layers - cfg.first_k_dense_replace),
@@ -155,8 +157,14 @@ def build(family: str, cfg):
         for layer in spec.layer_specs:
             layer.submodules.self_attention.submodules.core_attention = core
     rotary_percent = cfg.rope_parameters.get("partial_rotary_factor", 1.0)
+    mtp = None
+    if tc.mtp_num_layers:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+        mtp = get_gpt_mtp_block_spec(tc, spec, use_transformer_engine=False)
     torch.manual_seed(1234)
-    model = GPTModel(config=tc, transformer_layer_spec=spec, vocab_size=VOCAB_MEGATRON, max_sequence_length=64,
+    model = GPTModel(config=tc, transformer_layer_spec=spec, mtp_block_spec=mtp, vocab_size=VOCAB_MEGATRON,
+                     max_sequence_length=64,
                      position_embedding_type="rope", rotary_base=int(cfg.rope_parameters["rope_theta"]),
                      rotary_percent=rotary_percent, share_embeddings_and_output_weights=False, parallel_output=False)
     with torch.no_grad():
@@ -177,7 +185,7 @@ def build(family: str, cfg):
             "moe_router_num_groups", "moe_router_group_topk", "multi_latent_attention", "q_lora_rank",
             "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "qk_layernorm", "add_bias_linear",
             "add_qkv_bias", "softmax_type", "window_size", "window_attn_skip_freq", "glu_linear_offset",
-            "activation_func_clamp_value"]
+            "activation_func_clamp_value", "mtp_num_layers"]
     args = {k: getattr(tc, k) for k in same if hasattr(tc, k)}
     args.update(group_query_attention=tc.num_query_groups != tc.num_attention_heads, swiglu=True,
                 num_experts=tc.num_moe_experts, padded_vocab_size=VOCAB_MEGATRON,

@@ -43,11 +43,23 @@ def saved(tmp_path_factory):
     return get
 
 
-def _convert_and_compare(base, reference, ckpt, config, out):
-    summary = shardwise.to_hf(str(ckpt), str(out), hf_config=str(config), max_shard_size="100KB")
+def _expected(family, reference, config):
+    """What the conversion writes: ``reference`` (save_pretrained's names), plus the family's MTP
+    tensors in its official layout when the config declares them."""
+    cfg = json.loads(open(config).read())
+    cfg = {**cfg, **cfg.get("text_config", {})}
+    if not (cfg.get("num_nextn_predict_layers") or cfg.get("mtp_num_hidden_layers")):
+        return reference
+    return {**reference, **hf_families.mtp_expected_tensors(family, reference, cfg["num_hidden_layers"])}
+
+
+def _convert_and_compare(base, reference, ckpt, config, out, family=None, **kw):
+    summary = shardwise.to_hf(str(ckpt), str(out), hf_config=str(config), max_shard_size="100KB", **kw)
     assert summary["files"] > 1, summary
     assert summary["args_check"] == "passed" and not summary["args_unchecked"], summary
-    assert hf_families.safetensors_tensors(str(out)) == reference
+    assert not summary["warnings"], summary
+    if family is not None:
+        assert hf_families.safetensors_tensors(str(out)) == _expected(family, reference, config)
     logits, info = hf_families.hf_load_and_logits(str(out))
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     # diff in HF mode rebuilds every HF tensor (value transforms included) from the checkpoint.
@@ -62,28 +74,87 @@ def _convert_and_compare(base, reference, ckpt, config, out):
 def test_converted_model_matches_megatron(saved, family, layout, writer, tmp_path):
     base, reference = saved(family)
     logits = _convert_and_compare(base, reference, base / layout / writer, base / "hf_config" / "config.json",
-                                  tmp_path / "hf")
+                                  tmp_path / "hf", family)
     expected = torch.load(base / layout / "logits.pt")
     assert logits.shape == expected.shape  # vocabulary padding trimmed: 256 -> 250
     rel = ((logits - expected).abs().max() / expected.abs().max()).item()
     print(f"{family} {layout} {writer}: max rel diff {rel:.2e}")
     assert rel <= MAX_REL_DIFF
+    if family in hf_families.MTP_LAYOUT:
+        # The MTP layer, by its published formula from the exported tensors, against Megatron's own
+        # MTP forward (transformers does not run MTP layers).
+        mtp = hf_families.hf_mtp_logits(str(tmp_path / "hf"), family)
+        want = torch.load(base / layout / "mtp_logits.pt")[0]
+        rel = ((mtp - want).abs().max() / want.abs().max()).item()
+        print(f"{family} {layout} {writer}: MTP max rel diff {rel:.2e}")
+        assert rel <= MAX_REL_DIFF
 
 
-def test_multimodal_qwen3_5_config_converts_its_text_model(saved, tmp_path):
-    """Qwen3.5's published config.json is the multimodal one (model_type qwen3_5_moe, the text model in
-    text_config): the conversion reads the text model's fields there, and AutoModelForCausalLM loads
-    the text model from it."""
+def _multimodal(base, tmp_path):
+    """The multimodal config of the qwen3_5_moe family's text model (model_type qwen3_5_moe, the text
+    model in text_config, a small vision tower), and an original release of it (``save_pretrained``
+    of a randomly initialised ``Qwen3_5MoeForConditionalGeneration``: the vision tower to copy)."""
     import transformers
 
-    base, reference = saved("qwen3_5_moe")
     text = json.loads((base / "hf_config" / "config.json").read_text())
-    cfg = transformers.Qwen3_5MoeConfig(text_config=text, tie_word_embeddings=False)
-    cfg.save_pretrained(tmp_path / "vl")
-    assert json.loads((tmp_path / "vl" / "config.json").read_text())["model_type"] == "qwen3_5_moe"
-    logits = _convert_and_compare(base, reference, base / "tp1" / "shardwise", tmp_path / "vl" / "config.json",
-                                  tmp_path / "hf")
-    torch.testing.assert_close(logits, torch.load(base / "tp1" / "logits.pt"), rtol=1e-4, atol=1e-5)
+    cfg = transformers.Qwen3_5MoeConfig(text_config=text, tie_word_embeddings=False,
+                                        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                                                           out_hidden_size=text["hidden_size"]))
+    cfg.architectures = ["Qwen3_5MoeForConditionalGeneration"]
+    torch.manual_seed(3)
+    transformers.Qwen3_5MoeForConditionalGeneration(cfg).save_pretrained(tmp_path / "release")
+    return tmp_path / "release" / "config.json", tmp_path / "release"
+
+
+def test_multimodal_qwen3_5_config_loads_with_its_declared_architecture(saved, tmp_path):
+    """Qwen3.5's published config.json is the multimodal one (model_type qwen3_5_moe, architecture
+    Qwen3_5MoeForConditionalGeneration). With --base-hf the folder holds what save_pretrained of that
+    model writes: the text model as model.language_model.*, the vision tower copied byte for byte,
+    the MTP layer as mtp.*; the declared class loads it with nothing missing and Megatron's logits.
+    Without --base-hf the conversion is refused; with --text-only it is the text model's, and says so."""
+    from safetensors import safe_open
+
+    base, reference = saved("qwen3_5_moe")
+    config, release = _multimodal(base, tmp_path)
+    ckpt = base / "resharded" / "shardwise"
+    with pytest.raises(shardwise.InvalidArgumentError,
+                       match=r"declares Qwen3_5MoeForConditionalGeneration, a multimodal model whose vision tower "
+                             r"\(model\.visual\.\*\) .* pass --base-hf DIR .* or --text-only"):
+        shardwise.to_hf(str(ckpt), str(tmp_path / "refused"), hf_config=str(config))
+    assert not (tmp_path / "refused").exists()
+    out = tmp_path / "hf"
+    logits = _convert_and_compare(base, reference, ckpt, config, out, base_hf=str(release))
+    torch.testing.assert_close(logits, torch.load(base / "resharded" / "logits.pt"), rtol=1e-4, atol=1e-5)
+    want = hf_families.safetensors_tensors(str(release))
+    got = hf_families.safetensors_tensors(str(out))
+    assert got == {k: v for k, v in want.items()} | hf_families.mtp_expected_tensors(
+        "qwen3_5_moe", reference, json.loads(config.read_text())["text_config"]["num_hidden_layers"])
+    visual = [k for k in want if k.startswith("model.visual.")]
+    assert visual
+    orig, conv = hf_families._folder_tensors(str(release)), hf_families._folder_tensors(str(out))
+    assert all(torch.equal(orig[k], conv[k]) for k in visual)
+    # The MTP layer of the multimodal layout, by the formula, against Megatron's.
+    mtp = hf_families.hf_mtp_logits(str(out), "qwen3_5_moe")
+    torch.testing.assert_close(mtp, torch.load(base / "resharded" / "mtp_logits.pt")[0], rtol=1e-4, atol=1e-5)
+    # A vision tower that is not the config's is refused before anything is written.
+    bad = json.loads(config.read_text())
+    bad["vision_config"]["depth"] = 3
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    with pytest.raises(shardwise.InvalidArgumentError, match=r"its vision tower is not the one vision_config "
+                                                              r"describes \(depth 3\): 16 missing"):
+        shardwise.to_hf(str(ckpt), str(tmp_path / "bad"), hf_config=str(tmp_path / "bad.json"), base_hf=str(release))
+    assert not (tmp_path / "bad").exists()
+    # --text-only: the text model's own config and names.
+    text = tmp_path / "text"
+    summary = shardwise.to_hf(str(ckpt), str(text), hf_config=str(config), text_only=True)
+    written = json.loads((text / "config.json").read_text())
+    assert written["architectures"] == ["Qwen3_5MoeForCausalLM"] and written["model_type"] == "qwen3_5_moe_text"
+    assert "vision_config" not in written and summary["vision_tensors"] == 0
+    assert hf_families.safetensors_tensors(str(text)) == _expected("qwen3_5_moe", reference,
+                                                                    base / "hf_config" / "config.json")
+    logits, info = hf_families.hf_load_and_logits(str(text))
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    torch.testing.assert_close(logits, torch.load(base / "resharded" / "logits.pt"), rtol=1e-4, atol=1e-5)
 
 
 def _with(base, tmp_path, **changes):

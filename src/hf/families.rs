@@ -14,6 +14,8 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
         layer: &[ATTN_QKV, NORMS, DENSE_MLP],
         checks: &[BASE_CHECKS, HEAD_SPLIT_CHECKS, DENSE_CHECKS],
         moe_layers: LayerPattern::Dense,
+        mtp: None,
+        multimodal: None,
     },
     ArchSpec {
         model_types: &["qwen2"],
@@ -21,6 +23,8 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
         layer: &[QKV_BIAS_REQUIRED, ATTN_QKV, NORMS, DENSE_MLP],
         checks: &[BASE_CHECKS, HEAD_SPLIT_CHECKS, DENSE_CHECKS],
         moe_layers: LayerPattern::Dense,
+        mtp: None,
+        multimodal: None,
     },
     ArchSpec {
         model_types: &["qwen3"],
@@ -28,6 +32,8 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
         layer: &[ATTN_QKV, QK_NORM, NORMS, DENSE_MLP],
         checks: &[BASE_CHECKS, HEAD_SPLIT_CHECKS, DENSE_CHECKS],
         moe_layers: LayerPattern::Dense,
+        mtp: None,
+        multimodal: None,
     },
     ArchSpec {
         model_types: &["qwen3_moe"],
@@ -40,6 +46,8 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
             QWEN_MOE_CHECKS,
         ],
         moe_layers: LayerPattern::QwenSparseStep,
+        mtp: None,
+        multimodal: None,
     },
     ArchSpec {
         model_types: &["deepseek_v3"],
@@ -47,6 +55,8 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
         layer: &[MLA_ATTN, NORMS, DENSE_MLP, DEEPSEEK_MOE, ROUTED_EXPERTS],
         checks: &[BASE_CHECKS, ROPE_CHECKS, MLA_CHECKS, DEEPSEEK_MOE_CHECKS],
         moe_layers: LayerPattern::FirstKDense,
+        mtp: Some(&DEEPSEEK_MTP),
+        multimodal: None,
     },
     ArchSpec {
         model_types: &["glm4_moe"],
@@ -67,6 +77,8 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
             DEEPSEEK_MOE_CHECKS,
         ],
         moe_layers: LayerPattern::FirstKDense,
+        mtp: Some(&DEEPSEEK_MTP),
+        multimodal: None,
     },
     ArchSpec {
         model_types: &["gpt_oss"],
@@ -80,6 +92,8 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
             &[check("sliding_window", "window_size", Rel::SlidingWindow)],
         ],
         moe_layers: LayerPattern::AllMoe,
+        mtp: None,
+        multimodal: None,
     },
     ArchSpec {
         model_types: &["qwen3_next"],
@@ -102,6 +116,8 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
             gdn::GDN_MOE_CHECKS,
         ],
         moe_layers: LayerPattern::QwenSparseStep,
+        mtp: Some(&gdn::QWEN_MTP),
+        multimodal: None,
     },
     ArchSpec {
         // A Qwen3.5 config.json with a `text_config` (the multimodal one) converts its text model.
@@ -123,6 +139,8 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
             gdn::GDN_MOE_CHECKS,
         ],
         moe_layers: LayerPattern::AllMoe,
+        mtp: Some(&gdn::QWEN_MTP),
+        multimodal: Some(&gdn::QWEN3_5_MOE_MULTIMODAL),
     },
     ArchSpec {
         model_types: &["qwen3_5", "qwen3_5_text"],
@@ -136,6 +154,8 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
             ROPE_CHECKS,
         ],
         moe_layers: LayerPattern::Dense,
+        mtp: Some(&gdn::QWEN_MTP),
+        multimodal: Some(&gdn::QWEN3_5_MULTIMODAL),
     },
     ArchSpec {
         model_types: &["mixtral"],
@@ -143,6 +163,8 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
         layer: &[ATTN_QKV, NORMS, MIXTRAL_MOE],
         checks: &[BASE_CHECKS, HEAD_SPLIT_CHECKS, MIXTRAL_CHECKS],
         moe_layers: LayerPattern::AllMoe,
+        mtp: None,
+        multimodal: None,
     },
 ];
 

@@ -11,11 +11,13 @@ use crate::commit::wait::{timeout_from_secs, Freshness};
 /// Converts checkpoint `checkpoint_dir` to HF safetensors in `out_dir`; see `shardwise to-hf`.
 /// `dtype` is bf16, fp16, fp32 or None (as stored); `max_shard_size` like "5GB"; `workers`
 /// threads; `part` like "0/2" for one part of a split conversion; `overwrite` replaces an earlier
-/// conversion in a non-empty `out_dir`. Returns the summary as a dict (tensors, bytes, files,
-/// seconds, gb_per_s, skipped_keys, args_check, args_unchecked, padding_rows_dropped,
-/// config_written, part, committed).
+/// conversion in a non-empty `out_dir`; `base_hf` (a multimodal config's original release: its
+/// vision tower is copied), `text_only` (a multimodal config's text model alone), `drop_mtp`
+/// (without the MTP layers). Returns the summary as a dict (tensors, bytes, files, seconds,
+/// gb_per_s, skipped_keys, args_check, args_unchecked, warnings, padding_rows_dropped,
+/// config_written, mtp_layers, vision_tensors, part, committed).
 #[pyfunction]
-#[pyo3(signature = (checkpoint_dir, out_dir, hf_config=None, arch=None, dtype=None, max_shard_size="5GB", threads=None, allow_unmapped=false, overwrite=false, part=None))]
+#[pyo3(signature = (checkpoint_dir, out_dir, hf_config=None, arch=None, dtype=None, max_shard_size="5GB", threads=None, allow_unmapped=false, overwrite=false, part=None, base_hf=None, text_only=false, drop_mtp=false))]
 #[allow(clippy::too_many_arguments)]
 pub(super) fn to_hf(
     py: Python<'_>,
@@ -29,6 +31,9 @@ pub(super) fn to_hf(
     allow_unmapped: bool,
     overwrite: bool,
     part: Option<String>,
+    base_hf: Option<PathBuf>,
+    text_only: bool,
+    drop_mtp: bool,
 ) -> PyResult<Py<PyAny>> {
     let mut opts = crate::hf::HfOptions::from_user(
         hf_config,
@@ -45,6 +50,9 @@ pub(super) fn to_hf(
         .map(crate::hf::Part::parse)
         .transpose()
         .map_err(to_py)?;
+    opts.base_hf = base_hf;
+    opts.text_only = text_only;
+    opts.drop_mtp = drop_mtp;
     let s = py
         .detach(|| {
             let loc = location(&checkpoint_dir)?;
