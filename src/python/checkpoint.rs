@@ -219,11 +219,20 @@ impl PyCheckpoint {
     }
 }
 
-/// Opens a checkpoint directory; raises a `ShardwiseError` subclass when `.metadata` is missing or
-/// not DCP metadata.
+/// Opens a checkpoint directory or URL, every object-store request bounded by `timeout_s` seconds
+/// when given; raises a `ShardwiseError` subclass when `.metadata` is missing or not DCP metadata.
 #[pyfunction]
-pub(super) fn open_checkpoint(py: Python<'_>, path: PathBuf) -> PyResult<PyCheckpoint> {
-    py.detach(|| Checkpoint::open(&location(&path)?))
+#[pyo3(signature = (path, timeout_s=None))]
+pub(super) fn open_checkpoint(
+    py: Python<'_>,
+    path: PathBuf,
+    timeout_s: Option<f64>,
+) -> PyResult<PyCheckpoint> {
+    let timeout = timeout_s
+        .map(|t| crate::commit::wait::timeout_from_secs("timeout_s", t))
+        .transpose()
+        .map_err(to_py)?;
+    py.detach(|| Checkpoint::open(&location(&path)?.with_timeout(timeout)?))
         .map(|inner| PyCheckpoint { inner })
         .map_err(to_py)
 }

@@ -131,6 +131,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(save::save_rank, m)?)?;
     m.add_function(wrap_pyfunction!(tools::merge, m)?)?;
+    m.add_function(wrap_pyfunction!(tools::merge_rank_local, m)?)?;
+    m.add_function(wrap_pyfunction!(tools::read_file, m)?)?;
     m.add_function(wrap_pyfunction!(tools::cli_main, m)?)?;
     m.add_function(wrap_pyfunction!(checkpoint::open_checkpoint, m)?)?;
     m.add_class::<checkpoint::PyCheckpoint>()?;

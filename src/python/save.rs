@@ -217,7 +217,9 @@ pub(super) fn save_rank<'py>(
     }
     let raw = raw_chunks(&tensors)?;
     let opts = SaveOptions {
-        location: location(&checkpoint_dir).map_err(to_py)?,
+        location: location(&checkpoint_dir)
+            .and_then(|l| l.with_timeout(Some(timeout)))
+            .map_err(to_py)?,
         rank,
         world_size,
         save_id,

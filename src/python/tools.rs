@@ -132,7 +132,7 @@ pub(super) fn merge(
     let timeout = timeout_from_secs("timeout_s", timeout_s).map_err(to_py)?;
     let s = py
         .detach(|| {
-            let loc = location(&checkpoint_dir)?;
+            let loc = location(&checkpoint_dir)?.with_timeout(Some(timeout))?;
             crate::commit::merge(&loc, &save_id, world_size, timeout, &Freshness::any_part())
         })
         .map_err(to_py)?;
@@ -142,6 +142,49 @@ pub(super) fn merge(
     d.set_item("tensor_chunks", s.tensor_chunks)?;
     d.set_item("data_bytes", s.data_bytes)?;
     Ok(d)
+}
+
+/// The whole file `rel` of the checkpoint `checkpoint_dir` (a directory or URL), or None when it
+/// does not exist; object-store requests bounded by `timeout_s` seconds when given.
+#[pyfunction]
+#[pyo3(signature = (checkpoint_dir, rel, timeout_s=None))]
+pub(super) fn read_file(
+    py: Python<'_>,
+    checkpoint_dir: PathBuf,
+    rel: String,
+    timeout_s: Option<f64>,
+) -> PyResult<Option<Py<pyo3::types::PyBytes>>> {
+    let timeout = timeout_s
+        .map(|t| timeout_from_secs("timeout_s", t))
+        .transpose()
+        .map_err(to_py)?;
+    let got = py
+        .detach(|| location(&checkpoint_dir)?.with_timeout(timeout)?.read(&rel))
+        .map_err(to_py)?;
+    Ok(got.map(|b| pyo3::types::PyBytes::new(py, &b).unbind()))
+}
+
+/// Merges the rank-local `__{rank}.metadata` files of a torch DCP `use_collectives=False` save
+/// into its global `.metadata` (`shardwise.dcp.finish`; see `crate::dcp_local`). `world_size`,
+/// when given, is waited for up to `timeout_s` seconds. Returns the summary as a dict (ranks, keys,
+/// tensor_chunks, byte_objects, replicas_dropped, metadata_bytes in bytes, already_merged).
+#[pyfunction]
+#[pyo3(signature = (checkpoint_dir, world_size=None, timeout_s=0.0))]
+pub(super) fn merge_rank_local(
+    py: Python<'_>,
+    checkpoint_dir: PathBuf,
+    world_size: Option<u32>,
+    timeout_s: f64,
+) -> PyResult<Py<PyAny>> {
+    let timeout = timeout_from_secs("timeout_s", timeout_s).map_err(to_py)?;
+    let s = py
+        .detach(|| {
+            let loc = location(&checkpoint_dir)?.with_timeout(Some(timeout))?;
+            crate::dcp_local::merge(&loc, world_size, timeout)
+        })
+        .map_err(to_py)?;
+    let json = serde_json::to_string(&s).expect("serializable");
+    Ok(py.import("json")?.call_method1("loads", (json,))?.unbind())
 }
 /// Runs the `shardwise` command line with `argv` (program name first; `str`, where the bytes of a
 /// non-UTF-8 path are surrogate escapes, as in `sys.argv` and `os.fsdecode`); returns the exit code.
