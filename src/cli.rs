@@ -128,6 +128,11 @@ enum Command {
         /// then declares none.
         #[arg(long)]
         drop_mtp: bool,
+        /// The tokenizer folder whose files (tokenizer.json, tokenizer_config.json, ...,
+        /// generation_config.json) are copied beside the weights; default the checkpoint's
+        /// tokenizer/ (Megatron-LM after 0.19 saves one there), when it has one.
+        #[arg(long, value_name = "DIR")]
+        tokenizer: Option<PathBuf>,
         /// Skip checkpoint keys that no rule maps instead of failing.
         #[arg(long)]
         allow_unmapped: bool,
@@ -316,6 +321,7 @@ where
             base_hf,
             text_only,
             drop_mtp,
+            tokenizer,
             json,
             timeout,
         } => {
@@ -332,6 +338,7 @@ where
             opts.base_hf = base_hf;
             opts.text_only = text_only;
             opts.drop_mtp = drop_mtp;
+            opts.tokenizer = tokenizer;
             to_hf(&bounded(&dir, timeout)?, &out, &opts, json)
         }
     })();

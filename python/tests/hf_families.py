@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import importlib
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -189,6 +190,17 @@ def _distinct_experts(model, ep_rank: int) -> None:
         for name, p in model.named_parameters():
             if ".experts." in name:
                 p.add_(0.05 * torch.randn(p.shape, generator=g))
+
+
+def _distinct_mtp_norms(model) -> None:
+    """The MTP layer's norms start equal (all ones, or all zeros when zero-centred): a converter
+    swapping enorm and hnorm would go unnoticed. Noise from one seed on every rank (the norms are
+    replicated) makes each distinct."""
+    g = torch.Generator().manual_seed(77)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.startswith("mtp.") and "norm" in name:
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
 
 
 def gdn_model(cfg):
@@ -367,6 +379,7 @@ def save_and_forward(rank, world, port, base, family):
                                      expert_tensor_parallel_size=1 if fam.moe else None)
         model, args = fam.build(cfg)
         _distinct_experts(model, ps.get_expert_model_parallel_rank())
+        _distinct_mtp_norms(model)
         logits, mtp_logits = _megatron_logits(model, cfg.vocab_size)
         if rank == 0 and mtp_logits is not None:
             os.makedirs(os.path.join(base, layout), exist_ok=True)
@@ -474,10 +487,41 @@ def mtp_expected_tensors(family: str, reference: dict, num_layers: int) -> dict:
     for k in ("enorm", "hnorm", "norm"):
         out[lay[k].replace("{L}", L)] = (dt, [hidden])
     out[lay["proj"].replace("{L}", L)] = (dt, [hidden, 2 * hidden])
-    if lay["embed"].startswith(layer):  # DeepSeek's own copies
+    if lay["embed"].replace("{L}", L).startswith(layer):  # DeepSeek's own copies
         out[lay["embed"].replace("{L}", L)] = reference["model.embed_tokens.weight"]
         out[lay["head"].replace("{L}", L)] = reference["lm_head.weight"]
     return out
+
+
+def mtp_source_pairs(family: str, sources: dict, num_layers: int, vocab: int, t: dict) -> list:
+    """(Megatron key, HF name, Megatron tensor) for each exported MTP tensor that is its Megatron
+    source as it is (no split or fusion): the module's own tensors, its copies of the embedding and
+    head (vocabulary padding trimmed), the layer's norms, router and experts' down projections.
+    ``sources``: Megatron's state_dict at TP=1 (``_mtp_sources``); ``t``: the exported tensors (for
+    the multimodal layout's prefix)."""
+    lay = {k: (v.replace("{L}", str(num_layers)) if isinstance(v, str) else v) for k, v in MTP_LAYOUT[family].items()}
+    if lay["embed"] not in t:
+        lay["embed"] = lay["embed"].replace("model.", "model.language_model.")
+    layer = lay["layer"]
+    own = {"enorm.weight": lay["enorm"], "hnorm.weight": lay["hnorm"], "eh_proj.weight": lay["proj"],
+           "final_layernorm.weight": lay["norm"],
+           "mtp_model_layer.pre_mlp_layernorm.weight": layer + "post_attention_layernorm.weight",
+           "mtp_model_layer.input_layernorm.weight": layer + "input_layernorm.weight",
+           "mtp_model_layer.mlp.router.weight": layer + "mlp.gate.weight"}
+    pairs = []
+    for k, v in sources.items():
+        if k == "embedding.word_embeddings.weight" and lay["embed"].startswith(layer):
+            pairs.append((k, lay["embed"], v[:vocab]))
+        elif k == "output_layer.weight" and lay["head"].startswith(layer):
+            pairs.append((k, lay["head"], v[:vocab]))
+        elif k.startswith("mtp.layers.0."):
+            sub = k[len("mtp.layers.0."):]
+            m = re.fullmatch(r"mtp_model_layer\.mlp\.experts\.local_experts\.(\d+)\.linear_fc2\.weight", sub)
+            if sub in own:
+                pairs.append((k, own[sub], v))
+            elif m:
+                pairs.append((k, f"{layer}mlp.experts.{m[1]}.down_proj.weight", v))
+    return pairs
 
 
 def _folder_tensors(folder: str) -> dict:
@@ -491,12 +535,13 @@ def _folder_tensors(folder: str) -> dict:
     return out
 
 
-def _load_layer(layer, prefix: str, t: dict) -> None:
+def _load_layer(layer, prefix: str, t: dict, module: set) -> None:
     """Loads the exported tensors under ``prefix`` (per-expert names, as ``save_pretrained`` writes
     them) into transformers' decoder ``layer``, fusing experts as its parameters hold them
     (``gate_up_proj`` [E, 2I, H] = per expert [gate; up], ``down_proj`` [E, H, I]). Every exported
-    tensor of the layer is used, and every parameter and buffer set."""
-    ours = {k[len(prefix):]: v for k, v in t.items() if k.startswith(prefix)}
+    tensor of the layer is used, and every parameter and buffer set. ``module``: the MTP module's own
+    tensors (DeepSeek's share the layer's prefix), which the formula uses instead."""
+    ours = {k[len(prefix):]: v for k, v in t.items() if k.startswith(prefix) and k not in module}
     used, sd = set(), {}
     for k, v in layer.state_dict().items():
         if k in ours:
@@ -544,7 +589,7 @@ def hf_mtp_logits(out_dir: str, family: str):
 
     decoder = model.get_decoder()
     layer = copy.deepcopy(decoder.layers[cfg.num_hidden_layers - 1])
-    _load_layer(layer, lay["layer"], t)
+    _load_layer(layer, lay["layer"], t, {v for k, v in lay.items() if k not in ("layer", "one_plus")})
     seq = TOKENS.shape[1]
     pos = torch.arange(seq).unsqueeze(0)
     with torch.no_grad():

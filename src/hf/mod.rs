@@ -20,6 +20,7 @@ mod plan;
 pub(crate) mod quant;
 mod rules;
 mod spec;
+mod tokenizer;
 mod vision;
 mod write;
 
@@ -66,6 +67,9 @@ pub struct HfOptions {
     pub text_only: bool,
     /// Convert without the checkpoint's MTP layers (the config written then declares none).
     pub drop_mtp: bool,
+    /// The tokenizer folder to copy (`--tokenizer DIR`); None: `<checkpoint>/tokenizer/` when
+    /// the checkpoint is a local folder that has one.
+    pub tokenizer: Option<PathBuf>,
 }
 
 impl HfOptions {
@@ -110,6 +114,7 @@ impl HfOptions {
             base_hf: None,
             text_only: false,
             drop_mtp: false,
+            tokenizer: None,
         })
     }
 }
@@ -141,6 +146,8 @@ pub struct HfSummary {
     pub mtp_layers: u64,
     /// Vision tensors copied from `--base-hf`.
     pub vision_tensors: usize,
+    /// Tokenizer files copied (from `--tokenizer` or `<checkpoint>/tokenizer/`).
+    pub tokenizer_files: usize,
     /// `"i/n"` for one part of a split conversion.
     pub part: Option<String>,
     /// Whether the index is committed (always for one process; for a part, when every part has
@@ -184,13 +191,25 @@ pub fn to_hf(
         rows,
         config,
         vision,
-    } = setup(&ckpt, opts)?;
+    } = setup(&ckpt, opts, false)?;
     let Plan {
         mut tensors,
         skipped,
     } = plan::plan(&ckpt, &d, opts.allow_unmapped)?;
     let vision_tensors = vision.len();
     tensors.extend(vision);
+    // The files written beside the weights: config.json, then the tokenizer's.
+    let tokenizer = match (&opts.tokenizer, ckpt.location()) {
+        (Some(dir), _) => tokenizer::tokenizer_files(dir, true)?,
+        (None, Location::Local(dir)) => tokenizer::tokenizer_files(&dir.join("tokenizer"), false)?,
+        _ => Vec::new(),
+    };
+    let tokenizer_files = tokenizer.len();
+    let files: Vec<(String, Vec<u8>)> = config
+        .iter()
+        .map(|c| (output::CONFIG.to_string(), c.clone()))
+        .chain(tokenizer)
+        .collect();
     // Phase 3: the shard plan (files, headers, offsets, index), a pure function of the plan, so
     // every part of a split conversion computes the same.
     let shards = write::shard_plan(
@@ -233,7 +252,7 @@ pub fn to_hf(
                 let _ = std::fs::remove_dir_all(&staging);
                 return Err(e);
             }
-            output::commit(out_dir, &staging, &shards, &index, config.as_deref())?;
+            output::commit(out_dir, &staging, &shards, &index, &files)?;
             (which, true)
         }
         Some(part) => {
@@ -259,7 +278,7 @@ pub fn to_hf(
                     &shards,
                     part,
                     &index,
-                    config.as_deref(),
+                    &files,
                 )?;
                 (which, committed)
             }
@@ -284,6 +303,7 @@ pub fn to_hf(
         config_written: committed && config.is_some(),
         mtp_layers: d.mtp_layers,
         vision_tensors,
+        tokenizer_files: if committed { tokenizer_files } else { 0 },
         part: opts.part.map(|p| format!("{}/{}", p.index, p.count)),
         committed,
     })
@@ -366,7 +386,9 @@ fn mtp_in_checkpoint(ckpt: &Checkpoint) -> Result<u64> {
 
 /// The hyperparameters of `ckpt` (config.json, else the stored args), checked against the args;
 /// the names (a multimodal config's, see [`spec::Multimodal`]) and the MTP layers to convert.
-fn setup(ckpt: &Checkpoint, opts: &HfOptions) -> Result<Setup> {
+/// `compare`: for `diff` against an existing folder, where a multimodal config names the text
+/// model as the folder holds it and no vision tower is read (nothing is written).
+fn setup(ckpt: &Checkpoint, opts: &HfOptions, compare: bool) -> Result<Setup> {
     let args = config::megatron_args(ckpt)?;
     let given = match &opts.config {
         Some(p) => Some(std::fs::read(p).map_err(Error::io("read", p))?),
@@ -393,7 +415,7 @@ fn setup(ckpt: &Checkpoint, opts: &HfOptions) -> Result<Setup> {
     // that loads with weights missing.
     match (d.multimodal, d.spec.multimodal) {
         (true, Some(mm)) if !opts.text_only => {
-            if opts.base_hf.is_none() {
+            if opts.base_hf.is_none() && !compare {
                 let declared = json
                     .as_ref()
                     .and_then(|j| j.get("architectures")?.get(0)?.as_str().map(String::from))
@@ -434,7 +456,7 @@ fn setup(ckpt: &Checkpoint, opts: &HfOptions) -> Result<Setup> {
         None => None,
     };
     let vision = match (&opts.base_hf, d.spec.multimodal, &json) {
-        (Some(base), Some(mm), Some(j)) if d.multimodal && !opts.text_only => {
+        (Some(base), Some(mm), Some(j)) if d.multimodal && !opts.text_only && !compare => {
             vision::vision_tensors(base, j, mm, d.hidden)?
         }
         _ => Vec::new(),
@@ -448,9 +470,11 @@ fn setup(ckpt: &Checkpoint, opts: &HfOptions) -> Result<Setup> {
     })
 }
 
-/// Maps every tensor of `ckpt` to HF tensors (see [`to_hf`] for the checks and errors).
+/// Maps every tensor of `ckpt` to HF tensors, for `diff` against a converted folder (see
+/// [`to_hf`] for the checks and errors; a multimodal config's vision tower is not the
+/// checkpoint's, so it is not among them).
 pub(crate) fn plan(ckpt: &Checkpoint, opts: &HfOptions) -> Result<Plan> {
-    let d = setup(ckpt, opts)?.d;
+    let d = setup(ckpt, opts, true)?.d;
     plan::plan(ckpt, &d, opts.allow_unmapped)
 }
 

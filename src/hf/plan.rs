@@ -275,18 +275,21 @@ fn map_key(d: &Dims, key: &str, shape: &[u64], dtype: DType, lookup: Lookup) -> 
     if skip_key(key) {
         return Ok(Mapped::Skip);
     }
-    if let Some(r) = d.spec.model_rule(key) {
-        let name_of = |n: &str| d.text_name(n);
-        return Ok(Mapped::Tensors(apply(
+    // A tensor of no layer axis, named by `name_of`.
+    let unstacked = |r: &Rule, name_of: &dyn Fn(&str) -> String| -> Result<Mapped> {
+        Ok(Mapped::Tensors(apply(
             d,
             r,
             key,
             shape,
             dtype,
             &[],
-            &name_of,
+            name_of,
             None,
-        )?));
+        )?))
+    };
+    if let Some(r) = d.spec.model_rule(key) {
+        return unstacked(r, &|n| d.text_name(n));
     }
     // `decoder.layers.{i}.sub` (one layer), `decoder.layers.sub` (layer axis first), or
     // `mtp.layers.{k}.transformer_layer.sub` (MTP layer k's transformer layer: layer
@@ -308,17 +311,7 @@ fn map_key(d: &Dims, key: &str, shape: &[u64], dtype: DType, lookup: Lookup) -> 
                 let Some(r) = m.rules.iter().find(|r| r.src.contains(&sub)) else {
                     return Ok(Mapped::Unmapped);
                 };
-                let name_of = |n: &str| d.mtp_name(n, k);
-                return Ok(Mapped::Tensors(apply(
-                    d,
-                    r,
-                    key,
-                    shape,
-                    dtype,
-                    &[],
-                    &name_of,
-                    None,
-                )?));
+                return unstacked(r, &|n| d.mtp_name(n, k));
             }
             (None, None) => return Ok(Mapped::Unmapped),
         }

@@ -4,7 +4,6 @@
 //! config's `vision_config` ([`super::spec::Multimodal::vision`]).
 
 use std::collections::BTreeMap;
-use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value as Json};
@@ -59,19 +58,14 @@ fn stored_tensors(dir: &Path, prefix: &str) -> Result<BTreeMap<String, Stored>> 
             )));
         }
         let file = dir.join(&name);
-        let mut f = std::fs::File::open(&file).map_err(Error::io("open", &file))?;
-        let mut n = [0u8; 8];
-        f.read_exact(&mut n).map_err(Error::io("read", &file))?;
-        let n = u64::from_le_bytes(n);
-        if n > super::write::MAX_HEADER_BYTES as u64 {
-            return Err(bad(format!("{name}: a header of {n} bytes")));
-        }
-        let mut buf = vec![0u8; 8 + n as usize];
-        buf[..8].copy_from_slice(&n.to_le_bytes());
-        f.read_exact(&mut buf[8..])
-            .map_err(Error::io("read", &file))?;
-        let (_, meta) = safetensors::SafeTensors::read_metadata(&buf)
-            .map_err(|e| bad(format!("{name}: {e:?}")))?;
+        let f = std::fs::File::open(&file).map_err(Error::io("open", &file))?;
+        // SAFETY: a read-only mapping of a file we do not write (as `diff` maps HF folders),
+        // dropped once its header is read.
+        let map = unsafe { memmap2::Mmap::map(&f) }.map_err(Error::io("map", &file))?;
+        // The whole file, so that the safetensors crate checks every data range against it.
+        let (n, meta) = safetensors::SafeTensors::read_metadata(&map)
+            .map_err(|e| bad(format!("{name}: not a safetensors file: {e:?}")))?;
+        let n = n as u64;
         for (k, info) in meta.tensors() {
             if !k.starts_with(prefix) {
                 continue;

@@ -13,11 +13,12 @@ use crate::commit::wait::{timeout_from_secs, Freshness};
 /// threads; `part` like "0/2" for one part of a split conversion; `overwrite` replaces an earlier
 /// conversion in a non-empty `out_dir`; `base_hf` (a multimodal config's original release: its
 /// vision tower is copied), `text_only` (a multimodal config's text model alone), `drop_mtp`
-/// (without the MTP layers). Returns the summary as a dict (tensors, bytes, files, seconds,
+/// (without the MTP layers), `tokenizer` (the tokenizer folder to copy; default the
+/// checkpoint's `tokenizer/`). Returns the summary as a dict (tensors, bytes, files, seconds,
 /// gb_per_s, skipped_keys, args_check, args_unchecked, warnings, padding_rows_dropped,
-/// config_written, mtp_layers, vision_tensors, part, committed).
+/// config_written, mtp_layers, vision_tensors, tokenizer_files, part, committed).
 #[pyfunction]
-#[pyo3(signature = (checkpoint_dir, out_dir, hf_config=None, arch=None, dtype=None, max_shard_size="5GB", threads=None, allow_unmapped=false, overwrite=false, part=None, base_hf=None, text_only=false, drop_mtp=false))]
+#[pyo3(signature = (checkpoint_dir, out_dir, hf_config=None, arch=None, dtype=None, max_shard_size="5GB", threads=None, allow_unmapped=false, overwrite=false, part=None, base_hf=None, text_only=false, drop_mtp=false, tokenizer=None))]
 #[allow(clippy::too_many_arguments)]
 pub(super) fn to_hf(
     py: Python<'_>,
@@ -34,6 +35,7 @@ pub(super) fn to_hf(
     base_hf: Option<PathBuf>,
     text_only: bool,
     drop_mtp: bool,
+    tokenizer: Option<PathBuf>,
 ) -> PyResult<Py<PyAny>> {
     let mut opts = crate::hf::HfOptions::from_user(
         hf_config,
@@ -53,6 +55,7 @@ pub(super) fn to_hf(
     opts.base_hf = base_hf;
     opts.text_only = text_only;
     opts.drop_mtp = drop_mtp;
+    opts.tokenizer = tokenizer;
     let s = py
         .detach(|| {
             let loc = location(&checkpoint_dir)?;
