@@ -160,7 +160,7 @@ def test_multimodal_qwen3_5_config_loads_with_its_declared_architecture(saved, t
     bad["vision_config"]["depth"] = 3
     (tmp_path / "bad.json").write_text(json.dumps(bad))
     with pytest.raises(shardwise.InvalidArgumentError, match=r"its vision tower is not the one vision_config "
-                                                              r"describes \(depth 3\): 16 missing"):
+                                                              r"describes \(depth 3\): 12 missing"):
         shardwise.to_hf(str(ckpt), str(tmp_path / "bad"), hf_config=str(tmp_path / "bad.json"), base_hf=str(release))
     assert not (tmp_path / "bad").exists()
     # --text-only: the text model's own config and names.
