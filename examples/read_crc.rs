@@ -1,5 +1,5 @@
 //! Cost of the CRC-32 check on reads, in Rust (no Python in the loop): the same checkpoint read
-//! through [`Checkpoint::read_region`] / [`Checkpoint::read_bytes`] with shardwise's checksum
+//! through [`read_region`] / [`Checkpoint::read_bytes`] with shardwise's checksum
 //! sidecar (every item checked) and through a twin directory whose data files are hard links to
 //! the same inodes but which has no sidecar (read unchecked, as a torch- or Megatron-written
 //! checkpoint). The page cache is warm and shared by both: the worst case for the check.
@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use shardwise::commit::wait::Freshness;
 use shardwise::format::dtype::DType;
+use shardwise::load::read_region;
 use shardwise::reader::Checkpoint;
 use shardwise::save::{save_rank, ObjectItem, SaveOptions};
 use shardwise::storage::Location;
@@ -106,16 +107,14 @@ fn main() {
         let t0 = Instant::now();
         for i in 0..big {
             let rows = (big_mib << 20) / 4 / 1024;
-            ckpt.read_region(&format!("big.{i}"), &[0, 0], &[rows, 1024], buf)
-                .unwrap();
+            read_region(&ckpt, &format!("big.{i}"), &[0, 0], &[rows, 1024], buf).unwrap();
         }
         let t_big = t0.elapsed().as_secs_f64();
         let n = (small_kib << 10) / 4;
         let t0 = Instant::now();
         for i in 0..small {
             let out = &mut buf[..(small_kib << 10) as usize];
-            ckpt.read_region(&format!("small.{i}"), &[0], &[n], out)
-                .unwrap();
+            read_region(&ckpt, &format!("small.{i}"), &[0], &[n], out).unwrap();
         }
         let t_small = t0.elapsed().as_secs_f64();
         let t0 = Instant::now();

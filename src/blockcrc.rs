@@ -5,8 +5,8 @@
 //! byte; block `i` is payload bytes `i * BLOCK_BYTES .. min((i + 1) * BLOCK_BYTES, len)` (the last
 //! block may be shorter; an empty payload has no blocks). A save records one CRC-32 per block
 //! beside the item's CRC-32 (part: [`crate::commit::part::TensorRecord::blocks`]; sidecar:
-//! [`crate::commit::ItemChecksum::blocks`], the block size once in
-//! [`crate::commit::Checksums::block_bytes`]). The bytes are hashed once: pieces are hashed in
+//! [`crate::format::sidecar::ItemChecksum::blocks`], the block size once in
+//! [`crate::format::sidecar::Checksums::block_bytes`]). The bytes are hashed once: pieces are hashed in
 //! sub-ranges cut at block boundaries ([`hash_piece`], [`PayloadCrc::update`]) and the sub-range
 //! CRCs are combined into both the block CRCs and the payload CRC ([`PayloadCrc`]).
 //!

@@ -10,7 +10,7 @@ use clap::{Parser, Subcommand};
 use indicatif::HumanBytes;
 use serde::Serialize;
 
-use crate::commit::part::{listed_parts, read_part, save_rel, RankPart, STATE_DIR};
+use crate::commit::part::{listed_parts, read_part, save_rel, Marker, RankPart, STATE_DIR};
 use crate::commit::state::{checkpoint_state, orphaned_data_files, save_state, CheckpointState};
 use crate::commit::wait::{missing_ranks, timeout_from_secs, Freshness};
 use crate::error::{fmt_ranks, Error, Result};
@@ -724,10 +724,10 @@ struct KeyLayout {
     ranks: Vec<u32>,
 }
 
-fn status(dir: &Location, keys: bool, json: bool, repair: bool) -> Outcome {
-    if repair {
-        repair_checkpoint(dir, Duration::ZERO, false, json)?;
-    }
+/// The state of `dir` and of each save in it: what `shardwise status` shows.
+///
+/// Errors: storage errors when `dir` or its state directory cannot be read.
+pub(crate) fn status_report(dir: &Location) -> Result<(CheckpointState, StatusReport)> {
     let checkpoint = checkpoint_state(dir)?;
     let orphans = orphaned_data_files(dir)?;
     let mut saves = Vec::new();
@@ -795,32 +795,48 @@ fn status(dir: &Location, keys: bool, json: bool, repair: bool) -> Outcome {
             keys: layout.into_values().collect(),
         });
     }
+    let (state, reason) = match &checkpoint {
+        CheckpointState::Committed { .. } => ("committed", None),
+        CheckpointState::NotCommitted { reason } => ("not_committed", Some(reason.clone())),
+        CheckpointState::Damaged { reason, .. } => ("damaged", Some(reason.clone())),
+    };
+    let report = StatusReport {
+        dir: dir.to_string(),
+        checkpoint: state,
+        reason,
+        orphaned_data_files: orphans,
+        saves,
+    };
+    Ok((checkpoint, report))
+}
+
+/// What `shardwise status --json` prints (README, "JSON output"), and `shardwise.status` returns.
+#[derive(Serialize)]
+pub(crate) struct StatusReport {
+    dir: String,
+    /// committed, not_committed or damaged.
+    checkpoint: &'static str,
+    /// Why it is not committed or damaged; null when committed.
+    reason: Option<String>,
+    /// Data files no part and no commit names (ranks that died before publishing).
+    orphaned_data_files: Vec<String>,
+    saves: Vec<SaveStatus>,
+}
+
+fn status(dir: &Location, keys: bool, json: bool, repair: bool) -> Outcome {
+    if repair {
+        repair_checkpoint(dir, Duration::ZERO, false, json)?;
+    }
+    let (checkpoint, report) = status_report(dir)?;
     if json {
-        #[derive(Serialize)]
-        struct Out {
-            dir: String,
-            /// committed, not_committed or damaged.
-            checkpoint: &'static str,
-            /// Why it is not committed or damaged; null when committed.
-            reason: Option<String>,
-            /// Data files no part and no commit names (ranks that died before publishing).
-            orphaned_data_files: Vec<String>,
-            saves: Vec<SaveStatus>,
-        }
-        let (checkpoint, reason) = match &checkpoint {
-            CheckpointState::Committed { .. } => ("committed", None),
-            CheckpointState::NotCommitted { reason } => ("not_committed", Some(reason.clone())),
-            CheckpointState::Damaged { reason, .. } => ("damaged", Some(reason.clone())),
-        };
-        print_json(&Out {
-            dir: dir.to_string(),
-            checkpoint,
-            reason,
-            orphaned_data_files: orphans,
-            saves,
-        })?;
+        print_json(&report)?;
         return Ok(0);
     }
+    let StatusReport {
+        orphaned_data_files: orphans,
+        saves,
+        ..
+    } = report;
     match &checkpoint {
         CheckpointState::Committed { record } => out!(
             "{dir}: committed{}",
@@ -971,7 +987,7 @@ fn merge(
         None => {
             let ids: Vec<String> = save_ids(dir)?
                 .into_iter()
-                .filter(|id| !dir.exists(&crate::commit::part::marker_rel(id, "COMMITTED")))
+                .filter(|id| !dir.exists(&Marker::Committed.rel(id)))
                 .collect();
             match ids.as_slice() {
                 [one] => one.clone(),
@@ -1056,6 +1072,9 @@ fn merge_rank_local(
         count(s.byte_objects, "byte object"),
         count(s.replicas_dropped, "replicated item")
     );
+    if s.replaced_stale {
+        out!("{dir}: replaced the .metadata of an earlier save (older than every rank-local file)");
+    }
     if s.already_merged {
         out!("{dir}: .metadata is already the merge of the rank-local metadata of {} (nothing to do): {what}", count(s.ranks as usize, "rank"));
     } else {

@@ -2,7 +2,7 @@
 //!
 //! Two torch_dist / DCP checkpoints are compared as global tensors: for every key in both, each
 //! intersection of a chunk of A with a chunk of B is read from both sides (only the chunks it
-//! overlaps, through [`Checkpoint::read_region`]) in slabs of at most `slab_bytes`, so memory
+//! overlaps, through [`crate::load::read_region`]) in slabs of at most `slab_bytes`, so memory
 //! stays at about `threads x 2 x slab_bytes` whatever the tensor sizes (on an object store each
 //! slab also fetches the items it overlaps whole). A checkpoint and a Hugging Face safetensors
 //! folder are compared through the `to-hf` mapping ([`crate::hf`]): every HF tensor the
@@ -21,8 +21,9 @@ use serde::Serialize;
 
 use crate::error::{Error, Result};
 use crate::format::dtype::DType;
-use crate::format::metadata::Entry;
+use crate::format::metadata::{volume, Entry};
 use crate::hf::{self, HfOptions, HfTensor};
+use crate::load::{intersect, read_region};
 use crate::reader::Checkpoint;
 use crate::storage::Location;
 
@@ -373,8 +374,10 @@ fn decode(bytes: &[u8], dtype: DType, out: &mut Vec<f64>) -> bool {
     true
 }
 
-fn volume(sizes: &[u64]) -> u64 {
-    sizes.iter().product()
+/// Elements of a shape or box ([`volume`]), saturating: a count past `u64` can never equal a
+/// count of elements read, so comparisons with it fail as they should.
+fn elements(sizes: &[u64]) -> u64 {
+    volume(sizes).unwrap_or(u64::MAX)
 }
 
 /// Splits the box `offsets`/`sizes` into boxes of at most `budget` bytes (at least one element
@@ -387,8 +390,8 @@ pub fn split_box(
     budget: u64,
 ) -> Vec<(Vec<u64>, Vec<u64>)> {
     let n = sizes.len();
-    if n == 0 || volume(sizes) == 0 {
-        return if volume(sizes) == 0 && n > 0 {
+    if n == 0 || elements(sizes) == 0 {
+        return if elements(sizes) == 0 && n > 0 {
             Vec::new()
         } else {
             vec![(offsets.to_vec(), sizes.to_vec())]
@@ -436,23 +439,6 @@ pub fn split_box(
     }
 }
 
-/// The intersection of two boxes, None when empty.
-fn intersect(ao: &[u64], asz: &[u64], bo: &[u64], bsz: &[u64]) -> Option<(Vec<u64>, Vec<u64>)> {
-    let n = ao.len();
-    if asz.len() != n || bo.len() != n || bsz.len() != n {
-        return None;
-    }
-    let lo: Vec<u64> = (0..n).map(|d| ao[d].max(bo[d])).collect();
-    let hi: Vec<u64> = (0..n)
-        .map(|d| (ao[d] + asz[d]).min(bo[d] + bsz[d]))
-        .collect();
-    if (0..n).any(|d| lo[d] >= hi[d]) {
-        return None;
-    }
-    let sizes = (0..n).map(|d| hi[d] - lo[d]).collect();
-    Some((lo, sizes))
-}
-
 fn entry_kind(e: &Entry) -> &'static str {
     match e {
         Entry::Tensor { .. } => "tensor",
@@ -479,7 +465,7 @@ fn run_tasks(
         .par_iter()
         .map(|t| {
             let (da, db) = types[t.key];
-            let n = volume(&t.a.1);
+            let n = elements(&t.a.1);
             let mut ba = vec![0u8; (n * da.itemsize()) as usize];
             let mut bb = vec![0u8; (n * db.itemsize()) as usize];
             let k = names[t.key];
@@ -651,9 +637,9 @@ fn diff_checkpoints(a: &Checkpoint, b: &Checkpoint, opts: &DiffOptions) -> Vec<K
         out.push(kd);
         types.push(dtypes);
     }
-    let read_a = |k: &str, o: &[u64], s: &[u64], buf: &mut [u8]| a.read_region(k, o, s, buf);
+    let read_a = |k: &str, o: &[u64], s: &[u64], buf: &mut [u8]| read_region(a, k, o, s, buf);
     let read_b = |k: &str, t: &Target, s: &[u64], buf: &mut [u8]| match t {
-        Target::Region(o) => b.read_region(k, o, s, buf),
+        Target::Region(o) => read_region(b, k, o, s, buf),
         Target::Flat(_) => unreachable!("checkpoint targets are regions"),
     };
     run_tasks(tasks, &mut out, &types, opts, &read_a, &read_b);
@@ -664,7 +650,7 @@ fn diff_checkpoints(a: &Checkpoint, b: &Checkpoint, opts: &DiffOptions) -> Vec<K
             k.shape_a.as_ref().filter(|_| k.shape_a == k.shape_b),
             k.status,
         ) {
-            let total = volume(s);
+            let total = elements(s);
             if k.elements != total {
                 k.status = Status::Unreadable;
                 k.message = Some(format!(
@@ -763,7 +749,7 @@ fn diff_hf(
                     tasks.push(Task {
                         key: out.len(),
                         source: Some(format!("{WHOLE_HF}{name}")),
-                        a: (vec![0], vec![volume(&t.shape)]),
+                        a: (vec![0], vec![elements(&t.shape)]),
                         b: Target::Flat(0),
                     });
                 }
@@ -784,7 +770,7 @@ fn diff_hf(
                             b: Target::Flat(flat + rel),
                         });
                     }
-                    flat += volume(&pc.sizes);
+                    flat += elements(&pc.sizes);
                 }
             }
         }
@@ -795,13 +781,13 @@ fn diff_hf(
     // (checkpoint, folder) to match `types`.
     let read_ckpt = |k: &str, o: &[u64], s: &[u64], buf: &mut [u8]| match k.strip_prefix(WHOLE_HF) {
         Some(name) => hf::read_hf_tensor(ckpt, produced[name], buf),
-        None => ckpt.read_region(k, o, s, buf),
+        None => read_region(ckpt, k, o, s, buf),
     };
     let read_hf = |k: &str, t: &Target, s: &[u64], buf: &mut [u8]| -> Result<()> {
         let Target::Flat(at) = t else {
             unreachable!("HF targets are flat ranges")
         };
-        h.read_flat(k, *at, volume(s), buf)
+        h.read_flat(k, *at, elements(s), buf)
     };
     run_tasks(tasks, &mut out, &types, opts, &read_ckpt, &read_hf);
     Ok(out)
@@ -933,7 +919,7 @@ mod tests {
             let boxes = split_box(&off, &sizes, item, budget);
             let mut seen = std::collections::HashSet::new();
             for (o, s) in &boxes {
-                assert!(volume(s) * item <= budget.max(item), "{s:?} over budget");
+                assert!(elements(s) * item <= budget.max(item), "{s:?} over budget");
                 // Every element once.
                 let mut idx = vec![0u64; s.len()];
                 loop {
@@ -960,7 +946,7 @@ mod tests {
                     }
                 }
             }
-            assert_eq!(seen.len() as u64, volume(&sizes));
+            assert_eq!(seen.len() as u64, elements(&sizes));
         }
         assert_eq!(split_box(&[0, 0], &[4, 4], 4, 1 << 20).len(), 1);
     }
@@ -991,14 +977,5 @@ mod tests {
         let one_bf16 = half::bf16::from_f32(1.0).to_le_bytes().to_vec();
         let x = compare(&one_bf16, DType::BF16, &f32s(&[1.0]), DType::F32, 0.0, 0.0);
         assert_eq!((x.mismatched, x.max_abs), (0, 0.0));
-    }
-
-    #[test]
-    fn intersections() {
-        assert_eq!(
-            intersect(&[0, 0], &[4, 8], &[2, 4], &[4, 8]),
-            Some((vec![2, 4], vec![2, 4]))
-        );
-        assert_eq!(intersect(&[0], &[4], &[4], &[4]), None);
     }
 }

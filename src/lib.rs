@@ -12,7 +12,7 @@ pub mod format;
 pub mod gpu;
 pub mod hf;
 pub mod hints;
-pub mod integrity;
+pub mod interrupt;
 pub mod load;
 pub mod reader;
 pub mod save;

@@ -41,13 +41,14 @@ use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 use crate::format::archive::{stored_tensor_in, HeadTail};
-use crate::format::metadata::{Chunk, Entry};
+use crate::format::metadata::{volume, Chunk, Entry};
 use crate::gpu::{self, DeviceCopier};
-use crate::reader::{copy_box, Checkpoint, Recorded};
+use crate::reader::{Checkpoint, Recorded};
 use crate::staging::{self, HostBuffer, StagingPool, DEFAULT_BUFFER_BYTES};
 use crate::storage::Location;
 
-pub use plan::{BoxCopy, ChunkIndex, Piece};
+use plan::copy_box;
+pub use plan::{intersect, BoxCopy, ChunkIndex, Piece};
 
 /// Holes between needed byte ranges smaller than this are read through: one 1 MiB longer read
 /// costs less than a second request (NVMe: ~0.1 ms at 7 GB/s vs a request's latency; object
@@ -105,8 +106,8 @@ impl Default for LoadOptions {
     }
 }
 
-/// What a load did.
-#[derive(Clone, Debug, Default)]
+/// What a load did (`Checkpoint.load_into` returns its fields as a dict).
+#[derive(Clone, Debug, Default, serde::Serialize)]
 pub struct LoadStats {
     /// Bytes read from storage (item probes included).
     pub bytes_read: u64,
@@ -269,7 +270,7 @@ pub fn plan_pieces(ck: &Checkpoint, reqs: &[Request]) -> Result<Vec<Piece>> {
                 q.offsets, q.sizes
             )));
         }
-        let want = plan::volume(&q.sizes).and_then(|v| v.checked_mul(dtype.itemsize()));
+        let want = volume(&q.sizes).and_then(|v| v.checked_mul(dtype.itemsize()));
         if want != Some(q.nbytes) {
             return Err(Error::InvalidArgument(format!(
                 "{key}: region {:?} of {} needs {} bytes, the destination has {}",
@@ -290,6 +291,55 @@ pub fn plan_pieces(ck: &Checkpoint, reqs: &[Request]) -> Result<Vec<Piece>> {
         plan::pieces_of(key, r, chunks, index, &q.offsets, &q.sizes, &mut pieces)?;
     }
     Ok(pieces)
+}
+
+/// Reads the region `offsets`/`sizes` (elements) of tensor `key` into `out` (C order,
+/// `prod(sizes) * itemsize` bytes), assembled from every chunk that overlaps it, through the
+/// reader's mapped files (each item checked once per open checkpoint): a one-request load on the
+/// calling thread, without staging, for tools (`diff`, `to-hf`, `Checkpoint.read`). The request is
+/// validated, and its chunks found, by [`plan_pieces`] before any byte is read.
+///
+/// Errors: [`Error::MissingKey`]; [`Error::InvalidArgument`] for a byte object, a region outside
+/// the global shape or a wrong `out` length; [`Error::Validation`] naming a part of the region
+/// that no saved chunk covers; item errors as [`Checkpoint::chunk`].
+pub fn read_region(
+    ck: &Checkpoint,
+    key: &str,
+    offsets: &[u64],
+    sizes: &[u64],
+    out: &mut [u8],
+) -> Result<()> {
+    let request = Request {
+        key: key.to_string(),
+        offsets: offsets.to_vec(),
+        sizes: sizes.to_vec(),
+        ptr: out.as_mut_ptr() as u64,
+        nbytes: out.len() as u64,
+        device: None,
+    };
+    let pieces = plan_pieces(ck, std::slice::from_ref(&request))?;
+    let Entry::Tensor { dtype, .. } = ck.entry(key)? else {
+        unreachable!("plan_pieces accepts tensors only")
+    };
+    let item = dtype.itemsize();
+    for p in pieces {
+        ck.with_chunk(key, p.chunk, |data, c| {
+            let t = &data.tensor;
+            copy_box(
+                data.storage(),
+                t.storage_offset,
+                &t.strides,
+                &c.offsets,
+                offsets,
+                sizes,
+                &p.lo,
+                &p.hi,
+                item,
+                out,
+            )
+        })?;
+    }
+    Ok(())
 }
 
 /// The rayon pool of the loader's reads (created once; reads block in `pread`, so it is not the
@@ -440,8 +490,6 @@ pub unsafe fn load(ck: &Checkpoint, reqs: &[Request], opts: &LoadOptions) -> Res
         Location::Remote(r) => {
             let mut sizes = Vec::with_capacity(files.len());
             for (f, rel) in files.iter().enumerate() {
-                crate::reader::check_relative_path(rel)
-                    .map_err(|e| corrupt(ck.dir().join(".metadata"), e))?;
                 let it = first_item_in(f);
                 sizes.push(r.size(rel)?.ok_or_else(|| {
                     corrupt(
@@ -616,7 +664,7 @@ pub unsafe fn load(ck: &Checkpoint, reqs: &[Request], opts: &LoadOptions) -> Res
             r
         });
         while !job.is_finished() {
-            if crate::commit::wait::interrupted() {
+            if crate::interrupt::interrupted() {
                 cancel.store(true, std::sync::atomic::Ordering::Relaxed);
             }
             std::thread::park_timeout(std::time::Duration::from_millis(50));
@@ -991,7 +1039,7 @@ impl Exec<'_> {
         let (data, c) = self.ck.chunk(it.key, index)?;
         let item = dtype.itemsize();
         let shape: Vec<u64> = p.lo.iter().zip(&p.hi).map(|(a, b)| b - a).collect();
-        let mut boxed = vec![0u8; (plan::volume(&shape).unwrap_or(0) * item) as usize];
+        let mut boxed = vec![0u8; (volume(&shape).unwrap_or(0) * item) as usize];
         copy_box(
             data.storage(),
             data.tensor.storage_offset,

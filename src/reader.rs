@@ -14,22 +14,23 @@ use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::io::Read;
 use std::os::unix::fs::OpenOptionsExt;
-use std::path::{Component, Path, PathBuf};
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use memmap2::Mmap;
 use rayon::prelude::*;
 
-use crate::commit::{part::COMMON_FILE, read_checksums};
+use crate::commit::read_checksums;
 use crate::error::{Error, Result};
 use crate::format::archive::{bad_record_crcs, records, stored_tensor, StoredTensor};
-use crate::format::metadata::{Chunk, Entry, StorageInfo};
+use crate::format::metadata::{volume, Chunk, Entry, StorageInfo};
 use crate::format::read_metadata::{read_metadata, CheckpointMetadata};
 use crate::format::unpickle::unpickle;
+use crate::format::COMMON_FILE;
 use crate::storage::Location;
 
 /// Where and with which CRC-32 the writer placed one item: a record of the checksum sidecar.
-pub use crate::commit::ItemChecksum as Recorded;
+pub use crate::format::sidecar::ItemChecksum as Recorded;
 
 /// Key prefix of the common state inside DCP (megatron-core 0.19: `common_state/shard_0_1`,
 /// megatron-torch-dist.md §1.2).
@@ -137,25 +138,6 @@ fn corrupt(path: impl Into<PathBuf>, reason: impl Into<String>) -> Error {
         path: path.into(),
         reason: reason.into(),
     }
-}
-
-/// Checks that a `relative_path` from `.metadata` names a file inside the checkpoint directory:
-/// relative, no `..`, no root or prefix components.
-pub fn check_relative_path(rel: &str) -> std::result::Result<(), String> {
-    let p = Path::new(rel);
-    if rel.is_empty()
-        || p.components()
-            .any(|c| !matches!(c, Component::Normal(_) | Component::CurDir))
-    {
-        return Err(format!(
-            "relative_path {rel:?} leaves the checkpoint directory"
-        ));
-    }
-    Ok(())
-}
-
-fn volume(sizes: &[u64]) -> Option<u64> {
-    sizes.iter().try_fold(1u64, |a, &s| a.checked_mul(s))
 }
 
 impl Checkpoint {
@@ -269,12 +251,13 @@ impl Checkpoint {
         })
     }
 
-    /// Opens data file `rel` (a `relative_path` of `.metadata`) of a local checkpoint for reading.
+    /// Opens data file `rel` (a `relative_path` of `.metadata`, confined to the directory when
+    /// decoded) of a local checkpoint for reading.
     ///
-    /// Errors: [`Error::Corrupt`] for a path that leaves the directory (also through a symlink);
+    /// Errors: [`Error::Corrupt`] for a path that resolves outside the directory (through a
+    /// symlink);
     /// [`Error::Io`] when it cannot be opened (missing file).
     pub fn open_file(&self, rel: &str) -> Result<File> {
-        check_relative_path(rel).map_err(|r| corrupt(self.dir.join(".metadata"), r))?;
         let path = self.dir.join(rel);
         // A symlink inside the directory must not lead out of it either.
         let real = path.canonicalize().map_err(Error::io("open", &path))?;
@@ -304,7 +287,6 @@ impl Checkpoint {
         }
         let path = self.dir.join(rel);
         if let Location::Remote(r) = &self.loc {
-            check_relative_path(rel).map_err(|r| corrupt(self.dir.join(".metadata"), r))?;
             let size = r.size(rel)?.ok_or_else(|| Error::Io {
                 op: "open",
                 path: path.clone(),
@@ -667,66 +649,32 @@ impl Checkpoint {
         Ok(self.item(key, None, storage, limit)?.to_vec())
     }
 
-    /// Reads the region `offsets`/`sizes` (elements) of tensor `key` into `out` (C order,
-    /// `prod(sizes) * itemsize` bytes), assembled from every chunk that overlaps it, through the
-    /// mapped files (each item checked once per open checkpoint). The request is validated, and
-    /// its chunks found, as a load's ([`crate::load::plan_pieces`]), before any byte is read.
+    /// Decodes chunk `index` of tensor `key`, as [`Checkpoint::chunk`], and runs `f` on it while
+    /// its CRC-32 check runs (on another core for a large item, when there is one): for callers
+    /// that copy out of the item. Whatever `f` wrote holds damaged bytes only when the CRC error
+    /// is returned.
     ///
-    /// Errors: [`Error::MissingKey`]; [`Error::InvalidArgument`] for a byte object, a region
-    /// outside the global shape or a wrong `out` length; [`Error::Validation`] naming a part of
-    /// the region that no saved chunk covers; item errors as [`Checkpoint::chunk`].
-    pub fn read_region(
+    /// Errors: as [`Checkpoint::chunk`].
+    pub fn with_chunk<T: Send>(
         &self,
         key: &str,
-        offsets: &[u64],
-        sizes: &[u64],
-        out: &mut [u8],
-    ) -> Result<()> {
-        let request = crate::load::Request {
-            key: key.to_string(),
-            offsets: offsets.to_vec(),
-            sizes: sizes.to_vec(),
-            ptr: out.as_mut_ptr() as u64,
-            nbytes: out.len() as u64,
-            device: None,
-        };
-        let pieces = crate::load::plan_pieces(self, std::slice::from_ref(&request))?;
-        let Entry::Tensor { dtype, chunks, .. } = self.entry(key)? else {
-            unreachable!("plan_pieces accepts tensors only")
-        };
-        let item = dtype.itemsize();
-        for p in pieces {
-            let c = &chunks[p.chunk];
-            let (data, _, pending) = self.chunk_deferred(key, p.chunk)?;
-            let t = &data.tensor;
-            let copy = |out: &mut [u8]| {
-                copy_box(
-                    data.storage(),
-                    t.storage_offset,
-                    &t.strides,
-                    &c.offsets,
-                    offsets,
-                    sizes,
-                    &p.lo,
-                    &p.hi,
-                    item,
-                    out,
-                )
-            };
-            match pending {
-                // A large item is hashed while it is copied (on another core, when there is one);
-                // `out` holds damaged bytes only when the error below is returned.
-                Some(p) if data.blob.len() >= PARALLEL_CHECK_BYTES => {
-                    rayon::join(|| self.finish_check(p, &data.blob), || copy(out)).0?
-                }
-                Some(p) => {
-                    self.finish_check(p, &data.blob)?;
-                    copy(out)
-                }
-                None => copy(out),
+        index: usize,
+        f: impl FnOnce(&ChunkData, &Chunk) -> T + Send,
+    ) -> Result<T> {
+        let (data, c, pending) = self.chunk_deferred(key, index)?;
+        Ok(match pending {
+            Some(p) if data.blob.len() >= PARALLEL_CHECK_BYTES => {
+                let (checked, out) =
+                    rayon::join(|| self.finish_check(p, &data.blob), || f(&data, c));
+                checked?;
+                out
             }
-        }
-        Ok(())
+            Some(p) => {
+                self.finish_check(p, &data.blob)?;
+                f(&data, c)
+            }
+            None => f(&data, c),
+        })
     }
 }
 
@@ -790,68 +738,6 @@ fn check_common(bytes: &[u8]) -> std::result::Result<(), String> {
     unpickle(&bytes[pkl.start..pkl.start + pkl.len])
         .map(|_| ())
         .map_err(|e| format!("data.pkl does not decode: {}", e.0))
-}
-
-/// Copies the box `[lo, hi)` (global coordinates) from a tensor stored in `src` (element 0 at
-/// `storage_offset`, `strides` in elements) whose origin is at `chunk_off`, into `out`, a
-/// contiguous buffer for the region at `region_off` of `region_sizes`.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn copy_box(
-    src: &[u8],
-    storage_offset: u64,
-    strides: &[u64],
-    chunk_off: &[u64],
-    region_off: &[u64],
-    region_sizes: &[u64],
-    lo: &[u64],
-    hi: &[u64],
-    item: u64,
-    out: &mut [u8],
-) {
-    let n = lo.len();
-    let item = item as usize;
-    if n == 0 {
-        let s = storage_offset as usize * item;
-        out[..item].copy_from_slice(&src[s..s + item]);
-        return;
-    }
-    let mut out_strides = vec![1u64; n];
-    for d in (0..n - 1).rev() {
-        out_strides[d] = out_strides[d + 1] * region_sizes[d + 1];
-    }
-    let run = (hi[n - 1] - lo[n - 1]) as usize;
-    let mut idx = lo.to_vec();
-    loop {
-        let mut s = storage_offset;
-        let mut o = 0u64;
-        for d in 0..n {
-            s += (idx[d] - chunk_off[d]) * strides[d];
-            o += (idx[d] - region_off[d]) * out_strides[d];
-        }
-        let (s, o) = (s as usize * item, o as usize * item);
-        if strides[n - 1] == 1 {
-            out[o..o + run * item].copy_from_slice(&src[s..s + run * item]);
-        } else {
-            let st = strides[n - 1] as usize * item;
-            for k in 0..run {
-                out[o + k * item..o + (k + 1) * item]
-                    .copy_from_slice(&src[s + k * st..s + k * st + item]);
-            }
-        }
-        // Odometer over all dimensions but the last.
-        let mut d = n - 1;
-        loop {
-            if d == 0 {
-                return;
-            }
-            d -= 1;
-            idx[d] += 1;
-            if idx[d] < hi[d] {
-                break;
-            }
-            idx[d] = lo[d];
-        }
-    }
 }
 
 #[cfg(test)]

@@ -5,14 +5,17 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
+use crate::commit::liveness::{self, now_ns, process_start_ns};
+use crate::commit::manifest;
 use crate::commit::part::{
-    self, marker_rel, now_ns, part_rel, publish_failed, read_part, FileRecord, ObjectRecord,
-    ObjectShard, RankPart, TensorRecord, COMMON_FILE,
+    self, marker_rel, part_rel, publish_failed, read_part, FileRecord, ObjectRecord, ObjectShard,
+    RankPart, TensorRecord,
 };
 use crate::commit::state::{checkpoint_state, files_in_use, CheckpointState};
-use crate::commit::wait::{process_start_ns, wait_for_commit, Freshness};
+use crate::commit::wait::{wait_for_commit, Freshness};
 use crate::commit::{self, CommitSummary};
 use crate::error::{Error, Result};
+use crate::format::{COMMON_FILE, METADATA_JSON_FILE};
 use crate::staging::SaveTicket;
 use crate::storage::Location;
 use crate::writer::{
@@ -44,7 +47,7 @@ pub struct SaveOptions {
     /// [`Freshness::any_part`] for an explicit one.
     pub freshness: Freshness,
     /// Record the SHA-256 of every file this rank writes, so that the commit writes megatron-core
-    /// 0.19's `integrity.json` ([`crate::integrity`]); every rank of a save must agree.
+    /// 0.19's `integrity.json` ([`crate::commit::manifest`]); every rank of a save must agree.
     pub integrity: bool,
 }
 
@@ -199,7 +202,7 @@ fn write_and_publish(
         world_size: opts.world_size,
         megatron: opts.megatron,
         published_at_ns: 0,
-        publisher: part::publisher(),
+        publisher: liveness::publisher(),
         files: Vec::new(),
         tensors: Vec::new(),
         objects: Vec::new(),
@@ -283,7 +286,7 @@ fn write_and_publish(
             name: name.clone(),
             size: written.file_size,
             stamp: String::new(),
-            sha256: written.sha256.as_ref().map(crate::integrity::hex),
+            sha256: written.sha256.as_ref().map(manifest::hex),
         });
         report.data_file = Some(name);
         report.data_bytes = written.file_size;
@@ -302,7 +305,7 @@ fn write_and_publish(
                 name: rel,
                 size: bytes.len() as u64,
                 stamp: String::new(),
-                sha256: opts.integrity.then(|| crate::integrity::sha256_hex(bytes)),
+                sha256: opts.integrity.then(|| manifest::sha256_hex(bytes)),
             });
         }
         for f in part.files.iter_mut().chain(part.common.iter_mut()) {
@@ -357,7 +360,7 @@ fn prepare(opts: &SaveOptions) -> Result<String> {
         CheckpointState::NotCommitted { .. } => {
             // A `.metadata` without a commit record was left by a merger that died mid-commit: it
             // is no checkpoint, and this attempt replaces it like any other leftover.
-            loc.remove("metadata.json")?;
+            loc.remove(METADATA_JSON_FILE)?;
             loc.remove(".metadata")?;
         }
     }
@@ -367,8 +370,9 @@ fn prepare(opts: &SaveOptions) -> Result<String> {
     // rank.
     let own = part_rel(&opts.save_id, opts.rank);
     if let Ok(p) = read_part(loc, &own) {
-        let other = p.publisher != part::publisher();
-        if other && (part::publisher_alive(&p.publisher) || p.published_at_ns >= process_start_ns())
+        let other = p.publisher != liveness::publisher();
+        if other
+            && (liveness::publisher_alive(&p.publisher) || p.published_at_ns >= process_start_ns())
         {
             return Err(Error::Validation(format!(
                 "rank {} already published a part for save {} in {loc} (process {}), which is still \

@@ -24,7 +24,9 @@ use std::collections::HashMap;
 
 use serde::Serialize;
 
-use crate::commit::state::{read_commit_record, save_ids, Digest};
+use crate::commit::part::Marker;
+use crate::commit::record::{read_commit_record, Digest};
+use crate::commit::state::save_ids;
 use crate::error::{Error, Result};
 use crate::format::pickle::Pickler;
 use crate::format::read_metadata::read_metadata;
@@ -475,7 +477,7 @@ pub fn rewrite(loc: &Location, target: Torch) -> Result<Rewritten> {
     out.metadata_bytes = after.len() as u64;
     let old_digest = Digest::of(&before);
     let new_digest = Digest::of(&after);
-    let integrity = loc.read(crate::integrity::INTEGRITY_FILE)?;
+    let integrity = loc.read(crate::commit::manifest::INTEGRITY_FILE)?;
     loc.write(".metadata", after.clone())?;
     // The record that committed the old .metadata now names the new one: without this, `status`
     // would call the checkpoint damaged and readers would skip its checksums.
@@ -486,25 +488,25 @@ pub fn rewrite(loc: &Location, target: Torch) -> Result<Rewritten> {
             let bytes = serde_json::to_vec(&r).map_err(|e| {
                 Error::InvalidArgument(format!("cannot encode the commit record: {e}"))
             })?;
-            let rel = crate::commit::part::marker_rel(&id, "COMMITTED");
+            let rel = Marker::Committed.rel(&id);
             loc.write(&rel, bytes)?;
             out.records_updated.push(rel);
         }
     }
     if let Some(bytes) = integrity {
         if let Ok(mut m) = serde_json::from_slice::<serde_json::Value>(&bytes) {
-            let old_sha = crate::integrity::sha256_hex(&before);
+            let old_sha = crate::commit::manifest::sha256_hex(&before);
             if let Some(entry) = m
                 .pointer_mut("/files/.metadata")
                 .filter(|e| e.as_str() == Some(&old_sha))
             {
-                *entry = serde_json::Value::String(crate::integrity::sha256_hex(&after));
+                *entry = serde_json::Value::String(crate::commit::manifest::sha256_hex(&after));
                 let text = serde_json::to_vec_pretty(&m).map_err(|e| {
                     Error::InvalidArgument(format!("cannot encode integrity.json: {e}"))
                 })?;
-                loc.write(crate::integrity::INTEGRITY_FILE, text)?;
+                loc.write(crate::commit::manifest::INTEGRITY_FILE, text)?;
                 out.records_updated
-                    .push(crate::integrity::INTEGRITY_FILE.into());
+                    .push(crate::commit::manifest::INTEGRITY_FILE.into());
             }
         }
     }

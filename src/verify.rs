@@ -9,6 +9,8 @@
 //!   (through the reader, which checks it on every read);
 //! - the common state: `common.pt` (megatron-core ≤ 0.18) or the `common_state` object (0.19):
 //!   zip CRCs and a `data.pkl` that decodes (megatron-torch-dist.md §1.2, §1.4);
+//! - a torch DCP `use_collectives=False` directory: no rank-local `__{rank}.metadata` newer than
+//!   `.metadata` (a stale merge, [`crate::dcp_local::stale_metadata`]);
 //! - `metadata.json`: a JSON object whose `sharded_backend` is `torch_dist` and with no field
 //!   megatron-core ≤ 0.18's `CheckpointingConfig(**config)` would refuse (§1.3).
 //!
@@ -18,11 +20,11 @@
 use rayon::prelude::*;
 use serde::Serialize;
 
-use crate::commit::part::COMMON_FILE;
 use crate::error::{Error, Result};
 use crate::format::archive::{bad_record_crcs, records};
 use crate::format::metadata::{check_layout, Chunk, Entry, StorageInfo};
-use crate::reader::{check_relative_path, Checkpoint, COMMON_STATE_PREFIX};
+use crate::format::{COMMON_FILE, METADATA_JSON_FILE};
+use crate::reader::{Checkpoint, COMMON_STATE_PREFIX};
 use crate::storage::Location;
 
 /// One problem found.
@@ -131,6 +133,21 @@ fn run(loc: &Location, quick: bool, progress: &(dyn Fn(u64) + Sync)) -> Result<R
     }
     report.items = items.len();
     report.problems.extend(check_megatron_files(&ckpt, quick));
+    let (listed, _) = loc.list("")?;
+    let newer = crate::dcp_local::stale_metadata(&listed);
+    if !newer.is_empty() {
+        report.problems.push(Problem {
+            key: ".metadata".into(),
+            file: Some(".metadata".into()),
+            offset: None,
+            message: format!(
+                "stale: modified before {} (a later torch DCP use_collectives=False save into this \
+                 directory); torch loads this .metadata and would read that save's bytes at the \
+                 earlier save's offsets; `shardwise merge` replaces it",
+                newer.join(", ")
+            ),
+        });
+    }
 
     let results: Vec<(Vec<Problem>, bool)> = items
         .par_iter()
@@ -170,9 +187,6 @@ fn check_placement(ckpt: &Checkpoint, it: &Item) -> Vec<Problem> {
             message: "no storage_data entry for this chunk in .metadata".into(),
         }];
     }
-    if let Err(message) = check_relative_path(it.path) {
-        return vec![item_problem(it, message)];
-    }
     let mut problems = Vec::new();
     match ckpt.file_size(it.path) {
         Err(e) => problems.push(item_problem(it, strip(e))),
@@ -210,7 +224,7 @@ fn check_placement(ckpt: &Checkpoint, it: &Item) -> Vec<Problem> {
 
 /// Reads one item: decoding, zip CRCs and (through the reader) the sidecar CRC.
 fn check_item(ckpt: &Checkpoint, it: &Item) -> (Vec<Problem>, bool) {
-    if it.path.is_empty() || check_relative_path(it.path).is_err() {
+    if it.path.is_empty() {
         return (check_placement(ckpt, it), false);
     }
     let offsets = it.chunk.map(|(_, c)| c.offsets.as_slice());
@@ -280,10 +294,10 @@ fn check_megatron_files(ckpt: &Checkpoint, quick: bool) -> Vec<Problem> {
         .entries
         .keys()
         .any(|k| k.starts_with(COMMON_STATE_PREFIX));
-    match loc.read("metadata.json") {
-        Err(e) => problems.push(file_problem("metadata.json", strip(e))),
+    match loc.read(METADATA_JSON_FILE) {
+        Err(e) => problems.push(file_problem(METADATA_JSON_FILE, strip(e))),
         Ok(None) if has_common_pt => problems.push(file_problem(
-            "metadata.json",
+            METADATA_JSON_FILE,
             "missing: Megatron does not recognise the directory as a distributed checkpoint \
              without it (common.pt is there)"
                 .into(),
@@ -291,7 +305,7 @@ fn check_megatron_files(ckpt: &Checkpoint, quick: bool) -> Vec<Problem> {
         Ok(None) => {}
         Ok(Some(bytes)) => {
             if let Err(m) = check_metadata_json(&bytes) {
-                problems.push(file_problem("metadata.json", m));
+                problems.push(file_problem(METADATA_JSON_FILE, m));
             }
             if !has_common_pt && !has_common_state {
                 problems.push(file_problem(

@@ -85,7 +85,7 @@ pub struct Written {
 /// The file's bytes fed in file order as they are written: the running payload and block CRC-32s
 /// of each tensor (an archive tail holds its payload's CRC, so it is known once the payload has passed)
 /// and, when asked for, the SHA-256 of the whole file, for megatron-core 0.19's integrity manifest
-/// (`integrity.json`, see [`crate::integrity`]). SHA-256 cannot be combined from pieces as CRC-32
+/// (`integrity.json`, see [`crate::commit::manifest`]). SHA-256 cannot be combined from pieces as CRC-32
 /// can, hence the order.
 struct InOrder {
     sha: Option<sha2::Sha256>,

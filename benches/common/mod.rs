@@ -7,9 +7,8 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use rayon::prelude::*;
-use shardwise::commit::part::{
-    now_ns, write_part, FileRecord, RankPart, TensorRecord, PART_FORMAT,
-};
+use shardwise::commit::liveness::now_ns;
+use shardwise::commit::part::{write_part, FileRecord, RankPart, TensorRecord, PART_FORMAT};
 use shardwise::format::dtype::DType;
 use shardwise::format::metadata::{Chunk, Entry, StorageInfo};
 use shardwise::storage::Location;

@@ -11,6 +11,6 @@ fn main() {
     // middle of a commit; outside waits the command finishes its step first.
     // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
     unsafe { libc::signal(libc::SIGINT, on_sigint as *const () as libc::sighandler_t) };
-    shardwise::commit::wait::set_interrupt_check(|| SIGINT.load(Ordering::SeqCst));
+    shardwise::interrupt::set_interrupt_check(|| SIGINT.load(Ordering::SeqCst));
     std::process::exit(shardwise::cli::run(std::env::args_os()));
 }

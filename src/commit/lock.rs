@@ -5,7 +5,8 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use super::part::marker_rel;
+use super::liveness::hostname;
+use super::part::Marker;
 use crate::error::{Error, Result};
 use crate::storage::Location;
 
@@ -47,10 +48,9 @@ fn same_file(a: &std::fs::Metadata, b: &std::fs::Metadata) -> bool {
 impl CommitLock {
     fn record_holder(&mut self) {
         use std::io::{Seek, Write};
-        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
         let _ = self.file.set_len(0);
         let _ = self.file.seek(std::io::SeekFrom::Start(0));
-        let _ = write!(self.file, "pid {} host {}", std::process::id(), host.trim());
+        let _ = write!(self.file, "pid {} host {}", std::process::id(), hostname());
         let _ = self.file.sync_all();
     }
 
@@ -130,7 +130,7 @@ impl Drop for CommitLock {
 /// it had recorded itself). `None` when there is no lock, liveness cannot be told, or `loc` is an
 /// object store (which has no lock).
 pub fn dead_merger(loc: &Location, save_id: &str) -> Option<String> {
-    let path = loc.as_local()?.join(marker_rel(save_id, "COMMITTING"));
+    let path = loc.as_local()?.join(Marker::Committing.rel(save_id));
     let file = std::fs::File::open(&path).ok()?;
     if try_flock(&file)? {
         let holder = std::fs::read_to_string(&path).unwrap_or_default();

@@ -7,7 +7,10 @@
 //! - [`validate`]: pure validation of the parts (no storage);
 //! - [`wait`]: bounded, interruptible waits and which parts belong to this attempt ([`Freshness`]);
 //! - [`lock`]: the local `COMMITTING` lock;
-//! - [`state`]: the one definition of "committed", and the state of each save.
+//! - [`state`]: the one definition of "committed", and the state of each save;
+//! - [`record`]: the `COMMITTED` record a commit writes;
+//! - [`liveness`]: publication times and whether a publishing process still runs;
+//! - [`manifest`]: megatron-core 0.19's `integrity.json`, built from the parts.
 //!
 //! Commit order (local): checksum sidecar, rank 0's staged `common.pt` renamed into place,
 //! `.metadata` (tmp + rename), `metadata.json` (Megatron saves), then the `COMMITTED` record; a
@@ -23,71 +26,31 @@
 //! next merge, which finds the identical `.metadata` already there. Locally, parts are created
 //! only-if-absent too (hard link of a temporary file).
 
+pub mod liveness;
 pub mod lock;
+pub mod manifest;
 pub mod part;
+pub mod record;
 pub mod state;
 pub mod validate;
 pub mod wait;
 
 use std::time::{Duration, Instant};
 
-use serde::{Deserialize, Serialize};
-
 use crate::error::{Error, Result};
 use crate::format::metadata::{emit_metadata_from, MetadataSource};
+use crate::format::sidecar::{self, Checksums, CHECKSUMS_FILE};
+use crate::format::{COMMON_FILE, MEGATRON_METADATA_JSON, METADATA_JSON_FILE};
 use crate::storage::{fsync_dir, sweep_temp_files, Location};
+use liveness::now_ns;
 use lock::{CommitLock, Lock};
 use part::{
-    check_save_id, marker_rel, now_ns, publish_failed, read_failed, save_rel, RankPart,
-    COMMON_FILE, MEGATRON_METADATA_JSON, STATE_DIR,
+    check_save_id, marker_rel, publish_failed, read_failed, save_rel, Marker, RankPart, STATE_DIR,
 };
-use state::{read_commit_record, CheckpointState, CommitRecord, Digest};
+pub use record::CommitSummary;
+use record::{not_committed, read_commit_record, CommitRecord, Digest};
+use state::CheckpointState;
 use wait::{collect_parts, stale_reason, Backoff, Freshness};
-
-/// Summary of a committed save; sizes in bytes.
-#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
-pub struct CommitSummary {
-    /// The save had already been committed (by a racing merger or an earlier merge); the counts
-    /// are then that commit's.
-    pub already_committed: bool,
-    pub keys: usize,
-    pub tensor_chunks: usize,
-    pub byte_objects: usize,
-    pub data_bytes: u64,
-    pub metadata_bytes: u64,
-    /// The `COMMITTING` lock of a merger that had died was taken over.
-    pub took_over_dead_merger: bool,
-}
-
-/// File name of the per-item checksum sidecar, `.shardwise/<save_id>/checksums`: MessagePack of
-/// [`Checksums`]. torch and Megatron never open it; shardwise's readers and `verify` do.
-pub const CHECKSUMS_FILE: &str = "checksums";
-
-/// CRC-32 of one item's bytes as written; `offsets` is `None` for byte objects.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
-pub struct ItemChecksum {
-    pub fqn: String,
-    pub offsets: Option<Vec<u64>>,
-    pub relative_path: String,
-    pub offset: u64,
-    pub length: u64,
-    pub crc32: u32,
-    /// CRC-32s of the blocks of a tensor's payload ([`crate::blockcrc`], [`Checksums::block_bytes`]
-    /// each); empty for byte objects and in sidecars of shardwise before block CRCs.
-    #[serde(default)]
-    pub blocks: Vec<u32>,
-}
-
-/// The sidecar written at commit.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
-pub struct Checksums {
-    pub save_id: String,
-    pub items: Vec<ItemChecksum>,
-    /// Payload bytes per block CRC-32 ([`crate::blockcrc::BLOCK_BYTES`]); 0 in sidecars of
-    /// shardwise before block CRCs.
-    #[serde(default)]
-    pub block_bytes: u64,
-}
 
 /// Reads the checksum sidecar of the save that committed the checkpoint's current `.metadata` (the
 /// `COMMITTED` record whose `.metadata` size and CRC-32 match), if it has one; `.shardwise/checksums`
@@ -113,12 +76,7 @@ pub fn read_checksums(loc: &Location) -> Result<Option<Checksums>> {
         }
     };
     match loc.read(&rel)? {
-        Some(bytes) => rmp_serde::from_slice(&bytes)
-            .map(Some)
-            .map_err(|e| Error::Corrupt {
-                path: loc.path_of(&rel),
-                reason: format!("undecodable checksum sidecar: {e}"),
-            }),
+        Some(bytes) => sidecar::decode(&bytes, loc.path_of(&rel)).map(Some),
         None => Ok(None),
     }
 }
@@ -144,14 +102,6 @@ pub fn same_tensor_crcs(a: &Location, b: &Location) -> Result<Option<bool>> {
     };
     let (a, b) = (tensors(a), tensors(b));
     Ok(Some(!a.is_empty() && a == b))
-}
-
-pub(crate) fn not_committed(loc: &Location, save_id: &str, reason: String) -> Error {
-    Error::NotCommitted {
-        dir: loc.display_path(),
-        save_id: save_id.into(),
-        reason,
-    }
 }
 
 /// The summary of `save_id`'s commit when it is committed by this attempt (see [`Freshness`]).
@@ -200,7 +150,7 @@ pub fn merge(
         return commit(loc, save_id, world_size, timeout, fresh);
     };
     crate::storage::create_dir_all(&dir.join(save_rel(save_id)))?;
-    let lock_path = dir.join(marker_rel(save_id, "COMMITTING"));
+    let lock_path = dir.join(Marker::Committing.rel(save_id));
     let wait = timeout.max(Duration::from_secs(10));
     let deadline = Instant::now() + wait;
     let mut backoff = Backoff::new();
@@ -231,7 +181,7 @@ pub fn merge(
         }
         backoff.sleep(deadline)?;
     };
-    loc.remove(&marker_rel(save_id, "FAILED"))?;
+    loc.remove(&Marker::Failed.rel(save_id))?;
     // A merger that died after writing COMMITTED but before removing its lock left nothing to do.
     if let Some(done) = current_commit(loc, save_id, fresh) {
         return Ok(done);
@@ -281,7 +231,7 @@ pub fn repair(loc: &Location, timeout: Duration) -> Result<(String, CommitSummar
                 "save {save_id} in {loc} has no readable part left to rebuild from"
             ))
         })?;
-    loc.remove(&marker_rel(&save_id, "COMMITTED"))?;
+    loc.remove(&Marker::Committed.rel(&save_id))?;
     let summary = merge(loc, &save_id, world_size, timeout, &Freshness::any_part())?;
     Ok((save_id, summary))
 }
@@ -359,7 +309,7 @@ fn commit_unguarded(
     let integrity = integrity_manifest(&parts, &meta, megatron)?;
     let record_bytes = serde_json::to_vec(&record)
         .map_err(|e| Error::InvalidArgument(format!("cannot encode the commit record: {e}")))?;
-    let committed_rel = marker_rel(save_id, "COMMITTED");
+    let committed_rel = Marker::Committed.rel(save_id);
     match loc {
         Location::Local(dir) => {
             if let Some(c) = common.filter(|c| c.name != COMMON_FILE && loc.exists(&c.name)) {
@@ -367,7 +317,10 @@ fn commit_unguarded(
             }
             loc.write(".metadata", meta)?;
             if megatron {
-                loc.write("metadata.json", MEGATRON_METADATA_JSON.as_bytes().to_vec())?;
+                loc.write(
+                    METADATA_JSON_FILE,
+                    MEGATRON_METADATA_JSON.as_bytes().to_vec(),
+                )?;
             }
             write_integrity(loc, integrity)?;
             // We hold the lock: a COMMITTED here is an earlier attempt's, replaced.
@@ -384,7 +337,10 @@ fn commit_unguarded(
                 )));
             }
             if megatron {
-                loc.write("metadata.json", MEGATRON_METADATA_JSON.as_bytes().to_vec())?;
+                loc.write(
+                    METADATA_JSON_FILE,
+                    MEGATRON_METADATA_JSON.as_bytes().to_vec(),
+                )?;
             }
             write_integrity(loc, integrity)?;
             if !r.put_new(&committed_rel, record_bytes)? {
@@ -406,21 +362,21 @@ fn commit_unguarded(
 }
 
 /// megatron-core 0.19's `integrity.json` for this commit, when the ranks recorded digests
-/// ([`crate::integrity::manifest`]): their files, `.metadata` and `metadata.json`.
+/// ([`manifest::manifest`]): their files, `.metadata` and `metadata.json`.
 fn integrity_manifest(parts: &[RankPart], meta: &[u8], megatron: bool) -> Result<Option<Vec<u8>>> {
     let mut top: Vec<(&str, &[u8])> = vec![(".metadata", meta)];
     if megatron {
-        top.push(("metadata.json", MEGATRON_METADATA_JSON.as_bytes()));
+        top.push((METADATA_JSON_FILE, MEGATRON_METADATA_JSON.as_bytes()));
     }
-    crate::integrity::manifest(parts, &top)
+    manifest::manifest(parts, &top)
 }
 
 /// Writes the manifest, or removes one left by a local checkpoint this commit replaces (its
 /// digests would not match the new files; object-store prefixes are never overwritten).
-fn write_integrity(loc: &Location, manifest: Option<Vec<u8>>) -> Result<()> {
-    match (manifest, loc) {
-        (Some(m), _) => loc.write(crate::integrity::INTEGRITY_FILE, m),
-        (None, Location::Local(_)) => loc.remove(crate::integrity::INTEGRITY_FILE),
+fn write_integrity(loc: &Location, bytes: Option<Vec<u8>>) -> Result<()> {
+    match (bytes, loc) {
+        (Some(m), _) => loc.write(manifest::INTEGRITY_FILE, m),
+        (None, Location::Local(_)) => loc.remove(manifest::INTEGRITY_FILE),
         (None, Location::Remote(_)) => Ok(()),
     }
 }

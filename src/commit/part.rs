@@ -3,24 +3,21 @@
 //! Layout inside the checkpoint directory, for save id `S`:
 //! `.shardwise/S/<rank>.part` (one per rank), `.shardwise/S/common.pt` (rank 0's common state,
 //! staged; renamed to `common.pt` at commit on local filesystems), `.shardwise/S/checksums`,
-//! `.shardwise/S/FAILED` and `.shardwise/S/COMMITTED` (JSON, see [`Failed`] and [`CommitRecord`]).
+//! `.shardwise/S/FAILED` and `.shardwise/S/COMMITTED` (JSON, see [`Failed`] and
+//! [`super::record::CommitRecord`]); the markers are [`Marker`]s.
 //!
 //! Part file: `SWPART02` magic, CRC-32 (u32 LE) of the body, body = MessagePack of [`RankPart`]
 //! (structs as arrays, so field names are not repeated; a rank's part is O(its chunks)).
 
 use serde::{Deserialize, Serialize};
 
+use super::liveness::now_ns;
 use crate::error::{Error, Result};
 use crate::storage::{Listed, Location};
 
 const MAGIC: &[u8; 8] = b"SWPART02";
 pub const PART_FORMAT: u32 = 2;
 pub const STATE_DIR: &str = ".shardwise";
-pub const COMMON_FILE: &str = "common.pt";
-
-/// Megatron's `metadata.json` in the 4-field form that megatron-core ≤0.18 requires and 0.19 accepts
-/// (megatron-torch-dist.md §1.3, `CheckpointingConfig` in `dist_checkpointing/core.py`).
-pub const MEGATRON_METADATA_JSON: &str = r#"{"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1}"#;
 
 /// A file a rank wrote: its name inside the checkpoint, its size in bytes and its storage identity
 /// ([`Location::stamp`]) when the rank published its part.
@@ -30,7 +27,7 @@ pub struct FileRecord {
     pub size: u64,
     pub stamp: String,
     /// SHA-256 (hex) of the file's bytes as written, when the save writes megatron-core 0.19's
-    /// integrity manifest ([`crate::integrity`]).
+    /// integrity manifest ([`super::manifest`]).
     #[serde(default)]
     pub sha256: Option<String>,
 }
@@ -86,7 +83,7 @@ pub struct RankPart {
     pub megatron: bool,
     /// Wall-clock time of publication, ns since the Unix epoch (the publisher's clock).
     pub published_at_ns: u64,
-    /// The publishing process ([`publisher`]): tells a rank's own earlier attempt from a second
+    /// The publishing process ([`super::liveness::publisher`]): tells a rank's own earlier attempt from a second
     /// process saving as the same rank.
     pub publisher: String,
     pub files: Vec<FileRecord>,
@@ -94,41 +91,6 @@ pub struct RankPart {
     pub objects: Vec<ObjectRecord>,
     /// `common.pt` (staged under the save's directory), when this rank wrote it.
     pub common: Option<FileRecord>,
-}
-
-/// Wall-clock now, ns since the Unix epoch.
-pub fn now_ns() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64)
-}
-
-/// This process as a part records it: `host:pid:start` (start in ns since the epoch), unique
-/// among the processes of a cluster.
-pub fn publisher() -> String {
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
-    format!(
-        "{}:{}:{}",
-        host.trim(),
-        std::process::id(),
-        super::wait::process_start_ns()
-    )
-}
-
-/// Whether the process a part names as its publisher is alive: it runs on this host, and a process
-/// with its pid started when it did (within 0.1 s; a reused pid started later). `false` when it is
-/// gone or runs on another host (not knowable from here).
-pub fn publisher_alive(publisher: &str) -> bool {
-    let mut it = publisher.rsplitn(3, ':');
-    let (Some(start), Some(pid), Some(host)) = (it.next(), it.next(), it.next()) else {
-        return false;
-    };
-    let (Ok(start), Ok(pid)) = (start.parse::<u64>(), pid.parse::<u32>()) else {
-        return false;
-    };
-    let my_host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
-    host == my_host.trim()
-        && super::wait::process_start_of(pid).is_some_and(|s| s.abs_diff(start) < 100_000_000)
 }
 
 /// `.shardwise/<save_id>`, relative to the checkpoint.
@@ -139,6 +101,33 @@ pub fn save_rel(save_id: &str) -> String {
 /// `.shardwise/<save_id>/<name>`, relative to the checkpoint.
 pub fn marker_rel(save_id: &str, name: &str) -> String {
     format!("{STATE_DIR}/{save_id}/{name}")
+}
+
+/// The markers a save leaves in its state directory, `.shardwise/<save_id>/<NAME>`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Marker {
+    /// `COMMITTING`: the lock of a local merger (`super::lock`).
+    Committing,
+    /// `COMMITTED`: the commit record (`super::record::CommitRecord`, JSON).
+    Committed,
+    /// `FAILED`: why the merge failed ([`Failed`], JSON).
+    Failed,
+}
+
+impl Marker {
+    /// The marker's file name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Marker::Committing => "COMMITTING",
+            Marker::Committed => "COMMITTED",
+            Marker::Failed => "FAILED",
+        }
+    }
+
+    /// `.shardwise/<save_id>/<NAME>`, relative to the checkpoint.
+    pub fn rel(self, save_id: &str) -> String {
+        marker_rel(save_id, self.name())
+    }
 }
 
 /// `.shardwise/<save_id>/<rank>.part`, relative to the checkpoint.
@@ -448,14 +437,14 @@ pub fn publish_failed(loc: &Location, save_id: &str, reason: &str) {
         reason: reason.to_string(),
     };
     if let Ok(bytes) = serde_json::to_vec(&f) {
-        let _ = loc.write(&marker_rel(save_id, "FAILED"), bytes);
+        let _ = loc.write(&Marker::Failed.rel(save_id), bytes);
     }
 }
 
 /// The `FAILED` marker of `save_id`, if any. A marker that is not ours (older shardwise: plain
 /// text) reads as written at time 0, i.e. before any attempt that is still running.
 pub fn read_failed(loc: &Location, save_id: &str) -> Option<Failed> {
-    let bytes = loc.read(&marker_rel(save_id, "FAILED")).ok()??;
+    let bytes = loc.read(&Marker::Failed.rel(save_id)).ok()??;
     Some(serde_json::from_slice(&bytes).unwrap_or_else(|_| Failed {
         at_ns: 0,
         reason: String::from_utf8_lossy(&bytes).into_owned(),

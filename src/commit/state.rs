@@ -16,53 +16,14 @@
 
 use std::collections::BTreeMap;
 
-use serde::{Deserialize, Serialize};
-
 use super::lock::dead_merger;
-use super::part::{listed_parts, marker_rel, read_failed, read_part, COMMON_FILE, STATE_DIR};
+use super::part::{listed_parts, read_failed, read_part, Marker, STATE_DIR};
+use super::record::{read_commit_record, CommitRecord, Digest};
 use super::wait::{stale_reason, Freshness};
-use super::CommitSummary;
 use crate::error::Result;
 use crate::format::metadata::Entry;
+use crate::format::{COMMON_FILE, METADATA_JSON_FILE};
 use crate::storage::Location;
-
-/// Size in bytes and CRC-32 of a file's whole content.
-#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
-pub struct Digest {
-    pub size: u64,
-    pub crc32: u32,
-}
-
-impl Digest {
-    pub fn of(bytes: &[u8]) -> Digest {
-        Digest {
-            size: bytes.len() as u64,
-            crc32: crc32fast::hash(bytes),
-        }
-    }
-}
-
-/// `.shardwise/S/COMMITTED` (JSON): what the commit of save `S` wrote.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-pub struct CommitRecord {
-    pub save_id: String,
-    /// Wall-clock time of the commit, ns since the Unix epoch (the merger's clock).
-    pub committed_at_ns: u64,
-    pub metadata: Digest,
-    /// `common.pt`, when the save has one.
-    pub common: Option<Digest>,
-    /// Megatron save: `metadata.json` is part of the checkpoint.
-    pub megatron: bool,
-    /// The data files (name inside the checkpoint, size in bytes).
-    pub files: Vec<(String, u64)>,
-    pub summary: CommitSummary,
-}
-
-/// The `COMMITTED` record of `save_id`, if it has one that parses.
-pub fn read_commit_record(loc: &Location, save_id: &str) -> Option<CommitRecord> {
-    let bytes = loc.read(&marker_rel(save_id, "COMMITTED")).ok()??;
-    serde_json::from_slice(&bytes).ok()
-}
 
 /// The state of a checkpoint directory.
 #[derive(Clone, Debug, PartialEq)]
@@ -100,7 +61,7 @@ pub fn checkpoint_state(loc: &Location) -> Result<CheckpointState> {
     for id in &ids {
         if let Some(r) = read_commit_record(loc, id) {
             records.push(r);
-        } else if loc.exists(&marker_rel(id, "COMMITTED")) {
+        } else if loc.exists(&Marker::Committed.rel(id)) {
             legacy_marker = true; // shardwise < 0.2 wrote an empty marker
         }
     }
@@ -189,7 +150,7 @@ fn missing_committed_file(loc: &Location, r: &CommitRecord) -> Result<Option<Str
             )));
         }
     }
-    if r.megatron && !loc.exists("metadata.json") {
+    if r.megatron && !loc.exists(METADATA_JSON_FILE) {
         return Ok(Some(format!(
             "metadata.json is missing (save {} is a Megatron save)",
             r.save_id
@@ -224,9 +185,12 @@ fn foreign_problem(loc: &Location, meta: &[u8]) -> Result<Option<String>> {
         Ok(n) => n,
         Err(why) => return Ok(Some(why)),
     };
+    // Every name is confined to the directory: `read_metadata` refuses any other.
     for (name, end) in need {
-        if let Err(why) = crate::reader::check_relative_path(&name) {
-            return Ok(Some(format!(".metadata names file {name:?}: {why}")));
+        if name.is_empty() {
+            return Ok(Some(
+                ".metadata names no file for an item (a chunk without a storage_data entry)".into(),
+            ));
         }
         match loc.size(&name)? {
             Some(size) if size >= end => {}
@@ -329,13 +293,13 @@ impl SaveState {
 ///
 /// Errors: storage errors when the save cannot be listed.
 pub fn save_state(loc: &Location, save_id: &str, world_size: u32) -> Result<SaveState> {
-    if loc.exists(&marker_rel(save_id, "COMMITTED")) {
+    if loc.exists(&Marker::Committed.rel(save_id)) {
         return Ok(SaveState::Committed);
     }
     if let Some(holder) = dead_merger(loc, save_id) {
         return Ok(SaveState::Interrupted { holder });
     }
-    if loc.exists(&marker_rel(save_id, "COMMITTING")) {
+    if loc.exists(&Marker::Committing.rel(save_id)) {
         return Ok(SaveState::Merging);
     }
     let any = Freshness {

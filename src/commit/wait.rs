@@ -3,52 +3,43 @@
 //!
 //! Every wait polls with a backoff of at most 500 ms, ends at its deadline with an error naming what
 //! is missing, and stops at the next poll when the user interrupts (Ctrl-C): see
-//! [`set_interrupt_check`].
+//! [`crate::interrupt`].
 
 use std::collections::BTreeMap;
-use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use rayon::prelude::*;
 
+use super::liveness::process_start_ns;
 use super::part::{
     decode_part_items, listed_parts, part_rel, read_failed, read_part_bytes, PartItems, RankPart,
-    COMMON_FILE,
 };
-use super::state::read_commit_record;
+use super::record::{not_committed, read_commit_record};
 use crate::error::{fmt_ranks, Error, Result};
+use crate::format::COMMON_FILE;
+use crate::interrupt::interrupted;
 use crate::storage::Location;
+
+/// The largest bound accepted, in seconds (10^9 s, about 31.7 years). Every wait is bounded (a
+/// hang is a failure mode, never a setting), so a larger value is a typo or a stand-in for
+/// "forever"; it is refused rather than carried into deadline arithmetic, where `Instant +
+/// Duration` panics on overflow (a `timeout_s` of 1e19 did, in the merge).
+pub const MAX_TIMEOUT_S: f64 = 1e9;
 
 /// A bound in seconds as a [`Duration`].
 ///
-/// Errors: [`Error::InvalidArgument`] naming `what` for a negative, NaN or unrepresentably large
-/// value (`Duration::from_secs_f64` would panic).
+/// Errors: [`Error::InvalidArgument`] naming `what` for a negative, NaN or infinite value, or one
+/// above [`MAX_TIMEOUT_S`] (`Duration::from_secs_f64` would panic on most of them).
 pub fn timeout_from_secs(what: &str, secs: f64) -> Result<Duration> {
-    if secs < 0.0 {
-        return Err(Error::InvalidArgument(format!(
-            "{what} must be a number of seconds >= 0, got {secs}"
-        )));
-    }
-    Duration::try_from_secs_f64(secs).map_err(|_| {
+    let refused = || {
         Error::InvalidArgument(format!(
-            "{what} must be a finite number of seconds >= 0, got {secs}"
+            "{what} must be a finite number of seconds in 0..={MAX_TIMEOUT_S:e}, got {secs}"
         ))
-    })
-}
-
-static INTERRUPT_CHECK: OnceLock<fn() -> bool> = OnceLock::new();
-
-/// Installs the function every wait calls at each poll; when it returns true the wait ends with
-/// [`Error::Interrupted`]. The Python binding installs one that runs Python's signal handlers
-/// (Ctrl-C raises `KeyboardInterrupt` there), the `shardwise` binary one that reads its SIGINT flag.
-/// Only the first call takes effect.
-pub fn set_interrupt_check(check: fn() -> bool) {
-    let _ = INTERRUPT_CHECK.set(check);
-}
-
-/// Whether the process was asked to stop (Ctrl-C seen by the check [`set_interrupt_check`] set).
-pub(crate) fn interrupted() -> bool {
-    INTERRUPT_CHECK.get().is_some_and(|f| f())
+    };
+    if !(0.0..=MAX_TIMEOUT_S).contains(&secs) {
+        return Err(refused());
+    }
+    Duration::try_from_secs_f64(secs).map_err(|_| refused())
 }
 
 /// Polling schedule: exponential backoff from 2 ms to 500 ms, interruptible.
@@ -119,41 +110,6 @@ impl Freshness {
     pub(super) fn commit_is_current(&self, committed_at_ns: u64) -> bool {
         committed_at_ns >= self.since_ns.unwrap_or(0)
     }
-}
-
-/// Wall-clock start of this process, ns since the Unix epoch (see [`process_start_of`]); falls
-/// back to now.
-pub fn process_start_ns() -> u64 {
-    static START: OnceLock<u64> = OnceLock::new();
-    *START.get_or_init(|| process_start_of(std::process::id()).unwrap_or_else(super::part::now_ns))
-}
-
-/// Wall-clock start of process `pid` on this machine, ns since the Unix epoch (Linux:
-/// `/proc/<pid>/stat` start time on the boot clock, carried over to the wall clock), rounded up to
-/// the end of its clock tick (10 ms): the latest instant it can have started, so that a marker
-/// written just before the process started is never taken for one written after. `None` when
-/// there is no such process.
-pub fn process_start_of(pid: u32) -> Option<u64> {
-    let now = super::part::now_ns();
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // Field 22 (starttime, clock ticks since boot); the command name (field 2) may hold spaces,
-    // so count from the closing parenthesis.
-    let ticks = stat
-        .rsplit_once(')')
-        .and_then(|(_, rest)| rest.split_whitespace().nth(19))
-        .and_then(|s| s.parse::<u64>().ok())?;
-    // SAFETY: plain libc calls with valid out-pointers.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    if hz <= 0 || unsafe { libc::clock_gettime(libc::CLOCK_BOOTTIME, &mut ts) } != 0 {
-        return None;
-    }
-    let since_boot = ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64;
-    let started = (ticks + 1).saturating_mul(1_000_000_000) / hz as u64;
-    Some(now.saturating_sub(since_boot.saturating_sub(started)))
 }
 
 /// Ranks in `0..world_size` with no part yet.
@@ -313,7 +269,7 @@ pub fn wait_for_commit(
             return Ok(());
         }
         if let Some(f) = read_failed(loc, save_id).filter(|f| f.at_ns >= fresh.failed_since_ns) {
-            return Err(super::not_committed(loc, save_id, f.reason));
+            return Err(not_committed(loc, save_id, f.reason));
         }
         if Instant::now() >= deadline {
             let t = timeout.as_secs_f64();
@@ -322,7 +278,7 @@ pub fn wait_for_commit(
                 Err(e) => {
                     let reason =
                         format!("no commit within {t:.1}s, and the parts cannot be listed: {e}");
-                    return Err(super::not_committed(loc, save_id, reason));
+                    return Err(not_committed(loc, save_id, reason));
                 }
             };
             let reason = if let Some(holder) = super::lock::dead_merger(loc, save_id) {
@@ -338,8 +294,42 @@ pub fn wait_for_commit(
                     fmt_ranks(&missing)
                 )
             };
-            return Err(super::not_committed(loc, save_id, reason));
+            return Err(not_committed(loc, save_id, reason));
         }
         backoff.sleep(deadline)?;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timeouts_out_of_range_are_argument_errors_never_panics() {
+        for bad in [
+            f64::NAN,
+            f64::INFINITY,
+            f64::NEG_INFINITY,
+            -1.0,
+            -1e-9,
+            1e9 + 1.0,
+            1e19,
+            1e30,
+        ] {
+            match timeout_from_secs("timeout_s", bad) {
+                Err(Error::InvalidArgument(m)) => {
+                    assert!(m.starts_with("timeout_s must be"), "{m}")
+                }
+                other => panic!("{bad}: {other:?}"),
+            }
+        }
+        for (good, expect) in [
+            (0.0, Duration::ZERO),
+            (-0.0, Duration::ZERO),
+            (0.25, Duration::from_millis(250)),
+            (MAX_TIMEOUT_S, Duration::from_secs(1_000_000_000)),
+        ] {
+            assert_eq!(timeout_from_secs("t", good).unwrap(), expect, "{good}");
+        }
     }
 }

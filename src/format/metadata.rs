@@ -249,9 +249,10 @@ fn storage_info(p: &mut Pickler, (relative_path, offset, length): (&str, u64, u6
     p.build();
 }
 
-/// Number of elements of a shape, without overflow.
-pub fn volume(sizes: &[u64]) -> u128 {
-    sizes.iter().map(|&s| s as u128).product()
+/// Number of elements of a shape or box, None when it does not fit in a `u64` (no storage holds
+/// that many). The one definition: layout checks, the reader, loads and diffs all count with it.
+pub fn volume(sizes: &[u64]) -> Option<u64> {
+    sizes.iter().try_fold(1u64, |a, &s| a.checked_mul(s))
 }
 
 /// Checks the chunks of one tensor key the way DCP's `_validate_global_plan` does at save time
@@ -289,7 +290,7 @@ pub fn check_layout_boxes<'a>(
         check_bounds(fqn, shape, offsets, sizes, &|| origin(i))?;
     }
     // Sweep along dimension 0: only chunks whose dim-0 ranges intersect are compared.
-    let mut order: Vec<usize> = (0..n).filter(|&i| volume(chunk(i).1) > 0).collect();
+    let mut order: Vec<usize> = (0..n).filter(|&i| volume(chunk(i).1) != Some(0)).collect();
     let start0 = |i: usize| chunk(i).0.first().copied().unwrap_or(0);
     let end0 = |i: usize| {
         let (offsets, sizes) = chunk(i);
@@ -319,8 +320,13 @@ pub fn check_layout_boxes<'a>(
         }
         active.push(i);
     }
-    let covered: u128 = (0..n).map(|i| volume(chunk(i).1)).sum();
-    let total = volume(shape);
+    // Counted in u128: the chunks lie inside the shape, so a sum past u64 is a coverage error too,
+    // and a shape of more than 2^64 elements cannot be covered.
+    let count = |s: &[u64]| volume(s).map_or(u128::MAX, u128::from);
+    let covered: u128 = (0..n)
+        .map(|i| count(chunk(i).1))
+        .fold(0, u128::saturating_add);
+    let total = count(shape);
     if covered != total {
         return Err(format!(
             "key {fqn}: the saved chunks cover {covered} of {total} elements of global shape {shape:?} (coverage gap)"

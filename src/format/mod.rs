@@ -1,10 +1,23 @@
-//! The DCP / torch_dist on-disk format: dtypes, the pickle emitter, the torch.save zip container
-//! and the global `.metadata`.
+//! The DCP / torch_dist on-disk format: dtypes, the pickle emitter, the torch.save zip container,
+//! the global `.metadata`, shardwise's checksum sidecar, and the names of the files a checkpoint
+//! holds beside its data files.
 pub mod archive;
 pub mod dtype;
 pub mod fuzzing;
 pub mod metadata;
 pub mod pickle;
 pub mod read_metadata;
+pub mod sidecar;
 pub mod unpickle;
 pub mod zip;
+
+/// The common (non-sharded) state of a Megatron checkpoint of megatron-core <= 0.18, a torch.save
+/// archive beside `.metadata` (megatron-torch-dist.md §1.2).
+pub const COMMON_FILE: &str = "common.pt";
+
+/// Megatron's `metadata.json`: its name in the checkpoint directory.
+pub const METADATA_JSON_FILE: &str = "metadata.json";
+
+/// Megatron's `metadata.json` in the 4-field form that megatron-core ≤0.18 requires and 0.19 accepts
+/// (megatron-torch-dist.md §1.3, `CheckpointingConfig` in `dist_checkpointing/core.py`).
+pub const MEGATRON_METADATA_JSON: &str = r#"{"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1}"#;

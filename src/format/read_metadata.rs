@@ -33,11 +33,35 @@ fn bad<T>(msg: impl Into<String>) -> R<T> {
     Err(MetadataError(msg.into()))
 }
 
+/// Checks that a `relative_path` from `.metadata` names a file inside the checkpoint directory:
+/// not empty, relative, no `..`, no root or prefix components. [`read_metadata`] refuses a
+/// `.metadata` with any other path, so the paths of a decoded [`CheckpointMetadata`] need no
+/// further check (a symlink inside the directory is the opener's to check).
+///
+/// Errors: a message naming the path.
+pub fn check_relative_path(rel: &str) -> Result<(), String> {
+    let p = std::path::Path::new(rel);
+    if rel.is_empty()
+        || p.components().any(|c| {
+            !matches!(
+                c,
+                std::path::Component::Normal(_) | std::path::Component::CurDir
+            )
+        })
+    {
+        return Err(format!(
+            "relative_path {rel:?} leaves the checkpoint directory"
+        ));
+    }
+    Ok(())
+}
+
 /// What `.metadata` describes.
 #[derive(Debug, Clone, Default)]
 pub struct CheckpointMetadata {
     /// Keys in sorted order. A tensor chunk whose storage entry is missing from `storage_data` has
-    /// `relative_path` empty (reported by `verify`).
+    /// `relative_path` empty (reported by `verify`); every other `relative_path` passed
+    /// [`check_relative_path`].
     pub entries: BTreeMap<String, Entry>,
     /// `transform_descriptors` per item (`stream.zstd/1`, ...), keyed like `storage_data`.
     pub transforms: HashMap<(String, Option<Vec<u64>>), Vec<String>>,
@@ -741,10 +765,19 @@ fn join_storage<'a>(
         let Some(key) = key else {
             continue; // a key state_dict_metadata does not have: nothing reads it
         };
-        let path = *path_at.entry(path_pos).or_insert_with(|| {
-            paths.push(b.text(path_v).unwrap_or_default().to_string());
-            (paths.len() - 1) as u32
-        });
+        let path = match path_at.get(&path_pos) {
+            Some(&p) => p,
+            None => {
+                // Each distinct path is checked once, when first met: every `relative_path` of a
+                // decoded `.metadata` names a file inside the checkpoint directory.
+                let text = b.text(path_v).unwrap_or_default();
+                check_relative_path(text)
+                    .map_err(|why| MetadataError(format!("{}: {why}", fqn())))?;
+                paths.push(text.to_string());
+                path_at.insert(path_pos, (paths.len() - 1) as u32);
+                (paths.len() - 1) as u32
+            }
+        };
         per_key[key].push(Item {
             offsets,
             hint: b.uint(index_v),

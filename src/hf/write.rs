@@ -295,7 +295,7 @@ pub(crate) fn write_shards(
             r
         });
         while !job.is_finished() {
-            if crate::commit::wait::interrupted() {
+            if crate::interrupt::interrupted() {
                 cancel.store(true, Ordering::Relaxed);
             }
             std::thread::park_timeout(std::time::Duration::from_millis(50));

@@ -6,7 +6,7 @@
 use std::ops::Range;
 
 use crate::error::{Error, Result};
-use crate::format::metadata::Chunk;
+use crate::format::metadata::{volume, Chunk};
 
 /// Global element box `[lo, hi)` of one saved chunk that one request needs.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -112,9 +112,83 @@ impl ChunkIndex {
     }
 }
 
-/// Number of elements of a box, None on overflow.
-pub fn volume(sizes: &[u64]) -> Option<u64> {
-    sizes.iter().try_fold(1u64, |a, &s| a.checked_mul(s))
+/// The intersection of two boxes, None when empty.
+pub fn intersect(ao: &[u64], asz: &[u64], bo: &[u64], bsz: &[u64]) -> Option<(Vec<u64>, Vec<u64>)> {
+    let n = ao.len();
+    if asz.len() != n || bo.len() != n || bsz.len() != n {
+        return None;
+    }
+    let lo: Vec<u64> = (0..n).map(|d| ao[d].max(bo[d])).collect();
+    let hi: Vec<u64> = (0..n)
+        .map(|d| (ao[d] + asz[d]).min(bo[d] + bsz[d]))
+        .collect();
+    if (0..n).any(|d| lo[d] >= hi[d]) {
+        return None;
+    }
+    let sizes = (0..n).map(|d| hi[d] - lo[d]).collect();
+    Some((lo, sizes))
+}
+
+/// Copies the box `[lo, hi)` (global coordinates) from a tensor stored in `src` (element 0 at
+/// `storage_offset`, `strides` in elements) whose origin is at `chunk_off`, into `out`, a
+/// contiguous buffer for the region at `region_off` of `region_sizes`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn copy_box(
+    src: &[u8],
+    storage_offset: u64,
+    strides: &[u64],
+    chunk_off: &[u64],
+    region_off: &[u64],
+    region_sizes: &[u64],
+    lo: &[u64],
+    hi: &[u64],
+    item: u64,
+    out: &mut [u8],
+) {
+    let n = lo.len();
+    let item = item as usize;
+    if n == 0 {
+        let s = storage_offset as usize * item;
+        out[..item].copy_from_slice(&src[s..s + item]);
+        return;
+    }
+    let mut out_strides = vec![1u64; n];
+    for d in (0..n - 1).rev() {
+        out_strides[d] = out_strides[d + 1] * region_sizes[d + 1];
+    }
+    let run = (hi[n - 1] - lo[n - 1]) as usize;
+    let mut idx = lo.to_vec();
+    loop {
+        let mut s = storage_offset;
+        let mut o = 0u64;
+        for d in 0..n {
+            s += (idx[d] - chunk_off[d]) * strides[d];
+            o += (idx[d] - region_off[d]) * out_strides[d];
+        }
+        let (s, o) = (s as usize * item, o as usize * item);
+        if strides[n - 1] == 1 {
+            out[o..o + run * item].copy_from_slice(&src[s..s + run * item]);
+        } else {
+            let st = strides[n - 1] as usize * item;
+            for k in 0..run {
+                out[o + k * item..o + (k + 1) * item]
+                    .copy_from_slice(&src[s + k * st..s + k * st + item]);
+            }
+        }
+        // Odometer over all dimensions but the last.
+        let mut d = n - 1;
+        loop {
+            if d == 0 {
+                return;
+            }
+            d -= 1;
+            idx[d] += 1;
+            if idx[d] < hi[d] {
+                break;
+            }
+            idx[d] = lo[d];
+        }
+    }
 }
 
 /// A box `[lo, hi)` of `region` that no box of `covered` touches, if any (boxes are subtracted one
@@ -760,5 +834,40 @@ mod tests {
             (0..60, vec![0, 1])
         );
         assert!(copies.iter().all(|c| !c.direct));
+    }
+
+    #[test]
+    fn intersections_of_boxes() {
+        assert_eq!(
+            intersect(&[0, 0], &[4, 8], &[2, 4], &[4, 8]),
+            Some((vec![2, 4], vec![2, 4]))
+        );
+        assert_eq!(intersect(&[0], &[4], &[4], &[4]), None);
+    }
+
+    /// A box copy out of a transposed (column-major) source lands in C order, and a scalar copies
+    /// its one element.
+    #[test]
+    fn copy_box_follows_source_strides() {
+        // A 2x3 u8 tensor stored column-major: element (i, j) at storage index i + 2 * j.
+        let src: Vec<u8> = vec![0, 10, 1, 11, 2, 12];
+        let mut out = vec![0u8; 4];
+        // Region rows 0..2, columns 1..3 of the global tensor; the chunk is all of it.
+        copy_box(
+            &src,
+            0,
+            &[1, 2],
+            &[0, 0],
+            &[0, 1],
+            &[2, 2],
+            &[0, 1],
+            &[2, 3],
+            1,
+            &mut out,
+        );
+        assert_eq!(out, vec![1, 2, 11, 12]);
+        let mut one = [0u8; 2];
+        copy_box(&[7, 9, 5, 6], 1, &[], &[], &[], &[], &[], &[], 2, &mut one);
+        assert_eq!(one, [5, 6]);
     }
 }

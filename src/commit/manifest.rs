@@ -14,8 +14,9 @@ use std::collections::BTreeMap;
 
 use sha2::{Digest, Sha256};
 
-use crate::commit::part::{RankPart, COMMON_FILE};
+use super::part::RankPart;
 use crate::error::{Error, Result};
+use crate::format::COMMON_FILE;
 
 /// The manifest's name in the checkpoint directory (megatron-core 0.19 `INTEGRITY_FNAME`).
 pub const INTEGRITY_FILE: &str = "integrity.json";
