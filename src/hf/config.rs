@@ -439,6 +439,14 @@ pub(crate) fn mtp_layers(
     let declared = d.declared_mtp();
     let field = d.spec.mtp.map_or("num_nextn_predict_layers", |m| m.field);
     let model_type = d.spec.model_types[0];
+    if let Some((f, p)) = args.and_then(|a| a.hybrid_pattern()) {
+        let depths = super::layout::mtp_depths(p, &format!("args.{f} {p:?}"))?;
+        if depths != in_ckpt {
+            return Err(Error::Validation(format!(
+                "args.{f} {p:?} has {depths} MTP depth(s) (after '/'), the checkpoint holds {in_ckpt} MTP layer(s) (mtp.layers.*)"
+            )));
+        }
+    }
     if let Some(a) = args.and_then(|a| a.field("mtp_num_layers")) {
         if a != in_ckpt {
             return Err(Error::Validation(format!(

@@ -292,9 +292,9 @@ fn map_key(d: &Dims, key: &str, shape: &[u64], dtype: DType, lookup: Lookup) -> 
     if let Some(r) = d.spec.model_rule(key) {
         return unstacked(r, &|n| d.text_name(n));
     }
-    // `decoder.layers.{i}.sub` (one layer), `decoder.layers.sub` (layer axis first), or
-    // `mtp.layers.{k}.transformer_layer.sub` (MTP layer k's transformer layer: layer
-    // num_layers + k); an MTP module's own tensors `mtp.layers.{k}.sub`.
+    // `decoder.layers.{i}.sub` (one layer), `decoder.layers.sub` (layer axis first), or MTP
+    // layer k's transformer layer (layer num_layers + k; `layout::mtp_layer_sub` names its
+    // keys); an MTP module's own tensors `mtp.layers.{k}.sub`.
     let (layers, sub, stacked) = if let Some(rest) = key.strip_prefix("mtp.layers.") {
         let Some((k, sub)) = rest
             .split_once('.')
@@ -306,7 +306,7 @@ fn map_key(d: &Dims, key: &str, shape: &[u64], dtype: DType, lookup: Lookup) -> 
             // Not converted (--drop-mtp): refused earlier otherwise, see `config::mtp_layers`.
             return Ok(Mapped::Skip);
         }
-        match (sub.strip_prefix("transformer_layer."), d.spec.mtp) {
+        match (super::layout::mtp_layer_sub(sub, key)?, d.spec.mtp) {
             (Some(sub), _) => (d.num_layers + k..d.num_layers + k + 1, sub, false),
             (None, Some(m)) => {
                 let Some(r) = m.rules.iter().find(|r| r.src.contains(&sub)) else {
@@ -813,6 +813,14 @@ mod tests {
         assert_eq!(
             names(map(
                 "mtp.layers.0.transformer_layer.mlp.router.weight",
+                &[2, 8]
+            )),
+            vec!["model.layers.2.mlp.gate.weight"]
+        );
+        // A HybridModel's MTP layer: its HybridStack's attention (0) and MLP (1), one HF layer.
+        assert_eq!(
+            names(map(
+                "mtp.layers.0.mtp_model_layer.layers.1.mlp.router.weight",
                 &[2, 8]
             )),
             vec!["model.layers.2.mlp.gate.weight"]
