@@ -140,6 +140,53 @@ fn corrupt(path: impl Into<PathBuf>, reason: impl Into<String>) -> Error {
     }
 }
 
+/// The bytes of `.metadata`: memory-mapped locally (hundreds of MB at millions of chunks: no copy
+/// into the heap, and pages the decoder has passed can be dropped by the kernel), read whole from an
+/// object store.
+///
+/// Errors: the hint of [`crate::hints::no_metadata`] when there is none; [`Error::Io`] /
+/// [`Error::Remote`] when it cannot be read.
+fn metadata_bytes(loc: &Location) -> Result<Held> {
+    let Location::Local(dir) = loc else {
+        let bytes = loc
+            .read(".metadata")?
+            .ok_or_else(|| crate::hints::no_metadata(loc))?;
+        return Ok(Held::Read(bytes));
+    };
+    let path = dir.join(".metadata");
+    let file = match File::open(&path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(crate::hints::no_metadata(loc))
+        }
+        Err(e) => return Err(Error::io("read", &path)(e)),
+    };
+    if file.metadata().map_err(Error::io("stat", &path))?.len() == 0 {
+        return Ok(Held::Read(Vec::new()));
+    }
+    // SAFETY: `.metadata` is only ever replaced whole (written to a temporary file, then renamed:
+    // `storage::atomic_write`), so the mapped file never changes under the decoder.
+    Ok(Held::Map(
+        unsafe { Mmap::map(&file) }.map_err(Error::io("map", &path))?,
+    ))
+}
+
+/// `.metadata`'s bytes as [`metadata_bytes`] holds them.
+enum Held {
+    Map(Mmap),
+    Read(Vec<u8>),
+}
+
+impl std::ops::Deref for Held {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            Held::Map(m) => m,
+            Held::Read(v) => v,
+        }
+    }
+}
+
 impl Checkpoint {
     /// Opens the checkpoint at `loc` (a directory or an object-store prefix) and decodes its
     /// `.metadata` (never executing it).
@@ -155,10 +202,9 @@ impl Checkpoint {
             remote => remote.clone(),
         };
         let path = loc.path_of(".metadata");
-        let bytes = loc
-            .read(".metadata")?
-            .ok_or_else(|| crate::hints::no_metadata(&loc))?;
+        let bytes = metadata_bytes(&loc)?;
         let metadata = read_metadata(&bytes).map_err(|e| corrupt(&path, e.0))?;
+        drop(bytes);
         let sums = read_checksums(&loc)?;
         let block_bytes = sums.as_ref().map_or(0, |s| s.block_bytes);
         let recorded = sums.map(|sums| {
