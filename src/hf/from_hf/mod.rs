@@ -368,17 +368,16 @@ pub fn from_hf(
     for &g in &mine {
         let range = groups.get(g).cloned().unwrap_or(0..0);
         let jobs = &p.jobs[range];
-        let bufs: Vec<Vec<u8>> = pool.install(|| {
-            jobs.par_iter()
-                .map(|j| {
-                    if interrupted() {
-                        return Err(Error::Interrupted);
-                    }
-                    let b = run::run_job(&src, j, opts.dtype)?;
-                    progress(b.len() as u64);
-                    Ok(b)
-                })
-                .collect::<Result<Vec<_>>>()
+        let bufs: Vec<Vec<u8>> = run::watching_interrupt(|stop| {
+            pool.install(|| {
+                jobs.par_iter()
+                    .map(|j| {
+                        let b = run::run_job(&src, j, opts.dtype, stop)?;
+                        progress(b.len() as u64);
+                        Ok(b)
+                    })
+                    .collect::<Result<Vec<_>>>()
+            })
         })?;
         if interrupted() {
             return Err(Error::Interrupted);

@@ -3,21 +3,62 @@
 //! source tensor; jobs gathered into groups, one data file each, so memory holds one group and
 //! one HF tensor per worker.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::time::Duration;
+
 use super::super::plan::invert_post;
 use super::plan::{Chunk, Job};
 use super::source::HfSource;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::format::dtype::DType;
+use crate::interrupt::interrupted;
 
-/// The Megatron source tensor of job `j` in `dtype` (`experts x rows x rest`, C order).
+/// How often the calling thread polls for Ctrl-C while workers convert.
+const INTERRUPT_POLL: Duration = Duration::from_millis(20);
+
+/// Runs `work` on another thread while this one polls [`interrupted`]: the Python binding's check
+/// runs signal handlers only on Python's main thread (the caller here), never on the pool's
+/// workers. On Ctrl-C the flag `work` is given turns true; `work` is expected to stop at its next
+/// check and return [`Error::Interrupted`], which is returned in any case.
+pub(crate) fn watching_interrupt<T: Send>(
+    work: impl FnOnce(&AtomicBool) -> Result<T> + Send,
+) -> Result<T> {
+    let stop = AtomicBool::new(false);
+    let (done_tx, done_rx) = mpsc::channel::<()>();
+    let out = std::thread::scope(|s| {
+        let worker = s.spawn(|| {
+            let r = work(&stop);
+            let _ = done_tx.send(());
+            r
+        });
+        while let Err(mpsc::RecvTimeoutError::Timeout) = done_rx.recv_timeout(INTERRUPT_POLL) {
+            if interrupted() {
+                stop.store(true, Ordering::Relaxed);
+                break;
+            }
+        }
+        worker.join().unwrap_or(Err(Error::Interrupted))
+    });
+    if stop.load(Ordering::Relaxed) {
+        return Err(Error::Interrupted);
+    }
+    out
+}
+
+/// The Megatron source tensor of job `j` in `dtype` (`experts x rows x rest`, C order); `stop`
+/// (Ctrl-C) is checked before each HF tensor is read.
 ///
-/// Errors: the reader's and [`invert_post`]'s.
-pub(crate) fn run_job(src: &HfSource, j: &Job, dtype: DType) -> Result<Vec<u8>> {
+/// Errors: [`Error::Interrupted`] when `stop` is set; the reader's and [`invert_post`]'s.
+pub(crate) fn run_job(src: &HfSource, j: &Job, dtype: DType, stop: &AtomicBool) -> Result<Vec<u8>> {
     let item = dtype.itemsize() as usize;
     let row = j.rest.iter().product::<u64>() as usize * item;
     let rows = j.rows as usize;
     let mut buf = vec![0u8; j.numel() as usize * item];
     for input in &j.inputs {
+        if stop.load(Ordering::Relaxed) {
+            return Err(Error::Interrupted);
+        }
         let n = input.shape.iter().product::<u64>() as usize;
         let mut tmp = vec![0u8; n * item];
         src.read(&input.name, dtype, &mut tmp)?;
@@ -95,5 +136,14 @@ mod tests {
         assert_eq!(groups(&jobs, 1, 8), vec![0..2, 2..3, 3..4, 4..6]);
         assert_eq!(groups(&jobs, 1, 100), vec![0..6]);
         assert!(groups(&[], 1, 8).is_empty());
+    }
+
+    #[test]
+    fn work_that_ends_returns_its_result() {
+        assert_eq!(watching_interrupt(|_| Ok(7)).unwrap(), 7);
+        assert!(matches!(
+            watching_interrupt::<()>(|_| Err(Error::Interrupted)),
+            Err(Error::Interrupted)
+        ));
     }
 }
