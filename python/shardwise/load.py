@@ -91,10 +91,10 @@ def _check_backend(checkpoint_dir: str) -> None:
     try:
         with open(path, "rb") as f:
             config = json.loads(f.read(1 << 20))
-    except FileNotFoundError:
-        if not os.path.isdir(checkpoint_dir):
+    except (FileNotFoundError, NotADirectoryError):
+        if not os.path.exists(checkpoint_dir):
             raise _native.StorageError(f"checkpoint directory {checkpoint_dir} does not exist") from None
-        return
+        return  # no metadata.json; a path that is no directory is named by the native open
     except (OSError, ValueError) as e:
         raise _native.CorruptFileError(f"corrupt file {path}: {e}") from None
     backend = config.get("sharded_backend") if isinstance(config, dict) else None

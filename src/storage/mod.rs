@@ -3,12 +3,14 @@
 //! crate, conditional creates). Everything above this module names files by their `/`-separated
 //! path inside the checkpoint (`.metadata`, `.shardwise/<save_id>/3.part`).
 
+mod data;
 mod local;
 pub mod remote;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+pub use data::{DataSink, DataSource};
 pub use local::{
     atomic_create, atomic_write, create_dir_all, fsync_dir, sweep_temp_files, DataFile,
 };
@@ -68,6 +70,54 @@ impl Location {
         }
     }
 
+    /// Whether a file here can be replaced or renamed atomically, so that a checkpoint can be
+    /// switched to another in one step (its `.metadata` renamed over) and a file staged elsewhere
+    /// moved into place: local filesystems. Object stores have neither rename nor a way to switch
+    /// a prefix from one set of objects to another.
+    pub fn can_replace_atomically(&self) -> bool {
+        matches!(self, Location::Local(_))
+    }
+
+    /// The location with a local path made canonical (absolute, symlinks resolved), so that files
+    /// found under it can be checked to lie inside it; an object-store location as it is.
+    ///
+    /// Errors: [`Error::Io`] when the directory cannot be resolved (missing);
+    /// [`Error::InvalidArgument`] for a path that is not a directory.
+    pub fn canonical(&self) -> Result<Location> {
+        match self {
+            Location::Local(dir) => {
+                let real = dir
+                    .canonicalize()
+                    .map_err(Error::io("open checkpoint directory", dir))?;
+                if !real.is_dir() {
+                    return Err(not_a_directory(dir));
+                }
+                Ok(Location::Local(real))
+            }
+            remote => Ok(remote.clone()),
+        }
+    }
+
+    /// Makes the renames and creations done in the directory durable (local: fsync of the
+    /// directory; an object-store write is durable when it returns).
+    ///
+    /// Errors: [`Error::Io`].
+    pub fn sync_dir(&self) -> Result<()> {
+        match self {
+            Location::Local(dir) => fsync_dir(dir),
+            Location::Remote(_) => Ok(()),
+        }
+    }
+
+    /// Removes the temporary files of local writers killed mid-write ([`sweep_temp_files`]);
+    /// object stores have none (a PUT is whole or absent). Only call it when no writer can still
+    /// be publishing here. Best effort.
+    pub fn sweep_temp_files(&self) {
+        if let Location::Local(dir) = self {
+            sweep_temp_files(dir);
+        }
+    }
+
     /// The location as a path for messages and errors (a URL is kept as written).
     pub fn display_path(&self) -> PathBuf {
         match self {
@@ -82,8 +132,12 @@ impl Location {
     }
 
     /// Creates the directory (local) — object stores have no directories.
+    ///
+    /// Errors: [`Error::InvalidArgument`] for a path that exists and is not a directory;
+    /// [`Error::Io`].
     pub fn create_dir(&self) -> Result<()> {
         match self {
+            Location::Local(p) if p.exists() && !p.is_dir() => Err(not_a_directory(p)),
             Location::Local(p) => create_dir_all(p),
             Location::Remote(_) => Ok(()),
         }
@@ -266,6 +320,15 @@ impl Location {
             Location::Remote(r) => r.list(rel_dir),
         }
     }
+}
+
+/// A checkpoint directory given as a path that is a file (or anything but a directory).
+fn not_a_directory(path: &Path) -> Error {
+    Error::InvalidArgument(format!(
+        "{} is not a directory: a checkpoint is a directory (pass the directory that holds \
+         .metadata, not a file in it)",
+        path.display()
+    ))
 }
 
 impl std::fmt::Display for Location {
