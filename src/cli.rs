@@ -51,6 +51,14 @@ enum Command {
         /// sizes), the checksum sidecar's placements, metadata.json and that the common state exists.
         #[arg(long)]
         quick: bool,
+        /// Also check that this torch release (2.3 to 2.15) reads the checkpoint's .metadata, and
+        /// say why not (a problem on .metadata; `rewrite-metadata` fixes what it can).
+        #[arg(long, value_name = "2.X")]
+        torch_compat: Option<String>,
+        /// Bound in seconds on each object-store request, its retries included (default: 30 s
+        /// per attempt, retried for SHARDWISE_RETRY_TIMEOUT_S, 60 s).
+        #[arg(long, value_name = "S")]
+        timeout: Option<f64>,
     },
     /// Saves in a directory: save id, rank parts and their age, missing ranks, commit state, layout.
     #[command(after_help = EXIT_CODES)]
@@ -111,13 +119,33 @@ enum Command {
         allow_unmapped: bool,
         #[arg(long, help = JSON_HELP)]
         json: bool,
+        /// Bound in seconds on each object-store request, its retries included (default: 30 s
+        /// per attempt, retried for SHARDWISE_RETRY_TIMEOUT_S, 60 s).
+        #[arg(long, value_name = "S")]
+        timeout: Option<f64>,
     },
     /// Compare two checkpoints key by key, across layouts (TP/PP/EP) and storage, or a checkpoint with
     /// an HF safetensors folder through the to-hf mapping.
     #[command(after_help = DIFF_EXIT_CODES)]
     Diff(DiffArgs),
+    /// Rewrite .metadata into the form an older torch release reads (TensorProperties as 5-tuples,
+    /// no StorageMeta before 2.4), atomically; data files untouched, shardwise's commit record and
+    /// integrity.json updated to the new .metadata.
+    #[command(name = "rewrite-metadata", after_help = EXIT_CODES)]
+    RewriteMetadata {
+        /// Checkpoint directory or URL.
+        dir: PathBuf,
+        /// The torch release that must read the checkpoint, e.g. 2.3 or 2.14.
+        #[arg(long, value_name = "2.X")]
+        torch_compat: String,
+        #[arg(long, help = JSON_HELP)]
+        json: bool,
+    },
     /// Merge the per-rank parts of a save and commit `.metadata` (finishes a save whose merging rank died).
-    /// Idempotent; when two mergers race, one commits and both succeed.
+    /// Idempotent; when two mergers race, one commits and both succeed. On a torch DCP checkpoint
+    /// saved with use_collectives=False (rank-local __{rank}.metadata files, no .metadata): validates
+    /// the rank-local files together and creates the global .metadata, so that DCP loads it at any
+    /// world size.
     #[command(after_help = EXIT_CODES)]
     Merge {
         /// Checkpoint directory or URL.
@@ -128,7 +156,8 @@ enum Command {
         /// Number of ranks (default: the world_size recorded in the parts).
         #[arg(long)]
         world_size: Option<u32>,
-        /// Seconds to wait for missing parts.
+        /// Seconds to wait for missing parts; also the bound of each object-store request, its
+        /// retries included (0: the default bound, 30 s per attempt retried for 60 s).
         #[arg(long, default_value_t = 0.0)]
         timeout: f64,
         #[arg(long, help = JSON_HELP)]
@@ -190,6 +219,15 @@ fn location(dir: &Path) -> Result<Location> {
     Location::from_os(dir.as_os_str())
 }
 
+/// [`location`] with its object-store requests bounded by `--timeout` seconds
+/// ([`Location::with_timeout`]).
+fn bounded(dir: &Path, timeout: Option<f64>) -> Result<Location> {
+    let timeout = timeout
+        .map(|t| timeout_from_secs("--timeout", t))
+        .transpose()?;
+    location(dir)?.with_timeout(timeout)
+}
+
 /// Runs the CLI on `args` (including the program name); returns the process exit code. Arguments
 /// need not be UTF-8 (local paths are bytes on Unix).
 pub fn run<I, T>(args: I) -> i32
@@ -206,7 +244,28 @@ where
     };
     let result = (|| match cli.command {
         Command::Inspect { dir, json } => inspect(&location(&dir)?, json),
-        Command::Verify { dir, json, quick } => verify(&location(&dir)?, json, quick),
+        Command::Verify {
+            dir,
+            json,
+            quick,
+            torch_compat,
+            timeout,
+        } => {
+            let torch = torch_compat
+                .as_deref()
+                .map(crate::torch_compat::Torch::parse)
+                .transpose()?;
+            verify(&bounded(&dir, timeout)?, json, quick, torch)
+        }
+        Command::RewriteMetadata {
+            dir,
+            torch_compat,
+            json,
+        } => rewrite_metadata(
+            &location(&dir)?,
+            crate::torch_compat::Torch::parse(&torch_compat)?,
+            json,
+        ),
         Command::Status {
             dir,
             keys,
@@ -220,7 +279,14 @@ where
             timeout,
             json,
             repair,
-        } => merge(&location(&dir)?, save_id, world_size, timeout, json, repair),
+        } => merge(
+            &bounded(&dir, Some(timeout))?,
+            save_id,
+            world_size,
+            timeout,
+            json,
+            repair,
+        ),
         Command::Diff(args) => diff(args),
         Command::ToHf {
             dir,
@@ -234,6 +300,7 @@ where
             overwrite,
             allow_unmapped,
             json,
+            timeout,
         } => {
             let mut opts = crate::hf::HfOptions::from_user(
                 hf_config,
@@ -245,7 +312,7 @@ where
             )?;
             opts.overwrite = overwrite;
             opts.part = part.as_deref().map(crate::hf::Part::parse).transpose()?;
-            to_hf(&location(&dir)?, &out, &opts, json)
+            to_hf(&bounded(&dir, timeout)?, &out, &opts, json)
         }
     })();
     match result {
@@ -400,9 +467,15 @@ pub fn format_name(class: &str) -> &'static str {
     }
 }
 
-fn verify(dir: &Location, json: bool, quick: bool) -> Outcome {
+fn verify(
+    dir: &Location,
+    json: bool,
+    quick: bool,
+    torch: Option<crate::torch_compat::Torch>,
+) -> Outcome {
     if quick {
-        let report = crate::verify::verify_quick(dir)?;
+        let mut report = crate::verify::verify_quick(dir)?;
+        torch_compat(dir, torch, &mut report, json)?;
         return verify_output(dir, &report, json);
     }
     let bar = progress(
@@ -421,9 +494,62 @@ fn verify(dir: &Location, json: bool, quick: bool) -> Outcome {
         })
         .sum();
     bar.set_length(ckpt_items);
-    let report = crate::verify::verify(dir, &|n| bar.inc(n))?;
+    let mut report = crate::verify::verify(dir, &|n| bar.inc(n))?;
     bar.finish_and_clear();
+    torch_compat(dir, torch, &mut report, json)?;
     verify_output(dir, &report, json)
+}
+
+/// `verify --torch-compat`: each reason `torch` cannot read the checkpoint is a problem on
+/// `.metadata`; when it can, the text output says so.
+fn torch_compat(
+    dir: &Location,
+    torch: Option<crate::torch_compat::Torch>,
+    report: &mut crate::verify::Report,
+    json: bool,
+) -> std::result::Result<(), Stop> {
+    let Some(torch) = torch else { return Ok(()) };
+    let meta = dir
+        .read(".metadata")?
+        .ok_or_else(|| crate::hints::no_metadata(dir))?;
+    let compat = crate::torch_compat::check(&meta, torch)?;
+    for b in &compat.blockers {
+        let fix = if b.rewritable {
+            format!("`shardwise rewrite-metadata {dir} --torch-compat {torch}` fixes this")
+        } else {
+            "no rewrite of .metadata fixes this".to_string()
+        };
+        report.problems.push(crate::verify::Problem {
+            key: ".metadata".into(),
+            file: Some(".metadata".into()),
+            offset: None,
+            message: format!("torch {torch} cannot read it: {} ({fix})", b.reason),
+        });
+    }
+    if compat.readable && !json {
+        out!("torch {torch} reads {dir}/.metadata");
+    }
+    Ok(())
+}
+
+fn rewrite_metadata(dir: &Location, torch: crate::torch_compat::Torch, json: bool) -> Outcome {
+    let r = crate::torch_compat::rewrite(dir, torch)?;
+    if json {
+        print_json(&r)?;
+    } else if r.unchanged {
+        out!("torch {torch} already reads {dir}/.metadata: nothing rewritten");
+    } else {
+        out!(
+            "rewrote {dir}/.metadata for torch {torch} ({} -> {}): {}",
+            size(r.metadata_bytes_before),
+            size(r.metadata_bytes),
+            r.removed.join("; ")
+        );
+        for rel in &r.records_updated {
+            out!("updated {rel} to the new .metadata");
+        }
+    }
+    Ok(0)
 }
 
 fn verify_output(dir: &Location, report: &crate::verify::Report, json: bool) -> Outcome {
@@ -793,6 +919,14 @@ fn merge(
     if repair {
         return repair_checkpoint(dir, timeout_from_secs("--timeout", timeout)?, json, false);
     }
+    if save_id.is_none() && save_ids(dir)?.is_empty() && crate::dcp_local::has_rank_local(dir)? {
+        return merge_rank_local(
+            dir,
+            world_size,
+            timeout_from_secs("--timeout", timeout)?,
+            json,
+        );
+    }
     let save_id = match save_id {
         Some(s) => s,
         None => {
@@ -864,6 +998,37 @@ fn merge(
     Ok(0)
 }
 
+/// `merge` of a torch DCP `use_collectives=False` checkpoint ([`crate::dcp_local`]).
+fn merge_rank_local(
+    dir: &Location,
+    world_size: Option<u32>,
+    timeout: Duration,
+    json: bool,
+) -> Outcome {
+    let s = crate::dcp_local::merge(dir, world_size, timeout)?;
+    if json {
+        print_json(&s)?;
+        return Ok(0);
+    }
+    let what = format!(
+        "{}, {}, {} ({} kept once)",
+        count(s.keys, "key"),
+        count(s.tensor_chunks, "tensor chunk"),
+        count(s.byte_objects, "byte object"),
+        count(s.replicas_dropped, "replicated item")
+    );
+    if s.already_merged {
+        out!("{dir}: .metadata is already the merge of the rank-local metadata of {} (nothing to do): {what}", count(s.ranks as usize, "rank"));
+    } else {
+        out!(
+            "merged the rank-local metadata of {} (torch DCP use_collectives=False): {what}; .metadata {}",
+            count(s.ranks as usize, "rank"),
+            size(s.metadata_bytes)
+        );
+    }
+    Ok(0)
+}
+
 fn to_hf(dir: &Location, out: &Path, opts: &crate::hf::HfOptions, json: bool) -> Outcome {
     let bar = progress(
         indicatif::ProgressBar::new_spinner(),
@@ -895,6 +1060,9 @@ fn to_hf(dir: &Location, out: &Path, opts: &crate::hf::HfOptions, json: bool) ->
             err,
             "shardwise: note: no config.json written (no --hf-config); transformers needs one beside the weights"
         );
+    }
+    for w in &summary.warnings {
+        let _ = writeln!(err, "shardwise: warning: {w}");
     }
     if json {
         print_json(&summary)?;

@@ -5,6 +5,7 @@
 pub mod blockcrc;
 pub mod cli;
 pub mod commit;
+pub mod dcp_local;
 pub mod diff;
 pub mod error;
 pub mod format;
@@ -17,6 +18,7 @@ pub mod reader;
 pub mod save;
 pub mod staging;
 pub mod storage;
+pub mod torch_compat;
 pub mod verify;
 pub mod writer;
 

@@ -54,12 +54,13 @@ def clear_cache() -> None:
         _CACHE.clear()
 
 
-def open_cached(checkpoint_dir: str):
+def open_cached(checkpoint_dir: str, timeout_s: Optional[float] = None):
     """The open ``_native.Checkpoint`` of ``checkpoint_dir``, parsed once per process: reused while
     ``.metadata`` keeps its size and mtime (a new save into the same directory is parsed anew).
-    Object-store URLs are opened on every call (no cheap stamp to check)."""
+    Object-store URLs are opened on every call (no cheap stamp to check), each request bounded by
+    ``timeout_s`` seconds when given."""
     if is_url(checkpoint_dir):
-        return _native.open_checkpoint(checkpoint_dir)
+        return _native.open_checkpoint(checkpoint_dir, timeout_s)
     path = os.path.abspath(checkpoint_dir)
     try:
         st = os.stat(os.path.join(path, ".metadata"))
@@ -81,16 +82,20 @@ def open_cached(checkpoint_dir: str):
     return ckpt
 
 
-def _check_backend(checkpoint_dir: str) -> None:
+def _check_backend(checkpoint_dir: str, timeout_s: Optional[float] = None) -> None:
     """Refuses checkpoints whose ``metadata.json`` names another backend than ``torch_dist``
-    (``zarr``, ``torch`` ``mp_rank_*`` files...). A plain DCP checkpoint (``.metadata``, no
-    ``metadata.json``) is the same format and is read."""
-    if is_url(checkpoint_dir):
-        return
+    (``zarr``, ``torch`` ``mp_rank_*`` files...), in a directory or at an object-store URL. A plain
+    DCP checkpoint (``.metadata``, no ``metadata.json``) is the same format and is read."""
     path = os.path.join(checkpoint_dir, "metadata.json")
     try:
-        with open(path, "rb") as f:
-            config = json.loads(f.read(1 << 20))
+        if is_url(checkpoint_dir):
+            raw = _native.read_file(checkpoint_dir, "metadata.json", timeout_s)
+            if raw is None:
+                return  # a missing .metadata is reported by the open that follows
+            config = json.loads(raw[: 1 << 20])
+        else:
+            with open(path, "rb") as f:
+                config = json.loads(f.read(1 << 20))
     except (FileNotFoundError, NotADirectoryError):
         if not os.path.exists(checkpoint_dir):
             raise _native.StorageError(f"checkpoint directory {checkpoint_dir} does not exist") from None
@@ -246,8 +251,8 @@ def load(
             "keys no rank requests, which needs an all_gather of every rank's request; use "
             f"{strict.value.replace('_all', '_unexpected')!r} (checks this rank's own keys)"
         )
-    _check_backend(checkpoint_dir)
-    ckpt = open_cached(checkpoint_dir)
+    _check_backend(checkpoint_dir, timeout_s)
+    ckpt = open_cached(checkpoint_dir, timeout_s)
 
     _dequantize_fp8(sharded_state_dict)
     sharded_state_dict, nonpersistent, factories = load_preprocess(sharded_state_dict)

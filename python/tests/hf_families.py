@@ -272,7 +272,8 @@ def gdn_model(cfg):
                 linear_conv_kernel_dim=tc.linear_conv_kernel_dim, linear_key_head_dim=tc.linear_key_head_dim,
                 linear_value_head_dim=tc.linear_value_head_dim, linear_num_key_heads=tc.linear_num_key_heads,
                 linear_num_value_heads=tc.linear_num_value_heads, num_experts=tc.num_moe_experts,
-                make_vocab_size_divisible_by=128, tensor_model_parallel_size=tp, vocab_size=cfg.vocab_size)
+                make_vocab_size_divisible_by=128, tensor_model_parallel_size=tp, vocab_size=cfg.vocab_size,
+                norm_epsilon=tc.layernorm_epsilon)
     if moe:
         args.update(moe_ffn_hidden_size=tc.moe_ffn_hidden_size, moe_router_topk=tc.moe_router_topk,
                     moe_shared_expert_intermediate_size=tc.moe_shared_expert_intermediate_size,

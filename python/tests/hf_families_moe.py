@@ -183,7 +183,7 @@ def build(family: str, cfg):
                 num_experts=tc.num_moe_experts, padded_vocab_size=VOCAB_MEGATRON,
                 untie_embeddings_and_output_weights=True, rotary_percent=rotary_percent,
                 rotary_base=int(cfg.rope_parameters["rope_theta"]),
-                tensor_model_parallel_size=tc.tensor_model_parallel_size)
+                tensor_model_parallel_size=tc.tensor_model_parallel_size, norm_epsilon=tc.layernorm_epsilon)
     return model.eval(), args
 
 

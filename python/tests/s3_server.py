@@ -52,6 +52,21 @@ def _stop_all() -> None:
         srv.stop()
 
 
+# moto's server with S3Response.upload_part holding each request for an hour (moto serves each
+# request in its own thread, so everything else keeps answering).
+_STALLED_UPLOAD_PART = """
+import sys, time
+import moto.s3.responses as responses
+from moto.server import main
+original = responses.S3Response.upload_part
+def stalled(self):
+    time.sleep(3600)
+    return original(self)
+responses.S3Response.upload_part = stalled
+main(sys.argv[1:])
+"""
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -62,8 +77,12 @@ class S3Server:
     """moto standalone S3 server on 127.0.0.1:<port> (a free port unless given)."""
 
     def __init__(self, port: int | None = None, log_dir: str | os.PathLike | None = None,
-                 start_timeout_s: float = 30.0, extra_env: dict[str, str] | None = None):
+                 start_timeout_s: float = 30.0, extra_env: dict[str, str] | None = None,
+                 stall_upload_part: bool = False):
+        """``stall_upload_part``: every UploadPart request is held without an answer (the server
+        thread sleeps), as a store that accepts a multipart upload and then stalls."""
         self.host = "127.0.0.1"
+        self.stall_upload_part = stall_upload_part
         self.port = port or _free_port()
         self.start_timeout_s = start_timeout_s
         self.extra_env = dict(extra_env or {})
@@ -95,8 +114,9 @@ class S3Server:
         self._log = open(self.log_path, "ab")
         self._log.write(f"--- start {time.strftime('%H:%M:%S')} port {self.port}\n".encode())
         self._log.flush()
+        launch = ["-c", _STALLED_UPLOAD_PART] if self.stall_upload_part else ["-m", "moto.server"]
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", self.host, "-p", str(self.port)],
+            [sys.executable, *launch, "-H", self.host, "-p", str(self.port)],
             stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, env=env,
             start_new_session=True, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
         _LIVE.add(self)

@@ -100,6 +100,7 @@ FIELD_CASES = {
         (dict(vocab_size=200), r"vocab_size: config.json says 200, args.vocab_size says 250"),
         (dict(tie_word_embeddings=True),
          r"tie_word_embeddings: config.json says true, args.untie_embeddings_and_output_weights says true"),
+        (dict(rms_norm_eps=1e-6), r"rms_norm_eps: config.json says 0.000001, args.norm_epsilon says 0.00001"),
     ],
     "qwen3_moe": [
         (dict(num_experts=8), r"num_experts: config.json says 8, args.num_experts says 4"),
@@ -258,3 +259,80 @@ def test_parts_and_workers_write_the_same_bytes_and_commit_once(saved, tmp_path)
     assert all(p.returncode == 0 for p in procs), [o[1] for o in outs]
     assert sum(json.loads(o[0])["files"] for o in outs) == len(want) - 2  # less index and config
     assert _files(par) == want
+
+
+def test_workers_0_and_more_parts_than_shards_are_refused(saved, tmp_path):
+    arch, base = saved
+    if arch != "llama":
+        pytest.skip("one architecture is enough")
+    ck, cfg = str(base / "shardwise"), str(base / "hf_config" / "config.json")
+    with pytest.raises(shardwise.InvalidArgumentError, match="--workers 0"):
+        shardwise.to_hf(ck, str(tmp_path / "w"), hf_config=cfg, threads=0)
+    r = subprocess.run([sys.executable, "-m", "shardwise.cli", "to-hf", ck, str(tmp_path / "w"), "--hf-config", cfg,
+                        "--workers", "0"], capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "--workers 0" in r.stderr, r.stderr
+    # 5 GB shards: one file, which two parts cannot share (part 1 would write nothing and wait forever).
+    with pytest.raises(shardwise.InvalidArgumentError, match=r"--part 1/2: this conversion has 1 shard file"):
+        shardwise.to_hf(ck, str(tmp_path / "p"), hf_config=cfg, part="1/2")
+    assert not (tmp_path / "w").exists() and not (tmp_path / "p").exists()
+
+
+def _big_llama(path, layers=8, hidden=1024, ffn=4096, vocab=1024):
+    """A synthetic llama checkpoint of about 540 MB (float32), for the Ctrl-C test: long enough to
+    convert that an interrupt lands in the middle."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    g = torch.Generator().manual_seed(0)
+
+    def t(key, *shape):
+        return ShardedTensor.from_rank_offsets(key, torch.randn(*shape, generator=g), replica_id=0)
+
+    sd = {"emb": t("embedding.word_embeddings.weight", vocab, hidden), "out": t("output_layer.weight", vocab, hidden),
+          "norm": t("decoder.final_layernorm.weight", hidden)}
+    for i in range(layers):
+        p = f"decoder.layers.{i}."
+        sd.update({p + "qkv": t(p + "self_attention.linear_qkv.weight", 3 * hidden, hidden),
+                   p + "proj": t(p + "self_attention.linear_proj.weight", hidden, hidden),
+                   p + "ln1": t(p + "input_layernorm.weight", hidden), p + "ln2": t(p + "pre_mlp_layernorm.weight", hidden),
+                   p + "fc1": t(p + "mlp.linear_fc1.weight", 2 * ffn, hidden),
+                   p + "fc2": t(p + "mlp.linear_fc2.weight", hidden, ffn)})
+    save_ranks(str(path), [sd])
+    cfg = path.parent / "big_config.json"
+    cfg.write_text(json.dumps({"model_type": "llama", "num_hidden_layers": layers, "hidden_size": hidden,
+                               "num_attention_heads": 8, "num_key_value_heads": 8, "intermediate_size": ffn,
+                               "vocab_size": vocab, "tie_word_embeddings": False}))
+    return cfg
+
+
+@pytest.mark.parametrize("how", ["cli", "python"])
+def test_ctrl_c_during_to_hf_stops_within_a_second_and_commits_nothing(tmp_path, how):
+    """A real SIGINT to a running conversion (the CLI, and shardwise.to_hf in a Python process): it
+    stops within a second, commits no index, and leaves no staged shards."""
+    import signal
+    import time
+
+    ck = tmp_path / "ck"
+    cfg = _big_llama(ck)
+    out = tmp_path / "hf"
+    args = [str(ck), str(out), "--hf-config", str(cfg), "--dtype", "bf16", "--workers", "1",
+            "--max-shard-size", "50MB"]
+    cmd = ([sys.executable, "-m", "shardwise.cli", "to-hf", *args] if how == "cli" else
+           [sys.executable, "-c", "import shardwise, sys; shardwise.to_hf(sys.argv[1], sys.argv[2], hf_config=sys.argv[3], "
+            "dtype='bf16', threads=1, max_shard_size='50MB')", str(ck), str(out), str(cfg)])
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    staging = out / ".to-hf-staging"
+    deadline = time.monotonic() + 120
+    while not (staging.exists() and any(staging.iterdir())):  # the shard files exist: tensors are moving
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    stopped = time.monotonic() - t0
+    print(f"{how}: stopped {stopped:.3f} s after SIGINT")
+    assert proc.returncode != 0, "the conversion finished before the interrupt: make the checkpoint larger"
+    assert ("interrupted; nothing committed" if how == "cli" else "KeyboardInterrupt") in err, err
+    assert stopped < 1.0
+    assert not (out / "model.safetensors.index.json").exists() and not (out / "config.json").exists()
+    assert not staging.exists() and not list(out.glob("*.safetensors"))

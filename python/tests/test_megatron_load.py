@@ -256,7 +256,7 @@ def test_missing_key_raised_before_any_read(plain_ckpt, monkeypatch):
     path, _ = plain_ckpt
     reads = []
     ckpt = swl.open_cached(str(path))
-    monkeypatch.setattr(swl, "open_cached", lambda p: _Counting(ckpt, reads))
+    monkeypatch.setattr(swl, "open_cached", lambda p, *timeout: _Counting(ckpt, reads))
     r = _request()
     r["z"] = ShardedTensor.from_rank_offsets("zz.missing", torch.zeros(3))
     with pytest.raises(swl.MissingKeyError, match="zz.missing"):

@@ -144,6 +144,12 @@ def test_async_save_to_s3_through_staging(s3_bucket):
     assert cli("verify", url).returncode == 0
 
 
+def _ranks_result(stdout: str) -> dict:
+    """The per-rank JSON line of ``s3_workers.py save`` (its atexit handler prints one more line)."""
+    lines = [json.loads(line) for line in stdout.strip().splitlines() if line.startswith("{")]
+    return {int(k): v for k, v in next(d for d in lines if "atexit_done" not in d).items()}
+
+
 def test_server_stopped_mid_save_fails_clearly_and_a_rerun_succeeds(tmp_path):
     """The S3 server is killed while rank 0 is uploading: every rank fails within its bounds with an
     error that names the rank and the object, nothing is committed, and once the server is back
@@ -172,7 +178,7 @@ def test_server_stopped_mid_save_fails_clearly_and_a_rerun_succeeds(tmp_path):
         out, err = proc.communicate(timeout=120)
         elapsed = time.monotonic() - t0
         assert proc.returncode == 0, err
-        res = {int(k): v for k, v in json.loads(out.strip().splitlines()[-1]).items()}
+        res = _ranks_result(out)
         assert uploads, "rank 0 was mid-upload when the server stopped"
         assert metadata_before == 0
         assert not res[0]["ok"] and res[0]["type"] == "StorageError", res[0]
@@ -184,7 +190,7 @@ def test_server_stopped_mid_save_fails_clearly_and_a_rerun_succeeds(tmp_path):
         srv.start()
         srv.make_bucket("outage")  # moto keeps its state in memory: a restarted server is empty
         again = subprocess.run(cmd[:4] + ["attempt2", "2048", "60"], capture_output=True, text=True, env=env, timeout=300)
-        res = {int(k): v for k, v in json.loads(again.stdout.strip().splitlines()[-1]).items()}
+        res = _ranks_result(again.stdout)
         assert res[0]["ok"] and res[1]["ok"], res
         assert res[0]["report"]["committed"] and res[0]["report"]["keys"] == 2
         assert cli("verify", url, env=env).returncode == 0
@@ -255,3 +261,18 @@ def test_overwrite_needs_a_new_save_id_and_a_filesystem(where, tmp_path, s3_buck
     assert cli("verify", url).returncode == 0
     zero = cli("merge", url, "--world-size", "0", "--save-id", "same")
     assert zero.returncode == 1 and "world_size must be at least 1" in zero.stderr
+
+
+def test_load_refuses_another_backend_on_s3_as_locally(s3_bucket, s3_server):
+    """metadata.json naming another backend is refused up front at an s3:// URL, as in a directory."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    url = f"s3://{s3_bucket}/zarr"
+    w = torch.arange(8.0).reshape(2, 4)
+    swm.save({"w": ShardedTensor.from_rank_offsets("w", w, replica_id=0)}, url, rank=0, world_size=1, save_id="z")
+    request = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(2, 4), replica_id=0)}
+    assert torch.equal(swm.load(request, url, timeout_s=30)["w"], w)
+    s3_server.client().put_object(Bucket=s3_bucket, Key="zarr/metadata.json",
+                                  Body=json.dumps({"sharded_backend": "zarr"}).encode())
+    with pytest.raises(shardwise.InvalidArgumentError, match="sharded_backend 'zarr'"):
+        swm.load(request, url, timeout_s=30)

@@ -38,15 +38,15 @@ pub fn timeout_from_secs(what: &str, secs: f64) -> Result<Duration> {
 }
 
 /// Polling schedule: exponential backoff from 2 ms to 500 ms, interruptible.
-pub(super) struct Backoff(Duration);
+pub(crate) struct Backoff(Duration);
 impl Backoff {
-    pub(super) fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Backoff(Duration::from_millis(2))
     }
     /// Sleeps until the next poll (never past `deadline`).
     ///
     /// Errors: [`Error::Interrupted`] when the interrupt check fires.
-    pub(super) fn sleep(&mut self, deadline: Instant) -> Result<()> {
+    pub(crate) fn sleep(&mut self, deadline: Instant) -> Result<()> {
         if interrupted() {
             return Err(Error::Interrupted(Stopped::Commit));
         }

@@ -123,7 +123,8 @@ impl Pickler {
         idx
     }
 
-    fn get(&mut self, idx: u32) {
+    /// `BINGET` of memo entry `idx`.
+    pub fn get(&mut self, idx: u32) {
         if idx < 256 {
             self.buf.extend_from_slice(&[BINGET, idx as u8]);
         } else {

@@ -71,7 +71,7 @@ impl Dims {
                         cfg.insert("layer_types".into(), p.into());
                     }
                 }
-                Rel::ArgsTrue => {}
+                Rel::ArgsTrue | Rel::MlaNormEps => {}
                 Rel::SlidingWindow => {
                     let n = args.field("num_layers").unwrap_or(0);
                     if let Some(w) = args.layer_windows(n) {
@@ -335,6 +335,8 @@ pub(crate) struct ArgsCheck {
     pub status: String,
     /// Check rows the args could not decide (`"head_dim (args has no kv_channels)"`).
     pub unchecked: Vec<String>,
+    /// Facts the user should know about the output (see [`Rel::MlaNormEps`]).
+    pub warnings: Vec<String>,
 }
 
 /// Checks every row of the architecture's check table; `rows` is the embedding's row count.
@@ -343,7 +345,18 @@ pub(crate) struct ArgsCheck {
 pub(crate) fn check_args(d: &Dims, args: Option<&Args>, rows: Option<u64>) -> Result<ArgsCheck> {
     let mut diffs = Vec::new();
     let mut unchecked = Vec::new();
+    let mut warnings = Vec::new();
     for c in d.spec.checks() {
+        if c.rel == Rel::MlaNormEps {
+            let eps = d.float(c.hf).or(args.and_then(|a| a.float(c.args)));
+            if let Some(eps) = eps.filter(|e| (e - 1e-6).abs() > 1e-12) {
+                warnings.push(format!(
+                    "{} is {eps}, but transformers' deepseek_v3 applies q_a_layernorm and kv_a_layernorm with eps 1e-6 whatever the config says (Megatron used {eps} for them): its outputs differ slightly from Megatron's",
+                    c.hf
+                ));
+            }
+            continue;
+        }
         let Some(a) = args else {
             if c.rel == Rel::Vocab {
                 if let Err(e) = check_vocab(d, None, rows) {
@@ -452,6 +465,7 @@ pub(crate) fn check_args(d: &Dims, args: Option<&Args>, rows: Option<u64>) -> Re
                 Some(true) => {}
                 None => unchecked.push(format!("{} (args has no {})", c.hf, c.args)),
             },
+            Rel::MlaNormEps => {}
             Rel::MoeLayers => match a.moe_layers() {
                 Some(p) if p != d.moe_layers => {
                     let show = |v: &[bool]| -> String {
@@ -487,6 +501,7 @@ pub(crate) fn check_args(d: &Dims, args: Option<&Args>, rows: Option<u64>) -> Re
             "skipped: no args stored".into()
         },
         unchecked,
+        warnings,
     })
 }
 
@@ -560,7 +575,7 @@ mod tests {
             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
             "intermediate_size": 128, "moe_intermediate_size": 32, "num_experts": 4,
             "vocab_size": 250, "tie_word_embeddings": false, "decoder_sparse_step": 1,
-            "mlp_only_layers": []})
+            "mlp_only_layers": [], "rms_norm_eps": 1e-6})
     }
 
     fn args() -> Args {
@@ -569,7 +584,8 @@ mod tests {
             "kv_channels": 16, "ffn_hidden_size": 128, "moe_ffn_hidden_size": 32,
             "num_experts": 4, "moe_layer_freq": 1, "untie_embeddings_and_output_weights": true,
             "vocab_size": 250, "padded_vocab_size": 256, "make_vocab_size_divisible_by": 128,
-            "tensor_model_parallel_size": 2, "moe_shared_expert_intermediate_size": null})
+            "tensor_model_parallel_size": 2, "moe_shared_expert_intermediate_size": null,
+            "norm_epsilon": 1e-6})
         else {
             unreachable!()
         };
@@ -597,6 +613,7 @@ mod tests {
             ("vocab_size", json!(257), "vocab_size: config.json says 257, the checkpoint's embedding has 256 rows"),
             ("vocab_size", json!(249), "vocab_size: config.json says 249, args.vocab_size says 250"),
             ("mlp_only_layers", json!([0]), "MoE layer pattern: config.json gives -E (4 experts), args.moe_layer_freq gives EE"),
+            ("rms_norm_eps", json!(1e-5), "rms_norm_eps: config.json says 0.00001, args.norm_epsilon says 0.000001"),
         ];
         for (field, value, want) in cases {
             let mut cfg = qwen3_moe();
@@ -654,6 +671,22 @@ mod tests {
             with(250, 256, None).unwrap().status,
             "skipped: no args stored"
         );
+    }
+
+    #[test]
+    fn a_deepseek_norm_epsilon_transformers_ignores_is_warned_about() {
+        let cfg = |eps: f64| {
+            json!({"model_type": "deepseek_v3", "num_hidden_layers": 1, "hidden_size": 64,
+                "num_attention_heads": 4, "vocab_size": 250, "rms_norm_eps": eps})
+        };
+        let warn = |eps| {
+            let d = Dims::from_config(&cfg(eps), None).unwrap();
+            check_args(&d, None, None).unwrap().warnings
+        };
+        assert!(warn(1e-6).is_empty());
+        let w = warn(1e-5);
+        assert_eq!(w.len(), 1);
+        assert!(w[0].contains("rms_norm_eps is 0.00001, but transformers' deepseek_v3 applies q_a_layernorm and kv_a_layernorm with eps 1e-6"), "{w:?}");
     }
 
     #[test]

@@ -17,6 +17,7 @@ mod families;
 mod gdn;
 mod output;
 mod plan;
+pub(crate) mod quant;
 mod rules;
 mod spec;
 mod write;
@@ -72,6 +73,11 @@ impl HfOptions {
         threads: Option<usize>,
         allow_unmapped: bool,
     ) -> Result<HfOptions> {
+        if threads == Some(0) {
+            return Err(Error::InvalidArgument(
+                "--workers 0: at least one worker thread converts the tensors".into(),
+            ));
+        }
         let dtype = match dtype {
             None => None,
             Some("bf16" | "bfloat16") => Some(DType::BF16),
@@ -113,6 +119,8 @@ pub struct HfSummary {
     pub args_check: String,
     /// Check rows the stored args could not decide (an older Megatron without the field).
     pub args_unchecked: Vec<String>,
+    /// What the user should know about the output (e.g. a norm epsilon transformers ignores).
+    pub warnings: Vec<String>,
     /// Embedding and output rows beyond `vocab_size` left out (Megatron's vocabulary padding,
     /// checked to be no more than its padding explains).
     pub padding_rows_dropped: u64,
@@ -165,6 +173,17 @@ pub fn to_hf(
         opts.max_shard_bytes,
         write::HEADER_BUDGET,
     )?;
+    if let Some(p) = opts.part {
+        if p.count > shards.shards.len() {
+            return Err(Error::InvalidArgument(format!(
+                "--part {}/{}: this conversion has {} shard file(s), so at most {} parts can share it (a smaller --max-shard-size gives more files)",
+                p.index,
+                p.count,
+                shards.shards.len(),
+                shards.shards.len()
+            )));
+        }
+    }
     let index = write::index_bytes(&shards);
     let config = match &opts.config {
         Some(p) => Some(std::fs::read(p).map_err(Error::io("read", p))?),
@@ -177,7 +196,7 @@ pub fn to_hf(
             let staging = output::stage(out_dir)?;
             let which: Vec<usize> = (0..shards.shards.len()).collect();
             let path = |k: usize| staging.join(shards.file_name(k));
-            write::write_shards(
+            if let Err(e) = write::write_shards(
                 &ckpt,
                 &tensors,
                 &shards,
@@ -186,7 +205,12 @@ pub fn to_hf(
                 opts.threads,
                 &path,
                 progress,
-            )?;
+            ) {
+                // Nothing was committed; the staged shards are of no use (best effort: a later
+                // run removes a leftover staging folder too).
+                let _ = std::fs::remove_dir_all(&staging);
+                return Err(e);
+            }
             output::commit(out_dir, &staging, &shards, &index, config.as_deref())?;
             (which, true)
         }
@@ -230,6 +254,7 @@ pub fn to_hf(
         skipped_keys: skipped,
         args_check: check.status,
         args_unchecked: check.unchecked,
+        warnings: check.warnings,
         padding_rows_dropped: match (rows, d.vocab_size) {
             (Some(r), Some(v)) => r.saturating_sub(v),
             _ => 0,

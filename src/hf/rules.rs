@@ -533,6 +533,8 @@ pub(crate) const BASE_CHECKS: &[Check] = &[
         "untie_embeddings_and_output_weights",
         Rel::Not,
     ),
+    // Megatron-LM `--norm-epsilon` (TransformerConfig `layernorm_epsilon`) for every norm.
+    check("rms_norm_eps", "norm_epsilon", Rel::Float),
 ];
 
 /// The head split of standard attention (every architecture but MLA's: transformers' deepseek_v3
@@ -579,6 +581,7 @@ pub(crate) const MLA_CHECKS: &[Check] = &[
     check("qk_nope_head_dim", "qk_head_dim", Rel::Eq),
     check("qk_rope_head_dim", "qk_pos_emb_head_dim", Rel::Eq),
     check("v_head_dim", "v_head_dim", Rel::Eq),
+    check("rms_norm_eps", "norm_epsilon", Rel::MlaNormEps),
 ];
 
 /// glm4_moe's optional q/k norm and QKV bias ([`GLM_ATTN_OPTIONS`]).

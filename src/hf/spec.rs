@@ -166,6 +166,11 @@ pub(crate) enum Rel {
     /// `sliding_window - 1`, right 0) on the layers `window_attn_skip_freq` leaves windowed
     /// (MC `is_layer_window_attention`).
     SlidingWindow,
+    /// transformers' deepseek_v3 builds `q_a_layernorm` and `kv_a_layernorm` without an eps, so
+    /// they use `DeepseekV3RMSNorm`'s default 1e-6 whatever `rms_norm_eps` says (TF 5.24
+    /// `modeling_deepseek_v3.py`); Megatron applies `layernorm_epsilon` to every norm. Another
+    /// epsilon (config, else args) is converted with a warning: those two norms then differ.
+    MlaNormEps,
 }
 
 // ---- constructors ------------------------------------------------------------------------------

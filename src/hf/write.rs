@@ -4,6 +4,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use rayon::prelude::*;
 use serde::Serialize;
@@ -253,24 +254,54 @@ pub(crate) fn write_shards(
         .num_threads(threads.max(1))
         .build()
         .map_err(|e| Error::InvalidArgument(format!("thread pool: {e}")))?;
-    let total: u64 = pool.install(|| {
-        jobs.par_iter()
-            .map(|&(i, f, off)| -> Result<u64> {
-                let t = &tensors[i];
-                let item = t.src_dtype.itemsize();
-                let mut buf = vec![0u8; (t.shape.iter().product::<u64>() * item) as usize];
-                read_hf_tensor(ckpt, t, &mut buf)?;
-                let out = out_dtype.unwrap_or(t.src_dtype);
-                let bytes = if out == t.src_dtype {
-                    buf
-                } else {
-                    convert(&buf, t.src_dtype, out)?
-                };
-                files[f].write_at(&bytes, off)?;
-                progress(bytes.len() as u64);
-                Ok(bytes.len() as u64)
-            })
-            .sum::<Result<u64>>()
+    // The workers run on the pool while this thread watches for Ctrl-C (the interrupt check runs
+    // Python's signal handlers, which only the calling thread may): a job not yet started, and a
+    // job between its read and its write, stop with `Interrupted`, so the conversion ends within
+    // about one tensor's read and nothing is committed.
+    let cancel = AtomicBool::new(false);
+    let run = || -> Result<u64> {
+        pool.install(|| {
+            jobs.par_iter()
+                .with_max_len(1)
+                .map(|&(i, f, off)| -> Result<u64> {
+                    if cancel.load(Ordering::Relaxed) {
+                        return Err(Error::Interrupted);
+                    }
+                    let t = &tensors[i];
+                    let item = t.src_dtype.itemsize();
+                    let mut buf = vec![0u8; (t.shape.iter().product::<u64>() * item) as usize];
+                    read_hf_tensor(ckpt, t, &mut buf)?;
+                    if cancel.load(Ordering::Relaxed) {
+                        return Err(Error::Interrupted);
+                    }
+                    let out = out_dtype.unwrap_or(t.src_dtype);
+                    let bytes = if out == t.src_dtype {
+                        buf
+                    } else {
+                        convert(&buf, t.src_dtype, out)?
+                    };
+                    files[f].write_at(&bytes, off)?;
+                    progress(bytes.len() as u64);
+                    Ok(bytes.len() as u64)
+                })
+                .sum::<Result<u64>>()
+        })
+    };
+    let caller = std::thread::current();
+    let total = std::thread::scope(|scope| {
+        let job = scope.spawn(|| {
+            let r = run();
+            caller.unpark();
+            r
+        });
+        while !job.is_finished() {
+            if crate::interrupt::interrupted() {
+                cancel.store(true, Ordering::Relaxed);
+            }
+            std::thread::park_timeout(std::time::Duration::from_millis(50));
+        }
+        job.join()
+            .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
     })?;
     for f in &files {
         f.sync()?;

@@ -58,6 +58,20 @@ impl Location {
         }
     }
 
+    /// This location with every object-store request bounded by a caller's `timeout`
+    /// ([`remote::Bound::within`]); a local path gives the location as it is. No timeout, or a
+    /// zero one (a caller that does not wait, e.g. `merge --timeout 0`), keeps the default bound.
+    ///
+    /// Errors: as [`Location::parse`].
+    pub fn with_timeout(&self, timeout: Option<std::time::Duration>) -> Result<Location> {
+        match (self, timeout) {
+            (Location::Remote(r), Some(t)) if !t.is_zero() => {
+                Ok(Location::Remote(Arc::new(r.with_timeout(t)?)))
+            }
+            _ => Ok(self.clone()),
+        }
+    }
+
     pub fn local(dir: &Path) -> Location {
         Location::Local(dir.to_path_buf())
     }

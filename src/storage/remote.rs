@@ -7,18 +7,28 @@
 //! environment: `SHARDWISE_MULTIPART_BYTES` (part size of data uploads, default 32 MiB, at least
 //! 5 MiB), `SHARDWISE_MULTIPART_CONCURRENCY` (parts in flight per upload, default 8) and
 //! `SHARDWISE_RETRY_TIMEOUT_S` (how long transient errors are retried with backoff, default 60 s).
+//!
+//! Every request is bounded ([`Bound`]): one HTTP attempt by `request` (object_store's
+//! `ClientOptions::with_timeout`, connect included), its retries by `retry`
+//! (`RetryConfig::retry_timeout`), and the whole call, retries and backoff included, by a timer of
+//! ours ([`Bound::limit`]) that drops the request (and its connection) when it fires. A caller with
+//! a timeout (`timeout_s` of save, merge, load, verify, to-hf) narrows both to it
+//! ([`Remote::with_timeout`]). After a call ran into its bound, the calls that follow within the
+//! next bound (the cleanup of a failed save: abort an upload, remove a partial file, publish
+//! `FAILED`) get [`CLEANUP`] each until one succeeds, so a stalled store fails a save within
+//! about its bound instead of once per cleanup step.
 
 use std::collections::VecDeque;
 use std::ops::Range;
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use futures::TryStreamExt;
 use object_store::path::Path as ObjectPath;
 use object_store::{
-    BackoffConfig, MultipartUpload, ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload,
-    RetryConfig,
+    BackoffConfig, ClientConfigKey, MultipartUpload, ObjectStore, ObjectStoreExt, PutMode,
+    PutOptions, PutPayload, RetryConfig,
 };
 
 use crate::error::{Error, Result};
@@ -53,6 +63,94 @@ fn env_num(name: &str, default: u64) -> Result<u64> {
 /// Smallest part of a multipart upload that S3, GCS and Azure all accept (but the last part).
 pub const MIN_PART_BYTES: u64 = 5 << 20;
 
+/// Time bounds of object-store requests.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Bound {
+    /// One HTTP attempt, from connecting to the last byte of the answer.
+    pub request: Duration,
+    /// No retry of a failed attempt starts after this long.
+    pub retry: Duration,
+}
+
+/// object_store's own per-attempt default (`ClientOptions`: 30 s).
+const DEFAULT_REQUEST: Duration = Duration::from_secs(30);
+/// Shortest per-attempt bound a caller's timeout narrows to (a small object needs one round trip).
+const MIN_REQUEST: Duration = Duration::from_secs(1);
+/// Bound of each call made shortly after a call ran into its bound (see the module docs).
+pub const CLEANUP: Duration = Duration::from_secs(2);
+
+impl Bound {
+    /// The bound without a caller's timeout: 30 s per attempt, retries for
+    /// `SHARDWISE_RETRY_TIMEOUT_S` (default 60 s).
+    ///
+    /// Errors: [`Error::InvalidArgument`] for a malformed `SHARDWISE_RETRY_TIMEOUT_S`.
+    pub fn from_env() -> Result<Bound> {
+        Ok(Bound {
+            request: DEFAULT_REQUEST,
+            retry: Duration::from_secs(env_num("SHARDWISE_RETRY_TIMEOUT_S", 60)?),
+        })
+    }
+
+    /// This bound narrowed to a caller's `timeout`: attempts of at most `timeout` (but at least
+    /// 1 s), retries for at most `timeout`.
+    pub fn within(self, timeout: Duration) -> Bound {
+        Bound {
+            request: self.request.min(timeout).max(MIN_REQUEST),
+            retry: self.retry.min(timeout),
+        }
+    }
+
+    /// Longest backoff between two attempts: object_store's 15 s, or a quarter of `retry` when
+    /// that is shorter, so that the last sleep does not overshoot a short bound.
+    fn max_backoff(&self) -> Duration {
+        (self.retry / 4).clamp(Duration::from_millis(100), Duration::from_secs(15))
+    }
+
+    /// The longest one call may take, its retries and backoff included: `retry` (after which no
+    /// attempt starts) + one `request` + one backoff + 1 s.
+    pub fn limit(&self) -> Duration {
+        self.retry + self.request + self.max_backoff() + Duration::from_secs(1)
+    }
+
+    fn retry_config(&self) -> RetryConfig {
+        RetryConfig {
+            backoff: BackoffConfig {
+                max_backoff: self.max_backoff(),
+                ..BackoffConfig::default()
+            },
+            max_retries: 10,
+            retry_timeout: self.retry,
+        }
+    }
+
+    /// `(key, value)` of the client options that carry the per-attempt bounds, as the builders'
+    /// `with_config` takes them (durations in milliseconds, humantime syntax).
+    fn client_options(&self) -> [(ClientConfigKey, String); 2] {
+        let ms = |d: Duration| format!("{}ms", d.as_millis().max(1));
+        [
+            (ClientConfigKey::Timeout, ms(self.request)),
+            (
+                ClientConfigKey::ConnectTimeout,
+                ms(self.request.min(Duration::from_secs(5))),
+            ),
+        ]
+    }
+}
+
+/// The error of a call stopped by our own timer ([`Bound::limit`]); reads as object_store's.
+fn timed_out(limit: Duration) -> object_store::Error {
+    object_store::Error::Generic {
+        store: "shardwise",
+        source: Box::new(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!(
+                "no answer within {:.1}s (retries included; bounded by the caller's timeout)",
+                limit.as_secs_f64()
+            ),
+        )),
+    }
+}
+
 /// A checkpoint directory in an object store: the store, the key prefix, and upload settings.
 pub struct Remote {
     store: Arc<dyn ObjectStore>,
@@ -65,6 +163,11 @@ pub struct Remote {
     pub concurrency: usize,
     /// Whether the store was checked to honour create-if-absent.
     create_checked: Mutex<bool>,
+    /// Time bounds of every request.
+    bound: Bound,
+    /// Until when calls get [`CLEANUP`] only: set when a call ran into its bound, cleared when
+    /// one succeeds.
+    stalled_until: Mutex<Option<Instant>>,
 }
 
 impl std::fmt::Debug for Remote {
@@ -73,14 +176,25 @@ impl std::fmt::Debug for Remote {
     }
 }
 
-/// Stores of the same bucket share one client (connection pool, credentials) per process.
-fn store_for(url: &url::Url, retry: RetryConfig) -> Result<Arc<dyn ObjectStore>> {
+/// Stores of the same bucket and bound share one client (connection pool, credentials) per process.
+fn store_for(url: &url::Url, bound: Bound) -> Result<Arc<dyn ObjectStore>> {
     static STORES: OnceLock<Mutex<std::collections::HashMap<String, Arc<dyn ObjectStore>>>> =
         OnceLock::new();
     // reqwest is built without a default TLS provider (no aws-lc C build): install ring's before
     // the first client is built (a no-op when the process already has one).
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let root = format!("{}://{}", url.scheme(), url.host_str().unwrap_or(""));
+    // memory:// has no client to bound, and its objects live in the store instance: every bound
+    // must reach the same one, or a read with a caller's timeout would find an empty store.
+    let root = match url.scheme() {
+        "memory" => format!("memory://{}", url.host_str().unwrap_or("")),
+        scheme => format!(
+            "{scheme}://{} {}ms {}ms",
+            url.host_str().unwrap_or(""),
+            bound.request.as_millis(),
+            bound.retry.as_millis()
+        ),
+    };
+    let retry = bound.retry_config();
     let mut stores = STORES
         .get_or_init(Default::default)
         .lock()
@@ -93,8 +207,11 @@ fn store_for(url: &url::Url, retry: RetryConfig) -> Result<Arc<dyn ObjectStore>>
     };
     let store: Arc<dyn ObjectStore> = match url.scheme() {
         "s3" | "s3a" => {
-            use object_store::aws::{AmazonS3Builder, S3ConditionalPut};
+            use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey, S3ConditionalPut};
             let mut b = AmazonS3Builder::from_env().with_url(url.as_str()).with_retry(retry);
+            for (k, v) in bound.client_options() {
+                b = b.with_config(AmazonS3ConfigKey::Client(k), v);
+            }
             // Create-if-absent (`If-None-Match: *`) is what makes the rendezvous safe; S3, R2 and
             // MinIO support it. Only an explicit AWS_CONDITIONAL_PUT turns it into something else.
             if std::env::var_os("AWS_CONDITIONAL_PUT").is_none() {
@@ -102,20 +219,26 @@ fn store_for(url: &url::Url, retry: RetryConfig) -> Result<Arc<dyn ObjectStore>>
             }
             Arc::new(b.build().map_err(bad)?)
         }
-        "gs" => Arc::new(
-            object_store::gcp::GoogleCloudStorageBuilder::from_env()
+        "gs" => {
+            use object_store::gcp::{GoogleCloudStorageBuilder, GoogleConfigKey};
+            let mut b = GoogleCloudStorageBuilder::from_env()
                 .with_url(url.as_str())
-                .with_retry(retry)
-                .build()
-                .map_err(bad)?,
-        ),
-        "az" | "abfs" | "abfss" | "azure" => Arc::new(
-            object_store::azure::MicrosoftAzureBuilder::from_env()
+                .with_retry(retry);
+            for (k, v) in bound.client_options() {
+                b = b.with_config(GoogleConfigKey::Client(k), v);
+            }
+            Arc::new(b.build().map_err(bad)?)
+        }
+        "az" | "abfs" | "abfss" | "azure" => {
+            use object_store::azure::{AzureConfigKey, MicrosoftAzureBuilder};
+            let mut b = MicrosoftAzureBuilder::from_env()
                 .with_url(url.as_str())
-                .with_retry(retry)
-                .build()
-                .map_err(bad)?,
-        ),
+                .with_retry(retry);
+            for (k, v) in bound.client_options() {
+                b = b.with_config(AzureConfigKey::Client(k), v);
+            }
+            Arc::new(b.build().map_err(bad)?)
+        }
         "memory" => Arc::new(object_store::memory::InMemory::new()),
         other => {
             return Err(Error::InvalidArgument(format!(
@@ -132,6 +255,22 @@ impl Remote {
     ///
     /// Errors: [`Error::InvalidArgument`] for an unsupported scheme, a bad key or bad settings.
     pub fn open(url: &str) -> Result<Remote> {
+        Remote::open_within(url, Bound::from_env()?)
+    }
+
+    /// This prefix with its requests narrowed to a caller's `timeout` ([`Bound::within`]).
+    ///
+    /// Errors: as [`Remote::open`].
+    pub fn with_timeout(&self, timeout: Duration) -> Result<Remote> {
+        Remote::open_within(&self.url, Bound::from_env()?.within(timeout))
+    }
+
+    /// The bound of this prefix's requests.
+    pub fn bound(&self) -> Bound {
+        self.bound
+    }
+
+    fn open_within(url: &str, bound: Bound) -> Result<Remote> {
         // Keys are used literally, as s3fs and the cloud consoles show them: a URL that a parser
         // would rewrite (query, fragment, percent-escapes, `.`/`..` segments, blanks) is refused
         // rather than saved somewhere else than the user reads from.
@@ -161,12 +300,7 @@ impl Remote {
             )));
         }
         let concurrency = env_num("SHARDWISE_MULTIPART_CONCURRENCY", 8)?.max(1) as usize;
-        let retry = RetryConfig {
-            backoff: BackoffConfig::default(),
-            max_retries: 10,
-            retry_timeout: Duration::from_secs(env_num("SHARDWISE_RETRY_TIMEOUT_S", 60)?),
-        };
-        let store = store_for(&parsed, retry)?;
+        let store = store_for(&parsed, bound)?;
         let prefix = ObjectPath::from_url_path(parsed.path())
             .map_err(|e| Error::InvalidArgument(format!("bad key in {url}: {e}")))?;
         Ok(Remote {
@@ -176,7 +310,53 @@ impl Remote {
             part_bytes: part_bytes as usize,
             concurrency,
             create_checked: Mutex::new(false),
+            bound,
+            stalled_until: Mutex::new(None),
         })
+    }
+
+    /// The bound of the next call: [`Bound::limit`], or [`CLEANUP`] shortly after a call ran into
+    /// its bound (see the module docs).
+    fn limit(&self) -> Duration {
+        let mut until = self.stalled_until.lock().unwrap_or_else(|e| e.into_inner());
+        match *until {
+            Some(t) if Instant::now() < t => CLEANUP,
+            Some(_) => {
+                *until = None;
+                self.bound.limit()
+            }
+            None => self.bound.limit(),
+        }
+    }
+
+    /// Records how a call ended: a failure that took at least one attempt's bound means the store
+    /// stalls (the calls of the next bound get [`CLEANUP`]); a success clears that.
+    fn settle<T>(&self, r: &object_store::Result<T>, took: Duration) {
+        let mut until = self.stalled_until.lock().unwrap_or_else(|e| e.into_inner());
+        match r {
+            Ok(_) => *until = None,
+            Err(_) if took >= self.bound.request.min(CLEANUP) => {
+                *until = Some(Instant::now() + self.bound.limit())
+            }
+            Err(_) => {}
+        }
+    }
+
+    /// Runs one call to the store on the runtime, stopped after `limit` (or [`Remote::limit`]).
+    fn call<T>(
+        &self,
+        limit: Option<Duration>,
+        fut: impl std::future::Future<Output = object_store::Result<T>>,
+    ) -> object_store::Result<T> {
+        let own = self.limit();
+        let limit = limit.map_or(own, |t| t.min(own));
+        let start = Instant::now();
+        // The timer is made inside the runtime (it needs its reactor); when it fires the request
+        // future is dropped, which closes its connection: nothing is left waiting on it.
+        let r = block_on(async { tokio::time::timeout(limit, fut).await })
+            .unwrap_or_else(|_| Err(timed_out(limit)));
+        self.settle(&r, start.elapsed());
+        r
     }
 
     /// The object key of `rel` (a `/`-separated path inside the checkpoint).
@@ -202,7 +382,7 @@ impl Remote {
     /// Writes `bytes` to `rel`, replacing any object there.
     pub fn put(&self, rel: &str, bytes: Vec<u8>) -> Result<()> {
         let key = self.key(rel)?;
-        block_on(self.store.put(&key, PutPayload::from(bytes)))
+        self.call(None, self.store.put(&key, PutPayload::from(bytes)))
             .map(|_| ())
             .map_err(self.err("put", rel))
     }
@@ -222,7 +402,10 @@ impl Remote {
     fn create_once(&self, rel: &str, bytes: Vec<u8>) -> Result<bool> {
         let key = self.key(rel)?;
         let opts = PutOptions::from(PutMode::Create);
-        match block_on(self.store.put_opts(&key, PutPayload::from(bytes), opts)) {
+        match self.call(
+            None,
+            self.store.put_opts(&key, PutPayload::from(bytes), opts),
+        ) {
             Ok(_) => Ok(true),
             Err(object_store::Error::AlreadyExists { .. })
             | Err(object_store::Error::Precondition { .. }) => Ok(false),
@@ -270,7 +453,7 @@ impl Remote {
     /// The whole object, or `None` when absent.
     pub fn get(&self, rel: &str) -> Result<Option<Vec<u8>>> {
         let key = self.key(rel)?;
-        let r = block_on(async {
+        let r = self.call(None, async {
             let got = self.store.get(&key).await?;
             got.bytes().await
         });
@@ -283,45 +466,28 @@ impl Remote {
 
     /// Bytes `range` of `rel` (one ranged GET).
     pub fn get_range(&self, rel: &str, range: Range<u64>) -> Result<Bytes> {
-        let key = self.key(rel)?;
-        block_on(self.store.get_range(&key, range)).map_err(self.err("get range", rel))
+        self.get_range_within(rel, range, None)
     }
 
-    /// [`Remote::get_range`] that gives up after `timeout` (retries included): a stalled store
-    /// then fails the read instead of hanging it.
+    /// [`Remote::get_range`] that gives up after `timeout` (retries included) when that is
+    /// shorter than the prefix's bound.
     ///
-    /// Errors: [`Error::Remote`]; [`Error::Io`] of kind `TimedOut` naming the object.
+    /// Errors: [`Error::Remote`] naming the object (a timeout too).
     pub fn get_range_within(
         &self,
         rel: &str,
         range: Range<u64>,
         timeout: Option<Duration>,
     ) -> Result<Bytes> {
-        let Some(timeout) = timeout else {
-            return self.get_range(rel, range);
-        };
         let key = self.key(rel)?;
-        // The timer is made inside the runtime (it needs its reactor).
-        let got = block_on(async {
-            tokio::time::timeout(timeout, self.store.get_range(&key, range)).await
-        });
-        match got {
-            Ok(r) => r.map_err(self.err("get range", rel)),
-            Err(_) => Err(Error::Io {
-                op: "get range",
-                path: format!("{}/{rel}", self.url).into(),
-                source: std::io::Error::new(
-                    std::io::ErrorKind::TimedOut,
-                    format!("no answer within {:.1}s", timeout.as_secs_f64()),
-                ),
-            }),
-        }
+        self.call(timeout, self.store.get_range(&key, range))
+            .map_err(self.err("get range", rel))
     }
 
     /// Size in bytes of `rel`, or `None` when absent.
     pub fn size(&self, rel: &str) -> Result<Option<u64>> {
         let key = self.key(rel)?;
-        match block_on(self.store.head(&key)) {
+        match self.call(None, self.store.head(&key)) {
             Ok(m) => Ok(Some(m.size)),
             Err(object_store::Error::NotFound { .. }) => Ok(None),
             Err(e) => Err(self.err("head", rel)(e)),
@@ -331,7 +497,7 @@ impl Remote {
     /// The object's identity (see [`super::Location::stamp`]), `None` when absent.
     pub fn stamp(&self, rel: &str) -> Result<Option<String>> {
         let key = self.key(rel)?;
-        match block_on(self.store.head(&key)) {
+        match self.call(None, self.store.head(&key)) {
             Ok(m) => Ok(Some(match (m.e_tag, m.version) {
                 (Some(e), _) => format!("etag:{e}"),
                 (None, Some(v)) => format!("version:{v}"),
@@ -349,7 +515,7 @@ impl Remote {
     /// Deletes `rel`; absent is fine.
     pub fn delete(&self, rel: &str) -> Result<()> {
         let key = self.key(rel)?;
-        match block_on(self.store.delete(&key)) {
+        match self.call(None, self.store.delete(&key)) {
             Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
             Err(e) => Err(self.err("delete", rel)(e)),
         }
@@ -359,7 +525,8 @@ impl Remote {
     /// its sub-"directories" (common prefixes).
     pub fn list(&self, rel_dir: &str) -> Result<(Vec<super::Listed>, Vec<String>)> {
         let key = self.key(rel_dir)?;
-        let listed = block_on(self.store.list_with_delimiter(Some(&key)))
+        let listed = self
+            .call(None, self.store.list_with_delimiter(Some(&key)))
             .map_err(self.err("list", rel_dir))?;
         let now = std::time::SystemTime::now();
         let files = listed
@@ -390,7 +557,7 @@ impl Remote {
     /// Deletes every object under `rel_dir/`.
     pub fn delete_all(&self, rel_dir: &str) -> Result<()> {
         let key = self.key(rel_dir)?;
-        block_on(async {
+        self.call(None, async {
             let keys: Vec<ObjectPath> = self
                 .store
                 .list(Some(&key))
@@ -429,7 +596,8 @@ pub struct Upload<'r> {
     rel: String,
     key: ObjectPath,
     multipart: Option<Box<dyn MultipartUpload>>,
-    inflight: VecDeque<tokio::task::JoinHandle<object_store::Result<()>>>,
+    /// Parts in flight, each with the time it was queued.
+    inflight: VecDeque<(Instant, tokio::task::JoinHandle<object_store::Result<()>>)>,
 }
 
 impl Upload<'_> {
@@ -445,7 +613,8 @@ impl Upload<'_> {
         if self.multipart.is_none() {
             let key = self.key.clone();
             self.multipart = Some(
-                block_on(remote.store.put_multipart(&key))
+                remote
+                    .call(None, remote.store.put_multipart(&key))
                     .map_err(remote.err("start upload", &self.rel))?,
             );
         }
@@ -457,14 +626,23 @@ impl Upload<'_> {
             .as_mut()
             .unwrap()
             .put_part(PutPayload::from(bytes));
-        self.inflight.push_back(runtime().spawn(fut));
+        // Each part is bounded on its own: it may run while the caller prepares the next ones.
+        let limit = remote.limit();
+        let bounded = async move {
+            tokio::time::timeout(limit, fut)
+                .await
+                .unwrap_or_else(|_| Err(timed_out(limit)))
+        };
+        self.inflight
+            .push_back((Instant::now(), runtime().spawn(bounded)));
         Ok(())
     }
 
     fn wait_oldest(&mut self) -> Result<()> {
-        if let Some(h) = self.inflight.pop_front() {
+        if let Some((queued, h)) = self.inflight.pop_front() {
             let r =
                 block_on(h).unwrap_or_else(|e| Err(object_store::Error::JoinError { source: e }));
+            self.remote.settle(&r, queued.elapsed());
             r.map_err(self.remote.err("upload part", &self.rel))?;
         }
         Ok(())
@@ -485,18 +663,22 @@ impl Upload<'_> {
         }
         let remote = self.remote;
         if let Some(mut m) = self.multipart.take() {
-            block_on(m.complete()).map_err(remote.err("complete upload", &self.rel))?;
+            remote
+                .call(None, m.complete())
+                .map_err(remote.err("complete upload", &self.rel))?;
         }
         Ok(())
     }
 
     /// Abandons the upload (best effort): the store discards its parts.
     pub fn abort(&mut self) {
-        for h in self.inflight.drain(..) {
+        for (_, h) in self.inflight.drain(..) {
             h.abort();
         }
         if let Some(mut m) = self.multipart.take() {
-            let _ = block_on(m.abort());
+            // Best effort, and never longer than a cleanup: a store that does not answer keeps the
+            // parts until its own lifecycle rule removes them.
+            let _ = self.remote.call(Some(CLEANUP), m.abort());
         }
     }
 }

@@ -1,0 +1,459 @@
+//! Gives torch DCP's collective-free saves their global `.metadata` back.
+//!
+//! `torch.distributed.checkpoint.save(..., use_collectives=False)` (torch ≥ 2.9, `filesystem.py`
+//! `_FileSystemWriter.finish`, `state_dict_saver.py`) plans every rank alone: rank `r` writes its
+//! data files `__{r}_{i}.distcp`, then `__{r}.metadata`, a `Metadata` pickle of only its own items
+//! (written to `__{r}.metadata.tmp`, then renamed), and no rank writes the global `.metadata`.
+//! torch's load reads `.metadata` and, when that fails, the loading rank's own `__{rank}.metadata`
+//! (`state_dict_loader.py` `_load_state_dict`), so such a checkpoint loads only at the same world
+//! size and sharding (meta-pytorch/tnt #1064: "no longer cross-world re-shardable").
+//!
+//! [`merge`] reads every rank-local file as data (the hostile-safe `.metadata` parser, nothing
+//! executed), validates them together with the merger's own validation of shardwise parts
+//! ([`crate::commit::validate::Fold`]: dtype and global-shape agreement, bounds, overlaps,
+//! coverage), and creates the global `.metadata` only if absent, in shardwise's max-compat form
+//! (loads on torch 2.3 to 2.15, [`crate::format::metadata`]). Plain DCP then loads the checkpoint
+//! at any world size. No collective, no process group.
+//!
+//! Without collectives DCP also skips its cross-rank dedup (`dedup_save_plans`), so an item every
+//! rank holds in full (a replicated tensor, a byte object such as a step counter) is written by
+//! every rank. An exact replica (same key, offsets, sizes, dtype and global shape; for byte
+//! objects the same key) is kept once, from the lowest rank, as DCP's dedup keeps one copy; a
+//! partial overlap is refused.
+//!
+//! Refused, with nothing written: a rank-local file missing among ranks `0..n` (or below
+//! `world_size` when given), a rank whose data files exist without its `__{r}.metadata` (it did
+//! not finish), a data file newer than its rank's metadata (a later save rewrote it: two saves
+//! mixed), items outside their files, stream transforms (zstd, which the max-compat `.metadata`
+//! cannot describe), and a `.metadata` already there with other content.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use crate::commit::part::{Dims, FileRecord, ObjectView, RankPart, TensorView, PART_FORMAT};
+use crate::commit::validate::Fold;
+use crate::commit::wait::Backoff;
+use crate::error::{fmt_ranks, Error, Result};
+use crate::format::metadata::{emit_metadata_from, Entry, MetadataSource};
+use crate::format::read_metadata::read_metadata;
+use crate::storage::{Listed, Location};
+
+/// What [`merge`] did; sizes in bytes.
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub struct Summary {
+    /// Number of ranks whose `__{rank}.metadata` was merged.
+    pub ranks: u32,
+    pub keys: usize,
+    pub tensor_chunks: usize,
+    pub byte_objects: usize,
+    /// Exact replicas written by more than one rank, kept once.
+    pub replicas_dropped: usize,
+    pub metadata_bytes: u64,
+    /// `.metadata` was already there, byte-identical to the merge (an earlier or racing merge).
+    pub already_merged: bool,
+}
+
+/// The rank of a rank-local metadata file name (`__3.metadata` → 3).
+fn metadata_rank(name: &str) -> Option<u32> {
+    let digits = name.strip_prefix("__")?.strip_suffix(".metadata")?;
+    decimal(digits)
+}
+
+/// The rank of a DCP data file name (`__3_0.distcp` → 3).
+fn data_rank(name: &str) -> Option<u32> {
+    let (rank, rest) = name.strip_prefix("__")?.split_once('_')?;
+    decimal(rest.strip_suffix(".distcp")?)?;
+    decimal(rank)
+}
+
+fn decimal(s: &str) -> Option<u32> {
+    let canonical =
+        !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()) && (s == "0" || !s.starts_with('0'));
+    canonical.then(|| s.parse().ok()).flatten()
+}
+
+/// Whether `loc` holds rank-local DCP metadata (`__0.metadata`).
+///
+/// Errors: storage errors other than "not found".
+pub fn has_rank_local(loc: &Location) -> Result<bool> {
+    Ok(loc.size("__0.metadata")?.is_some())
+}
+
+/// Waits up to `timeout` until `__{r}.metadata` exists for every rank below `world_size`.
+///
+/// Errors: [`Error::MissingRanks`] naming the ranks still missing; [`Error::Interrupted`].
+fn wait_for_ranks(loc: &Location, world_size: u32, timeout: Duration) -> Result<()> {
+    let deadline = Instant::now() + timeout;
+    let mut backoff = Backoff::new();
+    loop {
+        let (files, _) = loc.list("")?;
+        let have: HashSet<u32> = files
+            .iter()
+            .filter_map(|f| metadata_rank(&f.name))
+            .collect();
+        let missing: Vec<u32> = (0..world_size).filter(|r| !have.contains(r)).collect();
+        if missing.is_empty() {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            return Err(Error::Validation(format!(
+                "after {:.1}s, {loc} has no __{{rank}}.metadata of ranks {} (world_size {world_size}): \
+                 those ranks did not finish their save; nothing committed",
+                timeout.as_secs_f64(),
+                fmt_ranks(&missing)
+            )));
+        }
+        backoff.sleep(deadline)?;
+    }
+}
+
+/// One tensor chunk of a rank-local file: key, dtype name, global shape, chunk offsets and sizes
+/// (elements), and where its item is (file index in the rank's part, byte offset, length).
+struct TensorItem {
+    fqn: String,
+    dtype: String,
+    shape: Vec<u64>,
+    offsets: Vec<u64>,
+    sizes: Vec<u64>,
+    file: u32,
+    offset: u64,
+    length: u64,
+}
+
+/// One byte object: key, file index, byte offset, length.
+struct ObjectItem {
+    fqn: String,
+    file: u32,
+    offset: u64,
+    length: u64,
+}
+
+/// One rank's metadata as a part: its data files, and its items.
+struct RankItems {
+    part: RankPart,
+    tensors: Vec<TensorItem>,
+    objects: Vec<ObjectItem>,
+}
+
+/// Merges the rank-local metadata of the DCP checkpoint at `loc` into its global `.metadata`
+/// (see the module docs). `world_size`: the number of ranks that saved, when known; with it, waits
+/// up to `timeout` for the rank-local files of every rank.
+///
+/// Errors: [`Error::InvalidArgument`] when `loc` holds no rank-local metadata;
+/// [`Error::Validation`] for every refusal of the module docs (naming ranks, keys, files;
+/// nothing committed); [`Error::Corrupt`] for a rank-local file that is not DCP metadata; storage
+/// errors.
+pub fn merge(loc: &Location, world_size: Option<u32>, timeout: Duration) -> Result<Summary> {
+    if let Some(w) = world_size {
+        if w == 0 {
+            return Err(Error::InvalidArgument(
+                "world_size must be at least 1".into(),
+            ));
+        }
+        wait_for_ranks(loc, w, timeout)?;
+    }
+    let (files, _) = loc.list("")?;
+    let by_name: HashMap<&str, &Listed> = files.iter().map(|f| (f.name.as_str(), f)).collect();
+    let mut ranks: Vec<u32> = files
+        .iter()
+        .filter_map(|f| metadata_rank(&f.name))
+        .collect();
+    ranks.sort_unstable();
+    if ranks.is_empty() {
+        return Err(Error::InvalidArgument(format!(
+            "{loc} holds no rank-local DCP metadata (__0.metadata, written by \
+             torch.distributed.checkpoint.save(..., use_collectives=False))"
+        )));
+    }
+    if let Some(w) = world_size {
+        let beyond: Vec<u32> = ranks.iter().copied().filter(|&r| r >= w).collect();
+        if !beyond.is_empty() {
+            return Err(Error::Validation(format!(
+                "{loc}: ranks {} have rank-local metadata, beyond world_size {w}: files of another \
+                 save; nothing committed",
+                fmt_ranks(&beyond)
+            )));
+        }
+    }
+    let n = world_size
+        .unwrap_or(ranks.len() as u32)
+        .max(ranks.last().map_or(0, |r| r + 1));
+    let missing: Vec<u32> = (0..n).filter(|r| ranks.binary_search(r).is_err()).collect();
+    if !missing.is_empty() {
+        return Err(Error::Validation(format!(
+            "{loc}: __{{rank}}.metadata of ranks {} is missing (present: ranks {}): those ranks did \
+             not finish their save; nothing committed",
+            fmt_ranks(&missing),
+            fmt_ranks(&ranks)
+        )));
+    }
+    let mut unfinished: Vec<u32> = files
+        .iter()
+        .filter_map(|f| data_rank(&f.name))
+        .filter(|r| *r >= n)
+        .collect();
+    unfinished.sort_unstable();
+    unfinished.dedup();
+    if !unfinished.is_empty() {
+        return Err(Error::Validation(format!(
+            "{loc}: ranks {} wrote data files (__{{rank}}_*.distcp) but no __{{rank}}.metadata: \
+             their save did not finish, or they belong to another save; nothing committed",
+            fmt_ranks(&unfinished)
+        )));
+    }
+
+    let fold = Fold::default();
+    let mut parts = Vec::with_capacity(ranks.len());
+    let mut seen_chunks: HashSet<(String, Vec<u64>, Vec<u64>, String, Vec<u64>)> = HashSet::new();
+    let mut seen_objects: HashSet<String> = HashSet::new();
+    let mut replicas_dropped = 0;
+    for &rank in &ranks {
+        let items = rank_items(loc, rank, &by_name)?;
+        let mut kept = RankItems {
+            part: items.part,
+            tensors: Vec::new(),
+            objects: Vec::new(),
+        };
+        for t in items.tensors {
+            let replica = (
+                t.fqn.clone(),
+                t.offsets.clone(),
+                t.sizes.clone(),
+                t.dtype.clone(),
+                t.shape.clone(),
+            );
+            if seen_chunks.insert(replica) {
+                kept.tensors.push(t);
+            } else {
+                replicas_dropped += 1;
+            }
+        }
+        for o in items.objects {
+            if seen_objects.insert(o.fqn.clone()) {
+                kept.objects.push(o);
+            } else {
+                replicas_dropped += 1;
+            }
+        }
+        let tensors = kept
+            .tensors
+            .iter()
+            .map(|t| TensorView {
+                fqn: &t.fqn,
+                dtype: &t.dtype,
+                global_shape: Dims::from(&t.shape[..]),
+                offsets: Dims::from(&t.offsets[..]),
+                sizes: Dims::from(&t.sizes[..]),
+                file: t.file,
+                offset: t.offset,
+                length: t.length,
+                crc32: 0,
+                blocks: Vec::new(),
+            })
+            .collect();
+        let objects = kept
+            .objects
+            .iter()
+            .map(|o| ObjectView {
+                fqn: &o.fqn,
+                shard: None,
+                file: o.file,
+                offset: o.offset,
+                length: o.length,
+                crc32: 0,
+            })
+            .collect();
+        fold.add_part(&kept.part, (tensors, objects))?;
+        parts.push(kept.part);
+    }
+    let global = fold.finish(&parts).map_err(|e| match e {
+        Error::Validation(m) => Error::Validation(format!("{m}; nothing committed")),
+        other => other,
+    })?;
+    let meta = emit_metadata_from(&global);
+    let (tensor_chunks, byte_objects) = global.counts();
+    let mut summary = Summary {
+        ranks: ranks.len() as u32,
+        keys: global.keys(),
+        tensor_chunks,
+        byte_objects,
+        replicas_dropped,
+        metadata_bytes: meta.len() as u64,
+        already_merged: false,
+    };
+    if !loc.write_new(".metadata", meta.clone())? {
+        if loc.read(".metadata")?.as_deref() != Some(&meta[..]) {
+            return Err(Error::Validation(format!(
+                "{loc} already holds a .metadata that is not the merge of its rank-local metadata \
+                 (another save's, or a merge of other files): it is left as it is and nothing is \
+                 committed; torch loads that .metadata, not the rank-local files, so remove it if \
+                 it belongs to an older save"
+            )));
+        }
+        summary.already_merged = true;
+    }
+    Ok(summary)
+}
+
+/// Reads and checks rank `rank`'s `__{rank}.metadata`: the part of its data files and its items.
+fn rank_items(loc: &Location, rank: u32, listed: &HashMap<&str, &Listed>) -> Result<RankItems> {
+    let name = format!("__{rank}.metadata");
+    let path = loc.path_of(&name);
+    let bytes = loc.read(&name)?.ok_or_else(|| {
+        Error::Validation(format!(
+            "{} disappeared during the merge; nothing committed",
+            path.display()
+        ))
+    })?;
+    let md = read_metadata(&bytes).map_err(|e| Error::Corrupt {
+        path: path.clone(),
+        reason: e.0,
+    })?;
+    if let Some(((fqn, _), t)) = md.transforms.iter().next() {
+        return Err(Error::Validation(format!(
+            "rank {rank}: key {fqn} is stored with stream transforms {t:?} (DCP extensions such \
+             as ZStandard), which the merged .metadata cannot describe; nothing committed"
+        )));
+    }
+    let meta_age = listed.get(name.as_str()).map_or(0.0, |l| l.age_s);
+    let mut files: Vec<FileRecord> = Vec::new();
+    let mut file_ids: BTreeMap<String, u32> = BTreeMap::new();
+    let mut file_of = |rel: &str, key: &str, offset: u64, length: u64| -> Result<u32> {
+        if let Some(&id) = file_ids.get(rel) {
+            let size = files[id as usize].size;
+            return in_file(rank, key, rel, offset, length, size).map(|_| id);
+        }
+        // `read_metadata` has refused any path leaving the directory.
+        let Some(f) = listed.get(rel) else {
+            return Err(Error::Validation(format!(
+                "rank {rank}: key {key} is stored in {rel}, which is missing; nothing committed"
+            )));
+        };
+        // A rank writes every data file before its metadata (`write_data`, then `finish`): a data
+        // file modified after it was rewritten by a later save.
+        if f.age_s + 1e-3 < meta_age {
+            return Err(Error::Validation(format!(
+                "rank {rank}: {rel} was modified {:.3}s after {name}: a later save rewrote it, so \
+                 {name} describes other bytes (two saves mixed); nothing committed",
+                meta_age - f.age_s
+            )));
+        }
+        in_file(rank, key, rel, offset, length, f.size)?;
+        let id = files.len() as u32;
+        files.push(FileRecord {
+            name: rel.to_string(),
+            size: f.size,
+            stamp: String::new(),
+            sha256: None,
+        });
+        file_ids.insert(rel.to_string(), id);
+        Ok(id)
+    };
+    let mut tensors = Vec::new();
+    let mut objects = Vec::new();
+    for (fqn, entry) in &md.entries {
+        match entry {
+            Entry::Tensor {
+                dtype,
+                global_shape,
+                chunks,
+            } => {
+                for c in chunks {
+                    let s = &c.storage;
+                    if s.relative_path.is_empty() {
+                        return Err(Error::Validation(format!(
+                            "rank {rank}: key {fqn} chunk at offsets {:?} has no storage_data entry; \
+                             nothing committed",
+                            c.offsets
+                        )));
+                    }
+                    let file = file_of(&s.relative_path, fqn, s.offset, s.length)?;
+                    tensors.push(TensorItem {
+                        fqn: fqn.clone(),
+                        dtype: dtype.torch_name().to_string(),
+                        shape: global_shape.clone(),
+                        offsets: c.offsets.clone(),
+                        sizes: c.sizes.clone(),
+                        file,
+                        offset: s.offset,
+                        length: s.length,
+                    });
+                }
+            }
+            Entry::Bytes { storage: s } => {
+                if s.relative_path.is_empty() {
+                    return Err(Error::Validation(format!(
+                        "rank {rank}: byte object {fqn} has no storage_data entry; nothing committed"
+                    )));
+                }
+                let file = file_of(&s.relative_path, fqn, s.offset, s.length)?;
+                objects.push(ObjectItem {
+                    fqn: fqn.clone(),
+                    file,
+                    offset: s.offset,
+                    length: s.length,
+                });
+            }
+        }
+    }
+    let part = RankPart {
+        format: PART_FORMAT,
+        save_id: String::new(),
+        rank,
+        world_size: 0,
+        megatron: false,
+        published_at_ns: 0,
+        publisher: String::new(),
+        files,
+        tensors: Vec::new(),
+        objects: Vec::new(),
+        common: None,
+    };
+    Ok(RankItems {
+        part,
+        tensors,
+        objects,
+    })
+}
+
+fn in_file(rank: u32, key: &str, rel: &str, offset: u64, length: u64, size: u64) -> Result<()> {
+    if offset.checked_add(length).is_some_and(|end| end <= size) {
+        return Ok(());
+    }
+    Err(Error::Validation(format!(
+        "rank {rank}: key {key} at offset {offset} length {length} passes the end of {rel} \
+         ({size} bytes); nothing committed"
+    )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_of_rank_local_and_data_files() {
+        assert_eq!(metadata_rank("__0.metadata"), Some(0));
+        assert_eq!(metadata_rank("__12.metadata"), Some(12));
+        for not in [
+            "__01.metadata",
+            "__.metadata",
+            "__1.metadata.tmp",
+            ".metadata",
+            "__a.metadata",
+        ] {
+            assert_eq!(metadata_rank(not), None, "{not}");
+        }
+        assert_eq!(data_rank("__3_0.distcp"), Some(3));
+        assert_eq!(data_rank("__3_12.distcp"), Some(3));
+        for not in [
+            "__3.distcp",
+            "__3_x.distcp",
+            "__3_0.distcp.tmp",
+            "3_0.distcp",
+        ] {
+            assert_eq!(data_rank(not), None, "{not}");
+        }
+    }
+}

@@ -1,0 +1,201 @@
+//! Whole-checkpoint operations from Python: merge, to-hf, diff, the committed checks, the CLI.
+
+use std::path::PathBuf;
+
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use super::{location, to_py, InvalidArgumentError};
+use crate::commit::wait::{timeout_from_secs, Freshness};
+
+/// Converts checkpoint `checkpoint_dir` to HF safetensors in `out_dir`; see `shardwise to-hf`.
+/// `dtype` is bf16, fp16, fp32 or None (as stored); `max_shard_size` like "5GB"; `workers`
+/// threads; `part` like "0/2" for one part of a split conversion; `overwrite` replaces an earlier
+/// conversion in a non-empty `out_dir`. Returns the summary as a dict (tensors, bytes, files,
+/// seconds, gb_per_s, skipped_keys, args_check, args_unchecked, padding_rows_dropped,
+/// config_written, part, committed).
+#[pyfunction]
+#[pyo3(signature = (checkpoint_dir, out_dir, hf_config=None, arch=None, dtype=None, max_shard_size="5GB", threads=None, allow_unmapped=false, overwrite=false, part=None))]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn to_hf(
+    py: Python<'_>,
+    checkpoint_dir: PathBuf,
+    out_dir: PathBuf,
+    hf_config: Option<PathBuf>,
+    arch: Option<String>,
+    dtype: Option<String>,
+    max_shard_size: &str,
+    threads: Option<usize>,
+    allow_unmapped: bool,
+    overwrite: bool,
+    part: Option<String>,
+) -> PyResult<Py<PyAny>> {
+    let mut opts = crate::hf::HfOptions::from_user(
+        hf_config,
+        arch,
+        dtype.as_deref(),
+        max_shard_size,
+        threads,
+        allow_unmapped,
+    )
+    .map_err(to_py)?;
+    opts.overwrite = overwrite;
+    opts.part = part
+        .as_deref()
+        .map(crate::hf::Part::parse)
+        .transpose()
+        .map_err(to_py)?;
+    let s = py
+        .detach(|| {
+            let loc = location(&checkpoint_dir)?;
+            crate::hf::to_hf(&loc, &out_dir, &opts, &|_| {})
+        })
+        .map_err(to_py)?;
+    let json = serde_json::to_string(&s).expect("serializable");
+    Ok(py.import("json")?.call_method1("loads", (json,))?.unbind())
+}
+
+/// Compares checkpoints `a` and `b` (directories, URLs, or one HF safetensors folder); see
+/// `shardwise diff`. Returns the report as JSON text (the Python wrapper decodes it).
+#[pyfunction]
+#[pyo3(signature = (a, b, atol=0.0, rtol=0.0, keys=Vec::new(), exclude=Vec::new(), hf_config=None, arch=None, allow_unmapped=false, threads=None))]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn diff_json(
+    py: Python<'_>,
+    a: PathBuf,
+    b: PathBuf,
+    atol: f64,
+    rtol: f64,
+    keys: Vec<String>,
+    exclude: Vec<String>,
+    hf_config: Option<PathBuf>,
+    arch: Option<String>,
+    allow_unmapped: bool,
+    threads: Option<usize>,
+) -> PyResult<String> {
+    if !(atol >= 0.0 && rtol >= 0.0) {
+        return Err(InvalidArgumentError::new_err(
+            "atol and rtol must be numbers >= 0",
+        ));
+    }
+    let threads = threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(4, |n| n.get().min(8)));
+    let opts = crate::diff::DiffOptions {
+        atol,
+        rtol,
+        keys,
+        exclude,
+        hf: crate::hf::HfOptions::from_user(
+            hf_config,
+            arch,
+            None,
+            "5GB",
+            Some(threads),
+            allow_unmapped,
+        )
+        .map_err(to_py)?,
+        slab_bytes: 32 << 20,
+        threads,
+    };
+    let report = py
+        .detach(|| crate::diff::diff(&location(&a)?, &location(&b)?, &opts))
+        .map_err(to_py)?;
+    Ok(serde_json::to_string(&report).expect("serializable"))
+}
+
+/// Whether a CUDA driver can be loaded here (the GPU path is used only then). Never raises.
+#[pyfunction]
+pub(super) fn cuda_available(py: Python<'_>) -> bool {
+    py.detach(crate::gpu::available)
+}
+
+/// Merges the parts of `save_id` and commits `.metadata`; see `shardwise merge`. Returns a dict:
+/// `keys`, `tensor_chunks`, `data_bytes` (bytes) and `already_committed` (a racing merger or an
+/// earlier merge committed; the counts are then that commit's). Raises `KeyboardInterrupt` when
+/// Ctrl-C interrupts the wait (nothing committed).
+#[pyfunction]
+pub(super) fn merge(
+    py: Python<'_>,
+    checkpoint_dir: PathBuf,
+    save_id: String,
+    world_size: u32,
+    timeout_s: f64,
+) -> PyResult<Bound<'_, PyDict>> {
+    let timeout = timeout_from_secs("timeout_s", timeout_s).map_err(to_py)?;
+    let s = py
+        .detach(|| {
+            let loc = location(&checkpoint_dir)?.with_timeout(Some(timeout))?;
+            crate::commit::merge(&loc, &save_id, world_size, timeout, &Freshness::any_part())
+        })
+        .map_err(to_py)?;
+    let d = PyDict::new(py);
+    d.set_item("keys", s.keys)?;
+    d.set_item("already_committed", s.already_committed)?;
+    d.set_item("tensor_chunks", s.tensor_chunks)?;
+    d.set_item("data_bytes", s.data_bytes)?;
+    Ok(d)
+}
+
+/// The whole file `rel` of the checkpoint `checkpoint_dir` (a directory or URL), or None when it
+/// does not exist; object-store requests bounded by `timeout_s` seconds when given.
+#[pyfunction]
+#[pyo3(signature = (checkpoint_dir, rel, timeout_s=None))]
+pub(super) fn read_file(
+    py: Python<'_>,
+    checkpoint_dir: PathBuf,
+    rel: String,
+    timeout_s: Option<f64>,
+) -> PyResult<Option<Py<pyo3::types::PyBytes>>> {
+    let timeout = timeout_s
+        .map(|t| timeout_from_secs("timeout_s", t))
+        .transpose()
+        .map_err(to_py)?;
+    let got = py
+        .detach(|| location(&checkpoint_dir)?.with_timeout(timeout)?.read(&rel))
+        .map_err(to_py)?;
+    Ok(got.map(|b| pyo3::types::PyBytes::new(py, &b).unbind()))
+}
+
+/// Merges the rank-local `__{rank}.metadata` files of a torch DCP `use_collectives=False` save
+/// into its global `.metadata` (`shardwise.dcp.finish`; see `crate::dcp_local`). `world_size`,
+/// when given, is waited for up to `timeout_s` seconds. Returns the summary as a dict (ranks, keys,
+/// tensor_chunks, byte_objects, replicas_dropped, metadata_bytes in bytes, already_merged).
+#[pyfunction]
+#[pyo3(signature = (checkpoint_dir, world_size=None, timeout_s=0.0))]
+pub(super) fn merge_rank_local(
+    py: Python<'_>,
+    checkpoint_dir: PathBuf,
+    world_size: Option<u32>,
+    timeout_s: f64,
+) -> PyResult<Py<PyAny>> {
+    let timeout = timeout_from_secs("timeout_s", timeout_s).map_err(to_py)?;
+    let s = py
+        .detach(|| {
+            let loc = location(&checkpoint_dir)?.with_timeout(Some(timeout))?;
+            crate::dcp_local::merge(&loc, world_size, timeout)
+        })
+        .map_err(to_py)?;
+    let json = serde_json::to_string(&s).expect("serializable");
+    Ok(py.import("json")?.call_method1("loads", (json,))?.unbind())
+}
+/// Runs the `shardwise` command line with `argv` (program name first; `str`, where the bytes of a
+/// non-UTF-8 path are surrogate escapes, as in `sys.argv` and `os.fsdecode`); returns the exit code.
+#[pyfunction]
+pub(super) fn cli_main(py: Python<'_>, argv: Vec<std::ffi::OsString>) -> i32 {
+    py.detach(|| crate::cli::run(argv))
+}
+
+/// Whether `checkpoint_dir` holds a committed, whole checkpoint: the one definition shared with
+/// the save and `shardwise status` (`crate::commit::state`). Never raises for a missing or
+/// unreadable directory (False).
+#[pyfunction]
+pub(super) fn is_committed(py: Python<'_>, checkpoint_dir: PathBuf) -> bool {
+    py.detach(|| location(&checkpoint_dir).is_ok_and(|l| crate::commit::state::is_committed(&l)))
+}
+/// Whether two checkpoints hold the same tensors by their save-time CRC-32s (sidecars only, no
+/// data read); None when either was not saved by shardwise. See `crate::commit::same_tensor_crcs`.
+#[pyfunction]
+pub(super) fn same_tensor_crcs(py: Python<'_>, a: PathBuf, b: PathBuf) -> PyResult<Option<bool>> {
+    py.detach(|| crate::commit::same_tensor_crcs(&location(&a)?, &location(&b)?))
+        .map_err(to_py)
+}
