@@ -1017,6 +1017,9 @@ fn merge_rank_local(
         count(s.byte_objects, "byte object"),
         count(s.replicas_dropped, "replicated item")
     );
+    if s.replaced_stale {
+        out!("{dir}: replaced the .metadata of an earlier save (older than every rank-local file)");
+    }
     if s.already_merged {
         out!("{dir}: .metadata is already the merge of the rank-local metadata of {} (nothing to do): {what}", count(s.ranks as usize, "rank"));
     } else {

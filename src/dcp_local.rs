@@ -25,7 +25,14 @@
 //! `world_size` when given), a rank whose data files exist without its `__{r}.metadata` (it did
 //! not finish), a data file newer than its rank's metadata (a later save rewrote it: two saves
 //! mixed), items outside their files, stream transforms (zstd, which the max-compat `.metadata`
-//! cannot describe), and a `.metadata` already there with other content.
+//! cannot describe), and a `.metadata` already there with other content that is not older than
+//! the rank-local files.
+//!
+//! A later `use_collectives=False` save into a merged directory rewrites the data files and the
+//! rank-local files but not `.metadata`, which torch's load prefers: it would read the new bytes at
+//! the old save's offsets, with no error. Such a `.metadata` is *stale*: modified before a
+//! rank-local file ([`stale_metadata`]). [`merge`] replaces a stale `.metadata` (its save's data is
+//! gone, so nothing is lost) and `verify` reports one as a problem.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::{Duration, Instant};
@@ -53,6 +60,8 @@ pub struct Summary {
     pub metadata_bytes: u64,
     /// `.metadata` was already there, byte-identical to the merge (an earlier or racing merge).
     pub already_merged: bool,
+    /// A stale `.metadata` (an earlier save's, see [`stale_metadata`]) was replaced.
+    pub replaced_stale: bool,
 }
 
 /// The rank of a rank-local metadata file name (`__3.metadata` → 3).
@@ -79,6 +88,27 @@ fn decimal(s: &str) -> Option<u32> {
 /// Errors: storage errors other than "not found".
 pub fn has_rank_local(loc: &Location) -> Result<bool> {
     Ok(loc.size("__0.metadata")?.is_some())
+}
+
+/// The rank-local files modified after `.metadata`, as "`__{r}.metadata` (`s` s later)", when
+/// `files` (one listing of the directory) holds a `.metadata` and any: that `.metadata` is an
+/// earlier save's, and torch's load (which reads `.metadata` first, `state_dict_loader.py`) would
+/// read this save's bytes at that save's offsets. Empty when there is no `.metadata` or no
+/// rank-local file, or when every rank-local file is older.
+pub fn stale_metadata(files: &[Listed]) -> Vec<String> {
+    let Some(global) = files.iter().find(|f| f.name == ".metadata") else {
+        return Vec::new();
+    };
+    let mut newer: Vec<(u32, f64)> = files
+        .iter()
+        .filter_map(|f| Some((metadata_rank(&f.name)?, global.age_s - f.age_s)))
+        .filter(|&(_, later_s)| later_s > 1e-3)
+        .collect();
+    newer.sort_unstable_by_key(|&(r, _)| r);
+    newer
+        .into_iter()
+        .map(|(r, later_s)| format!("__{r}.metadata ({later_s:.3}s later)"))
+        .collect()
 }
 
 /// Waits up to `timeout` until `__{r}.metadata` exists for every rank below `world_size`.
@@ -282,14 +312,21 @@ pub fn merge(loc: &Location, world_size: Option<u32>, timeout: Duration) -> Resu
         replicas_dropped,
         metadata_bytes: meta.len() as u64,
         already_merged: false,
+        replaced_stale: false,
     };
-    if !loc.write_new(".metadata", meta.clone())? {
+    // Every rank-local file merged here is newer than the .metadata there: that one describes an
+    // earlier save whose data files these ranks rewrote; replacing it (atomically) loses nothing.
+    let stale = stale_metadata(&files).len() == ranks.len();
+    if stale {
+        loc.write(".metadata", meta)?;
+        summary.replaced_stale = true;
+    } else if !loc.write_new(".metadata", meta.clone())? {
         if loc.read(".metadata")?.as_deref() != Some(&meta[..]) {
             return Err(Error::Validation(format!(
                 "{loc} already holds a .metadata that is not the merge of its rank-local metadata \
-                 (another save's, or a merge of other files): it is left as it is and nothing is \
-                 committed; torch loads that .metadata, not the rank-local files, so remove it if \
-                 it belongs to an older save"
+                 and not older than all of them (another save's, or a merge of other files): it \
+                 is left as it is and nothing is committed; torch loads that .metadata, not the \
+                 rank-local files, so remove it if it belongs to an older save"
             )));
         }
         summary.already_merged = true;
@@ -431,6 +468,32 @@ fn in_file(rank: u32, key: &str, rel: &str, offset: u64, length: u64, size: u64)
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn listed(name: &str, age_s: f64) -> Listed {
+        Listed {
+            name: name.into(),
+            size: 1,
+            age_s,
+        }
+    }
+
+    #[test]
+    fn metadata_older_than_a_rank_local_file_is_stale() {
+        let merged = [
+            listed("__0.metadata", 10.0),
+            listed("__1.metadata", 9.0),
+            listed(".metadata", 8.0),
+        ];
+        assert!(stale_metadata(&merged).is_empty());
+        let rerun = [
+            listed("__0.metadata", 1.0),
+            listed("__1.metadata", 9.0),
+            listed(".metadata", 8.0),
+            listed("__0_0.distcp", 0.5),
+        ];
+        assert_eq!(stale_metadata(&rerun), ["__0.metadata (7.000s later)"]);
+        assert!(stale_metadata(&rerun[..2]).is_empty(), "no .metadata");
+    }
 
     #[test]
     fn names_of_rank_local_and_data_files() {

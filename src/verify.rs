@@ -11,6 +11,8 @@
 //!   zip CRCs and a `data.pkl` that decodes (megatron-torch-dist.md §1.2, §1.4); for a checkpoint
 //!   shardwise committed, `common.pt` whole against the size and CRC-32 its `COMMITTED` record
 //!   holds (a changed byte that no zip record's CRC covers is found too);
+//! - a torch DCP `use_collectives=False` directory: no rank-local `__{rank}.metadata` newer than
+//!   `.metadata` (a stale merge, [`crate::dcp_local::stale_metadata`]);
 //! - `metadata.json`: a JSON object whose `sharded_backend` is `torch_dist` and with no field
 //!   megatron-core ≤ 0.18's `CheckpointingConfig(**config)` would refuse (§1.3).
 //!
@@ -134,6 +136,21 @@ fn run(loc: &Location, quick: bool, progress: &(dyn Fn(u64) + Sync)) -> Result<R
     }
     report.items = items.len();
     report.problems.extend(check_megatron_files(&ckpt, quick));
+    let (listed, _) = loc.list("")?;
+    let newer = crate::dcp_local::stale_metadata(&listed);
+    if !newer.is_empty() {
+        report.problems.push(Problem {
+            key: ".metadata".into(),
+            file: Some(".metadata".into()),
+            offset: None,
+            message: format!(
+                "stale: modified before {} (a later torch DCP use_collectives=False save into this \
+                 directory); torch loads this .metadata and would read that save's bytes at the \
+                 earlier save's offsets; `shardwise merge` replaces it",
+                newer.join(", ")
+            ),
+        });
+    }
 
     let results: Vec<(Vec<Problem>, bool)> = items
         .par_iter()

@@ -34,7 +34,9 @@ def finish(checkpoint_id, *, world_size: Optional[int] = None, timeout_s: float 
     fully covered, every item inside its data file, and no data file rewritten after its rank's
     metadata. Items every rank saved in full (replicated tensors, step counters) are kept once,
     from the lowest rank, as DCP's own dedup does. ``.metadata`` is created only if absent: every
-    rank may call this at once (one creates it, the others find the identical file).
+    rank may call this at once (one creates it, the others find the identical file). A
+    ``.metadata`` older than every rank-local file (a merge of an earlier save into the same
+    directory, whose data files this save rewrote) is replaced.
 
     Args:
         checkpoint_id: the directory passed to ``dcp.save`` (``str``/``PathLike``), or a URL.
@@ -45,12 +47,14 @@ def finish(checkpoint_id, *, world_size: Optional[int] = None, timeout_s: float 
 
     Returns:
         dict: ``ranks``, ``keys``, ``tensor_chunks``, ``byte_objects``, ``replicas_dropped``,
-        ``metadata_bytes`` (bytes) and ``already_merged`` (the same ``.metadata`` was there).
+        ``metadata_bytes`` (bytes), ``already_merged`` (the same ``.metadata`` was there) and
+        ``replaced_stale`` (an earlier save's ``.metadata`` was replaced).
 
     Raises:
         ValidationError: a rank's file is missing (or its data files exist without it), two saves
             are mixed, chunks overlap or leave a gap, ranks disagree on a dtype or shape, a
-            ``.metadata`` with other content is already there. Nothing is written.
+            ``.metadata`` with other content, not older than the rank-local files, is already there.
+            Nothing is written.
         CorruptFileError: a rank-local file is not DCP metadata.
         InvalidArgumentError: no rank-local metadata in ``checkpoint_id``.
         StorageError: the directory or an object cannot be read or written.

@@ -134,6 +134,27 @@ def test_a_rerun_at_another_world_size_into_the_same_directory_is_refused(rank_l
     _refused(ckpt, "overlapping chunks")
 
 
+def test_a_later_save_into_a_merged_directory_is_caught_and_finished(rank_local, tmp_path):
+    """The next step saved into the same directory rewrites the data and rank-local files but not
+    the merged .metadata, which torch reads first: verify reports it stale, and finish replaces it,
+    after which plain DCP reads the new step's values."""
+    ckpt = _copy(rank_local, tmp_path / "ck")
+    assert not shardwise.dcp.finish(ckpt, world_size=4)["replaced_stale"]
+    _spawn(dcp_workers.save, 4, tmp_path, str(ckpt), STEP + 1)
+    v = cli("verify", ckpt, "--json")
+    assert v.returncode == 1, v.stdout + v.stderr
+    (problem,) = json.loads(v.stdout)["problems"]
+    assert problem["key"] == ".metadata" and "stale" in problem["message"], problem
+    assert "__0.metadata" in problem["message"] and "__3.metadata" in problem["message"], problem
+    s = shardwise.dcp.finish(ckpt, world_size=4)
+    assert s["replaced_stale"] and not s["already_merged"], s
+    tensors, objects = read_all(str(ckpt))
+    for key in dcp_workers.SHAPES:
+        assert torch.equal(bits(tensors[key]), bits(dcp_workers.full(key, STEP + 1))), key
+    assert objects["step"] == STEP + 1
+    assert json.loads(cli("verify", ckpt, "--json").stdout)["problems"] == []
+
+
 def test_a_foreign_metadata_is_left_alone(rank_local, tmp_path):
     ckpt = _copy(rank_local, tmp_path / "ck")
     (ckpt / ".metadata").write_bytes(b"an older save's .metadata")

@@ -159,7 +159,8 @@ pub(super) fn read_file(
 /// Merges the rank-local `__{rank}.metadata` files of a torch DCP `use_collectives=False` save
 /// into its global `.metadata` (`shardwise.dcp.finish`; see `crate::dcp_local`). `world_size`,
 /// when given, is waited for up to `timeout_s` seconds. Returns the summary as a dict (ranks, keys,
-/// tensor_chunks, byte_objects, replicas_dropped, metadata_bytes in bytes, already_merged).
+/// tensor_chunks, byte_objects, replicas_dropped, metadata_bytes in bytes, already_merged,
+/// replaced_stale).
 #[pyfunction]
 #[pyo3(signature = (checkpoint_dir, world_size=None, timeout_s=0.0))]
 pub(super) fn merge_rank_local(
