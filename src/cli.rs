@@ -685,10 +685,10 @@ struct KeyLayout {
     ranks: Vec<u32>,
 }
 
-fn status(dir: &Location, keys: bool, json: bool, repair: bool) -> Outcome {
-    if repair {
-        repair_checkpoint(dir, Duration::ZERO, false, json)?;
-    }
+/// The state of `dir` and of each save in it: what `shardwise status` shows.
+///
+/// Errors: storage errors when `dir` or its state directory cannot be read.
+pub(crate) fn status_report(dir: &Location) -> Result<(CheckpointState, StatusReport)> {
     let checkpoint = checkpoint_state(dir)?;
     let orphans = orphaned_data_files(dir)?;
     let mut saves = Vec::new();
@@ -756,32 +756,48 @@ fn status(dir: &Location, keys: bool, json: bool, repair: bool) -> Outcome {
             keys: layout.into_values().collect(),
         });
     }
+    let (state, reason) = match &checkpoint {
+        CheckpointState::Committed { .. } => ("committed", None),
+        CheckpointState::NotCommitted { reason } => ("not_committed", Some(reason.clone())),
+        CheckpointState::Damaged { reason, .. } => ("damaged", Some(reason.clone())),
+    };
+    let report = StatusReport {
+        dir: dir.to_string(),
+        checkpoint: state,
+        reason,
+        orphaned_data_files: orphans,
+        saves,
+    };
+    Ok((checkpoint, report))
+}
+
+/// What `shardwise status --json` prints (README, "JSON output"), and `shardwise.status` returns.
+#[derive(Serialize)]
+pub(crate) struct StatusReport {
+    dir: String,
+    /// committed, not_committed or damaged.
+    checkpoint: &'static str,
+    /// Why it is not committed or damaged; null when committed.
+    reason: Option<String>,
+    /// Data files no part and no commit names (ranks that died before publishing).
+    orphaned_data_files: Vec<String>,
+    saves: Vec<SaveStatus>,
+}
+
+fn status(dir: &Location, keys: bool, json: bool, repair: bool) -> Outcome {
+    if repair {
+        repair_checkpoint(dir, Duration::ZERO, false, json)?;
+    }
+    let (checkpoint, report) = status_report(dir)?;
     if json {
-        #[derive(Serialize)]
-        struct Out {
-            dir: String,
-            /// committed, not_committed or damaged.
-            checkpoint: &'static str,
-            /// Why it is not committed or damaged; null when committed.
-            reason: Option<String>,
-            /// Data files no part and no commit names (ranks that died before publishing).
-            orphaned_data_files: Vec<String>,
-            saves: Vec<SaveStatus>,
-        }
-        let (checkpoint, reason) = match &checkpoint {
-            CheckpointState::Committed { .. } => ("committed", None),
-            CheckpointState::NotCommitted { reason } => ("not_committed", Some(reason.clone())),
-            CheckpointState::Damaged { reason, .. } => ("damaged", Some(reason.clone())),
-        };
-        print_json(&Out {
-            dir: dir.to_string(),
-            checkpoint,
-            reason,
-            orphaned_data_files: orphans,
-            saves,
-        })?;
+        print_json(&report)?;
         return Ok(0);
     }
+    let StatusReport {
+        orphaned_data_files: orphans,
+        saves,
+        ..
+    } = report;
     match &checkpoint {
         CheckpointState::Committed { record } => out!(
             "{dir}: committed{}",

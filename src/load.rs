@@ -104,8 +104,8 @@ impl Default for LoadOptions {
     }
 }
 
-/// What a load did.
-#[derive(Clone, Debug, Default)]
+/// What a load did (`Checkpoint.load_into` returns its fields as a dict).
+#[derive(Clone, Debug, Default, serde::Serialize)]
 pub struct LoadStats {
     /// Bytes read from storage (item probes included).
     pub bytes_read: u64,
@@ -591,7 +591,6 @@ pub unsafe fn load(ck: &Checkpoint, reqs: &[Request], opts: &LoadOptions) -> Res
         ck,
         reqs,
         items: &items,
-        files: &files,
         source: &source,
         copies: &copies,
         copy_item: &copy_item,
@@ -823,7 +822,6 @@ struct Exec<'a> {
     ck: &'a Checkpoint,
     reqs: &'a [Request],
     items: &'a [Item<'a>],
-    files: &'a [&'a str],
     source: &'a Source<'a>,
     copies: &'a [plan::Copy],
     copy_item: &'a [usize],

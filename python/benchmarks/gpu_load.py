@@ -121,7 +121,8 @@ def load_shardwise(d, dest, budget):
 
     t0 = time.perf_counter()
     ck = _native.open_checkpoint(d)
-    reqs = [(k, [0] * t.dim(), list(t.shape), t.data_ptr(), t.numel() * 2, 0) for k, t in dest.items()]
+    reqs = [_native.Region(key=k, offsets=[0] * t.dim(), sizes=list(t.shape), data_ptr=t.data_ptr(),
+                           nbytes=t.numel() * 2, device=0) for k, t in dest.items()]
     stats = ck.load_into(reqs, staging_budget_bytes=budget, cuda_stream=torch.cuda.current_stream().cuda_stream)
     torch.cuda.synchronize()
     return time.perf_counter() - t0, stats
@@ -208,7 +209,8 @@ def main():
     from shardwise import _native
 
     _native.open_checkpoint(d).load_into(
-        [(k0, [0] * dest[k0].dim(), list(dest[k0].shape), dest[k0].data_ptr(), dest[k0].numel() * 2, 0)],
+        [_native.Region(key=k0, offsets=[0] * dest[k0].dim(), sizes=list(dest[k0].shape),
+                        data_ptr=dest[k0].data_ptr(), nbytes=dest[k0].numel() * 2, device=0)],
         staging_budget_bytes=args.budget)
     facts["pool_alloc_s"] = round(time.perf_counter() - t0, 2)
 

@@ -23,6 +23,7 @@ from ._native import (
     __version__,
     cuda_available,
     merge,
+    status,
     to_hf,
 )
 from .barriers import BarrierTimeoutError, barrier, record_phase
@@ -48,6 +49,7 @@ __all__ = [
     "cuda_available",
     "__version__",
     "merge",
+    "status",
     "to_hf",
     "diff",
     "open",

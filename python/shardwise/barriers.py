@@ -22,7 +22,7 @@ import time
 from typing import Optional
 
 from ._fs import atomic_write
-from ._native import InvalidArgumentError, MissingRanksError
+from ._native import InvalidArgumentError, MissingRanksError, check_seconds
 
 # Barrier names become directory names.
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
@@ -105,7 +105,7 @@ def barrier(
         dir: the directory of the barrier files (created if absent).
         name: this barrier's name: letters, digits, ``_.-``, at most 200 characters.
         rank, world_size: this rank and the number of ranks that must arrive.
-        timeout_s: bound on the wait, in seconds (>= 0).
+        timeout_s: bound on the wait, in seconds: a finite number in ``0..1e9``.
         phase: recorded as this rank's phase before waiting (:func:`record_phase`); default
             ``"barrier:{name}"``.
 
@@ -120,8 +120,7 @@ def barrier(
     _check_rank(rank, world_size)
     if not isinstance(name, str) or not _NAME.match(name):
         raise InvalidArgumentError(f"barrier name {name!r} must match {_NAME.pattern}")
-    if not isinstance(timeout_s, (int, float)) or not timeout_s >= 0:
-        raise InvalidArgumentError(f"timeout_s must be a number >= 0, got {timeout_s!r}")
+    timeout_s = check_seconds("timeout_s", timeout_s)  # the rule of every shardwise wait
     dir = os.fspath(dir)
     record_phase(dir, rank, f"barrier:{name}" if phase is None else phase)
     arrivals = os.path.join(dir, "barriers", name)

@@ -56,7 +56,9 @@ def finish(checkpoint_id, *, world_size: Optional[int] = None, timeout_s: float 
             ``.metadata`` with other content, not older than the rank-local files, is already there.
             Nothing is written.
         CorruptFileError: a rank-local file is not DCP metadata.
-        InvalidArgumentError: no rank-local metadata in ``checkpoint_id``.
+        InvalidArgumentError: no rank-local metadata in ``checkpoint_id``; a ``world_size`` that
+            is not a whole number >= 1; a ``timeout_s`` that is not a finite number of seconds in
+            ``0..=MAX_TIMEOUT_S``.
         StorageError: the directory or an object cannot be read or written.
     """
     if world_size is None:
@@ -67,4 +69,4 @@ def finish(checkpoint_id, *, world_size: Optional[int] = None, timeout_s: float 
                 world_size = dist.get_world_size()
         except ImportError:
             pass
-    return _native.merge_rank_local(os.fsdecode(checkpoint_id), world_size, float(timeout_s))
+    return _native.merge_rank_local(os.fsdecode(checkpoint_id), world_size, timeout_s)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Iterable, Optional
 
@@ -29,8 +28,8 @@ def diff(a, b, *, atol: float = 0.0, rtol: float = 0.0, keys: Optional[Iterable[
     Raises ``StorageError`` / ``CorruptFileError`` when a side cannot be opened, ``InvalidArgumentError``
     for bad arguments, the ``to-hf`` mapping's ``ValidationError`` in HF mode.
     """
-    return json.loads(_native.diff_json(
+    return _native.diff(
         os.fsdecode(a), os.fsdecode(b),
         atol=float(atol), rtol=float(rtol), keys=list(keys or []), exclude=list(exclude or []),
         hf_config=None if hf_config is None else os.fspath(hf_config), arch=arch,
-        allow_unmapped=allow_unmapped, threads=threads))
+        allow_unmapped=allow_unmapped, threads=threads)

@@ -5,12 +5,14 @@ to shardwise (:func:`install`), with the installed megatron-core's own signature
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from typing import Any, Iterator, Optional
 
-from . import _native
+from ._fs import is_url
 from ._native import InvalidArgumentError
 from .load import load, load_common_state_dict
+from .megatron_errors import raised_as_megatron
 from .save import save
 
 
@@ -135,8 +137,15 @@ def dist_checkpointing_save(sharded_state_dict: dict, checkpoint_dir: str, *args
         InvalidArgumentError: ``common_strategy`` given, a ``sharded_strategy`` whose backend is not
             ``torch_dist``, or a parameter of a newer megatron-core that shardwise does not know,
             given with a value other than its default.
-        Everything :func:`save` raises.
+        Everything :func:`save` raises, as the class Megatron raises in that situation
+        (:mod:`shardwise.megatron_errors`): a failed write or commit as torch's
+        ``CheckpointException``, every other error as a ``CheckpointingException``.
     """
+    with raised_as_megatron("save"):
+        return _dist_checkpointing_save(sharded_state_dict, checkpoint_dir, args, kwargs)
+
+
+def _dist_checkpointing_save(sharded_state_dict, checkpoint_dir, args, kwargs):
     megatron_args = bind_release_args("save", megatron_save_parameters(), args, kwargs, _HANDLED_MEGATRON_PARAMS)
     sharded_strategy = megatron_args.get("sharded_strategy")
     if megatron_args.get("common_strategy") is not None:
@@ -155,7 +164,13 @@ def dist_checkpointing_save(sharded_state_dict: dict, checkpoint_dir: str, *args
     handle = save(sharded_state_dict, checkpoint_dir, content_metadata=content_metadata, async_save=True, **kwargs)
     # Megatron runs finalize_fns in the training process once the request is done; ours comes
     # first, so the functions save_checkpoint appends (metadata, tracker) run after the commit.
-    return AsyncRequest(_async_save_done, (), [handle.wait])
+    return AsyncRequest(_async_save_done, (), [functools.partial(_wait_committed, handle)])
+
+
+def _wait_committed(handle) -> None:
+    """An async drop-in save's first finalize function: its commit, or its error as Megatron's."""
+    with raised_as_megatron("save"):
+        handle.wait()
 
 
 # (module, attribute, original) for every name install() replaced, in replacement order.
@@ -167,7 +182,7 @@ def install(*, load: bool = True, **save_kwargs) -> None:
     and, unless ``load=False``, its ``load`` and ``load_common_state_dict`` (what
     ``megatron.training.checkpointing.load_checkpoint`` calls; ``load_content_metadata`` and
     ``load_plain_tensors`` call them) to :func:`dist_checkpointing_load` and
-    :func:`shardwise.load.load_common_state_dict`. ``load=False`` keeps Megatron's own load (and
+    :func:`dist_checkpointing_load_common_state_dict`. ``load=False`` keeps Megatron's own load (and
     un-routes it if an earlier call routed it).
 
     Replaces the names in ``megatron.core.dist_checkpointing`` (which Megatron's training code calls as
@@ -185,7 +200,7 @@ def install(*, load: bool = True, **save_kwargs) -> None:
     replacement = functools.partial(dist_checkpointing_save, **save_kwargs)
     functools.update_wrapper(replacement, dist_checkpointing_save)
     routes = {"save": replacement}
-    load_routes = {"load": dist_checkpointing_load, "load_common_state_dict": load_common_state_dict}
+    load_routes = {"load": dist_checkpointing_load, "load_common_state_dict": dist_checkpointing_load_common_state_dict}
     if load:
         routes.update(load_routes)
     for mod in (mdc, mser):
@@ -225,33 +240,68 @@ def dist_checkpointing_load(sharded_state_dict: dict, checkpoint_dir, *args, **k
     ``(..., sharded_strategy, validate_access_integrity, strict, verify_integrity, process_group)``.
     Positional arguments are bound to that release's parameters in its order.
 
+    Megatron's own check of the directory runs first (``verify_checkpoint``, 0.19, or
+    ``verify_checkpoint_and_load_strategy``): a missing directory or one without ``metadata.json``
+    raises its ``CheckpointingException`` with its message. Every error is the class Megatron raises
+    in that situation (:mod:`shardwise.megatron_errors`).
+
     sharded_strategy: None or a torch_dist strategy (the fully-parallel wrapper too: its exchange
         is not needed, every rank reads its own regions); another backend raises
         ``InvalidArgumentError``. common_strategy must be None.
+    strict: every mode, with Megatron's result; the ``*_all`` modes learn every rank's requested
+        keys through files, not an all_gather (:mod:`shardwise.requested_keys`).
     verify_integrity (0.19): checks the SHA-256 manifest (``integrity.json``) with megatron-core's
-        own check, on every rank (Megatron hashes on rank 0 and broadcasts the outcome; a mismatch
-        here is a ``CorruptFileError``).
-    process_group (0.19): ignored (nothing is exchanged). Keyword arguments of :func:`load`
-    (``timeout_s``, ``safe_globals``...) pass through.
+        own check, on every rank (Megatron hashes on rank 0 and broadcasts the outcome); a mismatch
+        is its ``CheckpointingException``.
+    process_group (0.19): the ranks that load together, for the ``*_all`` modes (read locally).
+    Keyword arguments of :func:`load` (``timeout_s``, ``safe_globals``...) pass through.
     """
-    import inspect
+    with raised_as_megatron("load"):
+        import inspect
 
-    import megatron.core.dist_checkpointing.serialization as mser
+        import megatron.core.dist_checkpointing.serialization as mser
 
-    params = list(inspect.signature(_original_megatron(mser, "load")).parameters.values())[2:]
-    bound = bind_release_args("load", params, args, kwargs, _LOAD_PARAMS)
-    strategy = bound.get("sharded_strategy")
-    backend = strategy[0] if isinstance(strategy, tuple) else _strategy_backend(strategy)
-    if strategy is not None and backend != "torch_dist":
-        raise InvalidArgumentError(f"shardwise loads the torch_dist format; sharded_strategy has backend {backend!r}")
-    if bound.get("common_strategy") is not None:
-        raise InvalidArgumentError("common_strategy is not supported (megatron-core supports only the default torch one)")
-    if bound.get("verify_integrity"):
-        _verify_manifest(os.fsdecode(checkpoint_dir))
-    for name in ("strict", "validate_access_integrity"):
-        if name in bound:
-            kwargs[name] = bound[name]
-    return load(sharded_state_dict, checkpoint_dir, **kwargs)
+        params = list(inspect.signature(_original_megatron(mser, "load")).parameters.values())[2:]
+        bound = bind_release_args("load", params, args, kwargs, _LOAD_PARAMS)
+        strategy = bound.get("sharded_strategy")
+        backend = strategy[0] if isinstance(strategy, tuple) else _strategy_backend(strategy)
+        if strategy is not None and backend != "torch_dist":
+            raise InvalidArgumentError(f"shardwise loads the torch_dist format; sharded_strategy has backend {backend!r}")
+        if bound.get("common_strategy") is not None:
+            raise InvalidArgumentError("common_strategy is not supported (megatron-core supports only the default torch one)")
+        _verify_checkpoint(checkpoint_dir)
+        if bound.get("verify_integrity"):
+            from megatron.core.dist_checkpointing.validation import _verify_integrity_manifest_impl
+
+            _verify_integrity_manifest_impl(os.fsdecode(checkpoint_dir))
+        for name in ("strict", "validate_access_integrity", "process_group"):
+            if name in bound:
+                kwargs[name] = bound[name]
+        return load(sharded_state_dict, checkpoint_dir, **kwargs)
+
+
+def dist_checkpointing_load_common_state_dict(checkpoint_dir, **kwargs) -> dict:
+    """``megatron.core.dist_checkpointing.load_common_state_dict`` done by
+    :func:`shardwise.load.load_common_state_dict`, after Megatron's own check of the directory (as
+    :func:`dist_checkpointing_load`); errors are the classes Megatron raises."""
+    with raised_as_megatron("load"):
+        _verify_checkpoint(checkpoint_dir)
+        return load_common_state_dict(checkpoint_dir, **kwargs)
+
+
+def _verify_checkpoint(checkpoint_dir) -> None:
+    """Megatron's own first step of a load: ``CheckpointingException`` "Checkpoint directory ... does
+    not exist" or "... is not a distributed checkpoint" (no valid ``metadata.json``). Object-store
+    URLs, which Megatron does not read, are left to shardwise's own checks."""
+    from megatron.core.dist_checkpointing import validation
+
+    if is_url(checkpoint_dir):
+        return
+    check = getattr(validation, "verify_checkpoint", None)  # 0.19
+    if check is not None:
+        check(checkpoint_dir)
+    else:  # 0.13-0.18: the same checks, then the default strategies of the saved backend
+        validation.verify_checkpoint_and_load_strategy(checkpoint_dir)
 
 
 _LOAD_PARAMS = {"sharded_strategy", "common_strategy", "validate_access_integrity", "strict", "verify_integrity", "process_group"}
@@ -269,13 +319,3 @@ def _strategy_backend(strategy) -> Optional[str]:
     if isinstance(inner, TorchDistLoadShardedStrategy):
         return "torch_dist"
     return getattr(inner, "backend", type(inner).__name__)
-
-
-def _verify_manifest(checkpoint_dir: str) -> None:
-    from megatron.core.dist_checkpointing.core import CheckpointingException
-    from megatron.core.dist_checkpointing.validation import _verify_integrity_manifest_impl
-
-    try:
-        _verify_integrity_manifest_impl(checkpoint_dir)
-    except CheckpointingException as e:
-        raise _native.CorruptFileError(str(e)) from None

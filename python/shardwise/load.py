@@ -20,22 +20,21 @@ import pickle
 import threading
 from typing import Any, Iterable, Optional, Union
 
-from . import _native
-from ._native import InvalidArgumentError, MissingKeyError, ShardwiseError, ValidationError
+from . import _native, requested_keys
 from ._fs import is_url
+from ._native import InvalidArgumentError, ValidationError
+from .megatron_errors import KeyMismatchError, UnsafeObjectError, megatron_compatible
 
 logger = logging.getLogger(__name__)
 
 
-class UnsafeObjectError(ShardwiseError, pickle.UnpicklingError):
-    """A ``ShardedObject`` or the common state needs a class outside the ``weights_only`` allow-list
-    (torch's own plus megatron-core's ``safe_globals.SAFE_GLOBALS``). Pass the classes you trust in
-    ``safe_globals=[...]``."""
-
-
-# Strict modes whose "missing keys" are the checkpoint keys no rank asked for: only an all_gather of
-# every rank's request can tell (megatron-core validation.py `_determine_missing_and_unexpected_keys`).
+# Strict modes whose "missing keys" are the checkpoint keys no rank asked for: only every rank's
+# request can tell (megatron-core validation.py `_determine_missing_and_unexpected_keys`), which
+# requested_keys gathers through files. ignore_all needs none: it reports nothing.
 _GLOBAL_STRICT = ("log_all", "raise_all", "return_all")
+# Megatron 0.19's own common state object; its load leaves it out of the strict key checks.
+_COMMON_STATE_KEY = "common_state"
+_DEFAULT_KEYS_TIMEOUT_S = 600.0
 
 # Open checkpoints of this process, most recent last: (path) -> ((device, inode, size, mtime_ns,
 # ctime_ns) of .metadata, Checkpoint). The inode and ctime tell apart a .metadata replaced by one of
@@ -96,10 +95,13 @@ def _check_backend(checkpoint_dir: str, timeout_s: Optional[float] = None) -> No
         else:
             with open(path, "rb") as f:
                 config = json.loads(f.read(1 << 20))
-    except (FileNotFoundError, NotADirectoryError):
-        if not os.path.exists(checkpoint_dir):
+    except FileNotFoundError:
+        if not os.path.isdir(checkpoint_dir):
             raise _native.StorageError(f"checkpoint directory {checkpoint_dir} does not exist") from None
-        return  # no metadata.json; a path that is no directory is named by the native open
+        return
+    except NotADirectoryError:
+        # Before the OSError below: a file given as the directory is not a corrupt checkpoint.
+        raise _native.StorageError(f"{checkpoint_dir} is a file, not a checkpoint directory") from None
     except (OSError, ValueError) as e:
         raise _native.CorruptFileError(f"corrupt file {path}: {e}") from None
     backend = config.get("sharded_backend") if isinstance(config, dict) else None
@@ -153,6 +155,7 @@ def _unpickle(data: bytes, what: str, extra_globals: Iterable) -> Any:
             ) from None
 
 
+@megatron_compatible
 def load_common_state_dict(checkpoint_dir, *, safe_globals: Iterable = ()) -> dict:
     """The common (non-sharded) state of a checkpoint: ``common.pt`` (megatron-core <= 0.18 and
     shardwise saves), else 0.19's ``common_state`` object; ``{}`` for a plain DCP checkpoint that
@@ -173,6 +176,7 @@ def _read_common(ckpt, safe_globals) -> dict:
     return value if source == "common.pt" else value[0]
 
 
+@megatron_compatible
 def load(
     sharded_state_dict: dict,
     checkpoint_dir,
@@ -183,6 +187,10 @@ def load(
     staging_budget_bytes: Optional[int] = None,
     check_crc: bool = True,
     safe_globals: Iterable = (),
+    rank: Optional[int] = None,
+    world_size: Optional[int] = None,
+    process_group=None,
+    hybrid_layer_pattern: Optional[str] = None,
 ) -> Union[dict, tuple]:
     """Loads this rank's part of a Megatron sharded state dict with no collective communication.
 
@@ -199,7 +207,7 @@ def load(
     box holding the range, or the 0.13 flattened layout's own range. ``allow_shape_mismatch``
     tensors are zeroed, then the part inside the checkpoint's shape is read.
 
-    No ``torch.distributed`` function is called: it needs no process group and may run in any
+    No ``torch.distributed`` collective is called: it needs no process group and may run in any
     thread. Only the ``torch_dist`` format is read (a plain DCP checkpoint too).
 
     Args:
@@ -207,23 +215,42 @@ def load(
             ``ShardedObject``, ``ShardedTensorFactory``, ``LocalNonpersistentObject``, other values).
         checkpoint_dir: the checkpoint directory (``str``/``bytes``/``PathLike``) or an
             object-store URL.
-        strict: a megatron ``StrictHandling`` or its string. Supported: ``assume_ok_unexpected``
-            (default; a requested key that the checkpoint lacks raises ``MissingKeyError``),
-            ``log_unexpected``, ``raise_unexpected``, ``return_unexpected`` (returns
-            ``(state_dict, set(), unexpected_keys)``) and ``ignore_all``: requested keys absent from
-            the checkpoint are dropped from the request and logged / raised / returned / ignored.
-            ``log_all``, ``raise_all`` and ``return_all`` raise ``InvalidArgumentError``: their
-            "missing keys" are the checkpoint keys that *no rank* requests, which needs an
-            all_gather of every rank's request.
+        strict: a megatron ``StrictHandling`` or its string, with Megatron's meaning. With
+            ``assume_ok_unexpected`` (default) a requested key that the checkpoint lacks raises
+            ``MissingKeyError``. Every other mode drops such "unexpected" keys from the request;
+            ``*_all`` modes also find the "missing" keys, the checkpoint keys that *no rank*
+            requests: every rank publishes its requested keys in files beside the checkpoint and
+            reads the others' (:mod:`shardwise.requested_keys`; all ranks must make the load, each
+            with its ``rank``). Then ``raise_*`` raises :class:`KeyMismatchError`, ``log_*`` logs
+            (both with Megatron's own report, ``maybe_report_missing_and_unexpected_keys``),
+            ``return_*`` returns ``(state_dict, missing_keys, unexpected_keys)`` (``missing_keys``
+            empty for ``return_unexpected``) and ``ignore_all`` ignores them.
         validate_access_integrity: accepted for Megatron's signature. Megatron's check (every shard
             read by exactly one main replica across ranks) needs an all_gather; instead each rank
             checks that every region it asks for is fully covered by saved chunks (always on).
-        timeout_s: bound in seconds on each object-store request.
-        staging_budget_bytes: pinned host memory for reads into CUDA tensors (default: the
-            engine's).
+        timeout_s: bound in seconds on each object-store request (None: the store's own retry
+            timeout), and on the wait for the other ranks' requested keys (``*_all`` modes;
+            default 600 s); a finite number in ``0..1e9``.
+        staging_budget_bytes: pinned host memory for reads into CUDA tensors, in bytes, a whole
+            number >= 1 (default: the engine's).
         check_crc: check the CRC-32 recorded at save time of every item read (shardwise saves).
         safe_globals: extra classes that the ``ShardedObject`` values or the common state may
             contain (explicit opt-in; everything else outside the allow-list is refused).
+        rank, world_size, process_group: who loads together, for the ``*_all`` modes only: this
+            rank among them and their number. Default: this rank in ``process_group`` (the
+            ``torch.distributed`` default group when None; read locally, nothing is exchanged), else
+            ``RANK``/``WORLD_SIZE``.
+        hybrid_layer_pattern: the pattern the requesting HybridModel was built with
+            (``model.hybrid_layer_pattern``, e.g. ``"*-*-"``). When the checkpoint was saved by a
+            GPTModel, the request is first retargeted at the GPT keys by megatron-core's own
+            ``gpt_checkpoint_interop`` (0.19+), as Megatron-LM's ``load_checkpoint`` does: the i-th
+            attention ('*') and the i-th MLP ('-' or 'E') layer read GPT layer i, ``decoder.final_norm``
+            reads ``decoder.final_layernorm``, Mamba ('M') layers keep their values. A checkpoint whose
+            stored args have a hybrid pattern (or, without args, which holds ``decoder.final_norm``)
+            is read as is. Without it, a HybridModel request against a GPT checkpoint is refused.
+
+    Every error below is also a megatron-core ``CheckpointingException``
+    (:mod:`shardwise.megatron_errors`).
 
     Raises:
         MissingKeyError: a requested key (tensor, or an object's unique key) is not in the
@@ -234,8 +261,17 @@ def load(
         CorruptFileError: a missing or truncated data file, a CRC-32 mismatch (names key, file,
             offset).
         UnsafeObjectError: an object or the common state needs a class not allowed.
-        InvalidArgumentError: a global strict mode; a ``metadata.json`` naming another backend.
-        StorageError: the directory or ``.metadata`` cannot be read.
+        KeyMismatchError: ``raise_unexpected``/``raise_all`` found keys that do not match.
+        MissingRanksError: (``*_all``) ranks had not published their requested keys in time.
+        InvalidArgumentError: a ``metadata.json`` naming another backend; ``*_all`` with an
+            object-store URL, or without a rank and world size; a ``timeout_s`` or
+            ``staging_budget_bytes`` out of range; a HybridModel request against a GPT checkpoint
+            without ``hybrid_layer_pattern``, or with a pattern Megatron's interop cannot pair with
+            GPT layers (or a megatron-core without it).
+        ValidationError: also a GPT checkpoint whose stored ``num_layers`` differs from the
+            pattern's attention layers.
+        StorageError: the directory or ``.metadata`` cannot be read; (``*_all``) the requested keys
+            cannot be published beside the checkpoint (set ``SHARDWISE_KEYS_DIR``).
     """
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, merge, nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factory_merges
@@ -244,29 +280,30 @@ def load(
     from megatron.core.dist_checkpointing.validation import StrictHandling, parse_strict_flag
 
     checkpoint_dir = os.fsdecode(checkpoint_dir)
+    if timeout_s is not None:  # checked before any read, also when no tensor is requested
+        _native.check_seconds("timeout_s", timeout_s)
     strict = parse_strict_flag(strict)
-    if strict.value in _GLOBAL_STRICT:
-        raise InvalidArgumentError(
-            f"strict={strict.value!r} is not supported by shardwise: its missing keys are the checkpoint "
-            "keys no rank requests, which needs an all_gather of every rank's request; use "
-            f"{strict.value.replace('_all', '_unexpected')!r} (checks this rank's own keys)"
-        )
     _check_backend(checkpoint_dir, timeout_s)
+
+    # The hybrid retarget needs the stored args and renames the request's keys: it runs on the raw
+    # request, before preprocessing and before the *_all modes share the (GPT) key names.
     ckpt = open_cached(checkpoint_dir, timeout_s)
-
     _dequantize_fp8(sharded_state_dict)
-    sharded_state_dict, nonpersistent, factories = load_preprocess(sharded_state_dict)
     common = _read_common(ckpt, safe_globals)
-    merge(common, nonpersistent)
+    _retarget_hybrid_request(sharded_state_dict, ckpt, checkpoint_dir, common.get("args"), hybrid_layer_pattern)
+    sharded_state_dict, nonpersistent, factories = load_preprocess(sharded_state_dict)
     sharded_state_dict, _ = extract_sharded_base(sharded_state_dict)
+    everyone = None
+    if strict.value in _GLOBAL_STRICT:
+        everyone = _everyones_keys(
+            sharded_state_dict, checkpoint_dir, strict.value, rank, world_size, process_group, timeout_s
+        )
+    merge(common, nonpersistent)
 
+    missing: set = set()
     unexpected: set = set()
     if strict != StrictHandling.ASSUME_OK_UNEXPECTED:
-        sharded_state_dict, unexpected = _drop_unexpected(sharded_state_dict, ckpt)
-        if unexpected and strict == StrictHandling.RAISE_UNEXPECTED:
-            raise MissingKeyError(f"keys not in checkpoint {checkpoint_dir}: {sorted(unexpected)}")
-        if unexpected and strict == StrictHandling.LOG_UNEXPECTED:
-            logger.warning("keys not in checkpoint %s (not loaded): %s", checkpoint_dir, sorted(unexpected))
+        sharded_state_dict, missing, unexpected = _strict_keys(sharded_state_dict, ckpt, strict, everyone)
 
     items = list(nested_values(sharded_state_dict))
     plan = _Plan(ckpt, checkpoint_dir)
@@ -299,9 +336,68 @@ def load(
     dict_list_map_inplace(result, sharded_state_dict)
     merge(common, sharded_state_dict)
     apply_factory_merges(common, factories)
-    if strict == StrictHandling.RETURN_UNEXPECTED:
-        return common, set(), unexpected
+    if strict in (StrictHandling.RETURN_UNEXPECTED, StrictHandling.RETURN_ALL):
+        return common, missing, unexpected
     return common
+
+
+def _is_gpt_checkpoint(ckpt, args) -> Optional[bool]:
+    """Whether a GPTModel saved the checkpoint: Megatron-LM's test (``_maybe_setup_gpt_to_hybrid_load``:
+    no ``hybrid_layer_pattern`` / ``hybrid_override_pattern`` in the stored args); without args, by its
+    final norm (``decoder.final_layernorm`` GPT, ``decoder.final_norm`` hybrid). None: cannot tell."""
+    if args is not None:
+        return not (getattr(args, "hybrid_layer_pattern", None) or getattr(args, "hybrid_override_pattern", None))
+    if "decoder.final_norm.weight" in ckpt:
+        return False
+    if "decoder.final_layernorm.weight" in ckpt:
+        return True
+    return None
+
+
+def _retarget_hybrid_request(sharded_state_dict, ckpt, checkpoint_dir: str, args, pattern: Optional[str]) -> None:
+    """Points a HybridModel's request at a GPT checkpoint's keys, in place, with megatron-core's own
+    translation (see ``load``'s ``hybrid_layer_pattern``)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    gpt = _is_gpt_checkpoint(ckpt, args)
+    if pattern is None:
+        hybrid_keys = [sh.key for sh in nested_values(sharded_state_dict)
+                       if getattr(sh, "key", "").startswith("decoder.final_norm.")]
+        if gpt and hybrid_keys and hybrid_keys[0] not in ckpt:
+            raise InvalidArgumentError(
+                f"{checkpoint_dir} was saved by a GPTModel and the request is a HybridModel's "
+                f"({hybrid_keys[0]}): pass hybrid_layer_pattern=model.hybrid_layer_pattern to load it through "
+                "megatron-core's GPT -> hybrid translation"
+            )
+        return
+    if gpt is None:
+        raise InvalidArgumentError(
+            f"{checkpoint_dir}: no stored args and neither decoder.final_layernorm.weight (GPTModel) nor "
+            "decoder.final_norm.weight (HybridModel): cannot tell whether hybrid_layer_pattern applies"
+        )
+    if not gpt:
+        return
+    try:
+        from megatron.core.dist_checkpointing.gpt_checkpoint_interop import (
+            gpt_compatible_layer_maps,
+            retarget_sharded_state_dict_to_gpt_checkpoint,
+        )
+    except ImportError:
+        raise InvalidArgumentError(
+            "loading a GPT checkpoint into a HybridModel needs megatron-core 0.19 or later "
+            "(megatron.core.dist_checkpointing.gpt_checkpoint_interop)"
+        ) from None
+    try:
+        maps = gpt_compatible_layer_maps(pattern)
+    except ValueError as e:
+        raise InvalidArgumentError(f"cannot load the GPT checkpoint {checkpoint_dir} into this hybrid model: {e}") from None
+    layers = getattr(args, "num_layers", None)
+    if layers is not None and layers != maps.num_gpt_layers:
+        raise ValidationError(
+            f"hybrid layer pattern {pattern!r} pairs with a GPT checkpoint of {maps.num_gpt_layers} layers; "
+            f"{checkpoint_dir} has num_layers={layers}"
+        )
+    retarget_sharded_state_dict_to_gpt_checkpoint(sharded_state_dict, maps)
 
 
 def _dequantize_fp8(sharded_state_dict) -> None:
@@ -313,21 +409,75 @@ def _dequantize_fp8(sharded_state_dict) -> None:
     force_all_tensors_to_non_fp8(sharded_state_dict)
 
 
-def _drop_unexpected(sharded_state_dict, ckpt):
-    """(request without the keys the checkpoint lacks, those keys), as megatron's
-    ``adjust_non_strict_load``: an object counts as present when any shard of its key was saved."""
-    from megatron.core.dist_checkpointing.dict_utils import extract_matching_values, nested_values
+def _everyones_keys(sharded_state_dict, checkpoint_dir, mode, rank, world_size, process_group, timeout_s) -> set:
+    """The keys that the ranks loading together request (:func:`requested_keys.gather`)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
 
+    from .save import _rank_and_world
+
+    what = f"strict={mode!r}"
+    if is_url(checkpoint_dir) and not os.environ.get(requested_keys.ENV_DIR):
+        raise InvalidArgumentError(
+            f"{what}: the ranks publish their requested keys beside the checkpoint, which needs a filesystem "
+            f"path; {checkpoint_dir} is an object store (set {requested_keys.ENV_DIR} to a shared directory)"
+        )
+    group = ""
+    if process_group is not None and (rank is None or world_size is None):
+        import torch.distributed as dist
+
+        # Local reads of the group's layout, no collective.
+        rank = dist.get_rank(process_group) if rank is None else rank
+        world_size = dist.get_world_size(process_group) if world_size is None else world_size
+        group = ",".join(map(str, dist.get_process_group_ranks(process_group)))
+    rank, world_size = _rank_and_world(rank, world_size)
+    return requested_keys.gather(
+        checkpoint_dir,
+        (sh.key for sh in nested_values(sharded_state_dict)),
+        rank=rank,
+        world_size=world_size,
+        timeout_s=_DEFAULT_KEYS_TIMEOUT_S if timeout_s is None else timeout_s,
+        group=group,
+        what=what,
+    )
+
+
+def _saved_keys(ckpt) -> set:
+    """The checkpoint's keys as Megatron's strict checks name them (``load_sharded_metadata``): tensor
+    fqns and ``ShardedObject`` keys (a byte object's key before ``/shard_...``), without 0.19's
+    ``common_state``."""
     saved = set()
     for k in ckpt.keys():
+        if ckpt.describe(k)[0] == "object":
+            base, sep, shard = k.rpartition("/")
+            k = base if sep and shard.startswith("shard_") else k
         saved.add(k)
-        base, sep, shard = k.rpartition("/")
-        if sep and shard.startswith("shard_"):
-            saved.add(base)
+    saved.discard(_COMMON_STATE_KEY)
+    return saved
+
+
+def _strict_keys(sharded_state_dict, ckpt, strict, everyone):
+    """Megatron's ``validate_integrity_and_strict_load`` without its collective: (the request without
+    the keys the checkpoint lacks, missing keys, unexpected keys), reported as ``strict`` says.
+    ``everyone``: every rank's requested keys (``*_all`` modes), else None."""
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from megatron.core.dist_checkpointing.dict_utils import extract_matching_values, nested_values
+    from megatron.core.dist_checkpointing.validation import StrictHandling, maybe_report_missing_and_unexpected_keys
+
+    saved = _saved_keys(ckpt)
     unexpected = {sh.key for sh in nested_values(sharded_state_dict) if sh.key not in saved}
+    missing = saved - everyone if everyone is not None else set()
     if unexpected:
         _, sharded_state_dict = extract_matching_values(sharded_state_dict, lambda sh: sh.key in unexpected)
-    return sharded_state_dict, unexpected
+    if strict == StrictHandling.IGNORE_ALL:
+        return sharded_state_dict, set(), set()
+    if strict in (StrictHandling.RAISE_UNEXPECTED, StrictHandling.RAISE_ALL):
+        try:
+            maybe_report_missing_and_unexpected_keys(missing, unexpected, True)
+        except CheckpointingException as e:
+            raise KeyMismatchError(str(e)) from None
+    elif strict in (StrictHandling.LOG_UNEXPECTED, StrictHandling.LOG_ALL):
+        maybe_report_missing_and_unexpected_keys(missing, unexpected, False)
+    return sharded_state_dict, missing, unexpected
 
 
 _FLOATING = ("float", "bfloat")
@@ -477,16 +627,23 @@ class _Plan:
         ordered before its current stream, so the tensors are usable on return."""
         import torch
 
-        by_device: dict[int, list] = {}
+        by_device: dict[Optional[int], list] = {}
         for key, offsets, sizes, out in self.requests:
-            device = out.device.index if out.device.type == "cuda" else -1
+            device = out.device.index if out.device.type == "cuda" else None
             by_device.setdefault(device, []).append(
-                (key, offsets, sizes, out.data_ptr(), out.numel() * out.element_size(), device)
+                _native.Region(
+                    key=key,
+                    offsets=offsets,
+                    sizes=sizes,
+                    data_ptr=out.data_ptr(),
+                    nbytes=out.numel() * out.element_size(),
+                    device=device,
+                )
             )
-        for device, requests in by_device.items():
-            stream = torch.cuda.current_stream(device).cuda_stream if device >= 0 else 0
+        for device, regions in by_device.items():
+            stream = 0 if device is None else torch.cuda.current_stream(device).cuda_stream
             self.ckpt.load_into(
-                requests,
+                regions,
                 staging_budget_bytes=staging_budget_bytes,
                 cuda_stream=stream,
                 check_crc=check_crc,

@@ -9,7 +9,11 @@ This module is the public face; the work is done in one module per job:
 * :mod:`shardwise.save`: :func:`save`, :func:`default_save_id`, :class:`DPBalance`, async saves;
 * :mod:`shardwise.load`: :func:`load`, :func:`load_common_state_dict`;
 * :mod:`shardwise.dropin`: :func:`install`, :func:`uninstall`, :func:`installed` and the routed
-  functions :func:`dist_checkpointing_save`, :func:`dist_checkpointing_load`;
+  functions :func:`dist_checkpointing_save`, :func:`dist_checkpointing_load`,
+  :func:`dist_checkpointing_load_common_state_dict`;
+* :mod:`shardwise.megatron_errors`: which exception class each error is raised as (the direct API's
+  classes also derive from megatron-core's ``CheckpointingException``; the drop-in raises Megatron's);
+* :mod:`shardwise.requested_keys`: every rank's requested keys through files (strict ``*_all``);
 * :mod:`shardwise.training`: :func:`save_checkpoint`, the tracker file, retention and the
   unchanged-save guard.
 """
@@ -20,13 +24,15 @@ from ._fs import is_url
 from .dropin import (
     bind_release_args,
     dist_checkpointing_load,
+    dist_checkpointing_load_common_state_dict,
     dist_checkpointing_save,
     install,
     installed,
     megatron_save_parameters,
     uninstall,
 )
-from .load import UnsafeObjectError, load, load_common_state_dict
+from .load import load, load_common_state_dict
+from .megatron_errors import KeyMismatchError, UnsafeObjectError
 from .save import DPBalance, default_save_id, save
 from .training import (
     TRACKER_FILE,
@@ -47,6 +53,7 @@ __all__ = [
     "DPBalance",
     "TRACKER_FILE",
     "UnchangedSaveWarning",
+    "KeyMismatchError",
     "UnsafeObjectError",
     "apply_retention",
     "bind_release_args",
@@ -54,6 +61,7 @@ __all__ = [
     "committed_iterations",
     "default_save_id",
     "dist_checkpointing_load",
+    "dist_checkpointing_load_common_state_dict",
     "dist_checkpointing_save",
     "install",
     "installed",

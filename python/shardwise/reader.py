@@ -87,7 +87,10 @@ class Reader:
         if math.prod(sizes) >= 1 << 62:  # a hostile .metadata's shape; torch would fail obscurely
             raise _native.InvalidArgumentError(f"{key}: region {sizes} is too large to read into memory")
         out = torch.empty(sizes, dtype=getattr(torch, md["dtype"]))
-        self._ckpt.read_into(key, offsets, sizes, out.data_ptr(), out.numel() * out.element_size())
+        region = _native.Region(
+            key=key, offsets=offsets, sizes=sizes, data_ptr=out.data_ptr(), nbytes=out.numel() * out.element_size()
+        )
+        self._ckpt.read_into(region)
         return out.reshape([s for s, k in zip(sizes, keep) if k])
 
     def read_common(self) -> Optional[tuple[str, bytes]]:

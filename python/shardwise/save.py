@@ -24,12 +24,14 @@ from typing import Any, Optional
 from . import _native
 from ._fs import is_url
 from ._native import InvalidArgumentError
+from .megatron_errors import megatron_compatible
 
 
-# Per-process count of saves into each directory. All ranks of an SPMD job call save() the same
-# number of times, so the count is part of a save id every rank derives alike, and a retry into
-# the same directory gets a new id, which keeps parts of a crashed attempt out of the merge.
-_ATTEMPTS: dict[str, int] = defaultdict(int)
+# Per-process count of saves (and of strict *_all loads) of each directory. All ranks of an SPMD job
+# make the same calls the same number of times, so the count is part of an id every rank derives
+# alike, and a retry into the same directory gets a new id, which keeps parts of a crashed attempt
+# out of the merge.
+_ATTEMPTS: dict[tuple[str, str], int] = defaultdict(int)
 
 # Environment values that are equal on every rank of one launch and differ between launches.
 _LAUNCH_ENV = (
@@ -51,14 +53,24 @@ def default_save_id(checkpoint_dir: str) -> str:
     how many times this process has saved into that directory. Pass ``save_id`` explicitly when
     ranks may call :func:`save` a different number of times for the same directory.
     """
+    return derived_id(checkpoint_dir, "save")
+
+
+def derived_id(checkpoint_dir, purpose: str, group: str = "") -> str:
+    """An id of the ``purpose`` operation on ``checkpoint_dir`` that every rank of one launch derives
+    alike (see :func:`default_save_id`): the directory, the launch environment, how many times this
+    process did ``purpose`` on that directory, and ``group`` (the ranks taking part, when not all).
+    ``"save"`` ids are the save ids; each purpose counts its own calls."""
     path = os.fsdecode(checkpoint_dir)
     if not is_url(path):
         path = os.path.abspath(path)
-    _ATTEMPTS[path] += 1
+    _ATTEMPTS[purpose, path] += 1
     h = hashlib.sha256(os.fsencode(path))  # the path's own bytes: it need not be UTF-8
     for name in _LAUNCH_ENV:
         h.update(f"\0{name}={os.environ.get(name, '')}".encode())
-    h.update(f"\0attempt={_ATTEMPTS[path]}".encode())
+    h.update(f"\0attempt={_ATTEMPTS[purpose, path]}".encode())
+    if purpose != "save":  # save ids stay what earlier releases derived
+        h.update(f"\0purpose={purpose}\0group={group}".encode())
     return h.hexdigest()[:24]
 
 
@@ -79,7 +91,7 @@ def _rank_and_world(rank: Optional[int], world_size: Optional[int]) -> tuple[int
                     "rank and world_size are not given, torch.distributed is not initialised and "
                     f"RANK/WORLD_SIZE are not set to integers ({e})"
                 ) from None
-    return int(rank), int(world_size)
+    return rank, world_size
 
 
 def _torch_save_bytes(obj: Any) -> bytes:
@@ -92,12 +104,12 @@ def _torch_save_bytes(obj: Any) -> bytes:
 
 def _chunk_memory(t):
     """``(tensor, device)``: ``t``'s elements contiguous where they are (no copy when ``t`` already
-    is contiguous), and the CUDA ordinal or -1 for host memory. CUDA tensors are read by the Rust side
-    through their device pointer; there is no ``.cpu()`` here."""
+    is contiguous), and the CUDA ordinal or None for host memory. CUDA tensors are read by the Rust
+    side through their device pointer; there is no ``.cpu()`` here."""
     t = t.detach()
     if not t.is_contiguous():
         t = t.contiguous()
-    return t, (t.device.index if t.device.type == "cuda" else -1)
+    return t, (t.device.index if t.device.type == "cuda" else None)
 
 
 def _caller_streams(tensors) -> dict:
@@ -180,6 +192,7 @@ class DPBalance:
         return zlib.crc32(ident) % size == rank
 
 
+@megatron_compatible
 def save(
     sharded_state_dict: dict,
     checkpoint_dir: str,
@@ -250,9 +263,11 @@ def save(
             ``dist_checkpointing.load(..., verify_integrity=True)`` checks. Every rank must agree.
 
     Returns:
-        A dict report: ``rank``, ``save_id``, ``data_file``, ``data_bytes`` (bytes), ``write_s`` and
-        ``rendezvous_s`` (seconds), ``committed``; on the merging rank also ``keys``,
-        ``tensor_chunks``, ``byte_objects`` and ``metadata_bytes``.
+        A dict report: ``rank``, ``save_id``, ``data_file``, ``data_bytes`` (this rank's bytes),
+        ``write_s`` and ``rendezvous_s`` (seconds), ``committed``, and ``commit``: on the merging
+        rank the merge's report, with the fields of ``shardwise merge --json`` (``already_committed``,
+        ``keys``, ``tensor_chunks``, ``byte_objects``, ``data_bytes`` and ``metadata_bytes`` of the
+        whole checkpoint, ``took_over_dead_merger``), None on the other ranks.
 
     Raises:
         UnsupportedDtypeError: a tensor dtype DCP cannot store here (complex, uint16, ...).
@@ -263,9 +278,14 @@ def save(
         CheckpointExistsError: ``checkpoint_dir`` holds a committed checkpoint and not ``overwrite``.
         StorageError: the directory or a file cannot be written (permissions, full disk, object
             store unreachable after its retries).
-        InvalidArgumentError: rank/world_size/save_id/timeout out of range, unsupported tensors.
+        InvalidArgumentError: rank, world_size, merge_rank or save_id out of range; ``timeout_s``
+            not a finite number of seconds in ``0..1e9`` (``shardwise._native.MAX_TIMEOUT_S``);
+            ``staging_budget_bytes`` not a whole number >= 1 (``-1``, ``2**64``, ``1.5`` and
+            ``True`` are refused); unsupported tensors. Raised before any file is written.
 
-    A failed save never writes ``.metadata`` and touches no other directory.
+    Every error above is also a megatron-core ``CheckpointingException`` (:mod:`shardwise.megatron_errors`;
+    not those of an async save's ``handle.wait()``). A failed save never writes ``.metadata`` and
+    touches no other directory.
     """
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import (
@@ -277,12 +297,26 @@ def save(
     from megatron.core.dist_checkpointing.utils import extract_nonpersistent, extract_sharded_base
 
     rank, world_size = _rank_and_world(rank, world_size)
-    if not 0 <= rank < world_size:
-        raise InvalidArgumentError(f"rank {rank} is not in 0..world_size ({world_size})")
     checkpoint_dir = os.fsdecode(checkpoint_dir)  # str, bytes or PathLike; need not be UTF-8
     derived_save_id = save_id is None
     if derived_save_id:
         save_id = default_save_id(checkpoint_dir)
+    # Every argument is checked here, before the state dict is touched or a file written.
+    options = _native.SaveOptions(
+        checkpoint_dir=checkpoint_dir,
+        rank=rank,
+        world_size=world_size,
+        save_id=save_id,
+        timeout_s=timeout_s,
+        merge_rank=merge_rank,
+        wait_for_commit=wait_for_commit,
+        overwrite=overwrite,
+        async_save=async_save,
+        staging_budget_bytes=staging_budget_bytes,
+        integrity=verify_integrity,
+        derived_save_id=derived_save_id,
+        megatron=True,
+    )
 
     if content_metadata is not None:
         content_metadata = {k: v for k, v in content_metadata.items() if k != "dp_cp_group"}
@@ -291,7 +325,7 @@ def save(
     _, sharded_state_dict = extract_nonpersistent(sharded_state_dict)
     sharded_part, common_state_dict = extract_sharded_base(sharded_state_dict)
 
-    tensors = []  # (fqn, dtype, global_shape, offsets, sizes, data_ptr, nbytes)
+    chunks = []
     keep_alive = []
     objects_by_key: dict[str, list] = {}
     for sh in nested_values(sharded_part):
@@ -306,17 +340,16 @@ def save(
                 )
             t, device = _chunk_memory(sh.data)
             keep_alive.append(t)
-            sizes = (1,) * sh.prepend_axis_num + tuple(t.shape)
-            tensors.append(
-                (
-                    sh.key,
-                    str(t.dtype),
-                    list(sh.global_shape),
-                    list(sh.global_offset),
-                    list(sizes),
-                    t.data_ptr(),
-                    t.numel() * t.element_size(),
-                    device,
+            chunks.append(
+                _native.Chunk(
+                    fqn=sh.key,
+                    dtype=str(t.dtype),
+                    global_shape=list(sh.global_shape),
+                    offsets=list(sh.global_offset),
+                    sizes=[1] * sh.prepend_axis_num + list(t.shape),
+                    data_ptr=t.data_ptr(),
+                    nbytes=t.numel() * t.element_size(),
+                    device=device,
                 )
             )
         elif isinstance(sh, ShardedObject):
@@ -327,37 +360,21 @@ def save(
     # A byte object is torch.save of the list of all local main-replica data with that unique key
     # (megatron strategies/torch.py `_mcore_to_torch_sharded_object`).
     objects = [
-        (
-            unique_key,
-            _torch_save_bytes([o.data for o in objs]),
-            (objs[0].key, list(objs[0].global_shape), list(objs[0].global_offset)),
+        _native.ObjectItem(
+            fqn=unique_key,
+            data=_torch_save_bytes([o.data for o in objs]),
+            key=objs[0].key,
+            global_shape=list(objs[0].global_shape),
+            global_offset=list(objs[0].global_offset),
         )
         for unique_key, objs in objects_by_key.items()
     ]
     common = _torch_save_bytes(common_state_dict) if rank == 0 else None
 
-    report = _native.save_rank(
-        checkpoint_dir,
-        rank,
-        world_size,
-        save_id,
-        tensors,
-        objects,
-        common,
-        True,
-        merge_rank,
-        float(timeout_s),
-        wait_for_commit,
-        overwrite,
-        async_save=async_save,
-        staging_budget=staging_budget_bytes,
-        caller_streams=_caller_streams(keep_alive),
-        integrity=verify_integrity,
-        derived_save_id=derived_save_id,
-    )
+    report = _native.save_rank(options, chunks, objects, common, caller_streams=_caller_streams(keep_alive))
     del keep_alive  # the tensors must outlive the native call, which reads their memory
     if async_save:
-        _track_pending(report, checkpoint_dir, timeout_s)
+        _track_pending(report, checkpoint_dir, options.timeout_s)
     return report
 
 
@@ -390,7 +407,7 @@ def _finish_pending_saves() -> None:
             )
         try:
             # The save's own waits are bounded by timeout_s; the extra bounds its write.
-            handle.wait(timeout_s + 60.0)
+            handle.wait(min(timeout_s + 60.0, _native.MAX_TIMEOUT_S))
         except BaseException as e:  # noqa: BLE001 - reported, then the exit status says so
             _EXIT_FAILED = True
             print(f"shardwise: the async save to {checkpoint_dir} FAILED at exit: {e}", file=sys.stderr, flush=True)

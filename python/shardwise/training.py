@@ -12,6 +12,7 @@ from typing import Optional
 from . import _native
 from ._fs import atomic_write, is_url
 from ._native import InvalidArgumentError
+from .megatron_errors import megatron_compatible
 from .save import _rank_and_world, _replace_pending, save
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -202,6 +203,7 @@ def _unchanged_since(save_root: str, iteration: int, on_unchanged: str) -> Optio
     return prev
 
 
+@megatron_compatible
 def save_checkpoint(
     save_root: str,
     iteration: int,
@@ -251,8 +253,9 @@ def save_checkpoint(
         its ``wait()`` returns that report once the save committed and the tracker moved.
 
     Raises:
-        InvalidArgumentError: negative ``iteration``, ``keep_last`` < 1, or ``common_state`` keys
-            that collide with the sharded state dict.
+        InvalidArgumentError: negative ``iteration``, ``keep_last`` < 1, ``timeout_s`` not a finite
+            number of seconds in ``0..1e9``, or ``common_state`` keys that collide with the sharded
+            state dict.
         Everything :func:`save` raises; on any error the tracker is not moved and nothing is deleted.
     """
     if not isinstance(iteration, int) or iteration < 0:
@@ -261,6 +264,7 @@ def save_checkpoint(
         raise InvalidArgumentError(f"keep_last must be an integer >= 1, got {keep_last!r}")
     if on_unchanged not in ("warn", "error", "ignore"):
         raise InvalidArgumentError(f"on_unchanged must be 'warn', 'error' or 'ignore', got {on_unchanged!r}")
+    _native.check_seconds("timeout_s", timeout_s)  # before the save root is created
     if common_state:
         clash = sorted(set(common_state) & set(sharded_state_dict))
         if clash:
@@ -323,6 +327,7 @@ class CheckpointHandle:
     def done(self) -> bool:
         return self._handle.done()
 
+    @megatron_compatible
     def wait(self, timeout_s: Optional[float] = None) -> dict:
         with self._lock:
             if self._report is None:

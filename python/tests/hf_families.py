@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
+import hf_families_hybrid
 import hf_families_moe
 from mcore import init_gloo
 
@@ -42,6 +45,13 @@ class Family:
     moe: the resharded layout adds EP=2 (experts split between the two ranks) to TP=2.
     bad_args: when given, the TP=1 model is also saved by shardwise with these args changed
         (``base/tp1/bad_args``), for the tests of flags the architecture implies.
+    load_check: the resharded model also loads both TP=1 checkpoints with
+        ``shardwise.megatron.load`` and records its logits (``base/resharded/loaded_<writer>.pt``).
+    gpt_twin: builds the GPTModel of the same config (a HybridModel family): saved by Megatron at
+        TP=1 (``base/gpt``, with ``logits.pt``), then loaded into the resharded HybridModel by
+        ``shardwise.megatron.load`` (``base/resharded/loaded_gpt.pt``) and by Megatron's own
+        ``dist_checkpointing.load`` after its ``gpt_checkpoint_interop`` retargeting: the worker
+        returns whether every tensor of the two loads is equal (``gpt_load_equal``).
     """
 
     hf_config: Callable[[], object]
@@ -49,6 +59,8 @@ class Family:
     moe: bool = False
     cpu_patches: tuple[Callable[[], None], ...] = field(default=())
     bad_args: dict = field(default_factory=dict)
+    load_check: bool = False
+    gpt_twin: Callable[[object], object] | None = None
 
 
 # --- CPU stand-ins for Transformer Engine modules -----------------------------------------------
@@ -188,6 +200,17 @@ def _distinct_experts(model, ep_rank: int) -> None:
                 p.add_(0.05 * torch.randn(p.shape, generator=g))
 
 
+def _other_weights(model) -> None:
+    """The resharded model of a ``load_check`` family is built from the TP=1 model's seed, and with
+    CPU initialisation a dense model's weights come out equal at any TP: noise (the same on every rank,
+    so replicas stay equal) makes it another model, so a load that leaves a tensor unread changes its
+    logits."""
+    g = torch.Generator().manual_seed(2000)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+
+
 def gdn_model(cfg):
     """A megatron-core GPTModel shaped like a Qwen3-Next / Qwen3.5 text config: Gated DeltaNet
     layers and gated full attention per ``cfg.layer_types``, MoE with a gated shared expert (or a
@@ -288,8 +311,12 @@ FAMILIES: dict[str, Family] = {
     "qwen3_5_moe": Family(qwen3_5_moe_config, gdn_model, moe=True, cpu_patches=(_cpu_gdn_patches,)),
     "qwen3_5": Family(qwen3_5_config, gdn_model, cpu_patches=(_cpu_gdn_patches,)),
 }
-# deepseek_v3 (MLA), glm4_moe, gpt_oss: their configs and Megatron builders are in hf_families_moe.
+# deepseek_v3 (MLA), glm4_moe, gpt_oss, deepseek_v32 (DSA), minimax_m2: their configs and Megatron
+# builders are in hf_families_moe; HybridModel families in hf_families_hybrid.
 FAMILIES.update({name: Family(**kw) for name, kw in hf_families_moe.FAMILY_ARGS.items()})
+FAMILIES.update({name: Family(**kw, load_check=True) for name, kw in hf_families_hybrid.FAMILY_ARGS.items()})
+for _name in ("deepseek_v32", "minimax_m2", "qwen2", "mixtral"):
+    FAMILIES[_name] = dataclasses.replace(FAMILIES[_name], load_check=True)
 
 
 # --- the harness ------------------------------------------------------------------------------
@@ -302,18 +329,72 @@ def _megatron_logits(model, vocab: int):
         return model(TOKENS, torch.arange(seq).unsqueeze(0), mask)[0, :, :vocab].clone()
 
 
+def _load_into(model, ckpt, **kwargs):
+    """Loads ``ckpt`` into ``model`` with ``shardwise.megatron.load`` (no collective) and returns the
+    model's logits; the state dict's tensors as loaded, by key."""
+    import shardwise.megatron as swm
+
+    state = swm.load(model.sharded_state_dict(), ckpt, **kwargs)
+    for k in ("args", "iteration"):
+        state.pop(k, None)
+    model.load_state_dict(state)
+    return _megatron_logits(model, HF_VOCAB), state
+
+
+def _gpt_checkpoint_loads(model, ckpt, pattern) -> dict:
+    """The GPT -> hybrid load of ``ckpt`` into ``model``: shardwise's (logits) and Megatron's own
+    (``retarget_sharded_state_dict_to_gpt_checkpoint`` then ``dist_checkpointing.load``), every tensor
+    compared."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.gpt_checkpoint_interop import (
+        gpt_compatible_layer_maps,
+        retarget_sharded_state_dict_to_gpt_checkpoint,
+    )
+
+    logits, ours = _load_into(model, ckpt, hybrid_layer_pattern=pattern)
+    sd = model.sharded_state_dict()
+    retarget_sharded_state_dict_to_gpt_checkpoint(sd, gpt_compatible_layer_maps(pattern))
+    theirs = dist_checkpointing.load(sd, ckpt)
+    keys = sorted(k for k, v in theirs.items() if isinstance(v, torch.Tensor))
+    equal = keys == sorted(k for k, v in ours.items() if isinstance(v, torch.Tensor)) and all(
+        torch.equal(ours[k], theirs[k]) for k in keys)
+    return {"logits": logits, "equal": equal, "tensors": len(keys)}
+
+
 def save_and_forward(rank, world, port, base, family):
     """Worker (2 ranks): for each layout of ``LAYOUTS``, builds the family's model, records its logits
     (``base/<layout>/logits.pt``) and saves it with Megatron and with shardwise
-    (``base/<layout>/<writer>``). Writes the HF config to ``base/hf_config``."""
+    (``base/<layout>/<writer>``); a HybridModel's TP=1 model also without args
+    (``base/tp1/noargs``). Writes the HF config to ``base/hf_config``. The load checks of
+    ``Family.load_check`` and ``Family.gpt_twin`` run on the resharded model; each rank writes
+    whether its share of the GPT -> hybrid load equals Megatron's (``base/gpt_load_rank<r>.json``)."""
     init_gloo(rank, world, port)
+    _cpu_common_patches()
+    _save_and_forward(rank, base, family)
+    return {}
+
+
+def save_and_forward_group(rank, world, port, base, families):
+    """``save_and_forward`` of several families in one 2-process run (one start-up and import of
+    megatron-core for all), each into ``base/<family>``. Their CPU patches must not conflict."""
+    init_gloo(rank, world, port)
+    _cpu_common_patches()
+    for family in families:
+        _save_and_forward(rank, os.path.join(base, family), family)
+    return {}
+
+
+# Families whose runs share one 2-process run (``save_and_forward_group``).
+GROUP = ("deepseek_v32", "minimax_m2", "hybrid_qwen3", "hybrid_glm_moe_dsa", "qwen2", "mixtral")
+
+
+def _save_and_forward(rank, base, family):
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
     import shardwise.megatron as swm
 
     fam = FAMILIES[family]
-    _cpu_common_patches()
     for patch in fam.cpu_patches:
         patch()
     cfg = fam.hf_config()
@@ -324,13 +405,18 @@ def save_and_forward(rank, world, port, base, family):
                                      expert_tensor_parallel_size=1 if fam.moe else None)
         model, args = fam.build(cfg)
         _distinct_experts(model, ps.get_expert_model_parallel_rank())
+        if layout != "tp1" and fam.load_check:
+            _other_weights(model)
         logits = _megatron_logits(model, cfg.vocab_size)
         variants = [(w, args) for w in WRITERS]
         if layout == "tp1" and fam.bad_args:
             variants.append(("bad_args", {**args, **fam.bad_args}))
+        if layout == "tp1" and "hybrid_layer_pattern" in args:
+            variants.append(("noargs", None))
         for name, stored_args in variants:
             sd = model.sharded_state_dict()
-            sd["args"] = argparse.Namespace(**stored_args)
+            if stored_args is not None:
+                sd["args"] = argparse.Namespace(**stored_args)
             sd["iteration"] = 1
             d = os.path.join(base, layout, name)
             os.makedirs(d, exist_ok=True)
@@ -340,10 +426,28 @@ def save_and_forward(rank, world, port, base, family):
                 swm.save(sd, d, timeout_s=120)
         if rank == 0:
             torch.save(logits, os.path.join(base, layout, "logits.pt"))
+        if layout == "tp1" and fam.gpt_twin is not None:
+            twin = fam.gpt_twin(cfg)
+            os.makedirs(os.path.join(base, "gpt", "megatron"), exist_ok=True)
+            sd = twin.sharded_state_dict()
+            sd["args"] = argparse.Namespace(num_layers=cfg.num_hidden_layers)
+            dist_checkpointing.save(sd, os.path.join(base, "gpt", "megatron"))
+            if rank == 0:
+                torch.save(_megatron_logits(twin, cfg.vocab_size), os.path.join(base, "gpt", "logits.pt"))
+        if layout != "tp1" and fam.load_check:
+            for writer in WRITERS:
+                loaded, _ = _load_into(model, os.path.join(base, "tp1", writer))
+                if rank == 0:
+                    torch.save(loaded, os.path.join(base, layout, f"loaded_{writer}.pt"))
+        if layout != "tp1" and fam.gpt_twin is not None:
+            gpt = _gpt_checkpoint_loads(model, os.path.join(base, "gpt", "megatron"), args["hybrid_layer_pattern"])
+            with open(os.path.join(base, f"gpt_load_rank{rank}.json"), "w") as f:
+                json.dump({"equal": gpt["equal"], "tensors": gpt["tensors"]}, f)
+            if rank == 0:
+                torch.save(gpt["logits"], os.path.join(base, layout, "loaded_gpt.pt"))
         ps.destroy_model_parallel()
     if rank == 0:
         cfg.save_pretrained(os.path.join(base, "hf_config"))
-    return {}
 
 
 def hf_reference_tensors(config_dir: str, out_dir: str) -> dict:

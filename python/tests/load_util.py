@@ -11,6 +11,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from dcp_util import _load, save_ranks
+from shardwise import _native
 
 # Every dtype DCP stores (and shardwise writes).
 DTYPES = [
@@ -32,7 +33,7 @@ def dcp_tensors(ckpt) -> dict:
 
 
 def request(key, index, like: torch.Tensor, device="cpu"):
-    """(request tuple, destination tensor) for region ``index`` (a tuple of slices) of ``like``, a
+    """(``_native.Region``, destination tensor) for region ``index`` (a tuple of slices) of ``like``, a
     full tensor of the checkpoint's shape and dtype. The destination starts as a sentinel (0xA5
     bytes) so that an unfilled byte shows."""
     offsets, sizes = [], []
@@ -44,8 +45,11 @@ def request(key, index, like: torch.Tensor, device="cpu"):
     nbytes = math.prod(sizes) * like.dtype.itemsize
     out = torch.full((nbytes,), 0xA5, dtype=torch.uint8, device=device)
     out = out.view(like.dtype).view(sizes)
-    dev = -1 if out.device.type == "cpu" else out.device.index
-    return (key, offsets, sizes, out.data_ptr(), out.numel() * out.element_size(), dev), out
+    dev = None if out.device.type == "cpu" else out.device.index
+    region = _native.Region(
+        key=key, offsets=offsets, sizes=sizes, data_ptr=out.data_ptr(), nbytes=out.numel() * out.element_size(), device=dev
+    )
+    return region, out
 
 
 def grid_states(world_rows=3, world_cols=2, rows=6, cols=10):

@@ -266,7 +266,7 @@ def test_workers_0_and_more_parts_than_shards_are_refused(saved, tmp_path):
     if arch != "llama":
         pytest.skip("one architecture is enough")
     ck, cfg = str(base / "shardwise"), str(base / "hf_config" / "config.json")
-    with pytest.raises(shardwise.InvalidArgumentError, match="--workers 0"):
+    with pytest.raises(shardwise.InvalidArgumentError, match="threads must be a whole number >= 1, got 0"):
         shardwise.to_hf(ck, str(tmp_path / "w"), hf_config=cfg, threads=0)
     r = subprocess.run([sys.executable, "-m", "shardwise.cli", "to-hf", ck, str(tmp_path / "w"), "--hf-config", cfg,
                         "--workers", "0"], capture_output=True, text=True, timeout=300)

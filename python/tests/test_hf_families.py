@@ -1,11 +1,15 @@
-"""`shardwise to-hf` for the hybrid Gated-DeltaNet families, qwen3_next, qwen3_5_moe and qwen3_5, and for
-deepseek_v3 (MLA), glm4_moe and gpt_oss (``hf_families_moe``): a real
-megatron-core 0.19.2 model of each (``hf_families``: Gated DeltaNet and gated full attention, MoE with a
-gated shared expert or a dense MLP, zero-centred norms), built on CPU, saved at TP=1 and at TP=2
-(x EP=2 for MoE) by Megatron's own torch_dist and by shardwise (one 2-process run per family), is
+"""`shardwise to-hf` for the hybrid Gated-DeltaNet families, qwen3_next, qwen3_5_moe and qwen3_5, for
+deepseek_v3 (MLA), glm4_moe, gpt_oss, deepseek_v32 (DeepSeek sparse attention), minimax_m2, qwen2 and
+mixtral (``hf_families_moe``), and for HybridModel checkpoints (``hf_families_hybrid``: a dense qwen3
+``*-*-*-`` and a glm_moe_dsa ``D-DEDE``): a real megatron-core 0.19.2 model of each, built on CPU,
+saved at TP=1 and at TP=2 (x EP=2 for MoE) by Megatron's own torch_dist and by shardwise, is
 converted; transformers loads the output with no missing, unexpected or mismatched keys, its tensor
 names, dtypes and shapes are those of transformers' own ``save_pretrained``, and its logits equal
-Megatron's. Each config field the mapping checks against the stored args is refused when wrong, named."""
+Megatron's. Each config field the mapping checks against the stored args is refused when wrong, named.
+``shardwise.megatron.load`` fills the resharded model from the TP=1 checkpoints (and a HybridModel from
+a GPTModel's checkpoint through megatron-core's own key translation) with the same logits.
+
+One 2-process run per family, on first use; the families of ``hf_families.GROUP`` share one run."""
 
 from __future__ import annotations
 
@@ -18,7 +22,11 @@ import hf_families
 import shardwise
 from mcore import spawn
 
-FAMILIES = ["qwen3_next", "qwen3_5_moe", "qwen3_5", "deepseek_v3", "glm4_moe", "gpt_oss"]
+FAMILIES = ["qwen3_next", "qwen3_5_moe", "qwen3_5", "deepseek_v3", "glm4_moe", "gpt_oss", *hf_families.GROUP]
+HYBRID = ["hybrid_qwen3", "hybrid_glm_moe_dsa"]
+LOADED = [f for f in FAMILIES if hf_families.FAMILIES[f].load_check]
+# Multimodal configs whose text model converts: (family run, transformers config class).
+MULTIMODAL = [("qwen3_5_moe", "Qwen3_5MoeConfig"), ("qwen3_5", "Qwen3_5Config")]
 # max |HF - Megatron| / max |Megatron| over the logits of the fixed tokens.
 MAX_REL_DIFF = 1e-4
 
@@ -32,12 +40,20 @@ def saved(tmp_path_factory):
 
     def get(family):
         if family not in done:
-            base = tmp_path_factory.mktemp(family)
-            results = spawn(hf_families.save_and_forward, 2, str(base / "out"), str(base), family, timeout_s=600)
+            if family in hf_families.GROUP:
+                base = tmp_path_factory.mktemp("group")
+                results = spawn(hf_families.save_and_forward_group, 2, str(base / "out"), str(base),
+                                list(hf_families.GROUP), timeout_s=1800)
+                bases = {f: base / f for f in hf_families.GROUP}
+            else:
+                base = tmp_path_factory.mktemp(family)
+                results = spawn(hf_families.save_and_forward, 2, str(base / "out"), str(base), family, timeout_s=600)
+                bases = {family: base}
             failed = [r for r in results if not r.get("ok")]
             assert not failed, "\n".join(f"rank {r['rank']}: {r.get('error')}\n{r.get('traceback', '')}"
                                           for r in failed)
-            done[family] = base, hf_families.hf_reference_tensors(str(base / "hf_config"), str(base / "save_pretrained"))
+            for f, b in bases.items():
+                done[f] = b, hf_families.hf_reference_tensors(str(b / "hf_config"), str(b / "save_pretrained"))
         return done[family]
 
     return get
@@ -70,17 +86,18 @@ def test_converted_model_matches_megatron(saved, family, layout, writer, tmp_pat
     assert rel <= MAX_REL_DIFF
 
 
-def test_multimodal_qwen3_5_config_converts_its_text_model(saved, tmp_path):
-    """Qwen3.5's published config.json is the multimodal one (model_type qwen3_5_moe, the text model in
-    text_config): the conversion reads the text model's fields there, and AutoModelForCausalLM loads
-    the text model from it."""
+@pytest.mark.parametrize("family,config_class", MULTIMODAL)
+def test_multimodal_qwen3_5_config_converts_its_text_model(saved, tmp_path, family, config_class):
+    """Qwen3.5's published config.json is the multimodal one (model_type qwen3_5_moe or qwen3_5, the
+    text model in text_config): the conversion reads the text model's fields there, and
+    AutoModelForCausalLM loads the text model from it."""
     import transformers
 
-    base, reference = saved("qwen3_5_moe")
+    base, reference = saved(family)
     text = json.loads((base / "hf_config" / "config.json").read_text())
-    cfg = transformers.Qwen3_5MoeConfig(text_config=text, tie_word_embeddings=False)
+    cfg = getattr(transformers, config_class)(text_config=text, tie_word_embeddings=False)
     cfg.save_pretrained(tmp_path / "vl")
-    assert json.loads((tmp_path / "vl" / "config.json").read_text())["model_type"] == "qwen3_5_moe"
+    assert json.loads((tmp_path / "vl" / "config.json").read_text())["model_type"] == family
     logits = _convert_and_compare(base, reference, base / "tp1" / "shardwise", tmp_path / "vl" / "config.json",
                                   tmp_path / "hf")
     torch.testing.assert_close(logits, torch.load(base / "tp1" / "logits.pt"), rtol=1e-4, atol=1e-5)
@@ -156,11 +173,12 @@ def test_args_flags_the_architecture_implies_are_checked(saved, tmp_path):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_args_alone_give_the_layout_of_the_config(saved, tmp_path, family):
-    """Without config.json, the GDN sizes and the layer pattern come from the stored args
-    (Megatron 0.19's common_state here): the same tensors as with the config, the embedding and
-    output keeping their padded rows."""
+    """Without config.json, the sizes and the layer patterns (GDN, MoE, DSA indexer, hybrid
+    numbering) come from the stored args (Megatron 0.19's common_state here): the same tensors as with
+    the config, the embedding and output keeping their padded rows."""
     base, reference = saved(family)
-    summary = shardwise.to_hf(str(base / "resharded" / "megatron"), str(tmp_path / "hf"), arch=family)
+    arch = json.loads((base / "hf_config" / "config.json").read_text())["model_type"]
+    summary = shardwise.to_hf(str(base / "resharded" / "megatron"), str(tmp_path / "hf"), arch=arch)
     assert summary["args_check"] == "passed", summary
     got = hf_families.safetensors_tensors(str(tmp_path / "hf"))
     padded = {"model.embed_tokens.weight", "lm_head.weight"}
@@ -197,6 +215,30 @@ MOE_WRONG_FIELDS = [
      r"sliding_window: config.json gives windows \[8, full, 8\] .* give \[4, full, 4\]"),
     ("gpt_oss", "layer_types", ["full_attention", "sliding_attention", "full_attention"],
      r"sliding_window: config.json gives windows \[full, 4, full\] .* give \[4, full, 4\]"),
+    # DeepSeek sparse attention: 4 indexer heads of 16, top 4; glm_moe_dsa's layer 2 shares layer 1's top-k.
+    ("deepseek_v32", "index_n_heads", 8, "index_n_heads: config.json says 8, args.dsa_indexer_n_heads says 4"),
+    ("deepseek_v32", "index_head_dim", 32, "index_head_dim: config.json says 32, args.dsa_indexer_head_dim says 16"),
+    ("deepseek_v32", "index_topk", 8, "index_topk: config.json says 8, args.dsa_indexer_topk says 4"),
+    ("deepseek_v32", "mlp_layer_types", ["dense", "dense", "sparse"], "MoE layer pattern: config.json gives --E"),
+    ("hybrid_glm_moe_dsa", "indexer_types", ["full", "shared", "shared"],
+     r"indexer_types: config.json gives FSS, args.dsa_indexer_topk_freq \d+ and dsa_indexer_skip_topk_offset \d+ "
+     r"give FFS .*Megatron counts a HybridModel's layers"),
+    ("hybrid_glm_moe_dsa", "mlp_layer_types", ["dense", "dense", "sparse"],
+     "MoE layer pattern: config.json gives --E .* args.hybrid_layer_pattern gives -EE"),
+    ("hybrid_glm_moe_dsa", "q_lora_rank", 32, "q_lora_rank: config.json says 32, args.q_lora_rank says 24"),
+    # A HybridModel's args count attention and MLP layers apart: 6 layers are 3 HF layers.
+    ("hybrid_qwen3", "num_hidden_layers", 4, "num_hidden_layers: config.json says 4, args.num_layers says 3"),
+    ("hybrid_qwen3", "intermediate_size", 128, "intermediate_size: config.json says 128, args.ffn_hidden_size says 96"),
+    ("minimax_m2", "head_dim", 8, "head_dim: config.json says 8, args.kv_channels says 16"),
+    ("minimax_m2", "num_key_value_heads", 4, "num_key_value_heads: config.json says 4, args.num_query_groups says 2"),
+    ("minimax_m2", "num_local_experts", 8, "num_experts: config.json says 8, args.num_experts says 4"),
+    ("minimax_m2", "intermediate_size", 64, "intermediate_size: config.json says 64, args.moe_ffn_hidden_size says 32"),
+    ("minimax_m2", "rope_parameters", {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0},
+     "partial_rotary_factor: config.json says 1, args.rotary_percent says 0.5"),
+    ("qwen2", "intermediate_size", 128, "intermediate_size: config.json says 128, args.ffn_hidden_size says 96"),
+    ("qwen2", "num_key_value_heads", 4, "num_key_value_heads: config.json says 4, args.num_query_groups says 2"),
+    ("mixtral", "num_local_experts", 8, "num_experts: config.json says 8, args.num_experts says 4"),
+    ("mixtral", "intermediate_size", 64, "intermediate_size: config.json says 64, args.moe_ffn_hidden_size says 32"),
 ]
 
 
@@ -208,3 +250,146 @@ def test_moe_family_field_disagreeing_with_the_args_is_refused(saved, tmp_path, 
     with pytest.raises(shardwise.ValidationError, match=message):
         shardwise.to_hf(str(base / "tp1" / "shardwise"), str(tmp_path / "o"), hf_config=str(bad))
     assert not (tmp_path / "o" / "model.safetensors.index.json").exists()
+
+
+@pytest.mark.parametrize("family,flags", [
+    ("deepseek_v32", ("non-interleaved indexer rope: deepseek_v32 implies it, args.dsa_indexer_rope_interleaved says true",
+                      "ReLU on the indexer scores: deepseek_v32 implies it, args.dsa_indexer_scoring_relu says false")),
+    ("hybrid_glm_moe_dsa",
+     ("interleaved indexer rope: glm_moe_dsa implies it, args.dsa_indexer_rope_interleaved says false",)),
+])
+def test_dsa_flags_the_architecture_implies_are_checked(saved, tmp_path, family, flags):
+    """transformers' deepseek_v32 indexer rotates its rope dims in halves, glm_moe_dsa's interleaved,
+    and both put their scores through a ReLU; a checkpoint whose args say otherwise computes another
+    model and is refused, each flag named."""
+    base, _ = saved(family)
+    with pytest.raises(shardwise.ValidationError) as e:
+        shardwise.to_hf(str(base / "tp1" / "bad_args"), str(tmp_path / "o"),
+                        hf_config=str(base / "hf_config" / "config.json"))
+    for flag in flags:
+        assert flag in str(e.value)
+    assert not (tmp_path / "o" / "model.safetensors.index.json").exists()
+
+
+def test_a_hybrid_pattern_that_does_not_pair_is_refused_naming_the_layers(saved, tmp_path):
+    """An HF layer is an attention and its MLP: a stored pattern that breaks the pairs cannot be
+    numbered, and the error names the layers instead of guessing."""
+    base, _ = saved("hybrid_qwen3")
+    for call in (lambda: shardwise.to_hf(str(base / "tp1" / "bad_args"), str(tmp_path / "o"),
+                                         hf_config=str(base / "hf_config" / "config.json")),
+                 lambda: shardwise.to_hf(str(base / "tp1" / "bad_args"), str(tmp_path / "o"), arch="qwen3")):
+        with pytest.raises(shardwise.ValidationError,
+                           match=r"hybrid layer pattern \"\*--\*\*-\" \(args.hybrid_layer_pattern\) does not pair"
+                                 r".*layer 2 is '-' where an attention .*layer 3 is '\*' where an MLP"):
+            call()
+    assert not (tmp_path / "o" / "model.safetensors.index.json").exists()
+
+
+@pytest.mark.parametrize("family", HYBRID)
+def test_without_args_a_hybrid_checkpoint_is_numbered_from_its_keys(saved, tmp_path, family):
+    """A HybridModel checkpoint with no stored args (``decoder.final_norm``, each layer an attention
+    or an MLP) converts with the config alone, to the same tensors and logits."""
+    base, reference = saved(family)
+    out = tmp_path / "hf"
+    summary = shardwise.to_hf(str(base / "tp1" / "noargs"), str(out), hf_config=str(base / "hf_config" / "config.json"))
+    assert summary["args_check"] == "skipped: no args stored", summary
+    assert hf_families.safetensors_tensors(str(out)) == reference
+    logits, _ = hf_families.hf_load_and_logits(str(out))
+    torch.testing.assert_close(logits, torch.load(base / "tp1" / "logits.pt"), rtol=1e-4, atol=1e-5)
+
+
+def _rel(a, b) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.mark.parametrize("family", LOADED)
+@pytest.mark.parametrize("writer", hf_families.WRITERS)
+def test_load_at_another_tp_gives_the_tp1_logits(saved, family, writer):
+    """``shardwise.megatron.load`` (no collective) fills the TP=2 (x EP=2) model's sharded state dict
+    from the TP=1 checkpoint, Megatron's or shardwise's: its forward gives the TP=1 model's logits
+    (and not its own, which the load replaced)."""
+    base, _ = saved(family)
+    loaded = torch.load(base / "resharded" / f"loaded_{writer}.pt")
+    assert _rel(loaded, torch.load(base / "tp1" / "logits.pt")) <= MAX_REL_DIFF
+    assert _rel(loaded, torch.load(base / "resharded" / "logits.pt")) > 1e-2
+
+
+def test_a_gpt_checkpoint_loads_into_a_hybrid_model_as_megatron_translates_it(saved):
+    """A GPTModel's checkpoint (Megatron's save, TP=1) loads into the HybridModel of the same config
+    at TP=2 with ``shardwise.megatron.load(..., hybrid_layer_pattern=...)``: every tensor equals
+    what Megatron's own load gives after its ``gpt_checkpoint_interop`` retargeting, and the hybrid
+    model's logits are the GPT model's."""
+    base, _ = saved("hybrid_qwen3")
+    for rank in (0, 1):
+        got = json.loads((base / f"gpt_load_rank{rank}.json").read_text())
+        assert got["equal"] and got["tensors"] > 10, got
+    assert _rel(torch.load(base / "resharded" / "loaded_gpt.pt"), torch.load(base / "gpt" / "logits.pt")) <= MAX_REL_DIFF
+
+
+def test_a_gpt_checkpoint_is_refused_for_a_hybrid_request_it_cannot_fill(saved):
+    """Without the pattern, a HybridModel request against a GPT checkpoint is refused (it would miss
+    every key); a pattern Megatron's interop cannot pair (DSA layers) or one of another depth is refused
+    before anything is read."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    import shardwise.megatron as swm
+
+    base, _ = saved("hybrid_qwen3")
+    gpt = str(base / "gpt" / "megatron")
+
+    def request():
+        return {k: ShardedTensor.from_rank_offsets(k, torch.zeros(64)) for k in (
+            "decoder.final_norm.weight", "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight",
+            "decoder.layers.1.mlp.linear_fc1.layer_norm_weight")}
+
+    with pytest.raises(shardwise.InvalidArgumentError, match="saved by a GPTModel .* pass hybrid_layer_pattern"):
+        swm.load(request(), gpt)
+    with pytest.raises(shardwise.InvalidArgumentError, match=r"contains layer types \['D'\] that cannot be translated"):
+        swm.load(request(), gpt, hybrid_layer_pattern="D-D-D-")
+    with pytest.raises(shardwise.ValidationError, match="pairs with a GPT checkpoint of 2 layers; .* has num_layers=3"):
+        swm.load(request(), gpt, hybrid_layer_pattern="*-*-")
+    # The pattern of the right depth reads the GPT keys: the final norm from decoder.final_layernorm.
+    req = request()
+    state = swm.load(req, gpt, hybrid_layer_pattern="*-*-*-")
+    for k in req:
+        assert torch.count_nonzero(state[k]) > 0, k
+
+
+def _readme_model_types() -> set:
+    """The model types the README's to-hf table claims (first cell of each row)."""
+    import re
+    from pathlib import Path
+
+    lines = (Path(__file__).resolve().parents[2] / "README.md").read_text().splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("| `model_type` | layout converted"))
+    rows = []
+    for ln in lines[start + 2:]:
+        if not ln.startswith("|"):
+            break
+        rows.append(ln.split("|")[1])
+    return {t for cell in rows for t in re.findall(r"`([a-z0-9_]+)`", cell)}
+
+
+def _converted_model_types(ckpt, out) -> set:
+    """The model types ``to-hf`` maps, as its own error for an unknown one lists them."""
+    with pytest.raises(shardwise.InvalidArgumentError) as e:
+        shardwise.to_hf(str(ckpt), str(out), arch="no_such_model")
+    return set(str(e.value).split("shardwise maps ")[1].replace(",", " ").split())
+
+
+def test_every_model_type_the_readme_claims_is_converted_and_has_a_logits_test(saved, tmp_path):
+    """The README's table is what ``to-hf`` maps, and each of its model types has a test comparing a
+    converted megatron-core model's logits with Megatron's: this registry's families, ``test_hf``'s
+    (llama, qwen3, qwen3_moe) and the multimodal Qwen3.5 configs."""
+    import transformers
+
+    import hf_workers
+    from test_hf import ARCHS
+
+    claimed = _readme_model_types()
+    base, _ = saved("qwen2")
+    assert claimed == _converted_model_types(base / "tp1" / "shardwise", tmp_path / "o")
+    tested = {hf_families.FAMILIES[f].hf_config().model_type for f in FAMILIES}
+    tested |= {hf_workers.hf_config(a).model_type for a in ARCHS}
+    tested |= {getattr(transformers, c).model_type for _, c in MULTIMODAL}
+    assert not claimed - tested, f"claimed by the README without a logits test: {sorted(claimed - tested)}"

@@ -150,6 +150,11 @@ def test_slime_hook_installs_and_checks_format(monkeypatch):
 
     with pytest.raises(shardwise.InvalidArgumentError, match="torch_dist"):
         slime.custom_init(SimpleNamespace(ckpt_format="torch"))
+    for bad in ("nan", "inf", "-1", "1e30"):
+        monkeypatch.setenv("SHARDWISE_TIMEOUT_S", bad)
+        with pytest.raises(shardwise.InvalidArgumentError, match="SHARDWISE_TIMEOUT_S"):
+            slime.custom_init(SimpleNamespace(ckpt_format="torch_dist"))
+        assert getattr(mdc.save, "func", None) is not swm.dist_checkpointing_save, "nothing installed"
     monkeypatch.setenv("SHARDWISE_TIMEOUT_S", "12")
     try:
         slime.custom_init(SimpleNamespace(ckpt_format="torch_dist"))

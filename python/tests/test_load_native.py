@@ -232,17 +232,18 @@ def test_bad_requests_are_refused_before_any_read(grid):
     ck = _native.open_checkpoint(str(d))
     good, good_out = request("float32", (), full["float32"])
     with pytest.raises(shardwise.MissingKeyError, match='no key "no.such.key"'):
-        ck.load_into([good, ("no.such.key", [0], [1], good[3], 4, -1)])
+        ck.load_into([good, _native.Region(key="no.such.key", offsets=[0], sizes=[1], data_ptr=good.data_ptr, nbytes=4)])
     assert bool((good_out.view(torch.uint8) == 0xA5).all())
     assert issubclass(shardwise.MissingKeyError, shardwise.ShardwiseError)
-    ptr, n = good[3], good[4]
+    ptr, n = good.data_ptr, good.nbytes
     cases = [
-        (("o/shard_0_1", [], [], ptr, 0, -1), "o/shard_0_1 is a byte object"),
-        (("float32", [0, 0], [19, 20], ptr, 19 * 20 * 4, -1), "outside the global shape"),
-        (("float32", [0], [18], ptr, 18 * 4, -1), "outside the global shape"),
-        (("float32", [0, 0], [18, 20], ptr, n - 4, -1), "needs 1440 bytes, the destination has 1436"),
+        (("o/shard_0_1", [], [], 0), "o/shard_0_1 is a byte object"),
+        (("float32", [0, 0], [19, 20], 19 * 20 * 4), "outside the global shape"),
+        (("float32", [0], [18], 18 * 4), "outside the global shape"),
+        (("float32", [0, 0], [18, 20], n - 4), "needs 1440 bytes, the destination has 1436"),
     ]
-    for req, msg in cases:
+    for (key, offsets, sizes, nbytes), msg in cases:
+        req = _native.Region(key=key, offsets=offsets, sizes=sizes, data_ptr=ptr, nbytes=nbytes)
         with pytest.raises(shardwise.InvalidArgumentError, match=msg):
             ck.load_into([good, req])
         assert bool((good_out.view(torch.uint8) == 0xA5).all())
@@ -271,9 +272,10 @@ def test_uncovered_region_is_named(grid, tmp_path):
 def test_cuda_destination_without_cuda_is_a_clear_error(grid):
     d, full = grid
     ck = _native.open_checkpoint(str(d))
-    (key, off, sizes, ptr, n, _), _ = request("float32", (), full["float32"])
+    r, _ = request("float32", (), full["float32"])
+    on_gpu = _native.Region(key=r.key, offsets=r.offsets, sizes=r.sizes, data_ptr=r.data_ptr, nbytes=r.nbytes, device=0)
     with pytest.raises(shardwise.GpuError, match="CUDA device 0"):
-        ck.load_into([(key, off, sizes, ptr, n, 0)])
+        ck.load_into([on_gpu])
 
 
 def test_object_store_ranged_gets(grid):

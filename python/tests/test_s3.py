@@ -192,7 +192,7 @@ def test_server_stopped_mid_save_fails_clearly_and_a_rerun_succeeds(tmp_path):
         again = subprocess.run(cmd[:4] + ["attempt2", "2048", "60"], capture_output=True, text=True, env=env, timeout=300)
         res = _ranks_result(again.stdout)
         assert res[0]["ok"] and res[1]["ok"], res
-        assert res[0]["report"]["committed"] and res[0]["report"]["keys"] == 2
+        assert res[0]["report"]["committed"] and res[0]["report"]["commit"]["keys"] == 2
         assert cli("verify", url, env=env).returncode == 0
     finally:
         srv.stop()
@@ -256,7 +256,7 @@ def test_overwrite_needs_a_new_save_id_and_a_filesystem(where, tmp_path, s3_buck
     if where == "local":
         rep = swm.save({"w": ShardedTensor.from_rank_offsets("w", new, replica_id=0)}, url, rank=0, world_size=1,
                        save_id="other", overwrite=True)
-        assert rep["committed"] and rep["keys"] == 1
+        assert rep["committed"] and rep["commit"]["keys"] == 1
         assert torch.equal(shardwise.open(url).read("w"), new)
     assert cli("verify", url).returncode == 0
     zero = cli("merge", url, "--world-size", "0", "--save-id", "same")

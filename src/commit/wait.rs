@@ -20,21 +20,26 @@ use crate::format::COMMON_FILE;
 use crate::interrupt::interrupted;
 use crate::storage::Location;
 
+/// The largest bound accepted, in seconds (10^9 s, about 31.7 years). Every wait is bounded (a
+/// hang is a failure mode, never a setting), so a larger value is a typo or a stand-in for
+/// "forever"; it is refused rather than carried into deadline arithmetic, where `Instant +
+/// Duration` panics on overflow (a `timeout_s` of 1e19 did, in the merge).
+pub const MAX_TIMEOUT_S: f64 = 1e9;
+
 /// A bound in seconds as a [`Duration`].
 ///
-/// Errors: [`Error::InvalidArgument`] naming `what` for a negative, NaN or unrepresentably large
-/// value (`Duration::from_secs_f64` would panic).
+/// Errors: [`Error::InvalidArgument`] naming `what` for a negative, NaN or infinite value, or one
+/// above [`MAX_TIMEOUT_S`] (`Duration::from_secs_f64` would panic on most of them).
 pub fn timeout_from_secs(what: &str, secs: f64) -> Result<Duration> {
-    if secs < 0.0 {
-        return Err(Error::InvalidArgument(format!(
-            "{what} must be a number of seconds >= 0, got {secs}"
-        )));
-    }
-    Duration::try_from_secs_f64(secs).map_err(|_| {
+    let refused = || {
         Error::InvalidArgument(format!(
-            "{what} must be a finite number of seconds >= 0, got {secs}"
+            "{what} must be a finite number of seconds in 0..={MAX_TIMEOUT_S:e}, got {secs}"
         ))
-    })
+    };
+    if !(0.0..=MAX_TIMEOUT_S).contains(&secs) {
+        return Err(refused());
+    }
+    Duration::try_from_secs_f64(secs).map_err(|_| refused())
 }
 
 /// Polling schedule: exponential backoff from 2 ms to 500 ms, interruptible.
@@ -292,5 +297,39 @@ pub fn wait_for_commit(
             return Err(not_committed(loc, save_id, reason));
         }
         backoff.sleep(deadline)?;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timeouts_out_of_range_are_argument_errors_never_panics() {
+        for bad in [
+            f64::NAN,
+            f64::INFINITY,
+            f64::NEG_INFINITY,
+            -1.0,
+            -1e-9,
+            1e9 + 1.0,
+            1e19,
+            1e30,
+        ] {
+            match timeout_from_secs("timeout_s", bad) {
+                Err(Error::InvalidArgument(m)) => {
+                    assert!(m.starts_with("timeout_s must be"), "{m}")
+                }
+                other => panic!("{bad}: {other:?}"),
+            }
+        }
+        for (good, expect) in [
+            (0.0, Duration::ZERO),
+            (-0.0, Duration::ZERO),
+            (0.25, Duration::from_millis(250)),
+            (MAX_TIMEOUT_S, Duration::from_secs(1_000_000_000)),
+        ] {
+            assert_eq!(timeout_from_secs("t", good).unwrap(), expect, "{good}");
+        }
     }
 }

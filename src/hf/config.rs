@@ -5,6 +5,7 @@
 use serde_json::{Map, Value as Json};
 
 use super::families;
+use super::layout::HybridPattern;
 use super::spec::{Dims, LayerPattern, Rel};
 use crate::error::{Error, Result};
 use crate::format::archive::records;
@@ -71,7 +72,16 @@ impl Dims {
                         cfg.insert("layer_types".into(), p.into());
                     }
                 }
-                Rel::ArgsTrue | Rel::MlaNormEps => {}
+                Rel::ArgsTrue | Rel::ArgsFalse | Rel::MlaNormEps => {}
+                Rel::IndexerLayers => {
+                    if let Some(p) = args.indexer_layers() {
+                        let types: Vec<&str> = p
+                            .iter()
+                            .map(|&full| if full { "full" } else { "shared" })
+                            .collect();
+                        cfg.insert(c.hf.into(), types.into());
+                    }
+                }
                 Rel::SlidingWindow => {
                     let n = args.field("num_layers").unwrap_or(0);
                     if let Some(w) = args.layer_windows(n) {
@@ -156,13 +166,37 @@ impl Args {
         }
     }
 
+    /// The HybridModel layer pattern a hybrid run stores (Megatron-LM's `hybrid_layer_pattern`, or
+    /// the deprecated `hybrid_override_pattern` it replaces; `arguments.py` `validate_args`): the
+    /// field's name and value. None for a GPTModel's args.
+    pub fn hybrid_pattern(&self) -> Option<(&'static str, &str)> {
+        ["hybrid_layer_pattern", "hybrid_override_pattern"]
+            .into_iter()
+            .find_map(|f| Some((f, self.raw(f)?.as_str().filter(|p| !p.is_empty())?)))
+    }
+
+    /// The args field a layer pattern comes from: a hybrid run's pattern, else `field`.
+    fn pattern_field<'a>(&self, field: &'a str) -> &'a str {
+        self.hybrid_pattern().map_or(field, |(f, _)| f)
+    }
+
+    /// The stored pattern, parsed (None for a GPTModel's args or a pattern that does not pair:
+    /// `Layout::detect` refuses that one first).
+    fn hybrid(&self) -> Option<HybridPattern> {
+        let (f, p) = self.hybrid_pattern()?;
+        HybridPattern::parse(p, f).ok()
+    }
+
     /// An integer args field with Megatron's defaults (`validate_args`): `num_query_groups` is
     /// `num_attention_heads` without `group_query_attention`, `kv_channels` defaults to
     /// `hidden_size / num_attention_heads`, `moe_ffn_hidden_size` to `ffn_hidden_size`,
-    /// `num_experts` None is 0. None when absent (the check is then reported as unchecked).
+    /// `num_experts` None is 0. `num_layers` counts HF layers: a hybrid run's counts every
+    /// attention and every MLP layer of its pattern, two per HF layer. None when absent (the
+    /// check is then reported as unchecked).
     pub fn field(&self, k: &str) -> Option<u64> {
         let raw = |k: &str| self.raw(k).and_then(|v| v.as_u64());
         match k {
+            "num_layers" if self.hybrid_pattern().is_some() => Some(self.hybrid()?.hf_layers()),
             "num_query_groups" if self.flag("group_query_attention") != Some(true) => {
                 raw("num_attention_heads")
             }
@@ -176,9 +210,9 @@ impl Args {
     }
 
     /// Megatron's attention window of each of `n` layers as an HF `sliding_window` (None: full
-    /// attention): `window_size` (left, right) is `left + 1` tokens, on layers (1-based) not a
-    /// multiple of an int `window_attn_skip_freq`, or those a list marks 1 (MC
-    /// `is_layer_window_attention`). A right window other than 0 is no HF sliding window: it shows
+    /// attention): `window_size` (left, right) is `left + 1` tokens, on layers (Megatron's 1-based
+    /// numbers, [`Args::attention_number`]) not a multiple of an int `window_attn_skip_freq`, or
+    /// those a list marks 1 (MC `is_layer_window_attention`). A right window other than 0 is no HF sliding window: it shows
     /// as `u64::MAX`. None when args have no `window_size` field.
     pub fn layer_windows(&self, n: u64) -> Option<Vec<Option<u64>>> {
         if !self.0.contains_key("window_size") {
@@ -195,8 +229,9 @@ impl Args {
         });
         let freq = self.raw("window_attn_skip_freq");
         Some(
-            (1..=n)
+            (0..n)
                 .map(|l| {
+                    let l = self.attention_number(l);
                     let windowed = match freq {
                         None => true,
                         Some(Json::Array(a)) => {
@@ -229,6 +264,10 @@ impl Args {
             }
             .to_string()
         };
+        if let Some(p) = self.hybrid() {
+            // A hybrid pattern names each attention: Gated DeltaNet 'G' is linear attention.
+            return Some((0..n as u64).map(|l| name(p.mixer(l) == b'G')).collect());
+        }
         if self
             .raw("experimental_attention_variant")
             .and_then(|v| v.as_str())
@@ -246,9 +285,13 @@ impl Args {
     }
 
     /// Per layer, MoE or not: `moe_layer_freq` (an int k: every k-th layer from 0; a list of
-    /// 0/1), all dense without experts. None when args lack `num_layers`.
+    /// 0/1), all dense without experts; a hybrid run's pattern instead ('E' MLPs; a HybridModel
+    /// ignores `moe_layer_freq`). None when args lack `num_layers`.
     pub fn moe_layers(&self) -> Option<Vec<bool>> {
         let n = self.field("num_layers")? as usize;
+        if let Some(p) = self.hybrid() {
+            return Some((0..n as u64).map(|l| p.mlp(l) == b'E').collect());
+        }
         if self.field("num_experts").unwrap_or(0) == 0 {
             return Some(vec![false; n]);
         }
@@ -259,6 +302,34 @@ impl Args {
                 let k = v.as_u64()?.max(1) as usize;
                 Some((0..n).map(|l| l % k == 0).collect())
             }
+        }
+    }
+
+    /// Per HF layer, whether its DSA attention runs its own indexer: megatron-core's schedule
+    /// (`dsa.is_dsa_skip_topk_layer`): with `dsa_indexer_topk_freq` f > 1 and
+    /// `dsa_indexer_skip_topk_offset` o, Megatron layer n ([`Args::attention_number`]) skips iff
+    /// max(n - max(o, 1), 0) % f != 0. None when args lack `num_layers`.
+    pub fn indexer_layers(&self) -> Option<Vec<bool>> {
+        let n = self.field("num_layers")?;
+        let freq = self.field("dsa_indexer_topk_freq").unwrap_or(1).max(1);
+        let offset = self
+            .field("dsa_indexer_skip_topk_offset")
+            .unwrap_or(0)
+            .max(1);
+        Some(
+            (0..n)
+                .map(|l| self.attention_number(l).saturating_sub(offset) % freq == 0)
+                .collect(),
+        )
+    }
+
+    /// Megatron's 1-based layer number (`layer_number`, what its per-layer schedules count) of HF
+    /// layer `l`'s attention: l + 1, or 2l + 1 in a hybrid run (an MLP layer follows each).
+    fn attention_number(&self, l: u64) -> u64 {
+        if self.hybrid_pattern().is_some() {
+            2 * l + 1
+        } else {
+            l + 1
         }
     }
 }
@@ -418,7 +489,7 @@ pub(crate) fn check_args(d: &Dims, args: Option<&Args>, rows: Option<u64>) -> Re
                         diffs.push(format!(
                             "layer_types: {hf_src} gives {}, args.{} (experimental_attention_variant {}) gives {} (L: linear attention, F: full attention)",
                             show(&ours),
-                            c.args,
+                            a.pattern_field(c.args),
                             a.raw("experimental_attention_variant").map_or("none".into(), |v| v.to_string()),
                             show(&p)
                         ));
@@ -452,9 +523,9 @@ pub(crate) fn check_args(d: &Dims, args: Option<&Args>, rows: Option<u64>) -> Re
                 (_, Some(_)) => {}
                 (_, None) => unchecked.push(format!("{} (args has no {})", c.hf, c.args)),
             },
-            Rel::ArgsTrue => match a.flag(c.args) {
-                Some(false) => diffs.push(format!(
-                    "{}: {} implies it, args.{} says false",
+            Rel::ArgsTrue | Rel::ArgsFalse => match a.flag(c.args) {
+                Some(v) if v != (c.rel == Rel::ArgsTrue) => diffs.push(format!(
+                    "{}: {} implies it, args.{} says {v}",
                     c.hf,
                     d.cfg
                         .get("model_type")
@@ -462,9 +533,29 @@ pub(crate) fn check_args(d: &Dims, args: Option<&Args>, rows: Option<u64>) -> Re
                         .unwrap_or("the architecture"),
                     c.args
                 )),
-                Some(true) => {}
+                Some(_) => {}
                 None => unchecked.push(format!("{} (args has no {})", c.hf, c.args)),
             },
+            Rel::IndexerLayers => {
+                let ours: Vec<bool> = (0..d.num_layers).map(|l| d.indexer(l)).collect();
+                let show = |v: &[bool]| -> String {
+                    v.iter().map(|&f| if f { 'F' } else { 'S' }).collect()
+                };
+                match a.indexer_layers() {
+                    Some(p) if p != ours => diffs.push(format!(
+                        "{}: {hf_src} gives {}, args.{} {} and dsa_indexer_skip_topk_offset {} give {} (F: the layer runs its indexer, S: it shares the previous one's top-k; Megatron counts {} layers)",
+                        c.hf,
+                        show(&ours),
+                        c.args,
+                        a.field(c.args).unwrap_or(1),
+                        a.field("dsa_indexer_skip_topk_offset").unwrap_or(0),
+                        show(&p),
+                        if a.hybrid_pattern().is_some() { "a HybridModel's" } else { "GPT" }
+                    )),
+                    Some(_) => {}
+                    None => unchecked.push(format!("{} (args has no num_layers)", c.hf)),
+                }
+            }
             Rel::MlaNormEps => {}
             Rel::MoeLayers => match a.moe_layers() {
                 Some(p) if p != d.moe_layers => {
@@ -479,7 +570,7 @@ pub(crate) fn check_args(d: &Dims, args: Option<&Args>, rows: Option<u64>) -> Re
                             "num_experts" => String::new(),
                             f => format!(", {f} {}", d.field(f).unwrap_or(0)),
                         },
-                        c.args,
+                        a.pattern_field(c.args),
                         show(&p)
                     ));
                 }
@@ -707,5 +798,37 @@ mod tests {
         assert_eq!(d.vocab_size, None);
         assert_eq!(d.field("moe_intermediate_size"), Some(32));
         assert_eq!(d.moe_layers, vec![true, true]);
+    }
+
+    #[test]
+    fn a_hybrid_runs_args_count_its_layers_in_pairs() {
+        // glm_moe_dsa as a HybridModel: DSA attentions at Megatron layers 1, 3, 5 (1-based), a
+        // dense then two MoE MLPs; the indexer runs on 1 and 3, layer 5 reuses 3's top-k.
+        let Json::Object(m) = json!({"num_layers": 6, "hybrid_layer_pattern": "D-DEDE",
+            "num_experts": 8, "moe_layer_freq": 1, "dsa_indexer_topk_freq": 4,
+            "dsa_indexer_skip_topk_offset": 3})
+        else {
+            unreachable!()
+        };
+        let mut a = Args(m);
+        assert_eq!(a.hybrid_pattern(), Some(("hybrid_layer_pattern", "D-DEDE")));
+        assert_eq!(a.field("num_layers"), Some(3));
+        assert_eq!(a.moe_layers(), Some(vec![false, true, true]));
+        assert_eq!(a.attn_layers(), Some(vec!["full_attention".to_string(); 3]));
+        assert_eq!(a.indexer_layers(), Some(vec![true, true, false]));
+        // The same schedule counted in GPT layers (1, 2, 3) is another one.
+        a.0.remove("hybrid_layer_pattern");
+        a.0.insert("num_layers".into(), json!(3));
+        assert_eq!(a.indexer_layers(), Some(vec![true, true, true]));
+        a.0.insert("dsa_indexer_topk_freq".into(), json!(2));
+        a.0.insert("dsa_indexer_skip_topk_offset".into(), json!(2));
+        assert_eq!(a.indexer_layers(), Some(vec![true, true, false]));
+        // The deprecated name, and Gated DeltaNet attentions.
+        a.0.insert("hybrid_override_pattern".into(), json!("G-*E"));
+        assert_eq!(a.field("num_layers"), Some(2));
+        assert_eq!(
+            a.attn_layers(),
+            Some(vec!["linear_attention".into(), "full_attention".into()])
+        );
     }
 }

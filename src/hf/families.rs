@@ -4,8 +4,19 @@
 
 use super::gdn;
 use super::rules::*;
-use super::spec::{check, ArchSpec, LayerPattern, Rel};
+use super::spec::{check, ArchSpec, LayerPattern, Rel, Rule};
 use crate::error::{Error, Result};
+
+/// deepseek_v32's and glm_moe_dsa's layer: deepseek_v3's with DeepSeek sparse attention's indexer
+/// (the two differ only in the indexer's rope, a check row).
+const DSA_LAYER: &[&[Rule]] = &[
+    MLA_ATTN,
+    DSA_INDEXER,
+    NORMS,
+    DENSE_MLP,
+    DEEPSEEK_MOE,
+    ROUTED_EXPERTS,
+];
 
 pub(crate) static ARCHS: &[ArchSpec] = &[
     ArchSpec {
@@ -136,6 +147,51 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
             ROPE_CHECKS,
         ],
         moe_layers: LayerPattern::Dense,
+    },
+    ArchSpec {
+        model_types: &["deepseek_v32"],
+        model: COMMON_MODEL,
+        layer: DSA_LAYER,
+        checks: &[
+            BASE_CHECKS,
+            ROPE_CHECKS,
+            MLA_CHECKS,
+            DEEPSEEK_MOE_CHECKS,
+            DSA_CHECKS,
+            // TF deepseek_v32's indexer rotates its rope dims in halves, not interleaved.
+            &[check(
+                "non-interleaved indexer rope",
+                "dsa_indexer_rope_interleaved",
+                Rel::ArgsFalse,
+            )],
+        ],
+        moe_layers: LayerPattern::FirstKDense,
+    },
+    ArchSpec {
+        model_types: &["glm_moe_dsa"],
+        model: COMMON_MODEL,
+        layer: DSA_LAYER,
+        checks: &[
+            BASE_CHECKS,
+            ROPE_CHECKS,
+            MLA_CHECKS,
+            DEEPSEEK_MOE_CHECKS,
+            DSA_CHECKS,
+            // TF glm_moe_dsa's indexer rotates its rope dims interleaved.
+            &[check(
+                "interleaved indexer rope",
+                "dsa_indexer_rope_interleaved",
+                Rel::ArgsTrue,
+            )],
+        ],
+        moe_layers: LayerPattern::FirstKDense,
+    },
+    ArchSpec {
+        model_types: &["minimax_m2"],
+        model: COMMON_MODEL,
+        layer: &[ATTN_QKV, FULL_QK_NORM, NORMS, MIXTRAL_MOE, MINIMAX_MOE],
+        checks: &[BASE_CHECKS, HEAD_SPLIT_CHECKS, ROPE_CHECKS, MIXTRAL_CHECKS],
+        moe_layers: LayerPattern::AllMoe,
     },
     ArchSpec {
         model_types: &["mixtral"],

@@ -3,7 +3,8 @@
 //! needs, converted, and written at its precomputed offset by one of `threads` workers, so peak
 //! memory is about `threads x largest HF tensor` whatever the model size.
 //!
-//! Modules, each importing only those before it: [`spec`] (the rule vocabulary and [`spec::Dims`]),
+//! Modules, each importing only those before it: [`layout`] (how the checkpoint numbers its layers:
+//! a GPTModel's or a HybridModel's), [`spec`] (the rule vocabulary and [`spec::Dims`]),
 //! [`rules`] and [`gdn`] (the rule slices), [`families`] (the architectures), [`config`]
 //! (hyperparameters from config.json and the stored args, and their checks), [`plan`] (the table
 //! applied to the checkpoint's keys), [`write`] (shard plan, safetensors headers, index),
@@ -15,6 +16,7 @@
 mod config;
 mod families;
 mod gdn;
+mod layout;
 mod output;
 mod plan;
 pub(crate) mod quant;
@@ -302,7 +304,11 @@ fn hyperparameters(
         ),
         None => None,
     };
-    let d = match (&config, &args) {
+    let layout = layout::Layout::detect(
+        ckpt.metadata.entries.keys().map(String::as_str),
+        args.as_ref().and_then(|a| a.hybrid_pattern()),
+    )?;
+    let mut d = match (&config, &args) {
         (Some(c), _) => spec::Dims::from_config(c, opts.arch.as_deref())?,
         (None, Some(a)) => spec::Dims::from_args(a, opts.arch.as_deref())?,
         (None, None) => {
@@ -311,6 +317,7 @@ fn hyperparameters(
             ))
         }
     };
+    d.layout = layout;
     let rows = ["embedding.word_embeddings.weight", "output_layer.weight"]
         .iter()
         .find_map(|k| match ckpt.metadata.entries.get(*k) {

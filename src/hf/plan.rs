@@ -8,6 +8,7 @@
 
 use std::collections::BTreeSet;
 
+use super::layout::Layout;
 use super::spec::{Dims, Experts, Post, Rule, When};
 use crate::error::{Error, Result};
 use crate::format::dtype::DType;
@@ -278,9 +279,11 @@ fn map_key(d: &Dims, key: &str, shape: &[u64], dtype: DType, lookup: Lookup) -> 
     // `decoder.layers.{i}.sub` (one layer) or `decoder.layers.sub` (layer axis first).
     let (layers, sub, stacked) = match rest.split_once('.') {
         Some((i, sub)) if !i.is_empty() && i.bytes().all(|b| b.is_ascii_digit()) => {
-            let l: u64 = i
+            let g: u64 = i
                 .parse()
                 .map_err(|_| Error::Validation(format!("{key}: bad layer index")))?;
+            // A HybridModel numbers attention and MLP layers apart (`layout`).
+            let l = d.layout.hf_layer(g, sub, key)?;
             (l..l + 1, sub, false)
         }
         _ if shape.is_empty() => return Ok(Mapped::Unmapped),
@@ -303,6 +306,11 @@ fn map_key(d: &Dims, key: &str, shape: &[u64], dtype: DType, lookup: Lookup) -> 
             return Err(Error::Validation(format!(
                 "{key}: layer {l} is {} in the config (layer_types), but this key belongs to {t} layers",
                 d.layer_type(l).as_deref().unwrap_or("of no type")
+            )));
+        }
+        if let (false, When::IndexerLayer) = (d.may_produce(r, l), r.when) {
+            return Err(Error::Validation(format!(
+                "{key}: layer {l} shares the previous layer's DSA top-k in the config (indexer_types), so it has no indexer; the checkpoint has one"
             )));
         }
         if let (false, When::Flag(f)) = (d.may_produce(r, l), r.when) {
@@ -355,6 +363,7 @@ impl Dims {
             When::DenseLayer => !self.is_moe(l),
             When::LayerType(t) => self.layer_type(l).as_deref() == Some(t),
             When::Flag(f) => self.flag(f) == Some(true),
+            When::IndexerLayer => self.indexer(l),
             When::Always | When::Optional | When::Untied => true,
         }
     }
@@ -366,7 +375,7 @@ impl Dims {
             When::Optional => false,
             When::Untied => !self.tied,
             When::LayerType(_) => l.is_some_and(|l| self.may_produce(r, l)),
-            When::MoeLayer | When::DenseLayer | When::Flag(_) => {
+            When::MoeLayer | When::DenseLayer | When::Flag(_) | When::IndexerLayer => {
                 l.is_some_and(|l| self.may_produce(r, l))
             }
         }
@@ -457,6 +466,14 @@ pub(crate) fn plan(ckpt: &Checkpoint, d: &Dims, allow_unmapped: bool) -> Result<
         )));
     }
     skipped += unmapped.len();
+    if let (Some(n), Layout::Hybrid { source, .. }) = (d.layout.hf_layers(), &d.layout) {
+        if n != d.num_layers {
+            return Err(Error::Validation(format!(
+                "num_hidden_layers: config.json says {}, the checkpoint's HybridModel has {n} (attention, MLP) pairs ({source})",
+                d.num_layers
+            )));
+        }
+    }
     if let Some(l) = stacked_layers.iter().find(|&&l| l != d.num_layers) {
         return Err(Error::Validation(format!(
             "num_hidden_layers: config.json says {}, the checkpoint stacks {l} layers",

@@ -116,7 +116,12 @@ pub(crate) const COMMON_MODEL: &[Rule] = &[
         When::Untied,
     ),
     rule(
-        &["decoder.final_layernorm.weight"],
+        // A GPTModel's TransformerBlock final norm; a HybridModel's HybridStack names it
+        // `final_norm` (MC `hybrid_block.py`; `gpt_checkpoint_interop.py` maps one to the other).
+        &[
+            "decoder.final_layernorm.weight",
+            "decoder.final_norm.weight",
+        ],
         &[out("model.norm.weight", &[H])],
         whole,
         When::Always,
@@ -520,6 +525,74 @@ pub(crate) const GPT_OSS: &[Rule] = &[
     ),
 ];
 
+// ---- deepseek_v32, glm_moe_dsa, minimax_m2 ------------------------------------------------------
+
+const INDEX_Q: &[&str] = &["index_n_heads", "index_head_dim"];
+const INDEX_HD: &[&str] = &["index_head_dim"];
+
+const fn indexer(src: &'static [&'static str], outs: &'static [Out]) -> Rule {
+    rule(src, outs, whole, When::IndexerLayer)
+}
+
+/// DeepSeek sparse attention's lightning indexer (deepseek_v32, glm_moe_dsa; MLA_ATTN is the rest
+/// of the attention): its own query projection from the q latent, key projection with a LayerNorm
+/// (weight and bias), and per-head score weights; every row layout is already transformers'
+/// (MC `dsa.py` `DSAIndexer`; TF deepseek_v32 `DeepseekV32Indexer`; MB `glm5_bridge.py`). Megatron
+/// and transformers both put the rope dims first in each head; which rope (interleaved or not)
+/// is a check row. Layers that share the previous layer's top-k have no indexer on either side.
+pub(crate) const DSA_INDEXER: &[Rule] = &[
+    indexer(
+        &["self_attention.core_attention.indexer.linear_wq_b.weight"],
+        &[out("self_attn.indexer.wq_b.weight", &[INDEX_Q, QLR])],
+    ),
+    indexer(
+        &["self_attention.core_attention.indexer.linear_wk.weight"],
+        &[out("self_attn.indexer.wk.weight", &[INDEX_HD, H])],
+    ),
+    indexer(
+        &["self_attention.core_attention.indexer.k_norm.weight"],
+        &[out("self_attn.indexer.k_norm.weight", &[INDEX_HD])],
+    ),
+    indexer(
+        &["self_attention.core_attention.indexer.k_norm.bias"],
+        &[out("self_attn.indexer.k_norm.bias", &[INDEX_HD])],
+    ),
+    indexer(
+        &["self_attention.core_attention.indexer.linear_weights_proj.weight"],
+        &[out(
+            "self_attn.indexer.weights_proj.weight",
+            &[&["index_n_heads"], H],
+        )],
+    ),
+];
+
+/// MiniMax-M2's q/k norms: one RMSNorm over all heads of the projection, `[heads x head_dim]`
+/// (TF minimax_m2 `MiniMaxM2Attention` from FlexOlmo's; Megatron-Bridge's `FullDimQNorm` /
+/// `FullDimKNorm` store it as `q_layernorm` / `k_layernorm`, sharded by head over TP).
+pub(crate) const FULL_QK_NORM: &[Rule] = &[
+    rule(
+        &["self_attention.q_layernorm.weight"],
+        &[out("self_attn.q_norm.weight", &[Q])],
+        whole,
+        When::Always,
+    ),
+    rule(
+        &["self_attention.k_layernorm.weight"],
+        &[out("self_attn.k_norm.weight", &[KV])],
+        whole,
+        When::Always,
+    ),
+];
+
+/// MiniMax-M2's MoE beyond mixtral's: the sigmoid router's expert bias, which `save_pretrained`
+/// writes as `block_sparse_moe.e_score_correction_bias` (TF `conversion_mapping.py` minimax_m2).
+pub(crate) const MINIMAX_MOE: &[Rule] = &[rule(
+    &["mlp.router.expert_bias"],
+    &[out("block_sparse_moe.e_score_correction_bias", &[E])],
+    whole,
+    When::MoeLayer,
+)];
+
 // ---- checks -------------------------------------------------------------------------------------
 
 /// Fields every architecture's mapping uses.
@@ -601,4 +674,19 @@ pub(crate) const DEEPSEEK_MOE_CHECKS: &[Check] = &[
         Rel::Eq,
     ),
     check("first_k_dense_replace", "moe_layer_freq", Rel::MoeLayers),
+];
+
+/// DeepSeek sparse attention: the indexer's heads, head size and top-k (no tensor depends on
+/// `index_topk`, but another top-k is another model), which layers run it, and the ReLU on its
+/// scores that transformers applies (MC `dsa_indexer_scoring_relu`).
+pub(crate) const DSA_CHECKS: &[Check] = &[
+    check("index_n_heads", "dsa_indexer_n_heads", Rel::Eq),
+    check("index_head_dim", "dsa_indexer_head_dim", Rel::Eq),
+    check("index_topk", "dsa_indexer_topk", Rel::Float),
+    check("indexer_types", "dsa_indexer_topk_freq", Rel::IndexerLayers),
+    check(
+        "ReLU on the indexer scores",
+        "dsa_indexer_scoring_relu",
+        Rel::ArgsTrue,
+    ),
 ];

@@ -7,6 +7,7 @@
 
 use serde_json::{Map, Value as Json};
 
+use super::layout::Layout;
 use crate::error::{Error, Result};
 
 /// One architecture.
@@ -110,6 +111,10 @@ pub(crate) enum When {
     /// source when it is not is an error (transformers would drop it): glm4_moe's
     /// `attention_bias`, `use_qk_norm`.
     Flag(&'static str),
+    /// Layers that run their own DSA indexer: config `indexer_types` `full` (glm_moe_dsa's
+    /// `shared` layers reuse the previous layer's top-k and have none); every layer when the
+    /// config has no list (deepseek_v32). A source on another layer is an error.
+    IndexerLayer,
 }
 
 /// Which layers are MoE, from the config.
@@ -123,7 +128,9 @@ pub(crate) enum LayerPattern {
     /// and (l + 1) % `decoder_sparse_step` == 0.
     QwenSparseStep,
     /// deepseek_v3/glm4_moe: layer l is MoE iff there are experts and l >= `first_k_dense_replace`
-    /// (TF `DeepseekV3DecoderLayer`, `Glm4MoeDecoderLayer`).
+    /// (TF `DeepseekV3DecoderLayer`, `Glm4MoeDecoderLayer`); deepseek_v32/glm_moe_dsa: the
+    /// config's `mlp_layer_types[l]` is `sparse` (transformers derives that list from
+    /// `first_k_dense_replace` when absent, `DeepseekV32Config.__post_init__`).
     FirstKDense,
 }
 
@@ -161,6 +168,13 @@ pub(crate) enum Rel {
     /// The architecture implies that this args flag is true (the `hf` name says what in the
     /// message); false in args is an error, absent is unchecked.
     ArgsTrue,
+    /// ... that this args flag is false; true in args is an error, absent is unchecked.
+    ArgsFalse,
+    /// The DSA layers that run their own indexer: config `indexer_types` (absent: all `full`)
+    /// against args `dsa_indexer_topk_freq` and `dsa_indexer_skip_topk_offset`, counted in
+    /// Megatron's layer numbers (a HybridModel's attention of HF layer l is layer 2l + 1; MC
+    /// `dsa.is_dsa_skip_topk_layer`).
+    IndexerLayers,
     /// gpt_oss's attention window per layer: config `sliding_window` on the layers `layer_types`
     /// says `sliding_attention` (default: even layers), against args `window_size` (left
     /// `sliding_window - 1`, right 0) on the layers `window_attn_skip_freq` leaves windowed
@@ -274,6 +288,8 @@ pub(crate) struct Dims {
     pub num_experts: u64,
     /// Per layer: MoE (true) or dense.
     pub moe_layers: Vec<bool>,
+    /// How the checkpoint numbers its layers (set from the checkpoint by `hyperparameters`).
+    pub layout: Layout,
 }
 
 impl Dims {
@@ -293,6 +309,7 @@ impl Dims {
             tied: false,
             num_experts: 0,
             moe_layers: Vec::new(),
+            layout: Layout::Gpt,
         };
         let need = |d: &Dims, k: &str| {
             d.field(k)
@@ -371,6 +388,14 @@ impl Dims {
         }
     }
 
+    /// Whether layer `l` runs its own DSA indexer (see [`When::IndexerLayer`]).
+    pub fn indexer(&self, l: u64) -> bool {
+        match self.cfg.get("indexer_types") {
+            Some(Json::Array(a)) => a.get(l as usize).and_then(|v| v.as_str()) == Some("full"),
+            _ => true,
+        }
+    }
+
     fn is_moe_layer(&self, l: u64) -> bool {
         match self.spec.moe_layers {
             LayerPattern::Dense => false,
@@ -384,9 +409,12 @@ impl Dims {
                     .is_some_and(|a| a.iter().any(|x| x.as_u64() == Some(l)));
                 self.num_experts > 0 && !dense_only && (l + 1) % step == 0
             }
-            LayerPattern::FirstKDense => {
-                self.num_experts > 0 && l >= self.field("first_k_dense_replace").unwrap_or(0)
-            }
+            LayerPattern::FirstKDense => match self.cfg.get("mlp_layer_types") {
+                Some(Json::Array(a)) => {
+                    a.get(l as usize).and_then(|v| v.as_str()) == Some("sparse")
+                }
+                _ => self.num_experts > 0 && l >= self.field("first_k_dense_replace").unwrap_or(0),
+            },
         }
     }
 

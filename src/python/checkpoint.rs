@@ -5,17 +5,108 @@ use std::path::PathBuf;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
+use super::args::{opt_positive, opt_seconds, opt_whole, whole, wholes};
+use super::report::to_dict;
 use super::{location, to_py, InvalidArgumentError};
-use crate::commit::wait::timeout_from_secs;
 use crate::error::Error;
 use crate::format::metadata::Entry;
 use crate::reader::Checkpoint;
 
-/// A `load_into` request: `(key, offsets, sizes, data_ptr, nbytes, device)`.
-pub(super) type LoadRequest = (String, Vec<u64>, Vec<u64>, u64, u64, i64);
+/// A region of a tensor and the memory it is read into.
+///
+/// `Region(*, key, offsets, sizes, data_ptr, nbytes, device=None)`: `sizes` elements at `offsets`
+/// (one per dimension) of tensor `key`, into `nbytes` bytes of C-contiguous memory at address
+/// `data_ptr` in the checkpoint's dtype: host memory, or memory of CUDA device `device` (its
+/// ordinal). Checked against the checkpoint by `load_into`/`read_into`, before any read.
+///
+/// Raises `InvalidArgumentError`: a number that is not a whole number >= 0, `offsets` and `sizes`
+/// of different lengths, a null `data_ptr` for `nbytes` > 0.
+#[pyclass(frozen, module = "shardwise._native")]
+pub(super) struct Region {
+    inner: crate::load::Request,
+}
+
+#[pymethods]
+impl Region {
+    #[new]
+    #[pyo3(signature = (*, key, offsets, sizes, data_ptr, nbytes, device=None))]
+    fn new(
+        key: String,
+        offsets: &Bound<'_, PyAny>,
+        sizes: &Bound<'_, PyAny>,
+        data_ptr: &Bound<'_, PyAny>,
+        nbytes: &Bound<'_, PyAny>,
+        device: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let inner = crate::load::Request {
+            offsets: wholes("offsets", offsets)?,
+            sizes: wholes("sizes", sizes)?,
+            ptr: whole("data_ptr", data_ptr)?,
+            nbytes: whole("nbytes", nbytes)?,
+            device: opt_whole("device", device)?,
+            key,
+        };
+        if inner.offsets.len() != inner.sizes.len() {
+            return Err(InvalidArgumentError::new_err(format!(
+                "{}: offsets {:?} and sizes {:?} differ in dimensions",
+                inner.key, inner.offsets, inner.sizes
+            )));
+        }
+        if inner.ptr == 0 && inner.nbytes > 0 {
+            return Err(InvalidArgumentError::new_err(format!(
+                "{}: data_ptr is null for {} bytes",
+                inner.key, inner.nbytes
+            )));
+        }
+        Ok(Region { inner })
+    }
+
+    #[getter]
+    fn key(&self) -> &str {
+        &self.inner.key
+    }
+
+    #[getter]
+    fn offsets(&self) -> Vec<u64> {
+        self.inner.offsets.clone()
+    }
+
+    #[getter]
+    fn sizes(&self) -> Vec<u64> {
+        self.inner.sizes.clone()
+    }
+
+    #[getter]
+    fn data_ptr(&self) -> u64 {
+        self.inner.ptr
+    }
+
+    #[getter]
+    fn nbytes(&self) -> u64 {
+        self.inner.nbytes
+    }
+
+    #[getter]
+    fn device(&self) -> Option<u32> {
+        self.inner.device
+    }
+
+    fn __repr__(&self) -> String {
+        let r = &self.inner;
+        format!(
+            "Region(key={:?}, offsets={:?}, sizes={:?}, data_ptr={:#x}, nbytes={}, device={})",
+            r.key,
+            r.offsets,
+            r.sizes,
+            r.ptr,
+            r.nbytes,
+            r.device.map_or("None".to_owned(), |d| d.to_string())
+        )
+    }
+}
 
 /// An open checkpoint (any DCP / torch_dist checkpoint), parsed as data.
-#[pyclass(frozen, name = "Checkpoint")]
+#[pyclass(frozen, name = "Checkpoint", module = "shardwise._native")]
 pub(super) struct PyCheckpoint {
     inner: Checkpoint,
 }
@@ -110,96 +201,74 @@ impl PyCheckpoint {
         Ok(d)
     }
 
-    /// Reads the region `offsets`/`sizes` (elements) of tensor `key` into `nbytes` bytes of
-    /// contiguous memory at `data_ptr` (C order), which the caller owns and keeps alive.
-    fn read_into(
-        &self,
-        py: Python<'_>,
-        key: &str,
-        offsets: Vec<u64>,
-        sizes: Vec<u64>,
-        data_ptr: usize,
-        nbytes: usize,
-    ) -> PyResult<()> {
+    /// Reads `region` (a host `Region`: `sizes` elements at `offsets` of tensor `key`) into its
+    /// memory, which the caller owns and keeps alive until this returns. Only the saved chunks that
+    /// overlap the region are read, each checked against its save-time CRC-32 where one was recorded.
+    ///
+    /// Raises `InvalidArgumentError` (a CUDA region: use `load_into`; a region outside the global
+    /// shape; `nbytes` other than the region's size), `MissingKeyError`, `ValidationError` (part of
+    /// the region not covered by saved chunks), `CorruptFileError`, `StorageError`.
+    fn read_into(&self, py: Python<'_>, region: &Bound<'_, Region>) -> PyResult<()> {
+        let r = &region.get().inner;
+        if let Some(d) = r.device {
+            return Err(InvalidArgumentError::new_err(format!(
+                "{}: read_into reads into host memory, the region is on CUDA device {d} (use load_into)",
+                r.key
+            )));
+        }
         py.detach(|| {
-            let out: &mut [u8] = if nbytes == 0 {
+            let out: &mut [u8] = if r.nbytes == 0 {
                 &mut []
             } else {
-                // SAFETY: the Python wrapper passes a freshly allocated contiguous tensor's data_ptr()
-                // and nbytes, and keeps the tensor alive until this call returns.
-                unsafe { std::slice::from_raw_parts_mut(data_ptr as *mut u8, nbytes) }
+                // SAFETY: a Region's data_ptr is non-null when nbytes > 0 (checked by Region::new);
+                // the caller owns that memory and keeps it alive, untouched, until this returns.
+                unsafe { std::slice::from_raw_parts_mut(r.ptr as *mut u8, r.nbytes as usize) }
             };
-            crate::load::read_region(&self.inner, key, &offsets, &sizes, out)
+            crate::load::read_region(&self.inner, &r.key, &r.offsets, &r.sizes, out)
         })
         .map_err(to_py)
     }
 
     /// Loads many regions at once, straight into the caller's memory (`crate::load`).
     ///
-    /// `requests`: `(key, offsets, sizes, data_ptr, nbytes, device)` tuples: the region
-    /// `offsets`/`sizes` (elements) of tensor `key` into `nbytes` bytes of C-contiguous memory at
-    /// `data_ptr` in the checkpoint's dtype; `device` -1 for host memory, else the CUDA ordinal
-    /// (filled through a pinned staging pool of at most `staging_budget_bytes`, with
-    /// `cuda_stream` ordered after the copies). Every request is validated before any read. The
-    /// caller keeps every destination alive and untouched until this returns. Returns
-    /// `{"bytes_read", "read_ops", "requests", "seconds", "plan_seconds", "items_checked",
-    /// "items_unchecked"}`. Raises `MissingKeyError`, `InvalidArgumentError`, `ValidationError`
-    /// (region not covered), `CorruptFileError` (missing or truncated data file, CRC-32
-    /// mismatch; names key, file and offset), `StorageError`, `GpuError`.
-    #[pyo3(signature = (requests, *, staging_budget_bytes=None, cuda_stream=0, check_crc=true, timeout_s=None))]
+    /// `regions`: a list of `Region`, each in the checkpoint's dtype; CUDA regions are filled
+    /// through a pinned staging pool of at most `staging_budget_bytes` bytes (None: the engine's
+    /// default), with `cuda_stream` (a `CUstream` as an int) ordered after the copies. Every region
+    /// is validated before any read. The caller keeps every destination alive and untouched until
+    /// this returns. `timeout_s` bounds each object-store request, in seconds (None: the store's
+    /// own retry timeout).
+    ///
+    /// Returns the load's statistics as a dict: `bytes_read` (bytes, item probes included),
+    /// `read_ops`, `requests`, `seconds` and `plan_seconds` (wall time), `items_checked`,
+    /// `items_unchecked`. Raises `MissingKeyError`, `InvalidArgumentError` (also for a timeout or a
+    /// budget out of range), `ValidationError` (region not covered), `CorruptFileError` (missing
+    /// or truncated data file, CRC-32 mismatch; names key, file and offset), `StorageError`,
+    /// `GpuError`.
+    #[pyo3(signature = (regions, *, staging_budget_bytes=None, cuda_stream=0, check_crc=true, timeout_s=None))]
     fn load_into<'py>(
         &self,
         py: Python<'py>,
-        requests: Vec<LoadRequest>,
-        staging_budget_bytes: Option<usize>,
+        regions: Vec<Bound<'py, Region>>,
+        staging_budget_bytes: Option<&Bound<'py, PyAny>>,
         cuda_stream: u64,
         check_crc: bool,
-        timeout_s: Option<f64>,
-    ) -> PyResult<Bound<'py, PyDict>> {
-        let timeout = timeout_s
-            .map(|t| timeout_from_secs("timeout_s", t))
-            .transpose()
-            .map_err(to_py)?;
-        let mut reqs = Vec::with_capacity(requests.len());
-        for (key, offsets, sizes, ptr, nbytes, device) in requests {
-            let device = match device {
-                -1 => None,
-                d => Some(u32::try_from(d).map_err(|_| {
-                    InvalidArgumentError::new_err(format!(
-                        "{key}: device {d} is neither -1 (host) nor a CUDA ordinal"
-                    ))
-                })?),
-            };
-            reqs.push(crate::load::Request {
-                key,
-                offsets,
-                sizes,
-                ptr,
-                nbytes,
-                device,
-            });
-        }
+        timeout_s: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
         let opts = crate::load::LoadOptions {
-            staging_budget: staging_budget_bytes,
+            staging_budget: opt_positive("staging_budget_bytes", staging_budget_bytes)?,
             cuda_stream,
             check_crc,
-            timeout,
+            timeout: opt_seconds("timeout_s", timeout_s)?,
             threads: None,
         };
-        // SAFETY: the Python caller passes the data_ptr()/nbytes of live contiguous tensors it
-        // keeps alive, and does not touch, until this call returns (the contract of load_into).
-        let s = py
+        let reqs: Vec<crate::load::Request> =
+            regions.iter().map(|r| r.get().inner.clone()).collect();
+        // SAFETY: every Region describes live contiguous memory that the Python caller keeps
+        // alive, and does not touch, until this call returns (the contract of load_into).
+        let stats = py
             .detach(|| unsafe { crate::load::load(&self.inner, &reqs, &opts) })
             .map_err(to_py)?;
-        let d = PyDict::new(py);
-        d.set_item("bytes_read", s.bytes_read)?;
-        d.set_item("read_ops", s.read_ops)?;
-        d.set_item("requests", s.requests)?;
-        d.set_item("seconds", s.seconds)?;
-        d.set_item("plan_seconds", s.plan_seconds)?;
-        d.set_item("items_checked", s.items_checked)?;
-        d.set_item("items_unchecked", s.items_unchecked)?;
-        Ok(d)
+        to_dict(py, &stats)
     }
 
     /// The common state as `(source, bytes)`: `common.pt`, or the `common_state` object of
@@ -226,12 +295,9 @@ impl PyCheckpoint {
 pub(super) fn open_checkpoint(
     py: Python<'_>,
     path: PathBuf,
-    timeout_s: Option<f64>,
+    timeout_s: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<PyCheckpoint> {
-    let timeout = timeout_s
-        .map(|t| crate::commit::wait::timeout_from_secs("timeout_s", t))
-        .transpose()
-        .map_err(to_py)?;
+    let timeout = opt_seconds("timeout_s", timeout_s)?;
     py.detach(|| Checkpoint::open(&location(&path)?.with_timeout(timeout)?))
         .map(|inner| PyCheckpoint { inner })
         .map_err(to_py)

@@ -1,9 +1,10 @@
 //! The `shardwise._native` extension module: thin wrappers that release the GIL and map
 //! [`crate::Error`] variants to `shardwise.ShardwiseError` subclasses.
 //!
-//! One file per job: `save` (one rank's save, async handles), `checkpoint` (an open checkpoint:
-//! read and load), `tools` (merge, to-hf, diff, status checks, the CLI) and `report` (the dicts
-//! returned to Python).
+//! One file per job: `save` (one rank's save: `Chunk`, `ObjectItem`, `SaveOptions`, `save_rank`,
+//! `SaveHandle`), `checkpoint` (an open checkpoint: `Region`, reads and loads), `tools` (merge,
+//! to-hf, diff, the committed checks, the CLI), `report` (every report as a dict, the same way) and
+//! `args` (Python numbers to Rust values: every bad one an `InvalidArgumentError`).
 
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
@@ -12,6 +13,7 @@ use pyo3::prelude::*;
 use crate::error::Error;
 use crate::storage::Location;
 
+mod args;
 mod checkpoint;
 mod report;
 mod save;
@@ -127,9 +129,16 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let _ = MAIN_THREAD.set(std::thread::current().id());
     crate::interrupt::set_interrupt_check(python_interrupted);
     m.add_function(wrap_pyfunction!(tools::is_committed, m)?)?;
+    m.add_function(wrap_pyfunction!(tools::process_start_ns, m)?)?;
     m.add_function(wrap_pyfunction!(tools::same_tensor_crcs, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(save::save_rank, m)?)?;
+    m.add_class::<save::Chunk>()?;
+    m.add_class::<save::ObjectItem>()?;
+    m.add_class::<save::SaveOptions>()?;
+    m.add_class::<checkpoint::Region>()?;
+    m.add_function(wrap_pyfunction!(args::check_seconds, m)?)?;
+    m.add("MAX_TIMEOUT_S", crate::commit::wait::MAX_TIMEOUT_S)?;
     m.add_function(wrap_pyfunction!(tools::merge, m)?)?;
     m.add_function(wrap_pyfunction!(tools::merge_rank_local, m)?)?;
     m.add_function(wrap_pyfunction!(tools::read_file, m)?)?;
@@ -159,6 +168,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<save::SaveHandle>()?;
     m.add_function(wrap_pyfunction!(tools::cuda_available, m)?)?;
     m.add_function(wrap_pyfunction!(tools::to_hf, m)?)?;
-    m.add_function(wrap_pyfunction!(tools::diff_json, m)?)?;
+    m.add_function(wrap_pyfunction!(tools::diff, m)?)?;
+    m.add_function(wrap_pyfunction!(tools::status, m)?)?;
     Ok(())
 }

@@ -1,19 +1,24 @@
 //! Whole-checkpoint operations from Python: merge, to-hf, diff, the committed checks, the CLI.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::PyBytes;
 
+use super::args::{opt_positive, opt_seconds, positive, seconds};
+use super::report::to_dict;
 use super::{location, to_py, InvalidArgumentError};
-use crate::commit::wait::{timeout_from_secs, Freshness};
+use crate::commit::wait::Freshness;
 
 /// Converts checkpoint `checkpoint_dir` to HF safetensors in `out_dir`; see `shardwise to-hf`.
 /// `dtype` is bf16, fp16, fp32 or None (as stored); `max_shard_size` like "5GB"; `workers`
 /// threads; `part` like "0/2" for one part of a split conversion; `overwrite` replaces an earlier
-/// conversion in a non-empty `out_dir`. Returns the summary as a dict (tensors, bytes, files,
-/// seconds, gb_per_s, skipped_keys, args_check, args_unchecked, padding_rows_dropped,
-/// config_written, part, committed).
+/// conversion in a non-empty `out_dir`. Returns the summary as a dict with the fields of
+/// `shardwise to-hf --json` (`tensors`, `bytes`, `files`, `seconds`, `gb_per_s`, `skipped_keys`,
+/// `args_check`, `args_unchecked`, `padding_rows_dropped`, `config_written`, `part`, `committed`).
+/// Raises `InvalidArgumentError` (also for `threads` that is not a whole number >= 1),
+/// `ValidationError`, `StorageError`, `CorruptFileError`.
 #[pyfunction]
 #[pyo3(signature = (checkpoint_dir, out_dir, hf_config=None, arch=None, dtype=None, max_shard_size="5GB", threads=None, allow_unmapped=false, overwrite=false, part=None))]
 #[allow(clippy::too_many_arguments)]
@@ -25,11 +30,12 @@ pub(super) fn to_hf(
     arch: Option<String>,
     dtype: Option<String>,
     max_shard_size: &str,
-    threads: Option<usize>,
+    threads: Option<&Bound<'_, PyAny>>,
     allow_unmapped: bool,
     overwrite: bool,
     part: Option<String>,
 ) -> PyResult<Py<PyAny>> {
+    let threads = opt_positive("threads", threads)?;
     let mut opts = crate::hf::HfOptions::from_user(
         hf_config,
         arch,
@@ -51,17 +57,18 @@ pub(super) fn to_hf(
             crate::hf::to_hf(&loc, &out_dir, &opts, &|_| {})
         })
         .map_err(to_py)?;
-    let json = serde_json::to_string(&s).expect("serializable");
-    Ok(py.import("json")?.call_method1("loads", (json,))?.unbind())
+    Ok(to_dict(py, &s)?.unbind())
 }
 
 /// Compares checkpoints `a` and `b` (directories, URLs, or one HF safetensors folder); see
-/// `shardwise diff`. Returns the report as JSON text (the Python wrapper decodes it).
+/// `shardwise diff`. Returns the report as a dict with the fields of `shardwise diff --json`
+/// (`shardwise.diff` documents them). Raises `InvalidArgumentError` for a tolerance that is not a
+/// number >= 0 or `threads` that is not a whole number >= 1.
 #[pyfunction]
 #[pyo3(signature = (a, b, atol=0.0, rtol=0.0, keys=Vec::new(), exclude=Vec::new(), hf_config=None, arch=None, allow_unmapped=false, threads=None))]
 #[allow(clippy::too_many_arguments)]
-pub(super) fn diff_json(
-    py: Python<'_>,
+pub(super) fn diff<'py>(
+    py: Python<'py>,
     a: PathBuf,
     b: PathBuf,
     atol: f64,
@@ -71,14 +78,14 @@ pub(super) fn diff_json(
     hf_config: Option<PathBuf>,
     arch: Option<String>,
     allow_unmapped: bool,
-    threads: Option<usize>,
-) -> PyResult<String> {
+    threads: Option<&Bound<'py, PyAny>>,
+) -> PyResult<Bound<'py, PyAny>> {
     if !(atol >= 0.0 && rtol >= 0.0) {
         return Err(InvalidArgumentError::new_err(
             "atol and rtol must be numbers >= 0",
         ));
     }
-    let threads = threads
+    let threads = opt_positive("threads", threads)?
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(4, |n| n.get().min(8)));
     let opts = crate::diff::DiffOptions {
         atol,
@@ -100,7 +107,7 @@ pub(super) fn diff_json(
     let report = py
         .detach(|| crate::diff::diff(&location(&a)?, &location(&b)?, &opts))
         .map_err(to_py)?;
-    Ok(serde_json::to_string(&report).expect("serializable"))
+    to_dict(py, &report)
 }
 
 /// Whether a CUDA driver can be loaded here (the GPU path is used only then). Never raises.
@@ -109,81 +116,95 @@ pub(super) fn cuda_available(py: Python<'_>) -> bool {
     py.detach(crate::gpu::available)
 }
 
-/// Merges the parts of `save_id` and commits `.metadata`; see `shardwise merge`. Returns a dict:
-/// `keys`, `tensor_chunks`, `data_bytes` (bytes) and `already_committed` (a racing merger or an
-/// earlier merge committed; the counts are then that commit's). Raises `KeyboardInterrupt` when
-/// Ctrl-C interrupts the wait (nothing committed).
+/// Merges the parts of save `save_id` of `world_size` ranks and commits `.metadata`, waiting up to
+/// `timeout_s` seconds for missing parts; see `shardwise merge`. Returns a dict with the fields of
+/// `shardwise merge --json`: `already_committed` (a racing merger or an earlier merge committed;
+/// the counts are then that commit's), `keys`, `tensor_chunks`, `byte_objects`, `data_bytes` and
+/// `metadata_bytes` (bytes), `took_over_dead_merger`.
+///
+/// Raises `MissingRanksError` (parts still missing at `timeout_s`), `ValidationError` (nothing
+/// committed), `InvalidArgumentError` (also for a `world_size` that is not a whole number >= 1, a
+/// timeout that is not a finite number of seconds in `0..=MAX_TIMEOUT_S`), `StorageError`, and
+/// `KeyboardInterrupt` when Ctrl-C interrupts the wait (nothing committed).
 #[pyfunction]
-pub(super) fn merge(
-    py: Python<'_>,
+pub(super) fn merge<'py>(
+    py: Python<'py>,
     checkpoint_dir: PathBuf,
     save_id: String,
-    world_size: u32,
-    timeout_s: f64,
-) -> PyResult<Bound<'_, PyDict>> {
-    let timeout = timeout_from_secs("timeout_s", timeout_s).map_err(to_py)?;
+    world_size: &Bound<'py, PyAny>,
+    timeout_s: &Bound<'py, PyAny>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let world_size: u32 = positive("world_size", world_size)?;
+    let timeout = seconds("timeout_s", timeout_s)?;
     let s = py
         .detach(|| {
             let loc = location(&checkpoint_dir)?.with_timeout(Some(timeout))?;
             crate::commit::merge(&loc, &save_id, world_size, timeout, &Freshness::any_part())
         })
         .map_err(to_py)?;
-    let d = PyDict::new(py);
-    d.set_item("keys", s.keys)?;
-    d.set_item("already_committed", s.already_committed)?;
-    d.set_item("tensor_chunks", s.tensor_chunks)?;
-    d.set_item("data_bytes", s.data_bytes)?;
-    Ok(d)
+    to_dict(py, &s)
 }
 
 /// The whole file `rel` of the checkpoint `checkpoint_dir` (a directory or URL), or None when it
 /// does not exist; object-store requests bounded by `timeout_s` seconds when given.
+///
+/// Raises `InvalidArgumentError` (a timeout that is not a finite number of seconds in
+/// `0..=MAX_TIMEOUT_S`) or `StorageError`.
 #[pyfunction]
 #[pyo3(signature = (checkpoint_dir, rel, timeout_s=None))]
-pub(super) fn read_file(
-    py: Python<'_>,
+pub(super) fn read_file<'py>(
+    py: Python<'py>,
     checkpoint_dir: PathBuf,
     rel: String,
-    timeout_s: Option<f64>,
-) -> PyResult<Option<Py<pyo3::types::PyBytes>>> {
-    let timeout = timeout_s
-        .map(|t| timeout_from_secs("timeout_s", t))
-        .transpose()
-        .map_err(to_py)?;
+    timeout_s: Option<&Bound<'py, PyAny>>,
+) -> PyResult<Option<Bound<'py, PyBytes>>> {
+    let timeout = opt_seconds("timeout_s", timeout_s)?;
     let got = py
         .detach(|| location(&checkpoint_dir)?.with_timeout(timeout)?.read(&rel))
         .map_err(to_py)?;
-    Ok(got.map(|b| pyo3::types::PyBytes::new(py, &b).unbind()))
+    Ok(got.map(|b| PyBytes::new(py, &b)))
 }
 
 /// Merges the rank-local `__{rank}.metadata` files of a torch DCP `use_collectives=False` save
 /// into its global `.metadata` (`shardwise.dcp.finish`; see `crate::dcp_local`). `world_size`,
-/// when given, is waited for up to `timeout_s` seconds. Returns the summary as a dict (ranks, keys,
-/// tensor_chunks, byte_objects, replicas_dropped, metadata_bytes in bytes, already_merged,
-/// replaced_stale).
+/// when given, is waited for up to `timeout_s` seconds. Returns the summary as a dict (the fields
+/// of `crate::dcp_local::Summary`: `ranks`, `keys`, `tensor_chunks`, `byte_objects`,
+/// `replicas_dropped`, `metadata_bytes` in bytes, `already_merged`, `replaced_stale`).
+///
+/// Raises `InvalidArgumentError` (a `world_size` that is not a whole number >= 1, a timeout that
+/// is not a finite number of seconds in `0..=MAX_TIMEOUT_S`), `ValidationError`, `StorageError`.
 #[pyfunction]
-#[pyo3(signature = (checkpoint_dir, world_size=None, timeout_s=0.0))]
-pub(super) fn merge_rank_local(
-    py: Python<'_>,
+#[pyo3(signature = (checkpoint_dir, world_size=None, timeout_s=None))]
+pub(super) fn merge_rank_local<'py>(
+    py: Python<'py>,
     checkpoint_dir: PathBuf,
-    world_size: Option<u32>,
-    timeout_s: f64,
-) -> PyResult<Py<PyAny>> {
-    let timeout = timeout_from_secs("timeout_s", timeout_s).map_err(to_py)?;
+    world_size: Option<&Bound<'py, PyAny>>,
+    timeout_s: Option<&Bound<'py, PyAny>>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let world_size: Option<u32> = opt_positive("world_size", world_size)?;
+    let timeout = opt_seconds("timeout_s", timeout_s)?.unwrap_or(Duration::ZERO);
     let s = py
         .detach(|| {
             let loc = location(&checkpoint_dir)?.with_timeout(Some(timeout))?;
             crate::dcp_local::merge(&loc, world_size, timeout)
         })
         .map_err(to_py)?;
-    let json = serde_json::to_string(&s).expect("serializable");
-    Ok(py.import("json")?.call_method1("loads", (json,))?.unbind())
+    to_dict(py, &s)
 }
+
 /// Runs the `shardwise` command line with `argv` (program name first; `str`, where the bytes of a
 /// non-UTF-8 path are surrogate escapes, as in `sys.argv` and `os.fsdecode`); returns the exit code.
 #[pyfunction]
 pub(super) fn cli_main(py: Python<'_>, argv: Vec<std::ffi::OsString>) -> i32 {
     py.detach(|| crate::cli::run(argv))
+}
+
+/// Wall-clock start of this process, ns since the Unix epoch: files written before it belong to an
+/// earlier launch (the save's `Freshness` rule, `crate::commit::wait`; also the strict-load key
+/// exchange, `shardwise.requested_keys`).
+#[pyfunction]
+pub(super) fn process_start_ns() -> u64 {
+    crate::commit::liveness::process_start_ns()
 }
 
 /// Whether `checkpoint_dir` holds a committed, whole checkpoint: the one definition shared with
@@ -193,10 +214,23 @@ pub(super) fn cli_main(py: Python<'_>, argv: Vec<std::ffi::OsString>) -> i32 {
 pub(super) fn is_committed(py: Python<'_>, checkpoint_dir: PathBuf) -> bool {
     py.detach(|| location(&checkpoint_dir).is_ok_and(|l| crate::commit::state::is_committed(&l)))
 }
+
 /// Whether two checkpoints hold the same tensors by their save-time CRC-32s (sidecars only, no
 /// data read); None when either was not saved by shardwise. See `crate::commit::same_tensor_crcs`.
 #[pyfunction]
 pub(super) fn same_tensor_crcs(py: Python<'_>, a: PathBuf, b: PathBuf) -> PyResult<Option<bool>> {
     py.detach(|| crate::commit::same_tensor_crcs(&location(&a)?, &location(&b)?))
         .map_err(to_py)
+}
+
+/// The state of checkpoint `checkpoint_dir` and of each save in it, as `shardwise status --json`
+/// prints it: `dir`, `checkpoint` (`committed`, `not_committed` or `damaged`), `reason`,
+/// `orphaned_data_files`, `saves` (README, "JSON output", lists every field). Reads only; raises
+/// `StorageError` when the directory cannot be read.
+#[pyfunction]
+pub(super) fn status(py: Python<'_>, checkpoint_dir: PathBuf) -> PyResult<Bound<'_, PyAny>> {
+    let (_, report) = py
+        .detach(|| crate::cli::status_report(&location(&checkpoint_dir)?))
+        .map_err(to_py)?;
+    to_dict(py, &report)
 }

@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 
 from .. import megatron as _swm
-from .._native import InvalidArgumentError
+from .._native import InvalidArgumentError, check_seconds
 
 
 def custom_init(args) -> None:
@@ -43,9 +43,11 @@ def custom_init(args) -> None:
         raise InvalidArgumentError(f"shardwise writes --ckpt-format torch_dist; this run uses {fmt!r}")
     kwargs = {}
     try:
-        kwargs["timeout_s"] = float(os.environ.get("SHARDWISE_TIMEOUT_S", "1800"))
+        timeout_s = float(os.environ.get("SHARDWISE_TIMEOUT_S", "1800"))
     except ValueError:
         raise InvalidArgumentError(f"SHARDWISE_TIMEOUT_S={os.environ['SHARDWISE_TIMEOUT_S']!r} is not a number") from None
+    # Checked now, at start-up, rather than at the first checkpoint hours later.
+    kwargs["timeout_s"] = check_seconds("SHARDWISE_TIMEOUT_S", timeout_s)
     balance = os.environ.get("SHARDWISE_BALANCE_DP", "0")
     if balance not in ("0", "1"):
         raise InvalidArgumentError(f"SHARDWISE_BALANCE_DP={balance!r} must be 0 or 1")
