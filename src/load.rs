@@ -447,7 +447,10 @@ pub unsafe fn load(ck: &Checkpoint, reqs: &[Request], opts: &LoadOptions) -> Res
             Error::Io { path, source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
                 corrupt(
                     path,
-                    format!("{}: the data file is missing", item_name(it.key, it.chunk)),
+                    format!(
+                        "{}: cannot open the data file: it is missing",
+                        item_name(it.key, it.chunk)
+                    ),
                 )
             }
             Error::Io { path, source, .. } => corrupt(

@@ -478,7 +478,7 @@ mod tests {
             p.tensors[0],
             TensorRecord {
                 fqn: "w".into(),
-                dtype: "torch.uint8".into(),
+                dtype: "uint8".into(),
                 global_shape: vec![8],
                 offsets: vec![4],
                 sizes: vec![4],

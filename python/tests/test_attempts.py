@@ -97,14 +97,16 @@ def test_a_rerun_rank_started_before_a_dead_publishers_part_replaces_it(ctx, tmp
     the rerun replaces it and commits, instead of refusing it as a second live process saving as the
     same rank (the time rule is for publishers on other hosts)."""
     ckpt, out, go = tmp_path / "c", tmp_path / "out", tmp_path / "go"
-    slow = start_ranks(ctx, ckpt, None, out / "a2", ranks=[1], timeout_s=30.0, offset=2.0, start_after=str(go))
+    # The rerun's ranks 0 and 2 import torch after `go` is touched; on a loaded machine that
+    # alone takes 30 s, so rank 1's wait for their commit is bounded generously.
+    slow = start_ranks(ctx, ckpt, None, out / "a2", ranks=[1], timeout_s=180.0, offset=2.0, start_after=str(go))
     first = start_ranks(ctx, ckpt, None, out / "a1", ranks=[1], timeout_s=30.0, offset=1.0)
     wait_for_parts(ckpt, [1])
     kill_all(first)
     # The rest of the rerun starts after attempt 1's part, so the merger takes it for an earlier one.
-    procs = {**slow, **start_ranks(ctx, ckpt, None, out / "a2", ranks=[0, 2], timeout_s=30.0, offset=2.0)}
+    procs = {**slow, **start_ranks(ctx, ckpt, None, out / "a2", ranks=[0, 2], timeout_s=180.0, offset=2.0)}
     go.touch()
-    results = finish(procs, out / "a2", "None")
+    results = finish(procs, out / "a2", "None", bound_s=240.0)
     assert all(r["ok"] for r in results.values()), results
     assert_holds(ckpt, [2.0, 2.0, 2.0])
 

@@ -47,11 +47,7 @@ pub fn begin(loc: &Location, save_id: &str, rank: u32, overwrite: bool) -> Resul
             if !overwrite {
                 return Err(Error::CheckpointExists(loc.display_path()));
             }
-            if !loc.can_replace_atomically() {
-                return Err(Error::InvalidArgument(format!(
-                    "overwrite=True is refused on object stores ({loc}): they cannot switch a checkpoint atomically; save into a new prefix, or delete the old one first"
-                )));
-            }
+            loc.check_replaceable()?;
             if record.as_ref().is_some_and(|r| r.save_id == save_id) {
                 return Err(Error::InvalidArgument(format!(
                     "{loc} is committed by save {save_id}: overwriting it needs a different save id"
@@ -86,11 +82,7 @@ pub fn begin(loc: &Location, save_id: &str, rank: u32, overwrite: bool) -> Resul
     Ok(Attempt {
         loc: loc.clone(),
         data_file: data_file_name(rank, &in_use),
-        common_file: if loc.can_replace_atomically() {
-            marker_rel(save_id, COMMON_FILE)
-        } else {
-            COMMON_FILE.to_string()
-        },
+        common_file: loc.stage_rel(marker_rel(save_id, COMMON_FILE), COMMON_FILE),
     })
 }
 

@@ -381,8 +381,7 @@ fn integrity_manifest(parts: &[RankPart], meta: &[u8], megatron: bool) -> Result
 fn write_integrity(loc: &Location, bytes: Option<Vec<u8>>) -> Result<()> {
     match bytes {
         Some(m) => loc.write(manifest::INTEGRITY_FILE, m),
-        None if loc.can_replace_atomically() => loc.remove(manifest::INTEGRITY_FILE),
-        None => Ok(()),
+        None => loc.remove_replaced(manifest::INTEGRITY_FILE),
     }
 }
 
@@ -455,11 +454,7 @@ pub(crate) mod testing {
         loc.create_dir().unwrap();
         loc.write(&name, vec![rank as u8; DATA_BYTES]).unwrap();
         let common = (megatron && rank == 0).then(|| {
-            let rel = if loc.can_replace_atomically() {
-                marker_rel(save_id, COMMON_FILE)
-            } else {
-                COMMON_FILE.to_string()
-            };
+            let rel = loc.stage_rel(marker_rel(save_id, COMMON_FILE), COMMON_FILE);
             loc.write(&rel, b"PK common".to_vec()).unwrap();
             FileRecord {
                 stamp: loc.stamp(&rel).unwrap().unwrap(),
