@@ -124,6 +124,66 @@ enum Command {
         #[arg(long, value_name = "S")]
         timeout: Option<f64>,
     },
+    /// Convert a Hugging Face folder (config.json and safetensors, also block-FP8 or MXFP4) into a
+    /// Megatron torch_dist checkpoint, by the to-hf mapping read in reverse: no GPU, no process
+    /// group, no model code. Memory stays at about a group of tensors (1 GiB, or the largest
+    /// tensor) plus one HF tensor per worker.
+    #[command(name = "from-hf", after_help = EXIT_CODES)]
+    FromHf {
+        /// HF folder: config.json and model.safetensors or model.safetensors.index.json with its files.
+        hf_dir: PathBuf,
+        /// Output checkpoint directory (absent or empty; a local directory).
+        ckpt_dir: PathBuf,
+        /// Architecture (llama, qwen2, qwen3, qwen3_moe, mixtral, ...); default: config.json's model_type.
+        #[arg(long)]
+        arch: Option<String>,
+        /// Dtype of the written tensors: bf16, fp16 or fp32 (quantized weights are dequantized into it).
+        #[arg(long, default_value = "bf16")]
+        dtype: String,
+        /// Megatron-LM's --transformer-impl of the model that will load the checkpoint:
+        /// transformer_engine fuses each norm into the linear after it
+        /// (self_attention.linear_qkv.layer_norm_weight, ...), local keeps input_layernorm and
+        /// pre_mlp_layernorm.
+        #[arg(long, default_value = "transformer_engine", value_parser = ["transformer_engine", "local"])]
+        transformer_impl: String,
+        /// Megatron-LM's --moe-grouped-gemm (recorded in the stored args; the keys are the same).
+        #[arg(long)]
+        moe_grouped_gemm: bool,
+        /// Megatron-LM's --make-vocab-size-divisible-by: with --tensor-model-parallel-size, the
+        /// vocabulary is padded to a multiple of their product (the padding rows repeat the last row).
+        #[arg(long, default_value_t = 128)]
+        make_vocab_size_divisible_by: u64,
+        #[arg(long, default_value_t = 1)]
+        tensor_model_parallel_size: u64,
+        /// The iteration stored in the common state.
+        #[arg(long, default_value_t = 0)]
+        iteration: u64,
+        /// Also write latest_checkpointed_iteration.txt in CKPT_DIR's parent (CKPT_DIR must be
+        /// named release for iteration 0, iter_0000123 for --iteration 123), after the commit.
+        #[arg(long)]
+        tracker: bool,
+        /// Worker threads converting tensors in parallel (default: the number of CPUs).
+        #[arg(long, visible_alias = "threads", value_name = "N")]
+        workers: Option<usize>,
+        /// The largest data file, e.g. 1GB (a larger tensor gets a file of its own); the tensors
+        /// of one file are held in memory until it is written.
+        #[arg(long, default_value = "1GB")]
+        max_file_size: String,
+        /// Write only part i of n (0-based), for a conversion split over processes or machines
+        /// sharing CKPT_DIR: every part computes the same data files and writes those k with
+        /// k % n == i; the part that finds every part published commits. Run all n parts with
+        /// the same arguments; the files are byte-identical to a one-process conversion.
+        #[arg(long, value_name = "I/N")]
+        part: Option<String>,
+        /// Replace a checkpoint in CKPT_DIR (it stays loadable until the new commit).
+        #[arg(long)]
+        overwrite: bool,
+        /// Skip HF tensors that no rule reads instead of failing.
+        #[arg(long)]
+        allow_unmapped: bool,
+        #[arg(long, help = JSON_HELP)]
+        json: bool,
+    },
     /// Compare two checkpoints key by key, across layouts (TP/PP/EP) and storage, or a checkpoint with
     /// an HF safetensors folder through the to-hf mapping.
     #[command(after_help = DIFF_EXIT_CODES)]
@@ -288,6 +348,37 @@ where
             repair,
         ),
         Command::Diff(args) => diff(args),
+        Command::FromHf {
+            hf_dir,
+            ckpt_dir,
+            arch,
+            dtype,
+            transformer_impl,
+            moe_grouped_gemm,
+            make_vocab_size_divisible_by,
+            tensor_model_parallel_size,
+            iteration,
+            tracker,
+            workers,
+            max_file_size,
+            part,
+            overwrite,
+            allow_unmapped,
+            json,
+        } => {
+            let mut opts = crate::hf::FromHfOptions::from_user(&dtype, &transformer_impl, workers)?;
+            opts.max_file_bytes = crate::hf::parse_size(&max_file_size)?;
+            opts.arch = arch;
+            opts.moe_grouped_gemm = moe_grouped_gemm;
+            opts.make_vocab_size_divisible_by = make_vocab_size_divisible_by;
+            opts.tensor_model_parallel_size = tensor_model_parallel_size;
+            opts.iteration = iteration;
+            opts.tracker = tracker;
+            opts.part = part.as_deref().map(crate::hf::Part::parse).transpose()?;
+            opts.overwrite = overwrite;
+            opts.allow_unmapped = allow_unmapped;
+            from_hf(&hf_dir, &ckpt_dir, &opts, json)
+        }
         Command::ToHf {
             dir,
             out,
@@ -1043,6 +1134,59 @@ fn merge_rank_local(
             "merged the rank-local metadata of {} (torch DCP use_collectives=False): {what}; .metadata {}",
             count(s.ranks as usize, "rank"),
             size(s.metadata_bytes)
+        );
+    }
+    Ok(0)
+}
+
+fn from_hf(hf: &Path, out: &Path, opts: &crate::hf::FromHfOptions, json: bool) -> Outcome {
+    let bar = progress(
+        indicatif::ProgressBar::new_spinner(),
+        "from-hf {spinner} {binary_bytes} converted {binary_bytes_per_sec} {elapsed}",
+        json,
+    );
+    bar.enable_steady_tick(Duration::from_millis(100));
+    let summary = crate::hf::from_hf(hf, out, opts, &|n| bar.inc(n));
+    bar.finish_and_clear();
+    let summary = summary?;
+    let mut err = std::io::stderr();
+    if !summary.skipped.is_empty() {
+        let _ = writeln!(
+            err,
+            "shardwise: note: {} HF tensors no rule reads were skipped: {}",
+            summary.skipped.len(),
+            summary.skipped.join(", ")
+        );
+    }
+    if !summary.committed {
+        let _ = writeln!(
+            err,
+            "shardwise: note: part {} published; the last part to finish commits",
+            summary.part.as_deref().unwrap_or("?")
+        );
+    }
+    if json {
+        print_json(&summary)?;
+    } else {
+        out!(
+            "wrote {} of {}, {} in {} to {} in {:.2}s ({:.2} GB/s){}{}{}",
+            count(summary.chunks, "tensor chunk"),
+            count(summary.keys, "key"),
+            size(summary.bytes),
+            count(summary.files, "file"),
+            out.display(),
+            summary.seconds,
+            summary.gb_per_s,
+            if summary.dequantized > 0 {
+                format!("; {} dequantized", count(summary.dequantized, "tensor"))
+            } else {
+                String::new()
+            },
+            if summary.committed { "; committed" } else { "" },
+            match &summary.tracker {
+                Some(t) => format!("; tracker {}", t.display()),
+                None => String::new(),
+            }
         );
     }
     Ok(0)

@@ -115,15 +115,16 @@ def full_load(ckpt, out):
     save_file(flat, os.path.join(out, "model.safetensors"))
 
 
-def ceiling(src_dir, out, threads=1):
-    """Every checkpoint byte read and the same amount written (64 MiB blocks, `threads` at once,
-    pread/pwrite), fsync'd: the disk's read+write ceiling for this much data."""
+def ceiling(src_dir, out, threads=1, suffix=".distcp"):
+    """Every byte of the `suffix` files in `src_dir` read and the same amount written (64 MiB
+    blocks, `threads` at once, pread/pwrite), fsync'd: the disk's read+write ceiling for this much
+    data."""
     from concurrent.futures import ThreadPoolExecutor
 
     os.makedirs(out, exist_ok=True)
     blocks = []
     for name in sorted(os.listdir(src_dir)):
-        if name.endswith(".distcp"):
+        if name.endswith(suffix):
             p = os.path.join(src_dir, name)
             size = os.path.getsize(p)
             blocks += [(p, off, min(64 << 20, size - off)) for off in range(0, size, 64 << 20)]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import importlib
 import json
 import os
@@ -26,6 +27,7 @@ import torch
 
 import hf_families_hybrid
 import hf_families_moe
+import hf_workers
 from mcore import init_gloo
 
 VOCAB_MEGATRON = 256  # the model's (padded) vocabulary; the HF configs say 250: the converter trims
@@ -52,6 +54,8 @@ class Family:
         ``shardwise.megatron.load`` (``base/resharded/loaded_gpt.pt``) and by Megatron's own
         ``dist_checkpointing.load`` after its ``gpt_checkpoint_interop`` retargeting: the worker
         returns whether every tensor of the two loads is equal (``gpt_load_equal``).
+    transformer_impl: the Megatron-LM ``--transformer-impl`` whose keys ``build`` gives (the GDN
+        families' CPU stand-ins store Transformer Engine's fused norms), for ``from-hf``.
     """
 
     hf_config: Callable[[], object]
@@ -61,6 +65,7 @@ class Family:
     bad_args: dict = field(default_factory=dict)
     load_check: bool = False
     gpt_twin: Callable[[object], object] | None = None
+    transformer_impl: str = "local"
 
 
 # --- CPU stand-ins for Transformer Engine modules -----------------------------------------------
@@ -307,9 +312,10 @@ def gdn_model(cfg):
 FAMILIES: dict[str, Family] = {
     "qwen3_next": Family(qwen3_next_config, gdn_model, moe=True, cpu_patches=(_cpu_gdn_patches,),
                          bad_args=dict(attention_output_gate=False, apply_layernorm_1p=False,
-                                       moe_shared_expert_gate=False)),
-    "qwen3_5_moe": Family(qwen3_5_moe_config, gdn_model, moe=True, cpu_patches=(_cpu_gdn_patches,)),
-    "qwen3_5": Family(qwen3_5_config, gdn_model, cpu_patches=(_cpu_gdn_patches,)),
+                                       moe_shared_expert_gate=False), transformer_impl="transformer_engine"),
+    "qwen3_5_moe": Family(qwen3_5_moe_config, gdn_model, moe=True, cpu_patches=(_cpu_gdn_patches,),
+                          transformer_impl="transformer_engine"),
+    "qwen3_5": Family(qwen3_5_config, gdn_model, cpu_patches=(_cpu_gdn_patches,), transformer_impl="transformer_engine"),
 }
 # deepseek_v3 (MLA), glm4_moe, gpt_oss, deepseek_v32 (DSA), minimax_m2: their configs and Megatron
 # builders are in hf_families_moe; HybridModel families in hf_families_hybrid.
@@ -317,6 +323,24 @@ FAMILIES.update({name: Family(**kw) for name, kw in hf_families_moe.FAMILY_ARGS.
 FAMILIES.update({name: Family(**kw, load_check=True) for name, kw in hf_families_hybrid.FAMILY_ARGS.items()})
 for _name in ("deepseek_v32", "minimax_m2", "qwen2", "mixtral"):
     FAMILIES[_name] = dataclasses.replace(FAMILIES[_name], load_check=True)
+
+
+def _moe_without_te_patch() -> None:
+    # megatron-core 0.16.1 without Transformer Engine: moe_utils reads the global te_general_gemm,
+    # defined only when TE imports; None selects its plain torch path.
+    from megatron.core.transformer.moe import moe_utils
+
+    moe_utils.__dict__.setdefault("te_general_gemm", None)
+
+
+# llama, qwen3 and qwen3_moe: the configs and builders of the to-hf tests (hf_workers), registered
+# here for from-hf's load-and-compare run (their to-hf tests are test_hf.py's; ``args`` is unused).
+FAMILIES.update({
+    arch: Family(functools.partial(hf_workers.hf_config, arch),
+                 functools.partial(lambda arch, cfg: (hf_workers.build_model(arch, cfg), {}), arch),
+                 moe=arch == "qwen3_moe", cpu_patches=(_moe_without_te_patch,))
+    for arch in ("llama", "qwen3", "qwen3_moe")
+})
 
 
 # --- the harness ------------------------------------------------------------------------------
@@ -448,6 +472,97 @@ def _save_and_forward(rank, base, family):
         ps.destroy_model_parallel()
     if rank == 0:
         cfg.save_pretrained(os.path.join(base, "hf_config"))
+
+
+def random_hf_model(cfg, out_dir: str):
+    """A transformers model of ``cfg`` (float32) with every weight random and distinct: norms,
+    biases, the GDN decay parameters, attention sinks and router biases too (transformers
+    initialises many of them to constants, which would hide a swapped or dropped tensor). Norm
+    weights lie in [0.6, 1.6), where ``w - 1`` and ``+ 1`` are exact in float32 (the GDN output
+    norm's offset). Saved with ``save_pretrained`` into ``out_dir``; returns its logits on
+    ``TOKENS``."""
+    import transformers
+
+    hf_cpu_torch_paths()
+    torch.manual_seed(4321)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(99)
+    with torch.no_grad():
+        for name, p in [*model.named_parameters(), *model.named_buffers()]:
+            if not p.is_floating_point() or "rotary" in name or name.endswith("inv_freq"):
+                continue
+            if "norm" in name or name.endswith("dt_bias"):
+                p.copy_(0.6 + torch.rand(p.shape, generator=g))
+            elif p.dim() < 2 or name.endswith("_bias"):
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+        model.save_pretrained(out_dir)
+        return model(TOKENS).logits[0].clone()
+
+
+def checkpoint_key_mismatch(model, ckpt_dir: str) -> tuple[list, list]:
+    """What megatron-core's ``strict=raise_all`` compares, over all ranks: the keys of the
+    checkpoint no rank asks for, and the keys some rank asks for that the checkpoint lacks
+    (``validation._determine_missing_and_unexpected_keys``). megatron-core reads the checkpoint's
+    keys with ``load_sharded_metadata``, which fails under torch 2.15 for any checkpoint
+    (``torch.empty(**TensorProperties.__dict__)`` gets torch 2.15's new ``strides`` field), so the
+    keys come from torch DCP's own ``.metadata`` reader here (a ShardedObject is stored as
+    ``key/shard_<offset>_<shape>``)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedBase, apply_factories
+
+    sd = model.sharded_state_dict()
+    apply_factories(sd)
+    asked = {v.key for v in nested_values(sd) if isinstance(v, ShardedBase)}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, sorted(asked))
+    asked_anywhere = set().union(*map(set, gathered))
+    stored = {k.split("/shard_")[0] for k in dcp.FileSystemReader(ckpt_dir).read_metadata().state_dict_metadata}
+    return sorted(stored - asked_anywhere), sorted(asked - stored)
+
+
+def load_and_forward(rank, world, port, base, families):
+    """Worker (2 ranks): for each family, builds a fresh megatron-core model in the resharded layout
+    (TP=2, EP=2 for MoE), fills it with megatron-core's own unmodified ``dist_checkpointing.load``
+    from ``base/<family>/ckpt`` and records its logits (``base/<family>/megatron_logits.pt``).
+    Returns, per family, the key mismatches ``strict=raise_all`` would report
+    (:func:`checkpoint_key_mismatch`)."""
+    init_gloo(rank, world, port)
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    import traceback
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    _cpu_common_patches()
+    mismatch, errors = {}, {}
+    for family in families:
+        fam = FAMILIES[family]
+        for patch in fam.cpu_patches:
+            patch()
+        cfg = fam.hf_config()
+        ps.initialize_model_parallel(tensor_model_parallel_size=2, expert_model_parallel_size=2 if fam.moe else 1,
+                                     expert_tensor_parallel_size=1 if fam.moe else None)
+        # One family's failure (a refused load fails on both ranks alike) is its test's, not the others'.
+        try:
+            model, _ = fam.build(cfg)
+            ckpt = os.path.join(base, family, "ckpt")
+            mismatch[family] = checkpoint_key_mismatch(model, ckpt)
+            # As Megatron-LM's load_checkpoint asks: the model under "model", the common state beside it.
+            loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, ckpt)
+            model.load_state_dict(loaded["model"])
+            logits = _megatron_logits(model, cfg.vocab_size)
+            if rank == 0:
+                torch.save(logits, os.path.join(base, family, "megatron_logits.pt"))
+        except (Exception, CheckpointException):  # torch's CheckpointException is a BaseException
+            errors[family] = traceback.format_exc()
+        finally:
+            ps.destroy_model_parallel()
+    return {"mismatch": mismatch, "errors": errors}
 
 
 def hf_reference_tensors(config_dir: str, out_dir: str) -> dict:

@@ -239,6 +239,14 @@ def _duplicated_linear():
         def forward(self, x):
             return super().forward(x), None
 
+        # TELinear's _extra_state (its FP8 metadata; nothing without FP8): the checkpoint holds one
+        # ShardedObject per projection, as a Transformer Engine model saves and asks for it.
+        def get_extra_state(self):
+            return None
+
+        def set_extra_state(self, state):
+            pass
+
         def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
             return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, None,
                                                        sharded_offsets)

@@ -35,7 +35,7 @@ def _rope_theta(cfg) -> float:
     return float(rp.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
 
 
-def _build(arch: str, cfg):
+def build_model(arch: str, cfg):
     import torch.nn.functional as F
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -88,7 +88,7 @@ def save_and_forward(rank, world, port, base, arch, url=None):
     ps.initialize_model_parallel(tensor_model_parallel_size=2, expert_model_parallel_size=2 if moe else 1,
                                  expert_tensor_parallel_size=1 if moe else None)
     cfg = hf_config(arch)
-    model = _build(arch, cfg)
+    model = build_model(arch, cfg)
     # The forward forks Megatron's CUDA RNG tracker around dropout (p=0 here); on CPU there is no
     # CUDA generator to fork, so the fork becomes a no-op.
     import contextlib

@@ -22,6 +22,7 @@ const BININT: u8 = b'J';
 const BININT1: u8 = b'K';
 const BININT2: u8 = b'M';
 const LONG1: u8 = 0x8a;
+const BINFLOAT: u8 = b'G';
 const NONE: u8 = b'N';
 const NEWTRUE: u8 = 0x88;
 const NEWFALSE: u8 = 0x89;
@@ -205,6 +206,12 @@ impl Pickler {
 
     pub fn none(&mut self) {
         self.buf.push(NONE);
+    }
+
+    /// `BINFLOAT`: the IEEE double, big-endian (CPython's opcode for every float).
+    pub fn float(&mut self, v: f64) {
+        self.buf.push(BINFLOAT);
+        self.buf.extend_from_slice(&v.to_be_bytes());
     }
 
     pub fn bool(&mut self, v: bool) {

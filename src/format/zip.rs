@@ -110,6 +110,34 @@ impl ArchiveLayout {
     }
 }
 
+/// The whole `torch.save` archive of an object without tensors (a dict of plain values, e.g.
+/// Megatron's `common.pt`): `data.pkl` is `pickle`, then the records torch writes beside it
+/// (`byteorder`, `version`, `.data/serialization_id`), as [`ArchiveLayout::for_tensor`] lays
+/// them out without a storage record.
+pub fn object_archive(pickle: &[u8], serialization_id: &str) -> Vec<u8> {
+    let records = [
+        Record {
+            name: "data.pkl",
+            data: Data::Inline(pickle),
+        },
+        Record {
+            name: "byteorder",
+            data: Data::Inline(b"little"),
+        },
+        Record {
+            name: "version",
+            data: Data::Inline(b"3\n"),
+        },
+        Record {
+            name: ".data/serialization_id",
+            data: Data::Inline(serialization_id.as_bytes()),
+        },
+    ];
+    let (mut bytes, suffix, _) = encode_archive(&records, U32_LIMIT);
+    bytes.extend_from_slice(&suffix);
+    bytes
+}
+
 /// `data.pkl` of `torch.save(tensor)`: `_rebuild_tensor_v2` for legacy dtypes, `_rebuild_tensor_v3`
 /// (UntypedStorage, numel in bytes, trailing dtype) for float8. Memo opcodes as CPython emits them.
 pub fn tensor_pickle(dtype: DType, shape: &[u64]) -> Vec<u8> {

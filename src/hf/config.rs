@@ -128,7 +128,7 @@ impl Dims {
 
     /// gpt_oss's attention window of each layer (None: full attention): `sliding_window` on the
     /// layers `layer_types` calls `sliding_attention`, transformers' default every even layer.
-    fn layer_windows(&self) -> Vec<Option<u64>> {
+    pub(crate) fn layer_windows(&self) -> Vec<Option<u64>> {
         let types = self.cfg.get("layer_types").and_then(|v| v.as_array());
         (0..self.num_layers)
             .map(|l| {

@@ -111,6 +111,18 @@ fn in_proj_per_key_head(d: &Dims, key: &str, shape: &[u64]) -> Rows {
     Ok(vec![qkvz, ba])
 }
 
+/// The parts of the fused in_proj: q, k, v, z, beta, alpha.
+fn in_proj_parts(d: &Dims, key: &str) -> Result<Vec<u64>> {
+    let g = Gdn::of(d, key)?;
+    Ok(vec![g.qk(), g.qk(), g.v(), g.v(), g.nv(), g.nv()])
+}
+
+/// The parts of conv1d: q, k, v channels.
+fn conv_parts(d: &Dims, key: &str) -> Result<Vec<u64>> {
+    let g = Gdn::of(d, key)?;
+    Ok(vec![g.qk(), g.qk(), g.v()])
+}
+
 /// `conv1d.weight` [q; k; v] as it is (one channel per row).
 fn conv_qkv(d: &Dims, key: &str, shape: &[u64]) -> Rows {
     let g = Gdn::of(d, key)?;
@@ -181,7 +193,8 @@ pub(crate) const GDN_LAYERS: &[Rule] = &[
         )],
         conv_qkv,
         LINEAR,
-    ),
+    )
+    .with_parts(conv_parts),
     rule(
         &["self_attention.A_log"],
         &[out("linear_attn.A_log", &[NV])],
@@ -252,7 +265,8 @@ pub(crate) const GDN_QWEN3_5: &[Rule] = &[rule(
     ],
     in_proj_flat,
     LINEAR,
-)];
+)
+.with_parts(in_proj_parts)];
 
 /// Qwen3-Next's GDN input projections.
 pub(crate) const GDN_QWEN3_NEXT: &[Rule] = &[rule(
@@ -266,7 +280,8 @@ pub(crate) const GDN_QWEN3_NEXT: &[Rule] = &[rule(
     ],
     in_proj_per_key_head,
     LINEAR,
-)];
+)
+.with_parts(in_proj_parts)];
 
 /// The shared expert and its sigmoid gate, which these families always have (listed before
 /// [`super::rules::QWEN_MOE`], whose optional rows they override).

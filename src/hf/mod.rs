@@ -8,13 +8,15 @@
 //! [`rules`] and [`gdn`] (the rule slices), [`families`] (the architectures), [`config`]
 //! (hyperparameters from config.json and the stored args, and their checks), [`plan`] (the table
 //! applied to the checkpoint's keys), [`write`] (shard plan, safetensors headers, index),
-//! [`output`] (the folder and the commit). Name mapping:
+//! [`output`] (the folder and the commit), [`quant`] (the block-FP8 and MXFP4 formats of quantized
+//! releases). Name mapping:
 //! megatron-torch-dist.md §2.7 and §4.3, shared/reference/hf-mappings-2026.md. Output files:
 //! safetensors sharded as `model-0000k-of-0000n.safetensors` with
 //! `model.safetensors.index.json`, as `transformers` writes them.
 
 mod config;
 mod families;
+mod from_hf;
 mod gdn;
 mod layout;
 mod output;
@@ -34,6 +36,7 @@ use crate::format::dtype::DType;
 use crate::reader::Checkpoint;
 use crate::storage::{create_dir_all, Location};
 
+pub use from_hf::{from_hf, FromHfOptions, FromHfSummary, Impl};
 pub use output::Part;
 pub(crate) use plan::{read_hf_tensor, HfTensor, Plan};
 pub(crate) use spec::Post;
@@ -158,7 +161,7 @@ pub fn to_hf(
         ));
     }
     if let Location::Local(dir) = ckpt {
-        output::check_outside(out_dir, dir)?;
+        output::check_outside(out_dir, dir, "checkpoint directory")?;
     }
     if opts.part.is_none() {
         output::check_folder(out_dir, opts.overwrite)?;

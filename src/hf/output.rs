@@ -148,13 +148,14 @@ pub(crate) fn check_folder(dir: &Path, overwrite: bool) -> Result<()> {
     Ok(())
 }
 
-/// Refuses an output folder that is the checkpoint's directory or lies inside it: the shards
-/// would be written among the checkpoint's files (and `--overwrite` would remove files there).
-/// A folder that does not exist yet is judged by its nearest existing ancestor.
+/// Refuses an output folder that is the input's directory or lies inside it (`input_kind` names
+/// the input in the message): to-hf's shards would be written among the checkpoint's files (and
+/// `--overwrite` would remove files there), from-hf's checkpoint among the HF folder's. A folder
+/// that does not exist yet is judged by its nearest existing ancestor.
 ///
 /// Errors: [`Error::InvalidArgument`] naming both.
-pub(crate) fn check_outside(out: &Path, checkpoint_dir: &Path) -> Result<()> {
-    let (Ok(ckpt), Ok(abs)) = (checkpoint_dir.canonicalize(), std::path::absolute(out)) else {
+pub(crate) fn check_outside(out: &Path, input_dir: &Path, input_kind: &str) -> Result<()> {
+    let (Ok(ckpt), Ok(abs)) = (input_dir.canonicalize(), std::path::absolute(out)) else {
         return Ok(()); // opening the checkpoint reports a missing one
     };
     let mut existing = abs.as_path();
@@ -172,9 +173,9 @@ pub(crate) fn check_outside(out: &Path, checkpoint_dir: &Path) -> Result<()> {
     resolved.extend(rest.iter().rev());
     if resolved.starts_with(&ckpt) {
         return Err(Error::InvalidArgument(format!(
-            "output folder {} is inside the checkpoint directory {}: choose a folder outside it",
+            "output folder {} is inside the {input_kind} {}: choose a folder outside it",
             out.display(),
-            checkpoint_dir.display()
+            input_dir.display()
         )));
     }
     Ok(())

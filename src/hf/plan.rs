@@ -61,7 +61,7 @@ fn skip_key(key: &str) -> bool {
         || key.starts_with("content_metadata")
 }
 
-fn layer_prefix(l: u64) -> String {
+pub(crate) fn layer_prefix(l: u64) -> String {
     format!("model.layers.{l}.")
 }
 
@@ -243,13 +243,25 @@ fn part_rows<'a>(
 /// Errors: [`Error::Validation`] naming the HF tensor, the source key, both shapes and the
 /// config fields of each differing dimension.
 fn check_shape(d: &Dims, name: &str, key: &str, got: &[u64], want: &[&[&str]]) -> Result<()> {
+    match implied_shape(d, got, want) {
+        None => Ok(()),
+        Some(implied) => Err(Error::Validation(format!(
+            "{name}: the checkpoint's {key} gives shape {got:?}; the config implies {implied}"
+        ))),
+    }
+}
+
+/// None when shape `got` fits an [`Out::shape`](super::spec::Out) `want` (a dimension whose
+/// fields the config lacks fits anything), else what the config implies, each dimension with its
+/// fields (`[hidden_size = 64, intermediate_size = 128]`).
+pub(crate) fn implied_shape(d: &Dims, got: &[u64], want: &[&[&str]]) -> Option<String> {
     let fits = got.len() == want.len()
         && got
             .iter()
             .zip(want)
             .all(|(&g, f)| d.product(f).is_none_or(|w| w == g));
     if fits {
-        return Ok(());
+        return None;
     }
     let implied: Vec<String> = want
         .iter()
@@ -259,10 +271,7 @@ fn check_shape(d: &Dims, name: &str, key: &str, got: &[u64], want: &[&[&str]]) -
             (false, None) => format!("{} (not in config)", f.join(" x ")),
         })
         .collect();
-    Err(Error::Validation(format!(
-        "{name}: the checkpoint's {key} gives shape {got:?}; the config implies [{}]",
-        implied.join(", ")
-    )))
+    Some(format!("[{}]", implied.join(", ")))
 }
 
 /// Maps one checkpoint tensor key; `lookup` finds the other parts of a joined source.
@@ -357,7 +366,7 @@ impl Dims {
     }
 
     /// Whether rule `r` may produce tensors on layer `l` (None: a model rule).
-    fn may_produce(&self, r: &Rule, l: u64) -> bool {
+    pub(crate) fn may_produce(&self, r: &Rule, l: u64) -> bool {
         match r.when {
             When::MoeLayer => self.is_moe(l),
             When::DenseLayer => !self.is_moe(l),
@@ -369,7 +378,7 @@ impl Dims {
     }
 
     /// Whether the config requires rule `r`'s outputs on layer `l` (None: a model rule).
-    fn requires(&self, r: &Rule, l: Option<u64>) -> bool {
+    pub(crate) fn requires(&self, r: &Rule, l: Option<u64>) -> bool {
         match r.when {
             When::Always => true,
             When::Optional => false,
@@ -528,7 +537,7 @@ pub(crate) fn read_hf_tensor(ckpt: &Checkpoint, t: &HfTensor, buf: &mut [u8]) ->
 /// the transform is `shape`.
 ///
 /// Errors: [`Error::UnsupportedDtype`] for `+1` on a non-float dtype.
-fn apply_post(post: Post, dtype: DType, shape: &[u64], buf: &mut [u8]) -> Result<()> {
+pub(crate) fn apply_post(post: Post, dtype: DType, shape: &[u64], buf: &mut [u8]) -> Result<()> {
     match post {
         Post::None => Ok(()),
         Post::AddOne => {
@@ -610,9 +619,116 @@ fn apply_post(post: Post, dtype: DType, shape: &[u64], buf: &mut [u8]) -> Result
     }
 }
 
+/// The inverse of [`apply_post`] (from-hf): `buf` holds the HF tensor of shape `hf_shape` in
+/// `dtype`; afterwards it holds the gathered rows the transform was applied to. `w + 1` becomes
+/// `w - 1` computed in float32 and rounded once, exact for HF values in [0.5, 2] (Sterbenz), so
+/// that a round trip gives the HF value back there.
+///
+/// Errors: as [`apply_post`].
+pub(crate) fn invert_post(
+    post: Post,
+    dtype: DType,
+    hf_shape: &[u64],
+    buf: &mut [u8],
+) -> Result<()> {
+    let item = dtype.itemsize() as usize;
+    let n = hf_shape.len();
+    match post {
+        Post::None => Ok(()),
+        Post::AddOne => {
+            use half::{bf16, f16};
+            match dtype {
+                DType::F32 => buf.chunks_exact_mut(4).for_each(|c| {
+                    let v = f32::from_le_bytes(c.try_into().unwrap()) - 1.0;
+                    c.copy_from_slice(&v.to_le_bytes())
+                }),
+                DType::BF16 => buf.chunks_exact_mut(2).for_each(|c| {
+                    let v = bf16::from_f32(bf16::from_le_bytes([c[0], c[1]]).to_f32() - 1.0);
+                    c.copy_from_slice(&v.to_le_bytes())
+                }),
+                DType::F16 => buf.chunks_exact_mut(2).for_each(|c| {
+                    let v = f16::from_f32(f16::from_le_bytes([c[0], c[1]]).to_f32() - 1.0);
+                    c.copy_from_slice(&v.to_le_bytes())
+                }),
+                other => {
+                    return Err(Error::UnsupportedDtype(format!(
+                        "-1 norm offset on {}",
+                        other.torch_name()
+                    )))
+                }
+            }
+            Ok(())
+        }
+        Post::TransposeLast2 | Post::InterleaveLast | Post::InterleaveTransposeLast2 => {
+            if n < 2 && post != Post::InterleaveLast {
+                return Err(Error::Validation(format!(
+                    "shape {hf_shape:?} has no two dimensions to transpose"
+                )));
+            }
+            if post != Post::TransposeLast2 {
+                // [..., 2I] with gate at even and up at odd positions to [..., gate | up].
+                let two = hf_shape[n - 1] as usize;
+                if two % 2 != 0 {
+                    return Err(Error::Validation(format!(
+                        "gate/up dimension {two} of {hf_shape:?} is odd"
+                    )));
+                }
+                let row = two * item;
+                let mut tmp = vec![0u8; row];
+                for r in buf.chunks_exact_mut(row.max(1)) {
+                    for p in 0..two {
+                        let s = if p % 2 == 0 { p / 2 } else { two / 2 + p / 2 };
+                        tmp[s * item..(s + 1) * item].copy_from_slice(&r[p * item..(p + 1) * item]);
+                    }
+                    r.copy_from_slice(&tmp);
+                }
+            }
+            if post != Post::InterleaveLast {
+                let (r, c) = (hf_shape[n - 2] as usize, hf_shape[n - 1] as usize);
+                let mat = r * c * item;
+                let mut tmp = vec![0u8; mat];
+                for m in buf.chunks_exact_mut(mat.max(1)) {
+                    for i in 0..r {
+                        for j in 0..c {
+                            let (src, dst) = ((i * c + j) * item, (j * r + i) * item);
+                            tmp[dst..dst + item].copy_from_slice(&m[src..src + item]);
+                        }
+                    }
+                    m.copy_from_slice(&tmp);
+                }
+            }
+            Ok(())
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn invert_post_undoes_apply_post() {
+        // Gathered [2 experts, 4 rows ([gate; up], I = 2), 3 columns], f32 values 0..24.
+        let gathered: Vec<u8> = (0..24)
+            .flat_map(|v| (v as f32 * 0.25 + 0.5).to_le_bytes())
+            .collect();
+        for (post, hf_shape) in [
+            (Post::None, vec![2u64, 4, 3]),
+            (Post::AddOne, vec![2, 4, 3]),
+            (Post::TransposeLast2, vec![2, 3, 4]),
+            (Post::InterleaveLast, vec![2, 3, 4]),
+            (Post::InterleaveTransposeLast2, vec![2, 3, 4]),
+        ] {
+            let mut buf = gathered.clone();
+            apply_post(post, DType::F32, &hf_shape, &mut buf).unwrap();
+            assert!(
+                post == Post::None || buf != gathered,
+                "{post:?} changed nothing"
+            );
+            invert_post(post, DType::F32, &hf_shape, &mut buf).unwrap();
+            assert_eq!(buf, gathered, "{post:?}");
+        }
+    }
 
     #[test]
     fn post_adds_one_and_transposes() {

@@ -96,6 +96,7 @@ const fn experts(src: &'static [&'static str], outs: &'static [Out], split: Spli
         experts: Experts::PerExpert,
         post: Post::None,
         when: When::MoeLayer,
+        parts: None,
     }
 }
 
@@ -472,6 +473,7 @@ const fn stacked(src: &'static [&'static str], outs: &'static [Out], post: Post)
         experts: Experts::Stacked,
         post,
         when: When::MoeLayer,
+        parts: None,
     }
 }
 

@@ -36,6 +36,9 @@ pub(crate) struct Rule {
     pub experts: Experts,
     pub post: Post,
     pub when: When,
+    /// For a source that joins several keys (`prefix.{a|b|..}`): each part's rows. to-hf reads
+    /// them from the checkpoint's keys; from-hf cuts the joined rows it rebuilt into the parts.
+    pub parts: Option<PartRows>,
 }
 
 /// An HF tensor of a rule.
@@ -51,6 +54,9 @@ pub(crate) struct Out {
 /// that make each [`Rule::outs`] entry, concatenated in order. Arguments: the dims, the Megatron
 /// key (for errors) and the source's shape after the layer and expert axes.
 pub(crate) type Split = fn(&Dims, &str, &[u64]) -> Result<Vec<Vec<(u64, u64)>>>;
+
+/// Rows of each part of a joined source, in order (the dims and the Megatron key, for errors).
+pub(crate) type PartRows = fn(&Dims, &str) -> Result<Vec<u64>>;
 
 /// Whether the source has a leading expert axis (after the layer axis, when stacked).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -207,6 +213,7 @@ pub(crate) const fn rule(
         experts: Experts::No,
         post: Post::None,
         when,
+        parts: None,
     }
 }
 
@@ -218,6 +225,12 @@ impl Rule {
     /// The rule with value transform `post`.
     pub(crate) const fn with_post(mut self, post: Post) -> Rule {
         self.post = post;
+        self
+    }
+
+    /// The rule of a joined source, with its parts' rows.
+    pub(crate) const fn with_parts(mut self, parts: PartRows) -> Rule {
+        self.parts = Some(parts);
         self
     }
 }

@@ -168,6 +168,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<save::SaveHandle>()?;
     m.add_function(wrap_pyfunction!(tools::cuda_available, m)?)?;
     m.add_function(wrap_pyfunction!(tools::to_hf, m)?)?;
+    m.add_function(wrap_pyfunction!(tools::from_hf, m)?)?;
     m.add_function(wrap_pyfunction!(tools::diff, m)?)?;
     m.add_function(wrap_pyfunction!(tools::status, m)?)?;
     Ok(())

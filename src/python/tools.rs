@@ -60,6 +60,55 @@ pub(super) fn to_hf(
     Ok(to_dict(py, &s)?.unbind())
 }
 
+/// Converts the Hugging Face folder `hf_dir` into a torch_dist checkpoint in `ckpt_dir`; see
+/// `shardwise from-hf`. `dtype` bf16, fp16 or fp32; `transformer_impl` transformer_engine or
+/// local; `workers` threads; `max_file_size` like "1GB"; `part` like "0/2". Returns the summary as a dict (chunks, keys,
+/// bytes, files, seconds, gb_per_s, hf_tensors, dequantized, skipped, stacked_layers,
+/// padded_vocab_size, iteration, part, committed, tracker).
+#[pyfunction]
+#[pyo3(signature = (hf_dir, ckpt_dir, *, arch=None, dtype="bf16", transformer_impl="transformer_engine", moe_grouped_gemm=false, make_vocab_size_divisible_by=128, tensor_model_parallel_size=1, iteration=0, tracker=false, workers=None, max_file_size="1GB", part=None, overwrite=false, allow_unmapped=false))]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn from_hf(
+    py: Python<'_>,
+    hf_dir: PathBuf,
+    ckpt_dir: PathBuf,
+    arch: Option<String>,
+    dtype: &str,
+    transformer_impl: &str,
+    moe_grouped_gemm: bool,
+    make_vocab_size_divisible_by: u64,
+    tensor_model_parallel_size: u64,
+    iteration: u64,
+    tracker: bool,
+    workers: Option<usize>,
+    max_file_size: &str,
+    part: Option<String>,
+    overwrite: bool,
+    allow_unmapped: bool,
+) -> PyResult<Py<PyAny>> {
+    let mut opts =
+        crate::hf::FromHfOptions::from_user(dtype, transformer_impl, workers).map_err(to_py)?;
+    opts.max_file_bytes = crate::hf::parse_size(max_file_size).map_err(to_py)?;
+    opts.arch = arch;
+    opts.moe_grouped_gemm = moe_grouped_gemm;
+    opts.make_vocab_size_divisible_by = make_vocab_size_divisible_by;
+    opts.tensor_model_parallel_size = tensor_model_parallel_size;
+    opts.iteration = iteration;
+    opts.tracker = tracker;
+    opts.part = part
+        .as_deref()
+        .map(crate::hf::Part::parse)
+        .transpose()
+        .map_err(to_py)?;
+    opts.overwrite = overwrite;
+    opts.allow_unmapped = allow_unmapped;
+    let s = py
+        .detach(|| crate::hf::from_hf(&hf_dir, &ckpt_dir, &opts, &|_| {}))
+        .map_err(to_py)?;
+    let json = serde_json::to_string(&s).expect("serializable");
+    Ok(py.import("json")?.call_method1("loads", (json,))?.unbind())
+}
+
 /// Compares checkpoints `a` and `b` (directories, URLs, or one HF safetensors folder); see
 /// `shardwise diff`. Returns the report as a dict with the fields of `shardwise diff --json`
 /// (`shardwise.diff` documents them). Raises `InvalidArgumentError` for a tolerance that is not a

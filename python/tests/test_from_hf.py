@@ -1,0 +1,375 @@
+"""`shardwise from-hf`: a Hugging Face folder becomes a Megatron torch_dist checkpoint by the to-hf rule
+table read in reverse. For every family of the to-hf registry (``hf_families``): random weights from
+transformers (``save_pretrained``) are converted at TP=2 (the vocabulary padded to 128 x 2); megatron-core's
+own unmodified ``dist_checkpointing.load`` fills a freshly built model at TP=2 (x EP=2 for MoE) on gloo
+CPU ranks (one 2-process run for all families), with no key mismatch of the kind ``strict=raise_all``
+reports (``hf_families.checkpoint_key_mismatch``: that check itself fails under torch 2.15); Megatron's logits equal
+transformers'; and ``to-hf`` of the result gives back the input tensors bitwise. Quantized inputs
+(block FP8, MXFP4) are dequantized bitwise as the tests' own reference computes; bad inputs are refused,
+naming the tensor, with nothing committed; ``--workers`` and ``--part`` write byte-identical files."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import hf_families
+import hf_families_hybrid
+import shardwise
+from mcore import spawn
+
+# from-hf writes a GPTModel's keys; the HybridModel variants (hf_families_hybrid) are the same HF
+# families, which megatron-core's gpt_checkpoint_interop retargets.
+MCORE = importlib.metadata.version("megatron-core")
+# With an older release first on PYTHONPATH (as ``make test-matrix`` runs them), only hf_workers'
+# dense builders exist: the other families' builders use 0.19's modules, and before 0.19 a MoE
+# model at TP=2 x EP=2 requires sequence parallelism, which the CPU forward does not run.
+FAMILIES = ([f for f in hf_families.FAMILIES if f not in hf_families_hybrid.FAMILY_ARGS]
+            if tuple(map(int, MCORE.split(".")[:2])) >= (0, 19) else ["llama", "qwen3"])
+MAX_REL_DIFF = 1e-4
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def _hf_tensors(folder: Path) -> dict:
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def _from_hf(family, hf_dir, ckpt, **kw):
+    fam = hf_families.FAMILIES[family]
+    return shardwise.from_hf(str(hf_dir), str(ckpt), dtype="fp32", transformer_impl=fam.transformer_impl,
+                             tensor_model_parallel_size=2, **kw)
+
+
+@pytest.fixture(scope="session")
+def converted(tmp_path_factory):
+    """Every family's random HF folder (``<family>/hf``), its transformers logits and its from-hf
+    checkpoint (``<family>/ckpt``)."""
+    base = tmp_path_factory.mktemp("from_hf")
+    summaries = {}
+    for family in FAMILIES:
+        fam = hf_families.FAMILIES[family]
+        logits = hf_families.random_hf_model(fam.hf_config(), str(base / family / "hf"))
+        torch.save(logits, base / family / "hf_logits.pt")
+        summaries[family] = _from_hf(family, base / family / "hf", base / family / "ckpt", workers=2)
+    return base, summaries
+
+
+@pytest.fixture(scope="session")
+def megatron_loaded(converted):
+    """One 2-rank run for all families: megatron-core's load of each checkpoint and its logits
+    (``<family>/megatron_logits.pt``); the ranks' results, failures included."""
+    base, _ = converted
+    return spawn(hf_families.load_and_forward, 2, str(base / "out"), str(base), FAMILIES, timeout_s=900)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_megatron_loads_it_strictly_and_its_logits_equal_transformers(converted, megatron_loaded, family):
+    base, summaries = converted
+    failed = [r for r in megatron_loaded if not r.get("ok")]
+    assert not failed, "\n".join(f"rank {r['rank']}: {r.get('error')}\n{r.get('traceback', '')}" for r in failed)
+    for r in megatron_loaded:
+        assert family not in r["errors"], f"rank {r['rank']}: {r['errors'][family]}"
+        unrequested, absent = r["mismatch"][family]
+        assert unrequested == [] and absent == [], (r["rank"], unrequested, absent)
+    s = summaries[family]
+    assert s["committed"] and s["padded_vocab_size"] == 256 and not s["skipped"], s
+    assert (base / family / "ckpt" / "common.pt").is_file() and (base / family / "ckpt" / "metadata.json").is_file()
+    hf = torch.load(base / family / "hf_logits.pt")
+    mg = torch.load(base / family / "megatron_logits.pt")
+    assert hf.shape == mg.shape
+    rel = ((hf - mg).abs().max() / mg.abs().max()).item()
+    assert rel <= MAX_REL_DIFF, (family, rel)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_to_hf_of_the_result_gives_the_input_back_bitwise(converted, family, tmp_path):
+    base, summaries = converted
+    s = summaries[family]
+    assert s["committed"] and s["padded_vocab_size"] == 256 and not s["skipped"], s
+    hf_dir = base / family / "hf"
+    out = tmp_path / "back"
+    # The stored args alone are checked against config.json: every row passes.
+    summary = shardwise.to_hf(str(base / family / "ckpt"), str(out), hf_config=str(hf_dir / "config.json"))
+    assert summary["args_check"] == "passed" and not summary["args_unchecked"], summary
+    want, got = _hf_tensors(hf_dir), _hf_tensors(out)
+    assert sorted(got) == sorted(want)
+    for k, t in want.items():
+        assert got[k].dtype == t.dtype and got[k].shape == t.shape and torch.equal(_bits(got[k]), _bits(t)), k
+
+
+def test_common_state_is_megatrons(converted):
+    """common.pt loads with megatron-core's own loader (weights_only, its safe globals): args with the
+    model fields, checkpoint_version 3.0, the iteration."""
+    from megatron.core.dist_checkpointing import load_common_state_dict
+
+    base, _ = converted
+    common = load_common_state_dict(str(base / "qwen3_moe" / "ckpt"))
+    args = common["args"]
+    assert common["checkpoint_version"] == 3.0 and common["iteration"] == 0
+    assert (args.num_layers, args.hidden_size, args.padded_vocab_size, args.tensor_model_parallel_size) == (2, 64, 256, 2)
+    assert (args.num_experts, args.moe_ffn_hidden_size, args.moe_layer_freq) == (4, 32, 1)
+    assert args.no_save_optim and args.no_save_rng and args.transformer_impl == "local"
+
+
+# --- quantized inputs ------------------------------------------------------------------------------
+
+
+def _llama_fp32(tmp_path, hidden=144, ffn=272):
+    """A llama whose weights have partial 128 x 128 blocks at their edges (144 = 128 + 16, ...)."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=250, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
+                                   max_position_embeddings=64, tie_word_embeddings=False)
+    hf_families.random_hf_model(cfg, str(tmp_path / "bf"))
+    return cfg, _hf_tensors(tmp_path / "bf")
+
+
+def _fp8_reference(w: torch.Tensor):
+    """The test's own block-FP8 recipe: DeepGEMM's per_block_cast_to_fp8 (amax per 128 x 128 block,
+    clamped at 1e-4; scale_inv = amax / 448), and its dequantization (f32 product, then the dtype)."""
+    m, n = w.shape
+    pad = torch.zeros((m + 127) // 128 * 128, (n + 127) // 128 * 128, dtype=w.dtype)
+    pad[:m, :n] = w
+    v = pad.view(-1, 128, pad.size(1) // 128, 128)
+    amax = v.abs().float().amax(dim=(1, 3), keepdim=True).clamp(1e-4)
+    q = (v * (448.0 / amax)).to(torch.float8_e4m3fn).view_as(pad)[:m, :n].contiguous()
+    s = (amax / 448.0).view(v.size(0), v.size(2))
+    return q, s
+
+
+def _fp8_dequantize(q, s, dtype):
+    m, n = q.shape
+    full = s.repeat_interleave(128, 0)[:m].repeat_interleave(128, 1)[:, :n]
+    return (q.float() * full).to(dtype)
+
+
+@pytest.mark.parametrize("dtype,scale_dtype", [("bf16", torch.float32), ("fp32", torch.bfloat16)])
+def test_block_fp8_input_is_dequantized_bitwise(tmp_path, dtype, scale_dtype):
+    cfg, tensors = _llama_fp32(tmp_path)
+    tdtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    quantized, expected = {}, {}
+    for k, t in tensors.items():
+        if k.endswith("proj.weight"):
+            q, s = _fp8_reference(t.to(torch.bfloat16))
+            s = s.to(scale_dtype)
+            quantized[k], quantized[k.replace(".weight", ".weight_scale_inv")] = q, s
+            expected[k] = _fp8_dequantize(q, s.float(), tdtype)
+        else:
+            quantized[k] = t.to(torch.bfloat16)
+            expected[k] = t.to(torch.bfloat16).to(tdtype)
+    hf = tmp_path / "fp8"
+    hf.mkdir()
+    save_file(quantized, str(hf / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((tmp_path / "bf" / "config.json").read_text())
+    config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                     "weight_block_size": [128, 128]}
+    (hf / "config.json").write_text(json.dumps(config))
+    s = shardwise.from_hf(str(hf), str(tmp_path / "ckpt"), dtype=dtype, transformer_impl="local")
+    assert s["dequantized"] == 14 and s["committed"], s
+    shardwise.to_hf(str(tmp_path / "ckpt"), str(tmp_path / "back"), hf_config=str(tmp_path / "bf" / "config.json"))
+    got = _hf_tensors(tmp_path / "back")
+    assert sorted(got) == sorted(expected)
+    for k, t in expected.items():
+        assert got[k].dtype == tdtype and torch.equal(_bits(got[k]), _bits(t)), k
+
+
+def test_mxfp4_gpt_oss_input_is_dequantized_bitwise(tmp_path):
+    """gpt-oss's experts as MXFP4 blocks and e8m0 scales (random codes, scales around 2^0): what
+    from-hf writes is transformers' own dequantization (``convert_moe_packed_tensors``), bitwise."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    fam = hf_families.FAMILIES["gpt_oss"]
+    cfg = fam.hf_config()
+    hf_families.random_hf_model(cfg, str(tmp_path / "bf"))
+    tensors = _hf_tensors(tmp_path / "bf")
+    g = torch.Generator().manual_seed(5)
+    quantized, expected = {}, {}
+    for k, t in tensors.items():
+        if k.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            e, cols, rows = t.shape  # transformers' parameter [E, in, out]; blocks are [E, out, in/32, 16]
+            blocks = torch.randint(0, 256, (e, rows, cols // 32, 16), dtype=torch.uint8, generator=g)
+            scales = torch.randint(118, 136, (e, rows, cols // 32), dtype=torch.uint8, generator=g)
+            quantized[k + "_blocks"], quantized[k + "_scales"] = blocks, scales
+            expected[k] = convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)
+        else:
+            quantized[k] = expected[k] = t.to(torch.bfloat16)
+    hf = tmp_path / "mx"
+    hf.mkdir()
+    save_file(quantized, str(hf / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((tmp_path / "bf" / "config.json").read_text())
+    config["quantization_config"] = {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                                "model.embed_tokens", "lm_head"],
+                                     "quant_method": "mxfp4"}
+    (hf / "config.json").write_text(json.dumps(config))
+    s = shardwise.from_hf(str(hf), str(tmp_path / "ckpt"), dtype="bf16", transformer_impl="local")
+    assert s["dequantized"] == 2 * cfg.num_hidden_layers and s["committed"], s
+    shardwise.to_hf(str(tmp_path / "ckpt"), str(tmp_path / "back"), hf_config=str(tmp_path / "bf" / "config.json"))
+    got = _hf_tensors(tmp_path / "back")
+    assert sorted(got) == sorted(expected)
+    for k, t in expected.items():
+        assert got[k].dtype == torch.bfloat16 and torch.equal(_bits(got[k]), _bits(t)), k
+
+
+# --- bad inputs --------------------------------------------------------------------------------------
+
+
+def _llama_folder(tmp_path):
+    cfg, tensors = _llama_fp32(tmp_path, hidden=64, ffn=128)
+    return json.loads((tmp_path / "bf" / "config.json").read_text()), tensors
+
+
+def _folder(hf: Path, config: dict, tensors: dict) -> Path:
+    """An HF folder: ``tensors`` in model.safetensors and ``config`` as config.json."""
+    hf.mkdir(exist_ok=True)
+    save_file(tensors, str(hf / "model.safetensors"), metadata={"format": "pt"})
+    (hf / "config.json").write_text(json.dumps(config))
+    return hf
+
+
+def _bad(tmp_path, config, tensors, message):
+    hf, ckpt = _folder(tmp_path / "bad", config, tensors), tmp_path / "ckpt"
+    with pytest.raises(shardwise.ValidationError, match=message):
+        shardwise.from_hf(str(hf), str(ckpt), transformer_impl="local")
+    assert not ckpt.exists() or not any(ckpt.iterdir()), list(ckpt.iterdir())
+
+
+def test_more_layers_in_the_config_than_in_the_weights_is_refused(tmp_path):
+    config, tensors = _llama_folder(tmp_path)
+    _bad(tmp_path, {**config, "num_hidden_layers": 3}, tensors, r"not in the folder: model\.layers\.2\.")
+
+
+def test_a_missing_tensor_is_refused_by_name(tmp_path):
+    config, tensors = _llama_folder(tmp_path)
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    _bad(tmp_path, config, tensors, r"not in the folder: model\.layers\.1\.mlp\.up_proj\.weight")
+
+
+def test_an_unknown_tensor_is_refused_by_name(tmp_path):
+    config, tensors = _llama_folder(tmp_path)
+    tensors["model.layers.0.self_attn.rotary_mystery"] = torch.zeros(3)
+    _bad(tmp_path, config, tensors, r"no rule reads these HF tensors .*model\.layers\.0\.self_attn\.rotary_mystery")
+
+
+def test_a_wrong_shape_is_refused_by_name(tmp_path):
+    config, tensors = _llama_folder(tmp_path)
+    tensors["model.layers.0.mlp.down_proj.weight"] = torch.zeros(64, 120)
+    _bad(tmp_path, config, tensors, r"model\.layers\.0\.mlp\.down_proj\.weight: .*intermediate_size = 128")
+
+
+def test_a_non_empty_output_folder_is_refused(tmp_path):
+    config, tensors = _llama_folder(tmp_path)
+    hf = _folder(tmp_path / "ok", config, tensors)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "notes.txt").write_text("mine")
+    with pytest.raises(shardwise.InvalidArgumentError, match="not empty"):
+        shardwise.from_hf(str(hf), str(ckpt), transformer_impl="local")
+    assert sorted(p.name for p in ckpt.iterdir()) == ["notes.txt"]
+    # --overwrite replaces a committed checkpoint; the second conversion commits again.
+    (ckpt / "notes.txt").unlink()
+    assert shardwise.from_hf(str(hf), str(ckpt), transformer_impl="local")["committed"]
+    with pytest.raises(shardwise.InvalidArgumentError, match="not empty"):
+        shardwise.from_hf(str(hf), str(ckpt), transformer_impl="local")
+    assert shardwise.from_hf(str(hf), str(ckpt), transformer_impl="local", overwrite=True)["committed"]
+
+
+# --- parallel and split conversions ------------------------------------------------------------------
+
+
+def _files(ckpt: Path) -> dict:
+    names = [p for p in ckpt.iterdir() if p.is_file()]
+    return {p.name: p.read_bytes() for p in names}
+
+
+def test_workers_and_parts_write_the_same_bytes_and_the_tracker(tmp_path):
+    config, tensors = _llama_folder(tmp_path)
+    hf = _folder(tmp_path / "hf", config, tensors)
+    kw = dict(transformer_impl="local", max_file_size="20KB", iteration=7)
+    one = shardwise.from_hf(str(hf), str(tmp_path / "a" / "iter_0000007"), workers=1, tracker=True, **kw)
+    assert one["files"] >= 4 and one["committed"], one
+    assert (tmp_path / "a" / "latest_checkpointed_iteration.txt").read_text() == "7"
+    shardwise.from_hf(str(hf), str(tmp_path / "b"), workers=3, **kw)
+    parts = [shardwise.from_hf(str(hf), str(tmp_path / "c"), workers=1, part=f"{i}/3", **kw) for i in (2, 0, 1)]
+    assert [p["committed"] for p in parts] == [False, False, True]
+    want = _files(tmp_path / "a" / "iter_0000007")
+    assert {".metadata", "common.pt", "metadata.json"} <= set(want)
+    for other in ("b", "c"):
+        got = _files(tmp_path / other)
+        assert sorted(got) == sorted(want), other
+        for name, data in want.items():
+            assert got[name] == data, (other, name)
+    # The tracker needs the folder name Megatron-LM looks for.
+    with pytest.raises(shardwise.InvalidArgumentError, match="iter_0000007"):
+        shardwise.from_hf(str(hf), str(tmp_path / "d" / "weights"), tracker=True, **kw)
+
+
+def test_cli_from_hf(tmp_path):
+    config, tensors = _llama_folder(tmp_path)
+    hf = _folder(tmp_path / "hf", config, tensors)
+    r = subprocess.run([sys.executable, "-m", "shardwise.cli", "from-hf", str(hf), str(tmp_path / "release"),
+                        "--transformer-impl", "local", "--tracker", "--workers", "2", "--json"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["committed"] and out["keys"] == 9, out  # 3 model keys, 6 stacked layer keys
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "release"
+    r = subprocess.run([sys.executable, "-m", "shardwise.cli", "from-hf", str(hf), str(tmp_path / "release")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "not empty" in r.stderr
+
+
+def test_ctrl_c_commits_nothing_and_a_rerun_completes(tmp_path):
+    """A real SIGINT to a running ``shardwise from-hf`` (the CLI; data files already written): it
+    exits non-zero with nothing committed (no .metadata, metadata.json or common.pt), and the same
+    command run again into that folder completes and commits."""
+    import signal
+    import time
+
+    import transformers
+
+    # About 400 MB of bf16 weights, written as fp32 in 16 MB data files: seconds of work.
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=1024, intermediate_size=4096, num_hidden_layers=12,
+                                   num_attention_heads=8, num_key_value_heads=8, tie_word_embeddings=False)
+    tensors = {"model.embed_tokens.weight": torch.zeros(256, 1024), "lm_head.weight": torch.zeros(256, 1024),
+               "model.norm.weight": torch.ones(1024)}
+    for l in range(cfg.num_hidden_layers):
+        p = f"model.layers.{l}."
+        for n, shape in [("self_attn.q_proj.weight", (1024, 1024)), ("self_attn.k_proj.weight", (1024, 1024)),
+                         ("self_attn.v_proj.weight", (1024, 1024)), ("self_attn.o_proj.weight", (1024, 1024)),
+                         ("mlp.gate_proj.weight", (4096, 1024)), ("mlp.up_proj.weight", (4096, 1024)),
+                         ("mlp.down_proj.weight", (1024, 4096)), ("input_layernorm.weight", (1024,)),
+                         ("post_attention_layernorm.weight", (1024,))]:
+            tensors[p + n] = torch.full(shape, float(l), dtype=torch.bfloat16)
+    hf = _folder(tmp_path / "hf", cfg.to_dict(), {k: t.to(torch.bfloat16) for k, t in tensors.items()})
+    ckpt = tmp_path / "ckpt"
+    cmd = [sys.executable, "-m", "shardwise.cli", "from-hf", str(hf), str(ckpt), "--transformer-impl", "local",
+           "--dtype", "fp32", "--workers", "1", "--max-file-size", "16MB"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(ckpt.glob("*.distcp")):  # data files are being written
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0, "the conversion finished before the interrupt: make the folder larger"
+    assert "interrupted" in err, err
+    for name in (".metadata", "metadata.json", "common.pt"):
+        assert not (ckpt / name).exists(), name
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert (ckpt / ".metadata").is_file() and (ckpt / "common.pt").is_file()

@@ -1,0 +1,509 @@
+//! `shardwise from-hf`: a Hugging Face folder (config.json and safetensors, quantized or not)
+//! becomes a Megatron `torch_dist` checkpoint, from the files alone: the to-hf rule table read in
+//! reverse ([`plan`]), every HF tensor read with positioned reads and dequantized on the fly
+//! ([`source`]), the Megatron tensors written by shardwise's writer and committed with the commit
+//! protocol ([`crate::save`], [`crate::commit`]), `common.pt` as Megatron-LM stores it ([`args`]).
+//!
+//! Phases: (1) the output folder is checked (absent or empty, unless `overwrite`); (2) the HF
+//! folder is opened and planned, every check done (missing, unmapped and misshapen tensors,
+//! quantization); nothing is written before all pass. (3) The jobs are cut into groups, each one
+//! data file `__<g>_0.distcp` published as part `g` of the save (a pure function of the plan, so
+//! the files are byte-identical for any `--workers` and any `--part` split); (4) the process that
+//! finds every part published merges them and commits `.metadata`, `metadata.json` and
+//! `common.pt`; (5) with `tracker`, `latest_checkpointed_iteration.txt` is written in the parent
+//! folder after the commit.
+
+mod args;
+mod plan;
+mod run;
+mod source;
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use rayon::prelude::*;
+use serde::Serialize;
+use sha2::{Digest, Sha256};
+
+use super::output::{check_outside, Part};
+use super::spec::Dims;
+use crate::commit::part::ObjectShard;
+use crate::commit::wait::{missing_ranks, Freshness};
+use crate::error::{Error, Result};
+use crate::format::dtype::DType;
+use crate::interrupt::interrupted;
+use crate::save::{save_rank, ObjectItem, SaveOptions};
+use crate::storage::Location;
+use crate::writer::{ByteObject, Payload, TensorChunk};
+
+pub use plan::Impl;
+
+/// Options of a conversion.
+#[derive(Clone, Debug)]
+pub struct FromHfOptions {
+    /// Overrides config.json's `model_type`.
+    pub arch: Option<String>,
+    /// Dtype of the written tensors: float32, bfloat16 or float16.
+    pub dtype: DType,
+    /// Megatron-LM's `--transformer-impl`.
+    pub transformer_impl: Impl,
+    /// Megatron-LM's `--moe-grouped-gemm` (recorded in args; the keys are the same).
+    pub moe_grouped_gemm: bool,
+    /// Megatron-LM's `--make-vocab-size-divisible-by` and `--tensor-model-parallel-size`: the
+    /// vocabulary is padded to a multiple of their product.
+    pub make_vocab_size_divisible_by: u64,
+    pub tensor_model_parallel_size: u64,
+    /// `iteration` in the common state.
+    pub iteration: u64,
+    /// Write `latest_checkpointed_iteration.txt` in the parent folder.
+    pub tracker: bool,
+    /// Worker threads converting tensors.
+    pub threads: usize,
+    /// The largest data file, in bytes, unless one tensor alone is larger: the tensors of one file
+    /// are held in memory until it is written.
+    pub max_file_bytes: u64,
+    /// Skip HF tensors no rule reads instead of failing.
+    pub allow_unmapped: bool,
+    /// Replace a checkpoint in a non-empty output folder.
+    pub overwrite: bool,
+    /// Write only this part's groups.
+    pub part: Option<Part>,
+}
+
+impl FromHfOptions {
+    /// Options from user-facing values: `dtype` bf16/fp16/fp32, `transformer_impl`
+    /// `transformer_engine` or `local`.
+    ///
+    /// Errors: [`Error::InvalidArgument`] for a bad value.
+    pub fn from_user(
+        dtype: &str,
+        transformer_impl: &str,
+        threads: Option<usize>,
+    ) -> Result<FromHfOptions> {
+        let dtype = match dtype {
+            "bf16" | "bfloat16" => DType::BF16,
+            "fp16" | "float16" => DType::F16,
+            "fp32" | "float32" => DType::F32,
+            other => {
+                return Err(Error::InvalidArgument(format!(
+                    "dtype {other:?}: use bf16, fp16 or fp32"
+                )))
+            }
+        };
+        let transformer_impl = match transformer_impl {
+            "transformer_engine" => Impl::TransformerEngine,
+            "local" => Impl::Local,
+            other => {
+                return Err(Error::InvalidArgument(format!(
+                    "transformer_impl {other:?}: use transformer_engine or local"
+                )))
+            }
+        };
+        let threads =
+            threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(4, |n| n.get()));
+        if threads == 0 {
+            return Err(Error::InvalidArgument(
+                "--workers must be at least 1".into(),
+            ));
+        }
+        Ok(FromHfOptions {
+            arch: None,
+            dtype,
+            transformer_impl,
+            moe_grouped_gemm: false,
+            make_vocab_size_divisible_by: 128,
+            tensor_model_parallel_size: 1,
+            iteration: 0,
+            tracker: false,
+            threads,
+            max_file_bytes: 1 << 30,
+            allow_unmapped: false,
+            overwrite: false,
+            part: None,
+        })
+    }
+}
+
+/// What a conversion wrote.
+#[derive(Clone, Debug, Serialize)]
+pub struct FromHfSummary {
+    /// Megatron tensor chunks written by this process.
+    pub chunks: usize,
+    /// Megatron keys of the whole checkpoint.
+    pub keys: usize,
+    pub bytes: u64,
+    /// Data files written by this process.
+    pub files: usize,
+    pub seconds: f64,
+    pub gb_per_s: f64,
+    /// HF tensors read (quantized pairs counted once).
+    pub hf_tensors: usize,
+    pub dequantized: usize,
+    /// HF tensors no rule reads, skipped with `allow_unmapped`.
+    pub skipped: Vec<String>,
+    pub stacked_layers: bool,
+    pub padded_vocab_size: u64,
+    pub iteration: u64,
+    pub part: Option<String>,
+    /// Whether the checkpoint is committed (by this process or an earlier part).
+    pub committed: bool,
+    /// The tracker file written, if any.
+    pub tracker: Option<PathBuf>,
+}
+
+/// Megatron-LM's padded vocabulary: `vocab` rounded up to a multiple of `divisible_by x tp`
+/// (`megatron/training/tokenizer` `_vocab_size_with_padding`).
+pub(crate) fn padded_vocab(vocab: u64, divisible_by: u64, tp: u64) -> u64 {
+    let m = (divisible_by * tp).max(1);
+    vocab.div_ceil(m) * m
+}
+
+/// The entries of `dir` other than the save machinery's own (`.shardwise`) and data files no
+/// committed checkpoint holds (an earlier attempt's, or other parts' of this conversion: a new
+/// attempt writes the same names). A committed checkpoint shows as its `.metadata`.
+fn foreign_entries(dir: &Path) -> Result<Vec<String>> {
+    let rd = match std::fs::read_dir(dir) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(Error::io("read directory", dir)(e)),
+        Ok(rd) => rd,
+    };
+    let mut v = Vec::new();
+    for e in rd {
+        let name = e.map_err(Error::io("read directory", dir))?.file_name();
+        let name = name.to_string_lossy().into_owned();
+        let ours = name == ".shardwise" || crate::commit::state::is_data_file_name(&name);
+        if !ours {
+            v.push(name);
+        }
+    }
+    v.sort();
+    Ok(v)
+}
+
+/// The tracker's content for `iteration` and the folder name Megatron-LM looks for beside it
+/// (`get_checkpoint_name`: `release`, or `iter_` and 7 digits; its `read_metadata` accepts no
+/// iteration 0 other than `release`).
+fn tracker_entry(iteration: u64) -> (String, String) {
+    if iteration == 0 {
+        ("release".into(), "release".into())
+    } else {
+        (iteration.to_string(), format!("iter_{iteration:07}"))
+    }
+}
+
+/// Converts the HF folder `hf_dir` into a torch_dist checkpoint in the local folder `ckpt_dir`;
+/// `progress(bytes)` is called as chunks are converted.
+///
+/// Errors: [`Error::InvalidArgument`] for bad options, a non-empty output folder without
+/// `overwrite`, an output folder inside the HF folder, a `tracker` with a folder Megatron-LM would
+/// not find; [`Error::Validation`] for HF tensors the config requires and the folder lacks, tensors
+/// no rule reads (unless `allow_unmapped`), shapes that contradict the config, inconsistent
+/// quantization; [`Error::Corrupt`] for damaged safetensors; [`Error::Interrupted`] (nothing is
+/// committed); the save's and commit's errors.
+pub fn from_hf(
+    hf_dir: &Path,
+    ckpt_dir: &Path,
+    opts: &FromHfOptions,
+    progress: &(dyn Fn(u64) + Sync),
+) -> Result<FromHfSummary> {
+    let t0 = Instant::now();
+    // Phase 1: the output folder.
+    if ckpt_dir.to_string_lossy().contains("://") {
+        return Err(Error::InvalidArgument(format!(
+            "from-hf writes to a local directory, not to {}",
+            ckpt_dir.display()
+        )));
+    }
+    if opts.part.is_some() && opts.overwrite {
+        return Err(Error::InvalidArgument(
+            "--overwrite cannot be combined with --part: empty the folder first".into(),
+        ));
+    }
+    check_outside(ckpt_dir, hf_dir, "HF folder")?;
+    let found = foreign_entries(ckpt_dir)?;
+    if !found.is_empty() && !opts.overwrite {
+        let shown: Vec<&str> = found.iter().take(5).map(|s| s.as_str()).collect();
+        return Err(Error::InvalidArgument(format!(
+            "output folder {} is not empty ({}{}): pass --overwrite to replace a checkpoint there, or choose an empty folder",
+            ckpt_dir.display(),
+            shown.join(", "),
+            if found.len() > 5 { ", ..." } else { "" }
+        )));
+    }
+    let tracker_path = if opts.tracker {
+        let abs = std::path::absolute(ckpt_dir).map_err(Error::io("resolve", ckpt_dir))?;
+        let (_, want) = tracker_entry(opts.iteration);
+        let name = abs.file_name().map(|n| n.to_string_lossy().into_owned());
+        let parent = abs
+            .parent()
+            .filter(|_| name.as_deref() == Some(want.as_str()));
+        match parent {
+            Some(p) => Some(p.join("latest_checkpointed_iteration.txt")),
+            None => {
+                return Err(Error::InvalidArgument(format!(
+                    "--tracker: Megatron-LM loads iteration {} from a folder named {want} beside the tracker; {} is named {}",
+                    opts.iteration,
+                    ckpt_dir.display(),
+                    name.unwrap_or_default()
+                )))
+            }
+        }
+    } else {
+        None
+    };
+    // Phase 2: the HF folder, the config and the plan; every check before any write.
+    let src = source::HfSource::open(hf_dir)?;
+    let d = Dims::from_config(&src.config, opts.arch.as_deref())?;
+    let vocab = d.vocab_size.ok_or_else(|| {
+        Error::InvalidArgument(format!(
+            "{}/config.json has no vocab_size",
+            hf_dir.display()
+        ))
+    })?;
+    let padded = padded_vocab(
+        vocab,
+        opts.make_vocab_size_divisible_by,
+        opts.tensor_model_parallel_size,
+    );
+    let shapes: plan::HfShapes = src
+        .tensors
+        .iter()
+        .map(|(k, t)| (k.clone(), t.shape.clone()))
+        .collect();
+    let p = plan::plan(&d, &shapes, opts.transformer_impl, padded)?;
+    if !p.unmapped.is_empty() && !opts.allow_unmapped {
+        let shown: Vec<&str> = p.unmapped.iter().take(20).map(|s| s.as_str()).collect();
+        return Err(Error::Validation(format!(
+            "no rule reads these HF tensors (pass --allow-unmapped to skip them): {}{}",
+            shown.join(", "),
+            if p.unmapped.len() > 20 { ", ..." } else { "" }
+        )));
+    }
+    for j in &p.jobs {
+        for i in &j.inputs {
+            let t = &src.tensors[&i.name];
+            if !t.quantized() && !matches!(t.dtype, DType::F32 | DType::BF16 | DType::F16) {
+                return Err(Error::UnsupportedDtype(format!(
+                    "{}: {} (from-hf converts float32, bfloat16 and float16 tensors)",
+                    i.name,
+                    t.dtype.torch_name()
+                )));
+            }
+        }
+    }
+    let has = |suffix: &str| src.tensors.keys().any(|k| k.ends_with(suffix));
+    let layout = args::Layout {
+        te: opts.transformer_impl == Impl::TransformerEngine,
+        moe_grouped_gemm: opts.moe_grouped_gemm,
+        tensor_model_parallel_size: opts.tensor_model_parallel_size,
+        make_vocab_size_divisible_by: opts.make_vocab_size_divisible_by,
+        padded_vocab_size: padded,
+        has_qkv_bias: has("self_attn.q_proj.bias"),
+        has_qk_norm: has("self_attn.q_norm.weight"),
+        mla: has("self_attn.kv_a_proj_with_mqa.weight"),
+        add_bias_linear: has("self_attn.o_proj.bias"),
+    };
+    let common = args::common_pt(&args::megatron_args(&d, &layout)?, opts.iteration);
+    // The linears' `_extra_state` objects, written by group 0 beside common.pt: `torch.save([None])`,
+    // what megatron-core's torch_dist save stores for a local linear's `get_extra_state()` (None;
+    // every ShardedObject is saved as the list of its shards' data,
+    // `strategies/torch.py` `_mcore_to_torch_sharded_object`, and loaded back as that list).
+    let none_pt = {
+        let mut p = crate::format::pickle::Pickler::new(false);
+        p.empty_list();
+        p.put();
+        p.mark();
+        p.none();
+        p.appends();
+        crate::format::zip::object_archive(&p.finish(), "0000000000000000000000000000000000000000")
+    };
+    let extra = plan::extra_states(&p.jobs);
+    let objects: Vec<ObjectItem> = extra
+        .iter()
+        .map(|(key, shape, offset)| {
+            let dims = |v: &[u64]| v.iter().map(u64::to_string).collect::<Vec<_>>().join(".");
+            ObjectItem {
+                object: ByteObject {
+                    fqn: format!("{key}/shard_{}_{}", dims(offset), dims(shape)),
+                    bytes: &none_pt,
+                },
+                shard: Some(ObjectShard {
+                    key: key.clone(),
+                    global_shape: shape.clone(),
+                    global_offset: offset.clone(),
+                }),
+            }
+        })
+        .collect();
+
+    // Phase 3: groups, this part's written as parts of one save.
+    let item = opts.dtype.itemsize();
+    let largest = p.jobs.iter().map(|j| j.numel() * item).max().unwrap_or(0);
+    let groups = run::groups(&p.jobs, item, opts.max_file_bytes.max(largest));
+    let world = groups.len().max(1) as u32;
+    let save_id = save_id(&src, opts, &d)?;
+    let loc = Location::Local(ckpt_dir.to_path_buf());
+    let mine: Vec<usize> = match opts.part {
+        None => (0..groups.len()).collect(),
+        Some(part) => part.shards(groups.len()),
+    };
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(opts.threads.max(1))
+        .build()
+        .map_err(|e| Error::InvalidArgument(format!("thread pool: {e}")))?;
+    let save_opts = |g: usize| SaveOptions {
+        location: loc.clone(),
+        rank: g as u32,
+        world_size: world,
+        save_id: save_id.clone(),
+        megatron: true,
+        merge_rank: None,
+        timeout: Duration::from_secs(600),
+        wait_for_commit: false,
+        overwrite: opts.overwrite,
+        freshness: Freshness::any_part(),
+        integrity: false,
+    };
+    let (mut chunks, mut bytes, mut files) = (0usize, 0u64, 0usize);
+    for &g in &mine {
+        let range = groups.get(g).cloned().unwrap_or(0..0);
+        let jobs = &p.jobs[range];
+        let bufs: Vec<Vec<u8>> = pool.install(|| {
+            jobs.par_iter()
+                .map(|j| {
+                    if interrupted() {
+                        return Err(Error::Interrupted);
+                    }
+                    let b = run::run_job(&src, j, opts.dtype)?;
+                    progress(b.len() as u64);
+                    Ok(b)
+                })
+                .collect::<Result<Vec<_>>>()
+        })?;
+        if interrupted() {
+            return Err(Error::Interrupted);
+        }
+        let tensors: Vec<TensorChunk> = jobs
+            .iter()
+            .zip(&bufs)
+            .flat_map(|(j, b)| {
+                j.chunks.iter().map(move |c| TensorChunk {
+                    fqn: c.key.clone(),
+                    dtype: opts.dtype,
+                    global_shape: c.global_shape.clone(),
+                    offsets: c.offsets.clone(),
+                    sizes: c.sizes.clone(),
+                    data: Payload::Host(run::chunk_bytes(b, c, opts.dtype)),
+                })
+            })
+            .collect();
+        let report = save_rank(
+            &save_opts(g),
+            &tensors,
+            if g == 0 { &objects } else { &[] },
+            (g == 0).then_some(common.as_slice()),
+            None,
+        )?;
+        chunks += tensors.len();
+        bytes += tensors.iter().map(|t| t.data.len()).sum::<u64>();
+        files += report.data_file.is_some() as usize;
+    }
+    // Phase 4: the commit, by whichever process finds every part published.
+    let committed = if missing_ranks(&loc, &save_id, world)?.is_empty() {
+        if interrupted() {
+            return Err(Error::Interrupted);
+        }
+        crate::commit::merge(
+            &loc,
+            &save_id,
+            world,
+            Duration::from_secs(600),
+            &Freshness::any_part(),
+        )?;
+        true
+    } else {
+        false
+    };
+    // Phase 5: the tracker.
+    let tracker = match (&tracker_path, committed) {
+        (Some(path), true) => {
+            let (content, _) = tracker_entry(opts.iteration);
+            crate::storage::atomic_write(path, content.as_bytes())?;
+            Some(path.clone())
+        }
+        _ => None,
+    };
+    let keys: std::collections::BTreeSet<&str> = p
+        .jobs
+        .iter()
+        .flat_map(|j| j.chunks.iter().map(|c| c.key.as_str()))
+        .collect();
+    let seconds = t0.elapsed().as_secs_f64();
+    Ok(FromHfSummary {
+        chunks,
+        keys: keys.len(),
+        bytes,
+        files,
+        seconds,
+        gb_per_s: bytes as f64 / seconds.max(1e-9) / 1e9,
+        hf_tensors: src.tensors.len() - p.unmapped.len(),
+        dequantized: p
+            .jobs
+            .iter()
+            .flat_map(|j| &j.inputs)
+            .filter(|i| src.tensors[&i.name].quantized())
+            .count(),
+        skipped: p.unmapped.clone(),
+        stacked_layers: p.stacked,
+        padded_vocab_size: padded,
+        iteration: opts.iteration,
+        part: opts.part.map(|p| format!("{}/{}", p.index, p.count)),
+        committed,
+        tracker,
+    })
+}
+
+/// The save id of a conversion: a digest of its input (config.json and every weight file's name,
+/// size and mtime) and of every option that changes the output, so that every part of one
+/// conversion agrees and two conversions never share parts.
+fn save_id(src: &source::HfSource, opts: &FromHfOptions, d: &Dims) -> Result<String> {
+    let mut h = Sha256::new();
+    h.update(src.identity()?);
+    h.update(
+        format!(
+            "\0{:?}\0{:?}\0{}\0{}\0{}\0{}\0{}",
+            opts.dtype,
+            opts.transformer_impl,
+            opts.moe_grouped_gemm,
+            opts.make_vocab_size_divisible_by,
+            opts.tensor_model_parallel_size,
+            opts.iteration,
+            d.spec.model_types[0],
+        )
+        .as_bytes(),
+    );
+    let digest: [u8; 32] = h.finalize().into();
+    let id = format!("from-hf-{}", &crate::commit::manifest::hex(&digest)[..24]);
+    // A folder committed by this very conversion is replaced under another id (a save never
+    // overwrites its own commit); there is no part to agree with (--overwrite excludes --part).
+    Ok(if opts.overwrite {
+        format!("{id}-{}", crate::commit::liveness::now_ns())
+    } else {
+        id
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn vocab_padding_and_tracker_names() {
+        assert_eq!(padded_vocab(250, 128, 1), 256);
+        assert_eq!(padded_vocab(250, 128, 2), 256);
+        assert_eq!(padded_vocab(257, 128, 2), 512);
+        assert_eq!(padded_vocab(151936, 128, 8), 152576);
+        assert_eq!(tracker_entry(0), ("release".into(), "release".into()));
+        assert_eq!(tracker_entry(42), ("42".into(), "iter_0000042".into()));
+    }
+}

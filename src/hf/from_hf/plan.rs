@@ -1,0 +1,809 @@
+//! The rule table read in reverse: which Megatron tensors an HF folder makes, with Megatron's keys,
+//! global shapes and chunks, each built from HF tensors by inverting the rule's [`Post`] and
+//! scattering its rows back where the rule's [`Split`](super::super::spec::Split) took them from.
+//! Pure: no I/O (the HF tensors are given by name, dtype and shape).
+//!
+//! Keys follow megatron-core's `sharded_state_dict` (0.13 to 0.19): layers stacked on a leading
+//! axis of `num_layers` (`decoder.layers.<sub>`, chunk offset = the layer) when every layer has the
+//! same keys, else one key per layer (`decoder.layers.<i>.<sub>`: what `TransformerBlock` does when
+//! `moe_layer_freq` is a pattern or `linear_attention_freq` is set, `transformer_block.py`
+//! `non_homogeneous_layers`); experts with an expert axis of `num_experts` on
+//! `mlp.experts.experts.` (`SequentialMLP` and `TEGroupedMLP` write the same keys,
+//! `experts.py`). Norms follow `--transformer-impl`: with `transformer_engine` a norm is fused
+//! into the linear after it when the layer has that linear (`X.layer_norm_weight` when the layer
+//! has `X.weight`: `linear_qkv`, a dense layer's `linear_fc1`, MLA's `linear_q_up_proj` /
+//! `linear_kv_up_proj`, GDN's `in_proj`), else it is its own module (`input_layernorm.weight`,
+//! `pre_mlp_layernorm.weight`). `local` keeps each norm its own module, but the local GPT layer
+//! spec of a `linear_qkv` attention saves its two norms under the fused names on every layer, MoE
+//! layers included (`get_gpt_layer_local_submodules`' `sharded_state_dict_keys_map`
+//! `input_layernorm.` -> `self_attention.linear_qkv.layer_norm_`, `pre_mlp_layernorm.` ->
+//! `mlp.linear_fc1.layer_norm_`, megatron-core 0.13.1 to 0.19.2); its MLA spec has no such map. The vocabulary rows are padded to
+//! `padded_vocab` by repeating the last row, as Megatron-LM's own checkpoint converter does
+//! (`tools/checkpoint/saver_mcore.py`: "Expanding embedding to larger size by replicating final
+//! entry").
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use super::super::plan::{implied_shape, layer_prefix};
+use super::super::spec::{Dims, Experts, Post, Rule, When};
+use crate::error::{Error, Result};
+
+/// How Megatron's model is built, as far as its checkpoint keys depend on it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Impl {
+    TransformerEngine,
+    Local,
+}
+
+/// One HF tensor a job reads: its name, shape (as transformers holds it) and the source row ranges
+/// its gathered rows fill, in order.
+#[derive(Clone, Debug)]
+pub(crate) struct JobIn {
+    pub name: String,
+    pub shape: Vec<u64>,
+    pub ranges: Vec<(u64, u64)>,
+}
+
+/// A Megatron chunk a job writes: `key`, the key's global shape, the chunk's offsets and sizes
+/// (elements), and its bytes' position in the job's buffer (in elements).
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct Chunk {
+    pub key: String,
+    pub global_shape: Vec<u64>,
+    pub offsets: Vec<u64>,
+    pub sizes: Vec<u64>,
+    pub start: u64,
+}
+
+/// One unit of conversion: HF tensors in, one Megatron source tensor (`experts x rows x rest`)
+/// rebuilt, cut into chunks out.
+#[derive(Clone, Debug)]
+pub(crate) struct Job {
+    pub post: Post,
+    pub inputs: Vec<JobIn>,
+    /// Experts held in the job's buffer (1 unless the HF tensor is fused over experts).
+    pub experts: u64,
+    pub rows: u64,
+    pub rest: Vec<u64>,
+    /// Rows `[pad_from, rows)` repeat row `pad_from - 1` (vocabulary padding).
+    pub pad_from: Option<u64>,
+    pub chunks: Vec<Chunk>,
+}
+
+impl Job {
+    /// Elements of the job's buffer.
+    pub(crate) fn numel(&self) -> u64 {
+        self.experts * self.rows * self.rest.iter().product::<u64>()
+    }
+}
+
+/// The reverse plan: jobs in a deterministic order, and what the HF folder holds that no rule
+/// reads.
+pub(crate) struct Plan {
+    pub jobs: Vec<Job>,
+    pub unmapped: Vec<String>,
+    /// Whether layers are stacked on a leading axis.
+    pub stacked: bool,
+}
+
+/// The HF tensors a plan reads: name -> shape.
+pub(crate) type HfShapes = BTreeMap<String, Vec<u64>>;
+
+/// `X.layer_norm_weight` as `X`.
+fn fused_module(alias: &str) -> Option<&str> {
+    alias.strip_suffix(".layer_norm_weight")
+}
+
+/// Whether the local GPT spec saves norm `alias` under this fused name on a layer whose rules'
+/// sources are `srcs`: the two norms of a layer with a `linear_qkv` attention (see the module
+/// doc).
+fn local_fused(alias: &str, srcs: &[&str]) -> bool {
+    matches!(
+        alias,
+        "self_attention.linear_qkv.layer_norm_weight" | "mlp.linear_fc1.layer_norm_weight"
+    ) && srcs.contains(&"self_attention.linear_qkv.weight")
+}
+
+/// The Megatron sub-key rule `r` has on a layer whose rules' sources are `srcs`: under
+/// Transformer Engine a fused `X.layer_norm_weight` when the layer has a source `X.weight...`;
+/// under the local spec a fused name [`local_fused`] gives; else the first alias that is no fused
+/// norm (None when the rule has only fused aliases and the layer lacks the linear they belong to).
+fn choose_alias(r: &Rule, imp: Impl, srcs: &[&str]) -> Option<&'static str> {
+    if imp == Impl::Local {
+        if let Some(a) = r.src.iter().find(|a| local_fused(a, srcs)) {
+            return Some(a);
+        }
+    }
+    if imp == Impl::TransformerEngine {
+        let fused = r.src.iter().find(|a| {
+            fused_module(a).is_some_and(|m| {
+                let w = format!("{m}.weight");
+                srcs.iter().any(|s| s.starts_with(&w))
+            })
+        });
+        if let Some(a) = fused {
+            return Some(a);
+        }
+    }
+    r.src.iter().copied().find(|a| fused_module(a).is_none())
+}
+
+/// `prefix.{a|b}` as (`prefix.`, [a, b]).
+fn joined(src: &str) -> Option<(&str, Vec<&str>)> {
+    let (prefix, rest) = src.split_once('{')?;
+    Some((prefix, rest.strip_suffix('}')?.split('|').collect()))
+}
+
+/// The rules of layer `l` with the Megatron sub-key each takes (see [`choose_alias`]); of two
+/// rules writing one HF tensor (a norm both a fused and a plain rule name), the fused one under
+/// Transformer Engine, the plain one under the local spec.
+fn layer_rules(d: &Dims, l: u64, imp: Impl) -> Vec<(&'static Rule, &'static str)> {
+    let rules: Vec<&'static Rule> = d
+        .spec
+        .layer_rules()
+        .filter(|r| d.may_produce(r, l))
+        .collect();
+    let srcs: Vec<&str> = rules
+        .iter()
+        .flat_map(|r| r.src.iter().copied())
+        .filter(|a| fused_module(a).is_none())
+        .collect();
+    let mut chosen: Vec<(&'static Rule, &'static str)> = rules
+        .iter()
+        .filter_map(|r| choose_alias(r, imp, &srcs).map(|a| (*r, a)))
+        .collect();
+    // One rule per HF tensor.
+    let mut keep = vec![true; chosen.len()];
+    for i in 0..chosen.len() {
+        for j in 0..i {
+            let shares = chosen[i]
+                .0
+                .outs
+                .iter()
+                .any(|o| chosen[j].0.outs.iter().any(|p| p.name == o.name));
+            if keep[i] && keep[j] && shares {
+                let prefer_i = match imp {
+                    Impl::TransformerEngine => fused_module(chosen[i].1).is_some(),
+                    // The local spec's fused name, else the plain one.
+                    Impl::Local => {
+                        let rank = |a: &str| {
+                            if local_fused(a, &srcs) {
+                                2
+                            } else {
+                                u8::from(fused_module(a).is_none())
+                            }
+                        };
+                        rank(chosen[i].1) >= rank(chosen[j].1)
+                    }
+                };
+                if prefer_i {
+                    keep[j] = false;
+                } else {
+                    keep[i] = false;
+                }
+            }
+        }
+    }
+    let mut k = keep.into_iter();
+    chosen.retain(|_| k.next().unwrap());
+    chosen
+}
+
+/// The HF name of rule output `name` on layer `l` (None: a model rule) for expert `e`.
+fn hf_name(name: &str, l: Option<u64>, e: Option<u64>) -> String {
+    let n = match e {
+        Some(e) => name.replace("{e}", &e.to_string()),
+        None => name.to_string(),
+    };
+    match l {
+        Some(l) => format!("{}{n}", layer_prefix(l)),
+        None => n,
+    }
+}
+
+/// Where a rule's source sits: the Megatron key prefix and the axes before the source's own.
+struct Place {
+    /// `decoder.layers.` (stacked), `decoder.layers.<l>.`, or empty (model rules).
+    prefix: String,
+    /// (global size, offset) of each leading axis: the layer when stacked.
+    lead: Vec<(u64, u64)>,
+}
+
+/// Builds the reverse plan of `d` over the HF tensors `hf`.
+///
+/// `padded_vocab`: Megatron's vocabulary rows (`make_vocab_size_divisible_by x
+/// tensor_model_parallel_size` padding of `vocab_size`). Rules for tied embeddings' `lm_head` are
+/// not applied.
+///
+/// Errors: [`Error::Validation`] naming the HF tensors the config requires that the folder lacks
+/// (a config with more layers than the weights), shapes that contradict the config, outputs of
+/// one rule present in part, and an optional tensor present on some layers only.
+pub(crate) fn plan(d: &Dims, hf: &HfShapes, imp: Impl, padded_vocab: u64) -> Result<Plan> {
+    let per_layer: Vec<Vec<(&'static Rule, &'static str)>> =
+        (0..d.num_layers).map(|l| layer_rules(d, l, imp)).collect();
+    // Optional rules (a QKV bias the config does not require): present on all layers or none.
+    let present = |r: &Rule, l: Option<u64>| {
+        r.outs.iter().any(|o| {
+            let e = (r.experts == Experts::PerExpert).then_some(0);
+            hf.contains_key(&hf_name(o.name, l, e))
+        })
+    };
+    let mut missing = Vec::new();
+    let mut layers_used: Vec<Vec<(&'static Rule, &'static str)>> = Vec::new();
+    for (l, rules) in per_layer.iter().enumerate() {
+        let l = l as u64;
+        let mut used = Vec::new();
+        for &(r, a) in rules {
+            if d.requires(r, Some(l)) || present(r, Some(l)) {
+                used.push((r, a));
+            }
+        }
+        layers_used.push(used);
+    }
+    for r in d.spec.layer_rules().filter(|r| r.when == When::Optional) {
+        let on: Vec<u64> = (0..d.num_layers)
+            .filter(|&l| {
+                layers_used[l as usize]
+                    .iter()
+                    .any(|(x, _)| std::ptr::eq(*x, r))
+            })
+            .collect();
+        let applies: Vec<u64> = (0..d.num_layers).filter(|&l| d.may_produce(r, l)).collect();
+        if !on.is_empty() && on != applies {
+            let off: Vec<String> = applies
+                .iter()
+                .filter(|l| !on.contains(l))
+                .map(|l| hf_name(r.outs[0].name, Some(*l), Some(0)))
+                .collect();
+            return Err(Error::Validation(format!(
+                "{} is present on some layers only: missing {} (Megatron holds it on every layer or none)",
+                r.outs[0].name,
+                off.join(", ")
+            )));
+        }
+    }
+    let key_sets: BTreeSet<Vec<&str>> = layers_used
+        .iter()
+        .map(|u| u.iter().map(|(_, a)| *a).collect())
+        .collect();
+    let stacked = key_sets.len() <= 1;
+
+    let mut jobs = Vec::new();
+    let mut read: BTreeSet<String> = BTreeSet::new();
+    for r in d.spec.model.iter() {
+        if r.when == When::Untied && d.tied {
+            continue;
+        }
+        if !d.requires(r, None) && !present(r, None) {
+            continue;
+        }
+        let key = r.src[0];
+        let place = Place {
+            prefix: String::new(),
+            lead: Vec::new(),
+        };
+        rule_jobs(
+            d,
+            r,
+            key,
+            None,
+            &place,
+            hf,
+            padded_vocab,
+            &mut jobs,
+            &mut read,
+            &mut missing,
+        )?;
+    }
+    for (l, used) in layers_used.iter().enumerate() {
+        let l = l as u64;
+        let place = if stacked {
+            Place {
+                prefix: "decoder.layers.".into(),
+                lead: vec![(d.num_layers, l)],
+            }
+        } else {
+            Place {
+                prefix: format!("decoder.layers.{l}."),
+                lead: Vec::new(),
+            }
+        };
+        for &(r, a) in used {
+            rule_jobs(
+                d,
+                r,
+                a,
+                Some(l),
+                &place,
+                hf,
+                padded_vocab,
+                &mut jobs,
+                &mut read,
+                &mut missing,
+            )?;
+        }
+    }
+    if !missing.is_empty() {
+        let shown: Vec<&str> = missing
+            .iter()
+            .take(20)
+            .map(|s: &String| s.as_str())
+            .collect();
+        return Err(Error::Validation(format!(
+            "{} HF tensors the config requires are not in the folder: {}{}",
+            missing.len(),
+            shown.join(", "),
+            if missing.len() > 20 { ", ..." } else { "" }
+        )));
+    }
+    let unmapped = hf.keys().filter(|k| !read.contains(*k)).cloned().collect();
+    Ok(Plan {
+        jobs,
+        unmapped,
+        stacked,
+    })
+}
+
+/// The jobs of rule `r` (Megatron sub-key `key`) on layer `l` (None: a model rule).
+#[allow(clippy::too_many_arguments)]
+fn rule_jobs(
+    d: &Dims,
+    r: &'static Rule,
+    key: &str,
+    l: Option<u64>,
+    place: &Place,
+    hf: &HfShapes,
+    padded_vocab: u64,
+    jobs: &mut Vec<Job>,
+    read: &mut BTreeSet<String>,
+    missing: &mut Vec<String>,
+) -> Result<()> {
+    let units: Vec<Option<u64>> = match r.experts {
+        Experts::PerExpert => (0..d.num_experts).map(Some).collect(),
+        _ => vec![None],
+    };
+    for e in units {
+        let names: Vec<String> = r.outs.iter().map(|o| hf_name(o.name, l, e)).collect();
+        let absent: Vec<&String> = names.iter().filter(|n| !hf.contains_key(*n)).collect();
+        if !absent.is_empty() {
+            missing.extend(absent.into_iter().cloned());
+            continue;
+        }
+        read.extend(names.iter().cloned());
+        jobs.push(job(d, r, key, e, place, &names, hf, padded_vocab)?);
+    }
+    Ok(())
+}
+
+/// One job: rule `r`'s outputs `names` (present in `hf`) back into Megatron key `key`.
+#[allow(clippy::too_many_arguments)]
+fn job(
+    d: &Dims,
+    r: &Rule,
+    key: &str,
+    expert: Option<u64>,
+    place: &Place,
+    names: &[String],
+    hf: &HfShapes,
+    padded_vocab: u64,
+) -> Result<Job> {
+    let full_key = format!("{}{key}", place.prefix);
+    let stacked_experts = r.experts == Experts::Stacked;
+    // Each HF tensor's gathered shape: [experts?, rows, rest...].
+    let mut gathered: Vec<Vec<u64>> = Vec::new();
+    for (o, name) in r.outs.iter().zip(names) {
+        let shape = &hf[name];
+        if let Some(implied) = implied_shape(d, shape, o.shape) {
+            return Err(Error::Validation(format!(
+                "{name}: shape {shape:?}; the config implies {implied} (for Megatron's {full_key})"
+            )));
+        }
+        let mut g = shape.clone();
+        if r.post.transposes() {
+            let n = g.len();
+            if n < 2 {
+                return Err(Error::Validation(format!(
+                    "{name}: shape {shape:?} has no two dimensions to transpose"
+                )));
+            }
+            g.swap(n - 2, n - 1);
+        }
+        gathered.push(g);
+    }
+    let lead = stacked_experts as usize;
+    let experts = if stacked_experts {
+        gathered[0].first().copied().unwrap_or(0)
+    } else {
+        1
+    };
+    if stacked_experts && experts != d.num_experts {
+        return Err(Error::Validation(format!(
+            "num_experts: config.json says {}, {} holds {experts} experts",
+            d.num_experts, names[0]
+        )));
+    }
+    let split_rest = |g: &Vec<u64>| -> (u64, Vec<u64>) {
+        match g.get(lead) {
+            Some(&rows) => (rows, g[lead + 1..].to_vec()),
+            None => (1, Vec::new()),
+        }
+    };
+    let (_, rest) = split_rest(&gathered[0]);
+    let mut out_rows = Vec::new();
+    for (g, name) in gathered.iter().zip(names) {
+        let (rows, rest_k) = split_rest(g);
+        if rest_k != rest || (stacked_experts && g.first() != Some(&experts)) {
+            return Err(Error::Validation(format!(
+                "{name} has shape {:?}, which does not fit {} beside it into {full_key}",
+                hf[name], names[0]
+            )));
+        }
+        out_rows.push(rows);
+    }
+    let sum: u64 = out_rows.iter().sum();
+    // The vocabulary's rows are padded (a rule whose one output's rows are `vocab_size`).
+    let vocab = r.outs.len() == 1
+        && r.outs[0]
+            .shape
+            .first()
+            .is_some_and(|f| *f == ["vocab_size"]);
+    let (rows, pad_from) = if vocab && gathered[0].len() > lead {
+        if padded_vocab < sum {
+            return Err(Error::Validation(format!(
+                "{}: {sum} rows, more than the padded vocabulary of {padded_vocab}",
+                names[0]
+            )));
+        }
+        (padded_vocab, (padded_vocab > sum).then_some(sum))
+    } else {
+        (sum, None)
+    };
+    let src_shape: Vec<u64> = if gathered[0].len() > lead {
+        std::iter::once(rows).chain(rest.iter().copied()).collect()
+    } else {
+        Vec::new()
+    };
+    let ranges = (r.split)(d, &full_key, &src_shape)?;
+    let mut inputs = Vec::new();
+    for ((name, rg), &n) in names.iter().zip(ranges).zip(&out_rows) {
+        let got: u64 = rg.iter().map(|x| x.1).sum();
+        if got != n && !src_shape.is_empty() {
+            return Err(Error::Validation(format!(
+                "{name}: {n} rows, but the layout of {full_key} takes {got} rows for it"
+            )));
+        }
+        inputs.push(JobIn {
+            name: name.clone(),
+            shape: hf[name].clone(),
+            ranges: rg,
+        });
+    }
+    // The Megatron keys: one, or the parts of a joined source.
+    let parts: Vec<(String, u64)> = match joined(key) {
+        Some((prefix, subs)) => {
+            let Some(part_rows) = r.parts else {
+                return Err(Error::Validation(format!(
+                    "{key}: a joined source with no part sizes in the rule table"
+                )));
+            };
+            let sizes = part_rows(d, &full_key)?;
+            if sizes.len() != subs.len() || sizes.iter().sum::<u64>() != rows {
+                return Err(Error::Validation(format!(
+                    "{full_key}: parts of {sizes:?} rows do not make its {rows} rows"
+                )));
+            }
+            subs.iter()
+                .zip(sizes)
+                .map(|(s, n)| (format!("{}{prefix}{s}", place.prefix), n))
+                .collect()
+        }
+        None => vec![(full_key.clone(), rows)],
+    };
+    let rest_n: u64 = rest.iter().product();
+    let mut chunks = Vec::new();
+    for e in 0..experts {
+        let mut row0 = 0;
+        for (k, n) in &parts {
+            let mut global: Vec<u64> = place.lead.iter().map(|x| x.0).collect();
+            let mut offsets: Vec<u64> = place.lead.iter().map(|x| x.1).collect();
+            let mut sizes = vec![1; place.lead.len()];
+            if r.experts != Experts::No {
+                global.push(d.num_experts);
+                offsets.push(expert.unwrap_or(e));
+                sizes.push(1);
+            }
+            if !src_shape.is_empty() {
+                global.push(*n);
+                offsets.push(0);
+                sizes.push(*n);
+                global.extend_from_slice(&rest);
+                offsets.extend(std::iter::repeat_n(0, rest.len()));
+                sizes.extend_from_slice(&rest);
+            }
+            chunks.push(Chunk {
+                key: k.clone(),
+                global_shape: global,
+                offsets,
+                sizes,
+                start: (e * rows + row0) * rest_n,
+            });
+            row0 += n;
+        }
+    }
+    Ok(Job {
+        post: r.post,
+        inputs,
+        experts,
+        rows,
+        rest,
+        pad_from,
+        chunks,
+    })
+}
+
+/// A Megatron ShardedObject position: `key`, `global_shape`, `global_offset`.
+pub(crate) type ObjectPos = (String, Vec<u64>, Vec<u64>);
+
+/// The `_extra_state` ShardedObjects megatron-core asks for beside the linears the plan writes:
+/// every linear of a decoder layer (`linear_*`, GDN's `in_proj` / `out_proj`; the local
+/// `ColumnParallelLinear` / `RowParallelLinear` as well as Transformer Engine's) has an
+/// `_extra_state` entry in its state dict, which `sharded_state_dict` turns into a ShardedObject
+/// whose shape and offset are the layer and expert axes of its weight, `(1,)` / `(0,)` without
+/// them (megatron-core 0.19 `utils._get_extra_state_offsets`). Sorted, each once.
+pub(crate) fn extra_states(jobs: &[Job]) -> Vec<ObjectPos> {
+    let mut out: BTreeSet<ObjectPos> = BTreeSet::new();
+    for c in jobs.iter().flat_map(|j| &j.chunks) {
+        // GDN's `in_proj` weight is saved in parts (`in_proj.weight.query`, ...; megatron-core
+        // 0.19 `gated_delta_net.py` `sharded_state_dict`), one `_extra_state` for the module.
+        let module = c
+            .key
+            .strip_suffix(".weight")
+            .or_else(|| c.key.rsplit_once(".weight.").map(|(m, _)| m));
+        let Some(module) = module else {
+            continue;
+        };
+        let last = module.rsplit('.').next().unwrap_or(module);
+        let linear = last.starts_with("linear_") || last == "in_proj" || last == "out_proj";
+        if !c.key.starts_with("decoder.layers.") || !linear || c.global_shape.len() < 2 {
+            continue;
+        }
+        let lead = c.global_shape.len() - 2;
+        let (shape, offset) = if lead == 0 {
+            (vec![1], vec![0])
+        } else {
+            (c.global_shape[..lead].to_vec(), c.offsets[..lead].to_vec())
+        };
+        out.insert((format!("{module}._extra_state"), shape, offset));
+    }
+    out.into_iter().collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn a_linear_saved_in_parts_has_one_extra_state() {
+        let chunk = |key: &str| Chunk {
+            key: key.into(),
+            global_shape: vec![4, 8],
+            offsets: vec![0, 0],
+            sizes: vec![4, 8],
+            start: 0,
+        };
+        let job = Job {
+            post: Post::None,
+            inputs: vec![],
+            experts: 1,
+            rows: 4,
+            rest: vec![8],
+            pad_from: None,
+            chunks: vec![
+                chunk("decoder.layers.0.self_attention.in_proj.weight.query"),
+                chunk("decoder.layers.0.self_attention.in_proj.weight.key"),
+                chunk("decoder.layers.0.self_attention.conv1d.weight.key"),
+            ],
+        };
+        let want: Vec<ObjectPos> = vec![(
+            "decoder.layers.0.self_attention.in_proj._extra_state".into(),
+            vec![1],
+            vec![0],
+        )];
+        assert_eq!(extra_states(&[job]), want);
+    }
+
+    fn dims(cfg: serde_json::Value) -> Dims {
+        Dims::from_config(&cfg, None).unwrap()
+    }
+
+    /// The tensors transformers' save_pretrained writes for a small llama (2 layers).
+    fn llama_hf() -> (Dims, HfShapes) {
+        let d = dims(
+            json!({"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 8,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 2,
+            "intermediate_size": 6, "vocab_size": 10}),
+        );
+        let mut hf = HfShapes::new();
+        hf.insert("model.embed_tokens.weight".into(), vec![10, 8]);
+        hf.insert("lm_head.weight".into(), vec![10, 8]);
+        hf.insert("model.norm.weight".into(), vec![8]);
+        for l in 0..2 {
+            let p = format!("model.layers.{l}.");
+            for (n, s) in [
+                ("self_attn.q_proj.weight", vec![8, 8]),
+                ("self_attn.k_proj.weight", vec![4, 8]),
+                ("self_attn.v_proj.weight", vec![4, 8]),
+                ("self_attn.o_proj.weight", vec![8, 8]),
+                ("input_layernorm.weight", vec![8]),
+                ("post_attention_layernorm.weight", vec![8]),
+                ("mlp.gate_proj.weight", vec![6, 8]),
+                ("mlp.up_proj.weight", vec![6, 8]),
+                ("mlp.down_proj.weight", vec![8, 6]),
+            ] {
+                hf.insert(format!("{p}{n}"), s);
+            }
+        }
+        (d, hf)
+    }
+
+    #[test]
+    fn llama_keys_are_stacked_and_qkv_regrouped() {
+        let (d, hf) = llama_hf();
+        let p = plan(&d, &hf, Impl::Local, 16).unwrap();
+        assert!(p.stacked && p.unmapped.is_empty());
+        let keys: BTreeSet<&str> = p
+            .jobs
+            .iter()
+            .flat_map(|j| j.chunks.iter().map(|c| c.key.as_str()))
+            .collect();
+        // The local GPT spec's keys map (megatron-core 0.19.2 gpt_layer_specs.py).
+        assert!(keys.contains("decoder.layers.self_attention.linear_qkv.layer_norm_weight"));
+        assert!(keys.contains("decoder.layers.mlp.linear_fc1.layer_norm_weight"));
+        assert!(!keys.contains("decoder.layers.input_layernorm.weight"));
+        let te = plan(&d, &hf, Impl::TransformerEngine, 16).unwrap();
+        let te_keys: BTreeSet<&str> = te
+            .jobs
+            .iter()
+            .flat_map(|j| j.chunks.iter().map(|c| c.key.as_str()))
+            .collect();
+        assert!(te_keys.contains("decoder.layers.self_attention.linear_qkv.layer_norm_weight"));
+        assert!(te_keys.contains("decoder.layers.mlp.linear_fc1.layer_norm_weight"));
+        assert!(!te_keys.contains("decoder.layers.input_layernorm.weight"));
+        // QKV of layer 1: global [2, 16, 8], chunk at layer 1; q rows per group [0,4) and [8,12).
+        let qkv = p
+            .jobs
+            .iter()
+            .find(|j| {
+                j.chunks[0].key == "decoder.layers.self_attention.linear_qkv.weight"
+                    && j.chunks[0].offsets[0] == 1
+            })
+            .unwrap();
+        assert_eq!(qkv.chunks[0].global_shape, vec![2, 16, 8]);
+        assert_eq!(qkv.chunks[0].sizes, vec![1, 16, 8]);
+        assert_eq!(qkv.inputs[0].ranges, vec![(0, 4), (8, 4)]);
+        assert_eq!(qkv.inputs[1].ranges, vec![(4, 2), (12, 2)]);
+        // The embedding is padded to 16 rows from row 10.
+        let emb = p
+            .jobs
+            .iter()
+            .find(|j| j.chunks[0].key == "embedding.word_embeddings.weight")
+            .unwrap();
+        assert_eq!((emb.rows, emb.pad_from), (16, Some(10)));
+        assert_eq!(emb.chunks[0].global_shape, vec![16, 8]);
+    }
+
+    #[test]
+    fn each_stacked_linear_has_an_extra_state_object_per_layer() {
+        // What megatron-core 0.19's sharded_state_dict of a llama GPTModel (local spec) asks for.
+        let (d, hf) = llama_hf();
+        let p = plan(&d, &hf, Impl::Local, 16).unwrap();
+        let want: Vec<ObjectPos> = [
+            "mlp.linear_fc1",
+            "mlp.linear_fc2",
+            "self_attention.linear_proj",
+            "self_attention.linear_qkv",
+        ]
+        .iter()
+        .flat_map(|m| {
+            (0..2).map(move |l| (format!("decoder.layers.{m}._extra_state"), vec![2], vec![l]))
+        })
+        .collect();
+        assert_eq!(extra_states(&p.jobs), want);
+    }
+
+    #[test]
+    fn missing_extra_and_misshapen_tensors_are_named() {
+        let (d, mut hf) = llama_hf();
+        hf.remove("model.layers.1.mlp.up_proj.weight");
+        let e = plan(&d, &hf, Impl::Local, 16).err().unwrap().to_string();
+        assert!(e.contains("model.layers.1.mlp.up_proj.weight"), "{e}");
+        let (d, mut hf) = llama_hf();
+        hf.insert("model.layers.2.self_attn.q_proj.weight".into(), vec![8, 8]);
+        assert_eq!(
+            plan(&d, &hf, Impl::Local, 16).unwrap().unmapped,
+            vec!["model.layers.2.self_attn.q_proj.weight"]
+        );
+        let (d, mut hf) = llama_hf();
+        hf.insert("model.layers.0.mlp.down_proj.weight".into(), vec![8, 7]);
+        let e = plan(&d, &hf, Impl::Local, 16).err().unwrap().to_string();
+        assert!(
+            e.contains("model.layers.0.mlp.down_proj.weight") && e.contains("intermediate_size"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn gdn_layers_are_per_layer_and_joined_keys_are_cut_into_parts() {
+        let d = dims(
+            json!({"model_type": "qwen3_5_text", "num_hidden_layers": 2, "hidden_size": 8,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 2, "vocab_size": 10,
+            "intermediate_size": 6, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+            "linear_key_head_dim": 3, "linear_value_head_dim": 2, "linear_conv_kernel_dim": 4,
+            "layer_types": ["linear_attention", "full_attention"]}),
+        );
+        let mut hf = HfShapes::new();
+        for (n, s) in [
+            ("model.embed_tokens.weight", vec![10, 8]),
+            ("lm_head.weight", vec![10, 8]),
+            ("model.norm.weight", vec![8]),
+            ("model.layers.0.input_layernorm.weight", vec![8]),
+            ("model.layers.0.linear_attn.in_proj_qkv.weight", vec![20, 8]),
+            ("model.layers.0.linear_attn.in_proj_z.weight", vec![8, 8]),
+            ("model.layers.0.linear_attn.in_proj_b.weight", vec![4, 8]),
+            ("model.layers.0.linear_attn.in_proj_a.weight", vec![4, 8]),
+            ("model.layers.0.linear_attn.conv1d.weight", vec![20, 1, 4]),
+            ("model.layers.0.linear_attn.A_log", vec![4]),
+            ("model.layers.0.linear_attn.dt_bias", vec![4]),
+            ("model.layers.0.linear_attn.norm.weight", vec![2]),
+            ("model.layers.0.linear_attn.out_proj.weight", vec![8, 8]),
+            ("model.layers.1.input_layernorm.weight", vec![8]),
+            ("model.layers.1.self_attn.q_proj.weight", vec![16, 8]),
+            ("model.layers.1.self_attn.k_proj.weight", vec![4, 8]),
+            ("model.layers.1.self_attn.v_proj.weight", vec![4, 8]),
+            ("model.layers.1.self_attn.o_proj.weight", vec![8, 8]),
+            ("model.layers.1.self_attn.q_norm.weight", vec![2]),
+            ("model.layers.1.self_attn.k_norm.weight", vec![2]),
+        ] {
+            hf.insert(n.into(), s);
+        }
+        for l in 0..2 {
+            for (n, s) in [
+                ("post_attention_layernorm.weight", vec![8]),
+                ("mlp.gate_proj.weight", vec![6, 8]),
+                ("mlp.up_proj.weight", vec![6, 8]),
+                ("mlp.down_proj.weight", vec![8, 6]),
+            ] {
+                hf.insert(format!("model.layers.{l}.{n}"), s);
+            }
+        }
+        let p = plan(&d, &hf, Impl::TransformerEngine, 10).unwrap();
+        assert!(!p.stacked && p.unmapped.is_empty(), "{:?}", p.unmapped);
+        let keys: BTreeMap<&str, &Chunk> = p
+            .jobs
+            .iter()
+            .flat_map(|j| j.chunks.iter().map(|c| (c.key.as_str(), c)))
+            .collect();
+        // The GDN layer's input norm is fused into in_proj, the attention layer's into linear_qkv.
+        assert!(keys.contains_key("decoder.layers.0.self_attention.in_proj.layer_norm_weight"));
+        assert!(keys.contains_key("decoder.layers.1.self_attention.linear_qkv.layer_norm_weight"));
+        assert!(!keys.keys().any(|k| k.ends_with("input_layernorm.weight")));
+        // in_proj's six parts: q 6, k 6, v 8, z 8, beta 4, alpha 4 rows, back to back.
+        let parts: Vec<(u64, u64)> = ["query", "key", "value", "z", "beta", "alpha"]
+            .iter()
+            .map(|s| {
+                let c =
+                    keys[format!("decoder.layers.0.self_attention.in_proj.weight.{s}").as_str()];
+                (c.global_shape[0], c.start / 8)
+            })
+            .collect();
+        assert_eq!(
+            parts,
+            vec![(6, 0), (6, 6), (8, 12), (8, 20), (4, 28), (4, 32)]
+        );
+        assert_eq!(
+            keys["decoder.layers.0.self_attention.conv1d.weight.value"].global_shape,
+            vec![8, 1, 4]
+        );
+    }
+}
