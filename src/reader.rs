@@ -142,8 +142,10 @@ impl Checkpoint {
     pub fn open(loc: &Location) -> Result<Checkpoint> {
         let loc = loc.canonical()?;
         let path = loc.path_of(".metadata");
+        // Memory-mapped locally (hundreds of MB at millions of chunks: no copy into the heap, and
+        // pages the decoder has passed can be dropped by the kernel), read whole from a store.
         let bytes = loc
-            .read(".metadata")?
+            .read_held(".metadata")?
             .ok_or_else(|| crate::hints::no_metadata(&loc))?;
         let metadata = read_metadata(&bytes).map_err(|e| corrupt(&path, e.0))?;
         let writer = metadata_writer(&loc, &bytes)?;

@@ -192,6 +192,10 @@ struct Dcp<'a> {
     storages: Vec<[V; 4]>,
     props: Vec<V>,
     tops: Vec<V>,
+    /// Per kept class (`Class::slot`) and field, the `(position, length)` in the input of the key
+    /// string that last named that field: torch memoizes its field names, so every object's state
+    /// names its fields with the same few strings, and a position compare replaces a byte compare.
+    field_at: [[(u64, u32); 4]; 4],
 }
 
 fn idx(n: usize) -> Result<u32, UnpickleError> {
@@ -214,7 +218,22 @@ impl<'a> Dcp<'a> {
             storages: Vec::new(),
             props: Vec::new(),
             tops: Vec::new(),
+            field_at: [[(u64::MAX, 0); 4]; 4],
         }
+    }
+
+    /// The field of `class` (one of the four with a row of fields) that key `k` names, if any.
+    fn field_of(&mut self, slot: usize, fields: &[&[u8]], k: V) -> Option<usize> {
+        let V::Str { len, at } = k else { return None };
+        if let Some(f) = self.field_at[slot][..fields.len()]
+            .iter()
+            .position(|&p| p == (at, len))
+        {
+            return Some(f);
+        }
+        let f = fields.iter().position(|f| self.key_is(k, f))?;
+        self.field_at[slot][f] = (at, len);
+        Some(f)
     }
 
     fn text(&self, v: V) -> Option<&'a str> {
@@ -581,9 +600,15 @@ impl<'a> Build<'a> for Dcp<'a> {
                     return err("BUILD with a dict already taken as an object's state");
                 };
                 let fields = class.fields();
+                let slot = match class {
+                    Class::Tensor => 0,
+                    Class::Chunk => 1,
+                    Class::Index => 2,
+                    _ => 3,
+                };
                 let mut row = [V::Unset; 4];
                 for &(k, v) in &pairs {
-                    if let Some(f) = fields.iter().position(|f| self.key_is(k, f)) {
+                    if let Some(f) = self.field_of(slot, fields, k) {
                         row[f] = v;
                     }
                 }
@@ -708,83 +733,98 @@ fn join_storage<'a>(
     transforms: &mut HashMap<(String, Option<Vec<u64>>), Vec<String>>,
 ) -> R<()> {
     /// One checked entry: where its chunk's offsets are (None for a byte object), the index
-    /// hint, the path (into `paths`), offset and length.
+    /// hint, the path (its input position until interned, then its index in `paths`), offset and
+    /// length.
     struct Item<'s> {
         offsets: Option<&'s [u64]>,
         hint: Option<u64>,
-        path: u32,
+        path: u64,
         offset: u64,
         length: u64,
     }
-    // Memoized fqn and path strings repeat at the same input position: each is looked up (and its
-    // path copied out) once per position. Positions are not chosen by the hash's adversary in any
+    /// An entry checked on its own: its fqn, key (None when `state_dict_metadata` lacks it), item,
+    /// `relative_path` value and `transform_descriptors` (when it has some).
+    type Checked<'s> = (&'s str, Option<u32>, Item<'s>, V, Option<Vec<String>>);
+    // The entries are checked in parallel (each alone), then taken in order: the first error in
+    // pickle order is reported, and paths are interned in a sequential pass.
+    let checked: Vec<R<Checked>> = b
+        .dict_pairs(sd, "storage_data")?
+        .par_iter()
+        .map(|&(k, v)| {
+            let [fqn_v, offset_v, index_v] = match (b.class_of(k), k) {
+                (Class::Index, V::Obj { rec, .. }) => b.indexes[rec as usize],
+                _ => return bad(format!("storage_data key is {}", b.kind(k))),
+            };
+            // A string value is valid UTF-8 (checked when decoded).
+            let Some(fqn) = b.text(fqn_v) else {
+                return bad("MetadataIndex without fqn");
+            };
+            let offsets = match offset_v {
+                V::Unset | V::None => None,
+                o => Some(b.shape(o, &|| format!("{fqn}: MetadataIndex.offset"))?),
+            };
+            let [path_v, off_v, len_v, tr_v] = match (b.class_of(v), v) {
+                (Class::Storage, V::Obj { rec, .. }) => b.storages[rec as usize],
+                _ => return bad(format!("{fqn}: storage info is {}", b.kind(v))),
+            };
+            let V::Str { at: path, .. } = path_v else {
+                return bad(format!("{fqn}: relative_path is not a string"));
+            };
+            let num = |x: V, name: &str| {
+                b.uint(x).ok_or_else(|| {
+                    MetadataError(format!("{fqn}: {name} is not a non-negative int"))
+                })
+            };
+            let (offset, length) = (num(off_v, "offset")?, num(len_v, "length")?);
+            let names = b.items(tr_v).map(|list| {
+                list.iter()
+                    .filter_map(|d| b.text(*d).map(String::from))
+                    .collect::<Vec<String>>()
+            });
+            let item = Item {
+                offsets,
+                hint: b.uint(index_v),
+                path,
+                offset,
+                length,
+            };
+            let key = by_fqn.get(fqn).map(|&i| i as u32);
+            Ok((fqn, key, item, path_v, names.filter(|n| !n.is_empty())))
+        })
+        .collect();
+    // Each distinct path is checked once, when first met (a rank's entries share one string, so
+    // the last one is tried first): every `relative_path` of a decoded `.metadata` names a file
+    // inside the checkpoint directory. Positions are not chosen by the hash's adversary in any
     // useful way (each costs the input its bytes), so the fast hasher is fine here.
-    let mut key_at: HashMap<u64, Option<usize>, FxBuildHasher> = HashMap::default();
     let mut path_at: HashMap<u64, u32, FxBuildHasher> = HashMap::default();
+    let mut last: Option<(u64, u32)> = None;
     let mut paths: Vec<String> = Vec::new();
     let mut per_key: Vec<Vec<Item>> = (0..keys.len()).map(|_| Vec::new()).collect();
-    for &(k, v) in b.dict_pairs(sd, "storage_data")? {
-        let [fqn_v, offset_v, index_v] = match (b.class_of(k), k) {
-            (Class::Index, V::Obj { rec, .. }) => b.indexes[rec as usize],
-            _ => return bad(format!("storage_data key is {}", b.kind(k))),
-        };
-        let V::Str { at: fqn_at, .. } = fqn_v else {
-            return bad("MetadataIndex without fqn");
-        };
-        // A string value is valid UTF-8 (checked when decoded): this is for messages.
-        let fqn = || b.text(fqn_v).unwrap_or_default();
-        let offsets = match offset_v {
-            V::Unset | V::None => None,
-            o => Some(b.shape(o, &|| format!("{}: MetadataIndex.offset", fqn()))?),
-        };
-        let [path_v, off_v, len_v, tr_v] = match (b.class_of(v), v) {
-            (Class::Storage, V::Obj { rec, .. }) => b.storages[rec as usize],
-            _ => return bad(format!("{}: storage info is {}", fqn(), b.kind(v))),
-        };
-        let V::Str { at: path_pos, .. } = path_v else {
-            return bad(format!("{}: relative_path is not a string", fqn()));
-        };
-        let num = |x: V, name: &str| {
-            b.uint(x).ok_or_else(|| {
-                MetadataError(format!("{}: {name} is not a non-negative int", fqn()))
-            })
-        };
-        let (offset, length) = (num(off_v, "offset")?, num(len_v, "length")?);
-        if let Some(list) = b.items(tr_v) {
-            let names: Vec<String> = list
-                .iter()
-                .filter_map(|d| b.text(*d).map(String::from))
-                .collect();
-            if !names.is_empty() {
-                transforms.insert((fqn().to_string(), offsets.map(|o| o.to_vec())), names);
-            }
+    for c in checked {
+        let (fqn, key, mut item, path_v, names) = c?;
+        if let Some(names) = names {
+            transforms.insert((fqn.to_string(), item.offsets.map(|o| o.to_vec())), names);
         }
-        let key = *key_at
-            .entry(fqn_at)
-            .or_insert_with(|| by_fqn.get(fqn()).copied());
         let Some(key) = key else {
             continue; // a key state_dict_metadata does not have: nothing reads it
         };
-        let path = match path_at.get(&path_pos) {
-            Some(&p) => p,
-            None => {
-                // Each distinct path is checked once, when first met: every `relative_path` of a
-                // decoded `.metadata` names a file inside the checkpoint directory.
-                let text = b.text(path_v).unwrap_or_default();
-                check_relative_path(text)
-                    .map_err(|why| MetadataError(format!("{}: {why}", fqn())))?;
-                paths.push(text.to_string());
-                path_at.insert(path_pos, (paths.len() - 1) as u32);
-                (paths.len() - 1) as u32
-            }
+        let path = match last {
+            Some((pos, p)) if pos == item.path => p,
+            _ => match path_at.get(&item.path) {
+                Some(&p) => p,
+                None => {
+                    let text = b.text(path_v).unwrap_or_default();
+                    check_relative_path(text)
+                        .map_err(|why| MetadataError(format!("{fqn}: {why}")))?;
+                    paths.push(text.to_string());
+                    path_at.insert(item.path, (paths.len() - 1) as u32);
+                    (paths.len() - 1) as u32
+                }
+            },
         };
-        per_key[key].push(Item {
-            offsets,
-            hint: b.uint(index_v),
-            path,
-            offset,
-            length,
-        });
+        last = Some((item.path, path));
+        item.path = path as u64;
+        per_key[key as usize].push(item);
     }
     keys.par_iter_mut()
         .zip(per_key)

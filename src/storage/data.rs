@@ -195,3 +195,47 @@ impl DataSource {
         }
     }
 }
+
+/// A whole file's bytes as [`Location::read_held`] holds them: a read-only memory map of a local
+/// file, or the bytes read (an object, or an empty file, which cannot be mapped).
+pub enum Held {
+    Map(memmap2::Mmap),
+    Read(Vec<u8>),
+}
+
+impl std::ops::Deref for Held {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            Held::Map(m) => m,
+            Held::Read(v) => v,
+        }
+    }
+}
+
+impl Location {
+    /// The whole file `rel` for decoding, or `None` when it does not exist: memory-mapped locally
+    /// (no copy into the heap; pages already decoded can be dropped by the kernel), read whole
+    /// from an object store. Only for files replaced whole (written to a temporary file, then
+    /// renamed), such as `.metadata`, so that a mapped file never changes under its reader.
+    ///
+    /// Errors: [`Error::Io`] / [`Error::Remote`] when it cannot be read or mapped.
+    pub fn read_held(&self, rel: &str) -> Result<Option<Held>> {
+        let Location::Local(dir) = self else {
+            return Ok(self.read(rel)?.map(Held::Read));
+        };
+        let path = dir.join(rel);
+        let file = match File::open(&path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(Error::io("read", &path)(e)),
+        };
+        if file.metadata().map_err(Error::io("stat", &path))?.len() == 0 {
+            return Ok(Some(Held::Read(Vec::new())));
+        }
+        // SAFETY: the file is only ever replaced whole (`storage::atomic_write`: a temporary file,
+        // then a rename), so the mapped file never changes under the decoder.
+        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(Error::io("map", &path))?;
+        Ok(Some(Held::Map(map)))
+    }
+}

@@ -10,7 +10,7 @@ pub mod remote;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-pub use data::{DataSink, DataSource};
+pub use data::{DataSink, DataSource, Held};
 pub use local::{
     atomic_create, atomic_write, create_dir_all, fsync_dir, sweep_temp_files, DataFile,
 };
