@@ -114,6 +114,25 @@ enum Command {
         /// is removed only after they are all written, the new index written last.
         #[arg(long)]
         overwrite: bool,
+        /// The original HF release of a multimodal model (a config.json with a text_config, e.g.
+        /// Qwen3.5's): its vision tower (model.visual.*) is copied byte for byte, after its
+        /// names and shapes are checked against the config's vision_config; the text model is
+        /// written under model.language_model.*, as save_pretrained writes it.
+        #[arg(long, value_name = "DIR")]
+        base_hf: Option<PathBuf>,
+        /// For a multimodal config: write the text model alone (model.*) with the text model's
+        /// own config.json (e.g. Qwen3_5MoeForCausalLM).
+        #[arg(long)]
+        text_only: bool,
+        /// Convert without the checkpoint's MTP layers (mtp.layers.*); the config.json written
+        /// then declares none.
+        #[arg(long)]
+        drop_mtp: bool,
+        /// The tokenizer folder whose files (tokenizer.json, tokenizer_config.json, ...,
+        /// generation_config.json) are copied beside the weights; default the checkpoint's
+        /// tokenizer/ (Megatron-LM after 0.19 saves one there), when it has one.
+        #[arg(long, value_name = "DIR")]
+        tokenizer: Option<PathBuf>,
         /// Skip checkpoint keys that no rule maps instead of failing.
         #[arg(long)]
         allow_unmapped: bool,
@@ -390,6 +409,10 @@ where
             part,
             overwrite,
             allow_unmapped,
+            base_hf,
+            text_only,
+            drop_mtp,
+            tokenizer,
             json,
             timeout,
         } => {
@@ -403,6 +426,10 @@ where
             )?;
             opts.overwrite = overwrite;
             opts.part = part.as_deref().map(crate::hf::Part::parse).transpose()?;
+            opts.base_hf = base_hf;
+            opts.text_only = text_only;
+            opts.drop_mtp = drop_mtp;
+            opts.tokenizer = tokenizer;
             to_hf(&bounded(&dir, timeout)?, &out, &opts, json)
         }
     })();

@@ -20,6 +20,7 @@ import functools
 import importlib
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -166,7 +167,10 @@ def qwen3_next_config():
 def qwen3_5_moe_config():
     import transformers
 
-    return transformers.Qwen3_5MoeTextConfig(layer_types=_LAYER_TYPES, **_MOE, **_GDN, **_SMALL)
+    # One MTP layer, as Qwen3.5's releases declare it (`mtp_num_hidden_layers`, which transformers'
+    # config keeps as an extra field).
+    return transformers.Qwen3_5MoeTextConfig(layer_types=_LAYER_TYPES, mtp_num_hidden_layers=1, **_MOE, **_GDN,
+                                             **_SMALL)
 
 
 def qwen3_5_config():
@@ -203,6 +207,17 @@ def _distinct_experts(model, ep_rank: int) -> None:
         for name, p in model.named_parameters():
             if ".experts." in name:
                 p.add_(0.05 * torch.randn(p.shape, generator=g))
+
+
+def _distinct_mtp_norms(model) -> None:
+    """The MTP layer's norms start equal (all ones, or all zeros when zero-centred): a converter
+    swapping enorm and hnorm would go unnoticed. Noise from one seed on every rank (the norms are
+    replicated) makes each distinct."""
+    g = torch.Generator().manual_seed(77)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.startswith("mtp.") and "norm" in name:
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
 
 
 def _other_weights(model) -> None:
@@ -266,6 +281,9 @@ def gdn_model(cfg):
                 moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0, moe_router_pre_softmax=False)
            if moe else {}),
     )
+    mtp_layers = getattr(cfg, "mtp_num_hidden_layers", 0) or 0
+    if mtp_layers:
+        tc.mtp_num_layers = mtp_layers
     ln_linear = _layer_norm_column_parallel_linear()
     gdn = ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
         in_proj=ln_linear, out_norm=ZeroCenteredRMSNorm, out_proj=RowParallelLinear))
@@ -283,9 +301,23 @@ def gdn_model(cfg):
         input_layernorm=IdentityOp, self_attention=gdn if t == "linear_attention" else attn,
         self_attn_bda=get_bias_dropout_add, pre_mlp_layernorm=pre_mlp, mlp=mlp, mlp_bda=get_bias_dropout_add))
         for t in cfg.layer_types]
+    mtp = None
+    if mtp_layers:
+        # Qwen3.5's MTP layer: zero-centred norms around eh_proj, then a full-attention MoE layer
+        # (the last decoder layer's spec), then its own final norm.
+        from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+        from megatron.core.transformer.multi_token_prediction import (
+            MultiTokenPredictionBlockSubmodules, MultiTokenPredictionLayer, MultiTokenPredictionLayerSubmodules)
+
+        assert cfg.layer_types[-1] == "full_attention"
+        mtp = MultiTokenPredictionBlockSubmodules(layer_specs=[ModuleSpec(
+            module=MultiTokenPredictionLayer, submodules=MultiTokenPredictionLayerSubmodules(
+                enorm=ZeroCenteredRMSNorm, hnorm=ZeroCenteredRMSNorm, eh_proj=ColumnParallelLinear,
+                mtp_model_layer=layers[-1], layer_norm=ZeroCenteredRMSNorm))] * mtp_layers)
     torch.manual_seed(1234)
-    model = GPTModel(config=tc, transformer_layer_spec=TransformerBlockSubmodules(layer_specs=layers,
-                                                                                  layer_norm=ZeroCenteredRMSNorm),
+    model = GPTModel(config=tc, mtp_block_spec=mtp,
+                     transformer_layer_spec=TransformerBlockSubmodules(layer_specs=layers,
+                                                                       layer_norm=ZeroCenteredRMSNorm),
                      vocab_size=VOCAB_MEGATRON, max_sequence_length=64, position_embedding_type="rope",
                      rotary_percent=rotary_percent, rotary_base=int(theta),
                      share_embeddings_and_output_weights=False, parallel_output=False)
@@ -302,6 +334,8 @@ def gdn_model(cfg):
                 linear_num_value_heads=tc.linear_num_value_heads, num_experts=tc.num_moe_experts,
                 make_vocab_size_divisible_by=128, tensor_model_parallel_size=tp, vocab_size=cfg.vocab_size,
                 norm_epsilon=tc.layernorm_epsilon)
+    if mtp_layers:
+        args.update(mtp_num_layers=mtp_layers)
     if moe:
         args.update(moe_ffn_hidden_size=tc.moe_ffn_hidden_size, moe_router_topk=tc.moe_router_topk,
                     moe_shared_expert_intermediate_size=tc.moe_shared_expert_intermediate_size,
@@ -347,10 +381,36 @@ FAMILIES.update({
 
 
 def _megatron_logits(model, vocab: int):
+    """The model's logits on ``TOKENS`` ([seq, vocab])."""
+    return _megatron_forward(model, vocab)[0]
+
+
+def _megatron_forward(model, vocab: int):
+    """The model's logits on ``TOKENS`` ([seq, vocab]) and, when it has MTP layers, Megatron's own MTP
+    forward ([mtp layers, seq, vocab]: the hidden states the MTP block returns inside the model's
+    forward, through the model's output layer), else None."""
     seq = TOKENS.shape[1]
     mask = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool), diagonal=1)
+    captured = []
+    mtp = getattr(model, "mtp", None)
+    hook = mtp.register_forward_hook(lambda m, i, out: captured.append(out)) if mtp is not None else None
     with torch.no_grad():
-        return model(TOKENS, torch.arange(seq).unsqueeze(0), mask)[0, :, :vocab].clone()
+        logits = model(TOKENS, torch.arange(seq).unsqueeze(0), mask)[0, :, :vocab].clone()
+        mtp_logits = None
+        if hook is not None:
+            hook.remove()
+            # [(1 + mtp layers) * seq, batch, hidden]: the decoder's, then each MTP layer's.
+            chunks = torch.chunk(captured[0], 1 + model.config.mtp_num_layers, dim=0)[1:]
+            mtp_logits = torch.stack([model.output_layer(h)[0][:, 0, :vocab] for h in chunks])
+    return logits, mtp_logits
+
+
+def _mtp_sources(model) -> dict:
+    """Megatron's MTP module tensors and the embedding and output layer, by key (whole tensors at
+    TP=1, EP=1), for the test that each exported MTP tensor equals its source."""
+    keep = ("mtp.", "embedding.word_embeddings.weight", "output_layer.weight")
+    return {k: v.detach().clone() for k, v in model.state_dict().items()
+            if k.startswith(keep) and "_extra_state" not in k}
 
 
 def _load_into(model, ckpt, **kwargs):
@@ -429,9 +489,15 @@ def _save_and_forward(rank, base, family):
                                      expert_tensor_parallel_size=1 if fam.moe else None)
         model, args = fam.build(cfg)
         _distinct_experts(model, ps.get_expert_model_parallel_rank())
+        _distinct_mtp_norms(model)
         if layout != "tp1" and fam.load_check:
             _other_weights(model)
-        logits = _megatron_logits(model, cfg.vocab_size)
+        logits, mtp_logits = _megatron_forward(model, cfg.vocab_size)
+        if rank == 0 and mtp_logits is not None:
+            os.makedirs(os.path.join(base, layout), exist_ok=True)
+            torch.save(mtp_logits, os.path.join(base, layout, "mtp_logits.pt"))
+            if layout == "tp1":
+                torch.save(_mtp_sources(model), os.path.join(base, layout, "mtp_sources.pt"))
         variants = [(w, args) for w in WRITERS]
         if layout == "tp1" and fam.bad_args:
             variants.append(("bad_args", {**args, **fam.bad_args}))
@@ -524,6 +590,15 @@ def checkpoint_key_mismatch(model, ckpt_dir: str) -> tuple[list, list]:
     return sorted(stored - asked_anywhere), sorted(asked - stored)
 
 
+def _without_mtp(cfg):
+    """``cfg`` declaring no MTP layers: from-hf converts transformers' own models, which build none
+    (their MTP weights are ignored), so the Megatron model loading the result has none either."""
+    for f in ("num_nextn_predict_layers", "mtp_num_hidden_layers"):
+        if getattr(cfg, f, None):
+            setattr(cfg, f, 0)
+    return cfg
+
+
 def load_and_forward(rank, world, port, base, families):
     """Worker (2 ranks): for each family, builds a fresh megatron-core model in the resharded layout
     (TP=2, EP=2 for MoE), fills it with megatron-core's own unmodified ``dist_checkpointing.load``
@@ -544,7 +619,7 @@ def load_and_forward(rank, world, port, base, families):
         fam = FAMILIES[family]
         for patch in fam.cpu_patches:
             patch()
-        cfg = fam.hf_config()
+        cfg = _without_mtp(fam.hf_config())
         ps.initialize_model_parallel(tensor_model_parallel_size=2, expert_model_parallel_size=2 if fam.moe else 1,
                                      expert_tensor_parallel_size=1 if fam.moe else None)
         # One family's failure (a refused load fails on both ranks alike) is its test's, not the others'.
@@ -590,14 +665,171 @@ def safetensors_tensors(folder: str) -> dict:
     return out
 
 
-def hf_load_and_logits(out_dir: str):
-    """Loads a converted folder with ``AutoModelForCausalLM.from_pretrained``; returns (logits on
-    ``TOKENS``, loading info: missing / unexpected / mismatched keys)."""
+def declared_class(out_dir: str):
+    """The transformers class the folder's config.json declares (``architectures[0]``), or
+    ``AutoModelForCausalLM`` for a config that declares none."""
+    import json
+
     import transformers
 
+    arch = (json.loads(open(os.path.join(out_dir, "config.json")).read()).get("architectures") or [None])[0]
+    return getattr(transformers, arch) if arch else transformers.AutoModelForCausalLM
+
+
+def hf_load_and_logits(out_dir: str):
+    """Loads a converted folder with the class its config.json declares (``declared_class``); returns
+    (logits on ``TOKENS``, loading info: missing / unexpected / mismatched keys)."""
     hf_cpu_torch_paths()
-    model, info = transformers.AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32,
-                                                                     output_loading_info=True)
+    model, info = declared_class(out_dir).from_pretrained(out_dir, dtype=torch.float32, output_loading_info=True)
     model.eval()
     with torch.no_grad():
         return model(TOKENS).logits[0], info
+
+
+# --- MTP: the published formula, computed from the exported HF tensors ------------------------------
+# The MTP module of DeepSeek-V3 (its technical report, §2.2; its release's README_WEIGHTS.md) and of
+# the families that copied it: for position i, h_i is the main model's last hidden state (after its
+# final norm) and e_i the embedding of token i + 1;
+#     x = eh_proj(concat(enorm(e_i), hnorm(h_i)));  x = TransformerLayer(x);  logits = head(norm(x)).
+# The HF names of each family's module ("{L}" = num_hidden_layers): DeepSeek-V3's and GLM-4.5's
+# releases keep it as decoder layer L, with its own copies of the embedding and head; Qwen3.5's
+# (and Qwen3-Next's) as the top-level `mtp.*`, sharing the model's embedding and head. Qwen's norms
+# are zero-centred ((1 + w) x / rms).
+MTP_LAYOUT = {
+    "deepseek_v3": dict(embed="model.layers.{L}.embed_tokens.weight", enorm="model.layers.{L}.enorm.weight",
+                        hnorm="model.layers.{L}.hnorm.weight", proj="model.layers.{L}.eh_proj.weight",
+                        norm="model.layers.{L}.shared_head.norm.weight",
+                        head="model.layers.{L}.shared_head.head.weight", layer="model.layers.{L}.", one_plus=False),
+    "qwen3_5_moe": dict(embed="model.embed_tokens.weight", enorm="mtp.pre_fc_norm_embedding.weight",
+                        hnorm="mtp.pre_fc_norm_hidden.weight", proj="mtp.fc.weight", norm="mtp.norm.weight",
+                        head="lm_head.weight", layer="mtp.layers.0.", one_plus=True),
+}
+MTP_LAYOUT["glm4_moe"] = MTP_LAYOUT["deepseek_v3"]
+
+
+def mtp_expected_tensors(family: str, reference: dict, num_layers: int) -> dict:
+    """Name -> (dtype, shape) of the MTP tensors the family's official layout holds for one MTP layer,
+    from ``reference`` (what ``save_pretrained`` writes for the model without MTP): the transformer layer
+    is shaped like the last decoder layer (full attention and MoE in each family here)."""
+    lay = MTP_LAYOUT[family]
+    L = str(num_layers)
+    last = f"model.layers.{num_layers - 1}."
+    layer = lay["layer"].replace("{L}", L)
+    out = {layer + k[len(last):]: v for k, v in reference.items() if k.startswith(last)}
+    dt, (_, hidden) = reference["model.embed_tokens.weight"][0], reference["model.embed_tokens.weight"][1]
+    for k in ("enorm", "hnorm", "norm"):
+        out[lay[k].replace("{L}", L)] = (dt, [hidden])
+    out[lay["proj"].replace("{L}", L)] = (dt, [hidden, 2 * hidden])
+    if lay["embed"].replace("{L}", L).startswith(layer):  # DeepSeek's own copies
+        out[lay["embed"].replace("{L}", L)] = reference["model.embed_tokens.weight"]
+        out[lay["head"].replace("{L}", L)] = reference["lm_head.weight"]
+    return out
+
+
+def mtp_source_pairs(family: str, sources: dict, num_layers: int, vocab: int, t: dict) -> list:
+    """(Megatron key, HF name, Megatron tensor) for each exported MTP tensor that is its Megatron
+    source as it is (no split or fusion): the module's own tensors, its copies of the embedding and
+    head (vocabulary padding trimmed), the layer's norms, router and experts' down projections.
+    ``sources``: Megatron's state_dict at TP=1 (``_mtp_sources``); ``t``: the exported tensors (for
+    the multimodal layout's prefix)."""
+    lay = {k: (v.replace("{L}", str(num_layers)) if isinstance(v, str) else v) for k, v in MTP_LAYOUT[family].items()}
+    if lay["embed"] not in t:
+        lay["embed"] = lay["embed"].replace("model.", "model.language_model.")
+    layer = lay["layer"]
+    own = {"enorm.weight": lay["enorm"], "hnorm.weight": lay["hnorm"], "eh_proj.weight": lay["proj"],
+           "final_layernorm.weight": lay["norm"],
+           "mtp_model_layer.pre_mlp_layernorm.weight": layer + "post_attention_layernorm.weight",
+           "mtp_model_layer.input_layernorm.weight": layer + "input_layernorm.weight",
+           "mtp_model_layer.mlp.router.weight": layer + "mlp.gate.weight"}
+    pairs = []
+    for k, v in sources.items():
+        if k == "embedding.word_embeddings.weight" and lay["embed"].startswith(layer):
+            pairs.append((k, lay["embed"], v[:vocab]))
+        elif k == "output_layer.weight" and lay["head"].startswith(layer):
+            pairs.append((k, lay["head"], v[:vocab]))
+        elif k.startswith("mtp.layers.0."):
+            sub = k[len("mtp.layers.0."):]
+            m = re.fullmatch(r"mtp_model_layer\.mlp\.experts\.local_experts\.(\d+)\.linear_fc2\.weight", sub)
+            if sub in own:
+                pairs.append((k, own[sub], v))
+            elif m:
+                pairs.append((k, f"{layer}mlp.experts.{m[1]}.down_proj.weight", v))
+    return pairs
+
+
+def _folder_tensors(folder: str) -> dict:
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def _load_layer(layer, prefix: str, t: dict, module: set) -> None:
+    """Loads the exported tensors under ``prefix`` (per-expert names, as ``save_pretrained`` writes
+    them) into transformers' decoder ``layer``, fusing experts as its parameters hold them
+    (``gate_up_proj`` [E, 2I, H] = per expert [gate; up], ``down_proj`` [E, H, I]). Every exported
+    tensor of the layer is used, and every parameter and buffer set. ``module``: the MTP module's own
+    tensors (DeepSeek's share the layer's prefix), which the formula uses instead."""
+    ours = {k[len(prefix):]: v for k, v in t.items() if k.startswith(prefix) and k not in module}
+    used, sd = set(), {}
+    for k, v in layer.state_dict().items():
+        if k in ours:
+            sd[k] = ours[k]
+            used.add(k)
+            continue
+        base, _, kind = k.rpartition(".")  # mlp.experts . gate_up_proj / down_proj
+        n = v.shape[0]
+        if kind == "gate_up_proj":
+            names = [[f"{base}.{e}.gate_proj.weight", f"{base}.{e}.up_proj.weight"] for e in range(n)]
+            sd[k] = torch.stack([torch.cat([ours[g], ours[u]]) for g, u in names])
+            used.update(x for pair in names for x in pair)
+        elif kind == "down_proj":
+            names = [f"{base}.{e}.down_proj.weight" for e in range(n)]
+            sd[k] = torch.stack([ours[x] for x in names])
+            used.update(names)
+        else:
+            raise AssertionError(f"{prefix}{k}: not exported")
+    assert used == set(ours), sorted(set(ours) - used)
+    layer.load_state_dict(sd, strict=True)
+
+
+def hf_mtp_logits(out_dir: str, family: str):
+    """The MTP layer's logits on ``TOKENS`` ([seq, vocab]), by the formula above from the exported
+    tensors alone; transformers supplies the main model's last hidden state and the decoder layer
+    class (a copy of its last layer, loaded with the MTP layer's tensors). Megatron's MTP takes token
+    i + 1 at position i and token 0 past the end (``roll_tensor``), as here."""
+    import copy
+
+    import transformers
+
+    hf_cpu_torch_paths()
+    model = transformers.AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
+    cfg = model.config.get_text_config()
+    t = _folder_tensors(out_dir)
+    lay = {k: (v.replace("{L}", str(cfg.num_hidden_layers)) if isinstance(v, str) else v) for k, v in
+           MTP_LAYOUT[family].items()}
+    if lay["embed"] not in t:  # the multimodal layout's text model
+        lay["embed"] = lay["embed"].replace("model.", "model.language_model.")
+    eps = cfg.rms_norm_eps
+
+    def norm(x, w):
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        return y * (1.0 + w if lay["one_plus"] else w)
+
+    decoder = model.get_decoder()
+    layer = copy.deepcopy(decoder.layers[cfg.num_hidden_layers - 1])
+    _load_layer(layer, lay["layer"], t, {v for k, v in lay.items() if k not in ("layer", "one_plus")})
+    seq = TOKENS.shape[1]
+    pos = torch.arange(seq).unsqueeze(0)
+    with torch.no_grad():
+        h = decoder(input_ids=TOKENS).last_hidden_state
+        nxt = torch.cat([TOKENS[:, 1:], torch.zeros_like(TOKENS[:, :1])], dim=1)
+        e = torch.nn.functional.embedding(nxt, t[lay["embed"]])
+        x = torch.cat([norm(e, t[lay["enorm"]]), norm(h, t[lay["hnorm"]])], dim=-1) @ t[lay["proj"]].T
+        out = layer(x, attention_mask=None, position_ids=pos, position_embeddings=decoder.rotary_emb(x, pos))
+        x = out[0] if isinstance(out, tuple) else out
+        return (norm(x, t[lay["norm"]]) @ t[lay["head"]].T)[0]

@@ -43,13 +43,13 @@ def hf_config(family: str):
             n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=2,
             routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1, q_lora_rank=24,
             kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, rope_interleave=True,
-            rope_parameters=rope, num_mtp_layers=0, attention_bias=False)
+            rope_parameters=rope, num_mtp_layers=1, attention_bias=False)
     if family == "glm4_moe":
         return transformers.Glm4MoeConfig(
             **common, num_key_value_heads=2, head_dim=16, intermediate_size=96, moe_intermediate_size=32,
             n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1,
             routed_scaling_factor=1.5, norm_topk_prob=True, first_k_dense_replace=1, use_qk_norm=True,
-            attention_bias=True, rope_parameters={**rope, "partial_rotary_factor": 0.5}, num_mtp_layers=0)
+            attention_bias=True, rope_parameters={**rope, "partial_rotary_factor": 0.5}, num_mtp_layers=1)
     if family == "gpt_oss":
         # Layer 0 slides (window 4 < the 12 tokens), layer 1 attends fully, layer 2 slides.
         return transformers.GptOssConfig(
@@ -137,6 +137,9 @@ def transformer_config_kwargs(family: str, cfg) -> dict:
                   qk_layernorm=family == "qwen3", add_qkv_bias=family == "qwen2")
     if family == "mixtral":
         kw.update(moe_router_pre_softmax=False)  # softmax over the top-k logits = transformers' renormalised top-k
+    if family in ("deepseek_v3", "glm4_moe"):
+        # One MTP layer (DeepSeek-V3's and GLM-4.5's releases have one): an MoE layer after the last.
+        kw.update(mtp_num_layers=cfg.num_nextn_predict_layers or None)
     if family in ("deepseek_v3", "glm4_moe", "deepseek_v32", "glm_moe_dsa"):
         kw.update(
             ffn_hidden_size=cfg.intermediate_size, activation_func=F.silu, add_bias_linear=False,
@@ -390,7 +393,8 @@ def megatron_args(family: str, cfg, tc) -> dict:
             "add_qkv_bias", "softmax_type", "window_size", "window_attn_skip_freq", "glu_linear_offset",
             "activation_func_clamp_value", "experimental_attention_variant", "dsa_indexer_n_heads",
             "dsa_indexer_head_dim", "dsa_indexer_topk", "dsa_indexer_topk_freq", "dsa_indexer_skip_topk_offset",
-            "dsa_indexer_rope_interleaved", "dsa_indexer_scoring_relu", "dsa_indexer_rotate_activation"]
+            "dsa_indexer_rope_interleaved", "dsa_indexer_scoring_relu", "dsa_indexer_rotate_activation",
+            "mtp_num_layers"]
     rotary_percent = cfg.rope_parameters.get("partial_rotary_factor", 1.0)
     args = {k: getattr(tc, k) for k in same if hasattr(tc, k)}
     args.update(group_query_attention=tc.num_query_groups != tc.num_attention_heads, swiglu=True,
@@ -411,8 +415,14 @@ def build(family: str, cfg):
     from hf_families import VOCAB_MEGATRON
 
     tc = transformer_config(family, cfg)
+    spec = block_spec(family, tc)
+    mtp = None
+    if tc.mtp_num_layers:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+        mtp = get_gpt_mtp_block_spec(tc, spec, use_transformer_engine=False)
     torch.manual_seed(1234)
-    model = GPTModel(config=tc, transformer_layer_spec=block_spec(family, tc), vocab_size=VOCAB_MEGATRON,
+    model = GPTModel(config=tc, transformer_layer_spec=spec, mtp_block_spec=mtp, vocab_size=VOCAB_MEGATRON,
                      max_sequence_length=64, position_embedding_type="rope",
                      rotary_base=int(cfg.rope_parameters["rope_theta"]),
                      rotary_percent=cfg.rope_parameters.get("partial_rotary_factor", 1.0),

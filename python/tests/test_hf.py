@@ -32,9 +32,10 @@ def saved(request, tmp_path_factory):
 
 
 def _hf_logits(out_dir):
-    import transformers
+    """Logits of the folder loaded with the class its config.json declares (what serving engines use)."""
+    import hf_families
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(out_dir), torch_dtype=torch.float32)
+    model = hf_families.declared_class(str(out_dir)).from_pretrained(str(out_dir), torch_dtype=torch.float32)
     model.eval()
     with torch.no_grad():
         return model(hf_workers.TOKENS).logits[0]

@@ -59,15 +59,36 @@ def saved(tmp_path_factory):
     return get
 
 
-def _convert_and_compare(base, reference, ckpt, config, out):
-    summary = shardwise.to_hf(str(ckpt), str(out), hf_config=str(config), max_shard_size="100KB")
+def _expected(family, reference, config):
+    """What the conversion writes: ``reference`` (save_pretrained's names), plus the family's MTP
+    tensors in its official layout when the config declares them."""
+    cfg = json.loads(open(config).read())
+    cfg = {**cfg, **cfg.get("text_config", {})}
+    if not (cfg.get("num_nextn_predict_layers") or cfg.get("mtp_num_hidden_layers")):
+        return reference
+    return {**reference, **hf_families.mtp_expected_tensors(family, reference, cfg["num_hidden_layers"])}
+
+
+def _convert_and_compare(base, reference, ckpt, config, out, family=None, **kw):
+    summary = shardwise.to_hf(str(ckpt), str(out), hf_config=str(config), max_shard_size="100KB", **kw)
     assert summary["files"] > 1, summary
     assert summary["args_check"] == "passed" and not summary["args_unchecked"], summary
-    assert hf_families.safetensors_tensors(str(out)) == reference
+    assert not summary["warnings"], summary
+    if family is not None:
+        assert hf_families.safetensors_tensors(str(out)) == _expected(family, reference, config)
     logits, info = hf_families.hf_load_and_logits(str(out))
-    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-    # diff in HF mode rebuilds every HF tensor (value transforms included) from the checkpoint.
-    report = shardwise.diff(str(ckpt), str(out), hf_config=str(config))
+    assert not info["missing_keys"] and not info["mismatched_keys"], info
+    # transformers' deepseek_v3 and glm4_moe ignore their MTP layer by the released models' layer
+    # number (model.layers.61 / .92 / .46), so the small models' MTP layer shows as unexpected: it is
+    # the only unexpected tensor allowed.
+    cfg = json.loads(open(config).read())
+    mtp_layer = f"model.layers.{cfg.get('text_config', cfg)['num_hidden_layers']}."
+    assert all(k.startswith(mtp_layer) and family in ("deepseek_v3", "glm4_moe")
+               for k in info["unexpected_keys"]), info
+    # diff in HF mode rebuilds every HF tensor (value transforms included) from the checkpoint (the
+    # vision tower copied from --base-hf is not the checkpoint's).
+    report = shardwise.diff(str(ckpt), str(out), hf_config=str(config),
+                            exclude=["model.visual.*"] if "base_hf" in kw else [])
     assert report["exit_code"] == 0 and report["different"] == 0 and report["equal"] > 0, report
     return logits
 
@@ -78,19 +99,113 @@ def _convert_and_compare(base, reference, ckpt, config, out):
 def test_converted_model_matches_megatron(saved, family, layout, writer, tmp_path):
     base, reference = saved(family)
     logits = _convert_and_compare(base, reference, base / layout / writer, base / "hf_config" / "config.json",
-                                  tmp_path / "hf")
+                                  tmp_path / "hf", family)
     expected = torch.load(base / layout / "logits.pt")
     assert logits.shape == expected.shape  # vocabulary padding trimmed: 256 -> 250
     rel = ((logits - expected).abs().max() / expected.abs().max()).item()
     print(f"{family} {layout} {writer}: max rel diff {rel:.2e}")
     assert rel <= MAX_REL_DIFF
+    if family in hf_families.MTP_LAYOUT:
+        # The MTP layer, by its published formula from the exported tensors, against Megatron's own
+        # MTP forward (transformers does not run MTP layers).
+        mtp = hf_families.hf_mtp_logits(str(tmp_path / "hf"), family)
+        want = torch.load(base / layout / "mtp_logits.pt")[0]
+        rel = ((mtp - want).abs().max() / want.abs().max()).item()
+        print(f"{family} {layout} {writer}: MTP max rel diff {rel:.2e}")
+        assert rel <= MAX_REL_DIFF
+        if layout == "tp1":
+            # Each exported MTP tensor that is its Megatron source as it is equals it exactly.
+            cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+            cfg = {**cfg, **cfg.get("text_config", {})}
+            t = hf_families._folder_tensors(str(tmp_path / "hf"))
+            pairs = hf_families.mtp_source_pairs(family, torch.load(base / "tp1" / "mtp_sources.pt"),
+                                                 cfg["num_hidden_layers"], cfg["vocab_size"], t)
+            assert len(pairs) >= 7, [k for k, _, _ in pairs]
+            for key, name, v in pairs:
+                assert torch.equal(t[name], v), (key, name)
+
+
+def _multimodal(base, tmp_path):
+    """The multimodal config of the qwen3_5_moe family's text model (model_type qwen3_5_moe, the text
+    model in text_config, a small vision tower), and an original release of it (``save_pretrained``
+    of a randomly initialised ``Qwen3_5MoeForConditionalGeneration``: the vision tower to copy)."""
+    import transformers
+
+    text = json.loads((base / "hf_config" / "config.json").read_text())
+    cfg = transformers.Qwen3_5MoeConfig(text_config=text, tie_word_embeddings=False,
+                                        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                                                           out_hidden_size=text["hidden_size"]))
+    cfg.architectures = ["Qwen3_5MoeForConditionalGeneration"]
+    torch.manual_seed(3)
+    transformers.Qwen3_5MoeForConditionalGeneration(cfg).save_pretrained(tmp_path / "release")
+    return tmp_path / "release" / "config.json", tmp_path / "release"
+
+
+def test_multimodal_qwen3_5_config_loads_with_its_declared_architecture(saved, tmp_path):
+    """Qwen3.5's published config.json is the multimodal one (model_type qwen3_5_moe, architecture
+    Qwen3_5MoeForConditionalGeneration). With --base-hf the folder holds what save_pretrained of that
+    model writes: the text model as model.language_model.*, the vision tower copied byte for byte,
+    the MTP layer as mtp.*; the declared class loads it with nothing missing and Megatron's logits.
+    Without --base-hf the conversion is refused (--text-only: the next test)."""
+    base, reference = saved("qwen3_5_moe")
+    config, release = _multimodal(base, tmp_path)
+    ckpt = base / "resharded" / "shardwise"
+    with pytest.raises(shardwise.InvalidArgumentError,
+                       match=r"declares Qwen3_5MoeForConditionalGeneration, a multimodal model whose vision tower "
+                             r"\(model\.visual\.\*\) .* pass --base-hf DIR .* or --text-only"):
+        shardwise.to_hf(str(ckpt), str(tmp_path / "refused"), hf_config=str(config))
+    assert not (tmp_path / "refused").exists()
+    out = tmp_path / "hf"
+    logits = _convert_and_compare(base, reference, ckpt, config, out, base_hf=str(release))
+    torch.testing.assert_close(logits, torch.load(base / "resharded" / "logits.pt"), rtol=1e-4, atol=1e-5)
+    want = hf_families.safetensors_tensors(str(release))
+    got = hf_families.safetensors_tensors(str(out))
+    assert got == {k: v for k, v in want.items()} | hf_families.mtp_expected_tensors(
+        "qwen3_5_moe", reference, json.loads(config.read_text())["text_config"]["num_hidden_layers"])
+    visual = [k for k in want if k.startswith("model.visual.")]
+    assert visual
+    orig, conv = hf_families._folder_tensors(str(release)), hf_families._folder_tensors(str(out))
+    assert all(torch.equal(orig[k], conv[k]) for k in visual)
+    # The MTP layer of the multimodal layout, by the formula, against Megatron's.
+    mtp = hf_families.hf_mtp_logits(str(out), "qwen3_5_moe")
+    torch.testing.assert_close(mtp, torch.load(base / "resharded" / "mtp_logits.pt")[0], rtol=1e-4, atol=1e-5)
+    # A vision tower that is not the config's is refused before anything is written.
+    bad = json.loads(config.read_text())
+    bad["vision_config"]["depth"] = 3
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    with pytest.raises(shardwise.InvalidArgumentError, match=r"its vision tower is not the one vision_config "
+                                                              r"describes \(depth 3\): 12 missing"):
+        shardwise.to_hf(str(ckpt), str(tmp_path / "bad"), hf_config=str(tmp_path / "bad.json"), base_hf=str(release))
+    assert not (tmp_path / "bad").exists()
+
+
+def test_mtp_layers_the_config_does_not_declare_are_refused_unless_dropped(saved, tmp_path):
+    """A checkpoint with an MTP layer and a config that declares none is refused, naming both sides,
+    before anything is written; --drop-mtp converts without it, warns, and the config.json written
+    says 0 (transformers' deepseek_v3 default would say 1)."""
+    base, reference = saved("deepseek_v3")
+    ckpt = base / "tp1" / "shardwise"
+    with pytest.raises(shardwise.ValidationError,
+                       match=r"the checkpoint holds 1 MTP layer\(s\) \(mtp\.layers\.\*\), but config\.json's "
+                             r"num_nextn_predict_layers says 0; pass --drop-mtp"):
+        shardwise.to_hf(str(ckpt), str(tmp_path / "refused"), hf_config=str(_with(base, tmp_path,
+                                                                                 num_nextn_predict_layers=0)))
+    assert not (tmp_path / "refused").exists()
+    out = tmp_path / "hf"
+    summary = shardwise.to_hf(str(ckpt), str(out), hf_config=str(base / "hf_config" / "config.json"), drop_mtp=True)
+    assert summary["mtp_layers"] == 0 and any("--drop-mtp" in w for w in summary["warnings"]), summary
+    assert hf_families.safetensors_tensors(str(out)) == reference
+    assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 0
+    logits, info = hf_families.hf_load_and_logits(str(out))
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
 
 
 @pytest.mark.parametrize("family,config_class", MULTIMODAL)
-def test_multimodal_qwen3_5_config_converts_its_text_model(saved, tmp_path, family, config_class):
+def test_multimodal_qwen3_5_config_text_only_converts_its_text_model(saved, tmp_path, family, config_class):
     """Qwen3.5's published config.json is the multimodal one (model_type qwen3_5_moe or qwen3_5, the
-    text model in text_config): the conversion reads the text model's fields there, and
-    AutoModelForCausalLM loads the text model from it."""
+    text model in text_config): with --text-only the conversion reads the text model's fields there
+    and writes the text model's own config (its ForCausalLM class, no vision_config) and names, which
+    that class loads with Megatron's logits."""
     import transformers
 
     base, reference = saved(family)
@@ -98,9 +213,61 @@ def test_multimodal_qwen3_5_config_converts_its_text_model(saved, tmp_path, fami
     cfg = getattr(transformers, config_class)(text_config=text, tie_word_embeddings=False)
     cfg.save_pretrained(tmp_path / "vl")
     assert json.loads((tmp_path / "vl" / "config.json").read_text())["model_type"] == family
-    logits = _convert_and_compare(base, reference, base / "tp1" / "shardwise", tmp_path / "vl" / "config.json",
-                                  tmp_path / "hf")
+    out = tmp_path / "hf"
+    summary = shardwise.to_hf(str(base / "tp1" / "shardwise"), str(out), hf_config=str(tmp_path / "vl" / "config.json"),
+                              text_only=True)
+    written = json.loads((out / "config.json").read_text())
+    assert written["model_type"] == f"{family}_text" and "vision_config" not in written, written
+    assert written["architectures"][0].endswith("ForCausalLM") and summary["vision_tensors"] == 0, summary
+    assert hf_families.safetensors_tensors(str(out)) == _expected(family, reference, base / "hf_config" / "config.json")
+    logits, info = hf_families.hf_load_and_logits(str(out))
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     torch.testing.assert_close(logits, torch.load(base / "tp1" / "logits.pt"), rtol=1e-4, atol=1e-5)
+
+
+def _save_tokenizer(folder, words):
+    """A word-level tokenizer of ``words`` (id = position), saved as transformers saves one."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=words[0]))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token=words[0]).save_pretrained(folder)
+
+
+def test_tokenizer_is_copied_from_the_checkpoint_or_given(saved, tmp_path):
+    """The checkpoint's tokenizer/ (where Megatron-LM after 0.19 saves the run's tokenizer assets) is
+    copied beside the weights, its tokenizer files only, so AutoTokenizer loads the converted folder
+    and encodes as the original; --tokenizer DIR is copied instead; a --tokenizer folder without a
+    tokenizer is refused before anything is written."""
+    import shutil
+
+    import transformers
+
+    base, _ = saved("deepseek_v3")
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(base / "tp1" / "shardwise", ckpt)
+    _save_tokenizer(ckpt / "tokenizer", ["<unk>", "hello", "world", "shard", "wise"])
+    (ckpt / "tokenizer" / "config.json").write_text("{}")  # not a tokenizer file: not copied
+    config = base / "hf_config" / "config.json"
+    out = tmp_path / "hf"
+    summary = shardwise.to_hf(str(ckpt), str(out), hf_config=str(config))
+    copied = sorted(p.name for p in (ckpt / "tokenizer").iterdir() if p.name != "config.json")
+    assert summary["tokenizer_files"] == len(copied) >= 2, summary
+    assert all((out / n).read_bytes() == (ckpt / "tokenizer" / n).read_bytes() for n in copied)
+    assert (out / "config.json").read_bytes() == config.read_bytes()
+    got = transformers.AutoTokenizer.from_pretrained(str(out))("hello shard world")["input_ids"]
+    assert got == transformers.AutoTokenizer.from_pretrained(str(ckpt / "tokenizer"))("hello shard world")["input_ids"]
+    assert got == [1, 3, 2]
+    given = tmp_path / "given"
+    _save_tokenizer(given, ["<unk>", "world", "hello", "shard"])
+    out2 = tmp_path / "hf2"
+    shardwise.to_hf(str(ckpt), str(out2), hf_config=str(config), tokenizer=str(given))
+    assert transformers.AutoTokenizer.from_pretrained(str(out2))("hello shard world")["input_ids"] == [2, 3, 1]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(shardwise.InvalidArgumentError, match="no tokenizer file there"):
+        shardwise.to_hf(str(ckpt), str(tmp_path / "hf3"), hf_config=str(config), tokenizer=str(tmp_path / "empty"))
+    assert not (tmp_path / "hf3").exists()
 
 
 def _with(base, tmp_path, **changes):
@@ -181,9 +348,10 @@ def test_args_alone_give_the_layout_of_the_config(saved, tmp_path, family):
     summary = shardwise.to_hf(str(base / "resharded" / "megatron"), str(tmp_path / "hf"), arch=arch)
     assert summary["args_check"] == "passed", summary
     got = hf_families.safetensors_tensors(str(tmp_path / "hf"))
-    padded = {"model.embed_tokens.weight", "lm_head.weight"}
-    assert {k: v for k, v in got.items() if k not in padded} == {k: v for k, v in reference.items() if k not in padded}
-    assert all(got[k][1] == [hf_families.VOCAB_MEGATRON, reference[k][1][1]] for k in padded)
+    want = _expected(family, reference, base / "hf_config" / "config.json")
+    padded = {k for k in want if k.endswith(("embed_tokens.weight", "lm_head.weight", "shared_head.head.weight"))}
+    assert {k: v for k, v in got.items() if k not in padded} == {k: v for k, v in want.items() if k not in padded}
+    assert all(got[k][1] == [hf_families.VOCAB_MEGATRON, want[k][1][1]] for k in padded)
 
 
 # (family, config field, bad value, message): each field of the deepseek_v3 / glm4_moe / gpt_oss

@@ -26,14 +26,33 @@ impl Dims {
             arch.or_else(|| cfg.get("model_type").and_then(|v| v.as_str()))
                 .unwrap_or(""),
         )?;
-        // A multimodal config (Qwen3.5's) holds the text model's fields in `text_config`:
-        // `AutoModelForCausalLM` builds the text model from it, and writes its tensors as a text
-        // model's (`model.layers...`).
+        // A multimodal config (Qwen3.5's) holds the text model's fields in `text_config`; the
+        // names it implies (`model.language_model.*` beside a vision tower) are set by the caller,
+        // which knows whether a vision tower comes with it (`--base-hf`) or `--text-only`.
         let mut cfg = cfg.clone();
-        if let Some(Json::Object(text)) = cfg.get("text_config").cloned() {
+        let multimodal = if let Some(Json::Object(text)) = cfg.get("text_config").cloned() {
+            if spec.multimodal.is_none() {
+                return Err(Error::InvalidArgument(format!(
+                    "config.json is a multimodal config (it has a text_config) of {}, whose multimodal layout shardwise does not know: pass its text model's config",
+                    spec.model_types[0]
+                )));
+            }
             cfg.extend(text);
-        }
-        Dims::new(spec, cfg)
+            true
+        } else {
+            false
+        };
+        let mut d = Dims::new(spec, cfg)?;
+        d.multimodal = multimodal;
+        Ok(d)
+    }
+
+    /// The MTP layer count config.json declares (the family's field, else transformers'
+    /// default for it; 0 for a family without MTP).
+    pub fn declared_mtp(&self) -> u64 {
+        self.spec
+            .mtp
+            .map_or(0, |m| self.field(m.field).unwrap_or(m.default))
     }
     /// Dims from Megatron's args alone: each check row's config field from its args field.
     ///
@@ -398,6 +417,144 @@ fn json_of(v: &Value, depth: usize) -> Json {
         ),
         _ => Json::Null,
     }
+}
+
+/// The MTP layers to convert, and what to warn about: the checkpoint holds `in_ckpt` of them
+/// (`mtp.layers.{k}.*`), `args.mtp_num_layers` must say the same, and config.json must declare
+/// them (`num_nextn_predict_layers`, `mtp_num_hidden_layers`; see [`super::spec::MtpSpec`]). A
+/// config that declares MTP layers for a checkpoint without any converts with a warning
+/// (transformers' deepseek_v3 and glm4_moe configs declare 1 by default); the config.json
+/// written then says how many were converted. `drop` (`--drop-mtp`) converts none.
+///
+/// Errors: [`Error::Validation`] naming both sides when the args disagree with the checkpoint,
+/// or when the checkpoint's MTP layers cannot all be converted (the config declares another
+/// count, the family has no MTP layout, or its layout holds one MTP layer and there are more),
+/// unless `drop`.
+pub(crate) fn mtp_layers(
+    d: &Dims,
+    in_ckpt: u64,
+    args: Option<&Args>,
+    drop: bool,
+) -> Result<(u64, Vec<String>)> {
+    let declared = d.declared_mtp();
+    let field = d.spec.mtp.map_or("num_nextn_predict_layers", |m| m.field);
+    let model_type = d.spec.model_types[0];
+    if let Some((f, p)) = args.and_then(|a| a.hybrid_pattern()) {
+        let depths = super::layout::mtp_depths(p, &format!("args.{f} {p:?}"))?;
+        if depths != in_ckpt {
+            return Err(Error::Validation(format!(
+                "args.{f} {p:?} has {depths} MTP depth(s) (after '/'), the checkpoint holds {in_ckpt} MTP layer(s) (mtp.layers.*)"
+            )));
+        }
+    }
+    if let Some(a) = args.and_then(|a| a.field("mtp_num_layers")) {
+        if a != in_ckpt {
+            return Err(Error::Validation(format!(
+                "args.mtp_num_layers says {a}, the checkpoint holds {in_ckpt} MTP layer(s) (mtp.layers.*)"
+            )));
+        }
+    }
+    if drop {
+        let note = if in_ckpt > 0 {
+            vec![format!(
+                "--drop-mtp: the checkpoint's {in_ckpt} MTP layer(s) are not converted; config.json says {field} 0"
+            )]
+        } else {
+            Vec::new()
+        };
+        return Ok((0, note));
+    }
+    let refuse = |why: String| {
+        Err(Error::Validation(format!(
+            "the checkpoint holds {in_ckpt} MTP layer(s) (mtp.layers.*){why}; pass --drop-mtp to convert without them"
+        )))
+    };
+    match d.spec.mtp {
+        _ if in_ckpt == 0 && declared > 0 => Ok((
+            0,
+            vec![format!(
+                "config.json's {field} says {declared}{}, but the checkpoint holds no MTP layers: none converted, and the config.json written says {field} 0",
+                if d.field(field).is_none() {
+                    " (transformers' default)"
+                } else {
+                    ""
+                }
+            )],
+        )),
+        _ if in_ckpt == 0 => Ok((0, Vec::new())),
+        None => refuse(format!(
+            ", but shardwise knows no HF layout of MTP layers for {model_type}"
+        )),
+        Some(_) if declared != in_ckpt => refuse(format!(
+            ", but config.json's {field} says {declared}{}",
+            if d.field(field).is_none() {
+                " (absent)"
+            } else {
+                ""
+            }
+        )),
+        Some(m) if in_ckpt > 1 && !m.per_layer_names() => refuse(format!(
+            ", but {model_type}'s HF layout holds one MTP module (mtp.fc, mtp.norm, ...)"
+        )),
+        Some(_) => Ok((in_ckpt, Vec::new())),
+    }
+}
+
+/// The multimodal config keys a text-only config leaves out.
+const MULTIMODAL_KEYS: &[&str] = &[
+    "text_config",
+    "vision_config",
+    "image_token_id",
+    "video_token_id",
+    "vision_start_token_id",
+    "vision_end_token_id",
+    "vision_token_id",
+];
+
+/// The config.json to write beside the weights: `given` (the `--hf-config` bytes) as it is when
+/// the conversion changes nothing it says; otherwise rewritten (keys sorted, as transformers
+/// writes them): the text model's own config for `--text-only` of a multimodal config
+/// (`text_config` over the top-level fields, `model_type` and `architectures` of the text
+/// model), and the family's MTP field set to the MTP layers converted.
+///
+/// Errors: [`Error::InvalidArgument`] when `given` is not a JSON object.
+pub(crate) fn output_config(given: &[u8], d: &Dims, text_only: bool) -> Result<Vec<u8>> {
+    let Ok(Json::Object(orig)) = serde_json::from_slice::<Json>(given) else {
+        return Err(Error::InvalidArgument(
+            "config.json is not a JSON object".into(),
+        ));
+    };
+    let mut out = orig.clone();
+    if let (true, true, Some(mm)) = (text_only, d.multimodal, d.spec.multimodal) {
+        let text = match orig.get("text_config") {
+            Some(Json::Object(t)) => t.clone(),
+            _ => Map::new(),
+        };
+        out.retain(|k, _| !MULTIMODAL_KEYS.contains(&k.as_str()));
+        out.extend(text);
+        out.insert("model_type".into(), mm.text_model_type.into());
+        out.insert("architectures".into(), vec![mm.text_architecture].into());
+    }
+    if let Some(m) = d.spec.mtp {
+        let target = match out.get_mut("text_config") {
+            Some(Json::Object(t)) => t,
+            _ => &mut out,
+        };
+        if target
+            .get(m.field)
+            .and_then(|v| v.as_u64())
+            .unwrap_or(m.default)
+            != d.mtp_layers
+        {
+            target.insert(m.field.into(), d.mtp_layers.into());
+        }
+    }
+    if out == orig {
+        return Ok(given.to_vec());
+    }
+    let mut bytes = serde_json::to_vec_pretty(&Json::Object(out)).expect("serializable");
+    bytes.push(b'\n');
+    Ok(bytes)
 }
 
 /// The outcome of checking the config against the args.
@@ -778,6 +935,120 @@ mod tests {
         let w = warn(1e-5);
         assert_eq!(w.len(), 1);
         assert!(w[0].contains("rms_norm_eps is 0.00001, but transformers' deepseek_v3 applies q_a_layernorm and kv_a_layernorm with eps 1e-6"), "{w:?}");
+    }
+
+    fn deepseek(extra: Json) -> Dims {
+        let mut cfg = json!({"model_type": "deepseek_v3", "num_hidden_layers": 2, "hidden_size": 64,
+            "num_attention_heads": 4, "vocab_size": 250});
+        cfg.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        Dims::from_config(&cfg, None).unwrap()
+    }
+
+    #[test]
+    fn mtp_layers_are_checked_against_the_config_and_the_args() {
+        let mut a = args();
+        let n = |d: &Dims, ck: u64, a: Option<&Args>, drop: bool| {
+            mtp_layers(d, ck, a, drop).map_err(|e| e.to_string())
+        };
+        // Declared (transformers' default 1 for deepseek_v3) and held: converted.
+        let d = deepseek(json!({}));
+        assert_eq!(n(&d, 1, None, false), Ok((1, vec![])));
+        // Held, declared 0: refused naming both, unless dropped.
+        let d0 = deepseek(json!({"num_nextn_predict_layers": 0}));
+        let e = n(&d0, 1, None, false).unwrap_err();
+        assert!(e.contains("the checkpoint holds 1 MTP layer(s) (mtp.layers.*), but config.json's num_nextn_predict_layers says 0; pass --drop-mtp"), "{e}");
+        let (k, w) = n(&d0, 1, None, true).unwrap();
+        assert_eq!(k, 0);
+        assert!(w[0].contains("--drop-mtp: the checkpoint's 1 MTP layer(s) are not converted"));
+        // Declared 2, held 1: refused.
+        let e = n(
+            &deepseek(json!({"num_nextn_predict_layers": 2})),
+            1,
+            None,
+            false,
+        )
+        .unwrap_err();
+        assert!(e.contains("num_nextn_predict_layers says 2"), "{e}");
+        // Declared (by default) but none held: a warning, nothing converted.
+        let (k, w) = n(&d, 0, None, false).unwrap();
+        assert_eq!(k, 0);
+        assert!(w[0].contains("num_nextn_predict_layers says 1 (transformers' default), but the checkpoint holds no MTP layers"), "{w:?}");
+        // args.mtp_num_layers must match the checkpoint.
+        a.0.insert("mtp_num_layers".into(), json!(2));
+        let e = n(&d, 1, Some(&a), false).unwrap_err();
+        assert!(
+            e.contains("args.mtp_num_layers says 2, the checkpoint holds 1 MTP layer(s)"),
+            "{e}"
+        );
+        a.0.insert("mtp_num_layers".into(), json!(null));
+        assert_eq!(n(&d, 0, Some(&a), false).map(|x| x.0), Ok(0));
+        // A family without an MTP layout, and Qwen's one-module layout with two layers.
+        let llama = Dims::from_config(
+            &json!({"model_type": "llama", "num_hidden_layers": 2,
+            "hidden_size": 64, "num_attention_heads": 4}),
+            None,
+        )
+        .unwrap();
+        let e = n(&llama, 1, None, false).unwrap_err();
+        assert!(
+            e.contains("shardwise knows no HF layout of MTP layers for llama"),
+            "{e}"
+        );
+        let qwen = Dims::from_config(
+            &json!({"model_type": "qwen3_next", "num_hidden_layers": 2,
+            "hidden_size": 64, "num_attention_heads": 4, "mtp_num_hidden_layers": 2}),
+            None,
+        )
+        .unwrap();
+        let e = n(&qwen, 2, None, false).unwrap_err();
+        assert!(e.contains("holds one MTP module"), "{e}");
+        assert_eq!(n(&qwen, 0, None, false).map(|x| x.0), Ok(0));
+    }
+
+    #[test]
+    fn the_written_config_says_what_was_converted() {
+        // Unchanged: the given bytes, as they are.
+        let given = br#"{"model_type": "deepseek_v3", "num_hidden_layers": 2, "hidden_size": 64,
+            "num_attention_heads": 4}"#;
+        let mut d = Dims::from_config(&serde_json::from_slice(given).unwrap(), None).unwrap();
+        d.mtp_layers = 1;
+        assert_eq!(output_config(given, &d, false).unwrap(), given.to_vec());
+        // No MTP converted: the field says 0 (absent, transformers would read 1).
+        d.mtp_layers = 0;
+        let out: Json = serde_json::from_slice(&output_config(given, &d, false).unwrap()).unwrap();
+        assert_eq!(out["num_nextn_predict_layers"], json!(0));
+        // A multimodal config, text-only: the text model's config, MTP field inside it.
+        let mm = json!({"model_type": "qwen3_5_moe", "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+            "tie_word_embeddings": false, "image_token_id": 5, "vision_config": {"depth": 2},
+            "text_config": {"model_type": "qwen3_5_moe_text", "num_hidden_layers": 2, "hidden_size": 64,
+                "num_attention_heads": 4, "mtp_num_hidden_layers": 1}});
+        let bytes = serde_json::to_vec(&mm).unwrap();
+        let mut d = Dims::from_config(&mm, None).unwrap();
+        assert!(d.multimodal);
+        d.mtp_layers = 1;
+        let text: Json = serde_json::from_slice(&output_config(&bytes, &d, true).unwrap()).unwrap();
+        assert_eq!(
+            text,
+            json!({"model_type": "qwen3_5_moe_text", "architectures": ["Qwen3_5MoeForCausalLM"],
+            "tie_word_embeddings": false, "num_hidden_layers": 2, "hidden_size": 64,
+            "num_attention_heads": 4, "mtp_num_hidden_layers": 1})
+        );
+        d.mtp_layers = 0;
+        let full: Json =
+            serde_json::from_slice(&output_config(&bytes, &d, false).unwrap()).unwrap();
+        assert_eq!(full["text_config"]["mtp_num_hidden_layers"], json!(0));
+        assert_eq!(full["vision_config"], mm["vision_config"]);
+        // A multimodal config of a family without a multimodal layout is refused.
+        let e = Dims::from_config(&json!({"model_type": "qwen3_moe", "text_config": {}}), None)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            e.contains("a multimodal config (it has a text_config) of qwen3_moe"),
+            "{e}"
+        );
     }
 
     #[test]

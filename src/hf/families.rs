@@ -25,6 +25,8 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
         layer: &[ATTN_QKV, NORMS, DENSE_MLP],
         checks: &[BASE_CHECKS, HEAD_SPLIT_CHECKS, DENSE_CHECKS],
         moe_layers: LayerPattern::Dense,
+        mtp: None,
+        multimodal: None,
     },
     ArchSpec {
         model_types: &["qwen2"],
@@ -32,6 +34,8 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
         layer: &[QKV_BIAS_REQUIRED, ATTN_QKV, NORMS, DENSE_MLP],
         checks: &[BASE_CHECKS, HEAD_SPLIT_CHECKS, DENSE_CHECKS],
         moe_layers: LayerPattern::Dense,
+        mtp: None,
+        multimodal: None,
     },
     ArchSpec {
         model_types: &["qwen3"],
@@ -39,6 +43,8 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
         layer: &[ATTN_QKV, QK_NORM, NORMS, DENSE_MLP],
         checks: &[BASE_CHECKS, HEAD_SPLIT_CHECKS, DENSE_CHECKS],
         moe_layers: LayerPattern::Dense,
+        mtp: None,
+        multimodal: None,
     },
     ArchSpec {
         model_types: &["qwen3_moe"],
@@ -51,6 +57,8 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
             QWEN_MOE_CHECKS,
         ],
         moe_layers: LayerPattern::QwenSparseStep,
+        mtp: None,
+        multimodal: None,
     },
     ArchSpec {
         model_types: &["deepseek_v3"],
@@ -58,6 +66,8 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
         layer: &[MLA_ATTN, NORMS, DENSE_MLP, DEEPSEEK_MOE, ROUTED_EXPERTS],
         checks: &[BASE_CHECKS, ROPE_CHECKS, MLA_CHECKS, DEEPSEEK_MOE_CHECKS],
         moe_layers: LayerPattern::FirstKDense,
+        mtp: Some(&DEEPSEEK_MTP),
+        multimodal: None,
     },
     ArchSpec {
         model_types: &["glm4_moe"],
@@ -78,6 +88,8 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
             DEEPSEEK_MOE_CHECKS,
         ],
         moe_layers: LayerPattern::FirstKDense,
+        mtp: Some(&DEEPSEEK_MTP),
+        multimodal: None,
     },
     ArchSpec {
         model_types: &["gpt_oss"],
@@ -91,6 +103,8 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
             &[check("sliding_window", "window_size", Rel::SlidingWindow)],
         ],
         moe_layers: LayerPattern::AllMoe,
+        mtp: None,
+        multimodal: None,
     },
     ArchSpec {
         model_types: &["qwen3_next"],
@@ -113,6 +127,8 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
             gdn::GDN_MOE_CHECKS,
         ],
         moe_layers: LayerPattern::QwenSparseStep,
+        mtp: Some(&gdn::QWEN_MTP),
+        multimodal: None,
     },
     ArchSpec {
         // A Qwen3.5 config.json with a `text_config` (the multimodal one) converts its text model.
@@ -134,6 +150,8 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
             gdn::GDN_MOE_CHECKS,
         ],
         moe_layers: LayerPattern::AllMoe,
+        mtp: Some(&gdn::QWEN_MTP),
+        multimodal: Some(&gdn::QWEN3_5_MOE_MULTIMODAL),
     },
     ArchSpec {
         model_types: &["qwen3_5", "qwen3_5_text"],
@@ -147,6 +165,8 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
             ROPE_CHECKS,
         ],
         moe_layers: LayerPattern::Dense,
+        mtp: Some(&gdn::QWEN_MTP),
+        multimodal: Some(&gdn::QWEN3_5_MULTIMODAL),
     },
     ArchSpec {
         model_types: &["deepseek_v32"],
@@ -166,6 +186,10 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
             )],
         ],
         moe_layers: LayerPattern::FirstKDense,
+        // An MTP layer with DSA attention has no HF layout checked against a release here yet: a
+        // checkpoint holding MTP layers is refused (`config::mtp_layers`).
+        mtp: None,
+        multimodal: None,
     },
     ArchSpec {
         model_types: &["glm_moe_dsa"],
@@ -185,6 +209,10 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
             )],
         ],
         moe_layers: LayerPattern::FirstKDense,
+        // An MTP layer with DSA attention has no HF layout checked against a release here yet: a
+        // checkpoint holding MTP layers is refused (`config::mtp_layers`).
+        mtp: None,
+        multimodal: None,
     },
     ArchSpec {
         model_types: &["minimax_m2"],
@@ -192,6 +220,8 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
         layer: &[ATTN_QKV, FULL_QK_NORM, NORMS, MIXTRAL_MOE, MINIMAX_MOE],
         checks: &[BASE_CHECKS, HEAD_SPLIT_CHECKS, ROPE_CHECKS, MIXTRAL_CHECKS],
         moe_layers: LayerPattern::AllMoe,
+        mtp: None,
+        multimodal: None,
     },
     ArchSpec {
         model_types: &["mixtral"],
@@ -199,6 +229,8 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
         layer: &[ATTN_QKV, NORMS, MIXTRAL_MOE],
         checks: &[BASE_CHECKS, HEAD_SPLIT_CHECKS, MIXTRAL_CHECKS],
         moe_layers: LayerPattern::AllMoe,
+        mtp: None,
+        multimodal: None,
     },
 ];
 

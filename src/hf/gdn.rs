@@ -19,7 +19,7 @@
 //! head [q_h; gate_h] (its `view(..., head_dim * 2)` then `chunk(2)`).
 
 use super::rules::{gate_up, whole, H, HD, ONE};
-use super::spec::{check, out, rule, Check, Dims, Post, Rel, Rule, When};
+use super::spec::{check, out, rule, Check, Dims, MtpSpec, Multimodal, Out, Post, Rel, Rule, When};
 use crate::error::{Error, Result};
 
 type Rows = Result<Vec<Vec<(u64, u64)>>>;
@@ -317,6 +317,102 @@ pub(crate) const GATED_SHARED_EXPERT: &[Rule] = &[
         When::MoeLayer,
     ),
 ];
+
+/// The MTP module of Qwen3-Next and Qwen3.5, as their official checkpoints hold it
+/// (Qwen/Qwen3-Next-80B-A3B-Instruct, Qwen/Qwen3.5-*: `mtp.fc`, `mtp.pre_fc_norm_embedding`,
+/// `mtp.pre_fc_norm_hidden`, `mtp.layers.0.*`, `mtp.norm`, top-level beside `model.*`, also in the
+/// multimodal layout; config field `mtp_num_hidden_layers`; vLLM `qwen3_next_mtp.py`,
+/// `qwen3_5_mtp.py` build `fc` over `[pre_fc_norm_embedding(embedding); pre_fc_norm_hidden(hidden)]`,
+/// Megatron's `eh_proj` over `[enorm(embedding); hnorm(hidden)]`). The module's own tensors exist
+/// once, so one MTP layer converts; the embedding and head are the model's.
+pub(crate) static QWEN_MTP: MtpSpec = MtpSpec {
+    field: "mtp_num_hidden_layers",
+    default: 0,
+    layer: "mtp.layers.{k}.",
+    rules: &[
+        rule(
+            &["enorm.weight"],
+            &[out("mtp.pre_fc_norm_embedding.weight", &[H])],
+            whole,
+            When::Always,
+        ),
+        rule(
+            &["hnorm.weight"],
+            &[out("mtp.pre_fc_norm_hidden.weight", &[H])],
+            whole,
+            When::Always,
+        ),
+        rule(
+            &["eh_proj.weight"],
+            &[out("mtp.fc.weight", &[H, &["2", "hidden_size"]])],
+            whole,
+            When::Always,
+        ),
+        rule(
+            &["final_layernorm.weight"],
+            &[out("mtp.norm.weight", &[H])],
+            whole,
+            When::Always,
+        ),
+    ],
+    copies: &[],
+};
+
+/// The vision tower of Qwen3.5's multimodal model, as `save_pretrained` of
+/// `Qwen3_5ForConditionalGeneration` / `Qwen3_5MoeForConditionalGeneration` writes it (TF 5.24
+/// `Qwen3_5VisionModel`): names after `model.visual.`, shapes from `vision_config`.
+const VISION: &[Out] = &[
+    out(
+        "patch_embed.proj.weight",
+        &[
+            VH,
+            &["in_channels"],
+            &["temporal_patch_size"],
+            &["patch_size"],
+            &["patch_size"],
+        ],
+    ),
+    out("patch_embed.proj.bias", &[VH]),
+    out("pos_embed.weight", &[&["num_position_embeddings"], VH]),
+    out("blocks.{b}.norm1.weight", &[VH]),
+    out("blocks.{b}.norm1.bias", &[VH]),
+    out("blocks.{b}.norm2.weight", &[VH]),
+    out("blocks.{b}.norm2.bias", &[VH]),
+    out("blocks.{b}.attn.qkv.weight", &[&["3", "hidden_size"], VH]),
+    out("blocks.{b}.attn.qkv.bias", &[&["3", "hidden_size"]]),
+    out("blocks.{b}.attn.proj.weight", &[VH, VH]),
+    out("blocks.{b}.attn.proj.bias", &[VH]),
+    out("blocks.{b}.mlp.linear_fc1.weight", &[VI, VH]),
+    out("blocks.{b}.mlp.linear_fc1.bias", &[VI]),
+    out("blocks.{b}.mlp.linear_fc2.weight", &[VH, VI]),
+    out("blocks.{b}.mlp.linear_fc2.bias", &[VH]),
+    out("merger.norm.weight", &[VH]),
+    out("merger.norm.bias", &[VH]),
+    out("merger.linear_fc1.weight", &[MERGED, MERGED]),
+    out("merger.linear_fc1.bias", &[MERGED]),
+    out("merger.linear_fc2.weight", &[&["out_hidden_size"], MERGED]),
+    out("merger.linear_fc2.bias", &[&["out_hidden_size"]]),
+];
+const VH: &[&str] = &["hidden_size"];
+const VI: &[&str] = &["intermediate_size"];
+/// The merger's width: `hidden_size x spatial_merge_size^2`.
+const MERGED: &[&str] = &["hidden_size", "spatial_merge_size", "spatial_merge_size"];
+
+pub(crate) static QWEN3_5_MOE_MULTIMODAL: Multimodal = Multimodal {
+    text_prefix: "model.language_model.",
+    vision_prefix: "model.visual.",
+    vision: VISION,
+    text_model_type: "qwen3_5_moe_text",
+    text_architecture: "Qwen3_5MoeForCausalLM",
+};
+
+pub(crate) static QWEN3_5_MULTIMODAL: Multimodal = Multimodal {
+    text_prefix: "model.language_model.",
+    vision_prefix: "model.visual.",
+    vision: VISION,
+    text_model_type: "qwen3_5_text",
+    text_architecture: "Qwen3_5ForCausalLM",
+};
 
 /// The GDN fields (Megatron-LM's `--linear-*` arguments carry the TransformerConfig names), the
 /// layer pattern, and what the architecture implies of the args: gated attention, zero-centred

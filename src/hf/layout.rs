@@ -83,6 +83,62 @@ impl HybridPattern {
     }
 }
 
+/// The MTP depths of hybrid pattern `pattern` (the parts after its first `/`, one per depth,
+/// megatron-core 0.19.2 `hybrid_layer_allocation.parse_hybrid_pattern`), each checked to be one
+/// HF layer: an HF MTP layer holds one transformer layer (an attention, then its MLP), so a
+/// depth of another pattern has no HF layout. `source` names where the pattern comes from.
+///
+/// Errors: [`Error::Validation`] naming the depth's pattern.
+pub(crate) fn mtp_depths(pattern: &str, source: &str) -> Result<u64> {
+    let parts: Vec<&str> = pattern.split('/').skip(1).collect();
+    if parts.iter().all(|p| p.is_empty()) {
+        return Ok(0);
+    }
+    for p in &parts {
+        let depth = HybridPattern::parse(p, &format!("{source}, an MTP depth"))?;
+        if depth.hf_layers() != 1 {
+            return Err(Error::Validation(format!(
+                "{source}: MTP depth pattern {p:?} holds {} (attention, MLP) pairs; a Hugging Face MTP layer holds one transformer layer, one pair",
+                depth.hf_layers()
+            )));
+        }
+    }
+    Ok(parts.len() as u64)
+}
+
+/// The transformer-layer sub-key of MTP layer key `key` = `mtp.layers.{k}.{sub}`, or None for
+/// the MTP module's own tensors (`enorm`, `hnorm`, `eh_proj`, `final_layernorm`). megatron-core
+/// 0.19.2 (`transformer/multi_token_prediction.py`, `MultiTokenPredictionLayer.sharded_state_dict`)
+/// saves a GPTModel's MTP transformer layer as `transformer_layer.{s}` and a HybridModel's as
+/// `mtp_model_layer.layers.{j}.{s}`: a HybridStack of the pattern after `/`, which pairs into
+/// the one transformer layer of an HF MTP layer, j = 0 its attention and j = 1 its MLP.
+///
+/// Errors: [`Error::Validation`] for a hybrid MTP layer past j = 1 or a key of the other half
+/// (never dropped: the HF layout has no place for it).
+pub(crate) fn mtp_layer_sub<'a>(sub: &'a str, key: &str) -> Result<Option<&'a str>> {
+    if let Some(s) = sub.strip_prefix("transformer_layer.") {
+        return Ok(Some(s));
+    }
+    let Some(rest) = sub.strip_prefix("mtp_model_layer.") else {
+        return Ok(None);
+    };
+    let parsed = rest
+        .strip_prefix("layers.")
+        .and_then(|r| r.split_once('.'))
+        .and_then(|(j, s)| Some((j.parse::<u64>().ok()?, s)));
+    match parsed {
+        Some((j, s)) if j < 2 && role(s).is_none_or(|attention| attention == (j == 0)) => Ok(Some(s)),
+        Some((j, _)) if j < 2 => Err(Error::Validation(format!(
+            "{key}: hybrid MTP layer {j} is the {} of the MTP layer's transformer layer, but this key belongs to an {}",
+            if j == 0 { "attention" } else { "MLP" },
+            if j == 0 { "MLP" } else { "attention" }
+        ))),
+        _ => Err(Error::Validation(format!(
+            "{key}: a HybridModel MTP layer beyond one attention and one MLP (mtp_model_layer.layers.0 and .1) has no Hugging Face layout"
+        ))),
+    }
+}
+
 /// Which half of an HF layer a hybrid layer's sub-key belongs to (None: neither, e.g. a key
 /// this module does not know; the rule table decides about it).
 fn role(sub: &str) -> Option<bool> {
@@ -351,5 +407,48 @@ mod tests {
         let unknown = ["decoder.layers.0.mystery.weight"];
         assert_eq!(detect(&unknown, None).unwrap(), Layout::Gpt);
         assert_eq!(detect(&hybrid[..1], None).unwrap(), Layout::Gpt);
+    }
+
+    #[test]
+    fn mtp_layers_of_a_hybrid_model_are_one_transformer_layer() {
+        assert_eq!(mtp_depths("*-*E", "args").unwrap(), 0);
+        assert_eq!(mtp_depths("*-*E/*E/*E", "args").unwrap(), 2);
+        let e = mtp_depths("*-/*E*E", "args.hybrid_layer_pattern").unwrap_err();
+        assert!(
+            e.to_string().contains("MTP depth pattern \"*E*E\" holds 2"),
+            "{e}"
+        );
+        assert!(mtp_depths("*-/M-", "args").is_err());
+        fn sub(s: &str) -> Result<Option<&str>> {
+            mtp_layer_sub(s, "k")
+        }
+        assert_eq!(sub("eh_proj.weight").unwrap(), None);
+        assert_eq!(
+            sub("transformer_layer.mlp.router.weight").unwrap(),
+            Some("mlp.router.weight")
+        );
+        assert_eq!(
+            sub("mtp_model_layer.layers.0.self_attention.linear_qkv.weight").unwrap(),
+            Some("self_attention.linear_qkv.weight")
+        );
+        assert_eq!(
+            sub("mtp_model_layer.layers.1.mlp.router.weight").unwrap(),
+            Some("mlp.router.weight")
+        );
+        let e = sub("mtp_model_layer.layers.1.self_attention.linear_qkv.weight").unwrap_err();
+        assert!(
+            e.to_string().contains("hybrid MTP layer 1 is the MLP"),
+            "{e}"
+        );
+        for bad in [
+            "mtp_model_layer.layers.2.mlp.router.weight",
+            "mtp_model_layer.final_norm.weight",
+        ] {
+            let e = sub(bad).unwrap_err();
+            assert!(
+                e.to_string().contains("has no Hugging Face layout"),
+                "{bad}: {e}"
+            );
+        }
     }
 }

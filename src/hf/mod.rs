@@ -24,6 +24,8 @@ mod plan;
 pub(crate) mod quant;
 mod rules;
 mod spec;
+mod tokenizer;
+mod vision;
 mod write;
 
 use std::path::{Path, PathBuf};
@@ -63,6 +65,16 @@ pub struct HfOptions {
     pub overwrite: bool,
     /// Write only this part's shards (a conversion split over processes or machines).
     pub part: Option<Part>,
+    /// The original HF release of a multimodal model: its vision tower (`model.visual.*`) is
+    /// copied byte for byte beside the converted text model.
+    pub base_hf: Option<PathBuf>,
+    /// For a multimodal config: write the text model alone, with its own config.
+    pub text_only: bool,
+    /// Convert without the checkpoint's MTP layers (the config written then declares none).
+    pub drop_mtp: bool,
+    /// The tokenizer folder to copy (`--tokenizer DIR`); None: `<checkpoint>/tokenizer/` when
+    /// the checkpoint is a local folder that has one.
+    pub tokenizer: Option<PathBuf>,
 }
 
 impl HfOptions {
@@ -104,6 +116,10 @@ impl HfOptions {
             allow_unmapped,
             overwrite: false,
             part: None,
+            base_hf: None,
+            text_only: false,
+            drop_mtp: false,
+            tokenizer: None,
         })
     }
 }
@@ -131,6 +147,12 @@ pub struct HfSummary {
     pub padding_rows_dropped: u64,
     /// Whether config.json was written (only with `--hf-config`).
     pub config_written: bool,
+    /// MTP layers converted.
+    pub mtp_layers: u64,
+    /// Vision tensors copied from `--base-hf`.
+    pub vision_tensors: usize,
+    /// Tokenizer files copied (from `--tokenizer` or `<checkpoint>/tokenizer/`).
+    pub tokenizer_files: usize,
     /// `"i/n"` for one part of a split conversion.
     pub part: Option<String>,
     /// Whether the index is committed (always for one process; for a part, when every part has
@@ -168,8 +190,31 @@ pub fn to_hf(
     }
     // Phase 2: hyperparameters, checks and the mapping; nothing is written before all pass.
     let ckpt = Checkpoint::open(ckpt)?;
-    let (d, check, rows) = hyperparameters(&ckpt, opts)?;
-    let Plan { tensors, skipped } = plan::plan(&ckpt, &d, opts.allow_unmapped)?;
+    let Setup {
+        d,
+        check,
+        rows,
+        config,
+        vision,
+    } = setup(&ckpt, opts, false)?;
+    let Plan {
+        mut tensors,
+        skipped,
+    } = plan::plan(&ckpt, &d, opts.allow_unmapped)?;
+    let vision_tensors = vision.len();
+    tensors.extend(vision);
+    // The files written beside the weights: config.json, then the tokenizer's.
+    let tokenizer = match (&opts.tokenizer, ckpt.location()) {
+        (Some(dir), _) => tokenizer::tokenizer_files(dir, true)?,
+        (None, Location::Local(dir)) => tokenizer::tokenizer_files(&dir.join("tokenizer"), false)?,
+        _ => Vec::new(),
+    };
+    let tokenizer_files = tokenizer.len();
+    let files: Vec<(String, Vec<u8>)> = config
+        .iter()
+        .map(|c| (output::CONFIG.to_string(), c.clone()))
+        .chain(tokenizer)
+        .collect();
     // Phase 3: the shard plan (files, headers, offsets, index), a pure function of the plan, so
     // every part of a split conversion computes the same.
     let shards = write::shard_plan(
@@ -190,10 +235,6 @@ pub fn to_hf(
         }
     }
     let index = write::index_bytes(&shards);
-    let config = match &opts.config {
-        Some(p) => Some(std::fs::read(p).map_err(Error::io("read", p))?),
-        None => None,
-    };
     // Phase 4: the data, then phase 5: the commit (index last).
     let (which, committed) = match opts.part {
         None => {
@@ -216,7 +257,7 @@ pub fn to_hf(
                 let _ = std::fs::remove_dir_all(&staging);
                 return Err(e);
             }
-            output::commit(out_dir, &staging, &shards, &index, config.as_deref())?;
+            output::commit(out_dir, &staging, &shards, &index, &files)?;
             (which, true)
         }
         Some(part) => {
@@ -238,11 +279,11 @@ pub fn to_hf(
                 )?;
                 let committed = output::commit_part(
                     out_dir,
-                    &source_identity(&ckpt)?,
+                    &source_identity(&ckpt, &tensors)?,
                     &shards,
                     part,
                     &index,
-                    config.as_deref(),
+                    &files,
                 )?;
                 (which, committed)
             }
@@ -265,16 +306,20 @@ pub fn to_hf(
             _ => 0,
         },
         config_written: committed && config.is_some(),
+        mtp_layers: d.mtp_layers,
+        vision_tensors,
+        tokenizer_files: if committed { tokenizer_files } else { 0 },
         part: opts.part.map(|p| format!("{}/{}", p.index, p.count)),
         committed,
     })
 }
 
 /// The identity of the checkpoint a part converts, for [`output::fingerprint`]: the storage
-/// stamps (size and mtime, or ETag) of `.metadata`, `common.pt` and every data file it names. Parts
-/// of one conversion on several machines read the same files, so they agree; two iterations of one
-/// model, whose `.metadata` can be byte-identical, do not.
-pub(crate) fn source_identity(ckpt: &Checkpoint) -> Result<Vec<u8>> {
+/// stamps (size and mtime, or ETag) of `.metadata`, `common.pt` and every data file it names, and
+/// of the `--base-hf` files that `tensors` copies. Parts of one conversion on several machines
+/// read the same files, so they agree; two iterations of one model, whose `.metadata` can be
+/// byte-identical, do not.
+pub(crate) fn source_identity(ckpt: &Checkpoint, tensors: &[HfTensor]) -> Result<Vec<u8>> {
     let mut files = std::collections::BTreeSet::new();
     for entry in ckpt.metadata.entries.values() {
         match entry {
@@ -291,27 +336,81 @@ pub(crate) fn source_identity(ckpt: &Checkpoint) -> Result<Vec<u8>> {
         let stamp = ckpt.location().stamp(rel)?.unwrap_or_default();
         id.extend_from_slice(format!("{rel}\0{stamp}\0").as_bytes());
     }
+    let copied: std::collections::BTreeSet<&PathBuf> = tensors
+        .iter()
+        .filter_map(|t| Some(&t.from_file.as_ref()?.0))
+        .collect();
+    for path in copied {
+        let m = std::fs::metadata(path).map_err(Error::io("stat", path))?;
+        let mtime = m
+            .modified()
+            .ok()
+            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+            .map_or(0, |t| t.as_nanos());
+        id.extend_from_slice(format!("{}\0{}:{mtime}\0", path.display(), m.len()).as_bytes());
+    }
     Ok(id)
 }
 
-/// The hyperparameters of `ckpt` (config.json, else the stored args), checked against the args.
-fn hyperparameters(
-    ckpt: &Checkpoint,
-    opts: &HfOptions,
-) -> Result<(spec::Dims, config::ArgsCheck, Option<u64>)> {
+/// What a conversion decides before it reads a tensor.
+struct Setup {
+    d: spec::Dims,
+    check: config::ArgsCheck,
+    /// The embedding's rows.
+    rows: Option<u64>,
+    /// The config.json to write.
+    config: Option<Vec<u8>>,
+    /// The vision tower's tensors (copies from `--base-hf`).
+    vision: Vec<HfTensor>,
+}
+
+/// The MTP layers `ckpt` holds: `mtp.layers.{k}.*` for k in 0..n.
+///
+/// Errors: [`Error::Validation`] when some k below the largest is missing.
+fn mtp_in_checkpoint(ckpt: &Checkpoint) -> Result<u64> {
+    let ks: std::collections::BTreeSet<u64> = ckpt
+        .metadata
+        .entries
+        .keys()
+        .filter_map(|k| {
+            k.strip_prefix("mtp.layers.")?
+                .split('.')
+                .next()?
+                .parse()
+                .ok()
+        })
+        .collect();
+    let n = ks.last().map_or(0, |k| k + 1);
+    if ks.len() as u64 != n {
+        return Err(Error::Validation(format!(
+            "the checkpoint holds MTP layers {ks:?} (mtp.layers.*), not 0..{n}"
+        )));
+    }
+    Ok(n)
+}
+
+/// The hyperparameters of `ckpt` (config.json, else the stored args), checked against the args;
+/// the names (a multimodal config's, see [`spec::Multimodal`]) and the MTP layers to convert.
+/// `compare`: for `diff` against an existing folder, where a multimodal config names the text
+/// model as the folder holds it and no vision tower is read (nothing is written).
+fn setup(ckpt: &Checkpoint, opts: &HfOptions, compare: bool) -> Result<Setup> {
     let args = config::megatron_args(ckpt)?;
-    let config: Option<serde_json::Value> = match &opts.config {
-        Some(p) => Some(
-            serde_json::from_slice(&std::fs::read(p).map_err(Error::io("read", p))?)
+    let given = match &opts.config {
+        Some(p) => Some(std::fs::read(p).map_err(Error::io("read", p))?),
+        None => None,
+    };
+    let json: Option<serde_json::Value> = match (&given, &opts.config) {
+        (Some(b), Some(p)) => Some(
+            serde_json::from_slice(b)
                 .map_err(|e| Error::InvalidArgument(format!("{}: not JSON: {e}", p.display())))?,
         ),
-        None => None,
+        _ => None,
     };
     let layout = layout::Layout::detect(
         ckpt.metadata.entries.keys().map(String::as_str),
         args.as_ref().and_then(|a| a.hybrid_pattern()),
     )?;
-    let mut d = match (&config, &args) {
+    let mut d = match (&json, &args) {
         (Some(c), _) => spec::Dims::from_config(c, opts.arch.as_deref())?,
         (None, Some(a)) => spec::Dims::from_args(a, opts.arch.as_deref())?,
         (None, None) => {
@@ -321,6 +420,37 @@ fn hyperparameters(
         }
     };
     d.layout = layout;
+    // A multimodal config declares a model whose vision tower the text checkpoint lacks: it comes
+    // from --base-hf, or the config written is the text model's (--text-only); never a config
+    // that loads with weights missing.
+    match (d.multimodal, d.spec.multimodal) {
+        (true, Some(mm)) if !opts.text_only => {
+            if opts.base_hf.is_none() && !compare {
+                let declared = json
+                    .as_ref()
+                    .and_then(|j| j.get("architectures")?.get(0)?.as_str().map(String::from))
+                    .unwrap_or_else(|| format!("model_type {}", d.spec.model_types[0]));
+                return Err(Error::InvalidArgument(format!(
+                    "config.json declares {declared}, a multimodal model whose vision tower ({}*) a Megatron text checkpoint does not hold: pass --base-hf DIR (the original release, whose vision tower is copied) or --text-only (a text-only config, {})",
+                    mm.vision_prefix, mm.text_architecture
+                )));
+            }
+            d.text_prefix = mm.text_prefix;
+        }
+        (false, _) if opts.text_only || opts.base_hf.is_some() => {
+            return Err(Error::InvalidArgument(
+                "--text-only and --base-hf apply to a multimodal config.json (one with a text_config)".into(),
+            ))
+        }
+        _ => {}
+    }
+    let in_ckpt = mtp_in_checkpoint(ckpt)?;
+    if let (None, Some(m)) = (&json, d.spec.mtp) {
+        // A config built from the args declares what the checkpoint holds.
+        d.cfg.insert(m.field.into(), in_ckpt.into());
+    }
+    let (mtp, mtp_warnings) = config::mtp_layers(&d, in_ckpt, args.as_ref(), opts.drop_mtp)?;
+    d.mtp_layers = mtp;
     let rows = ["embedding.word_embeddings.weight", "output_layer.weight"]
         .iter()
         .find_map(|k| match ckpt.metadata.entries.get(*k) {
@@ -329,13 +459,32 @@ fn hyperparameters(
             }
             _ => None,
         });
-    let check = config::check_args(&d, args.as_ref(), rows)?;
-    Ok((d, check, rows))
+    let mut check = config::check_args(&d, args.as_ref(), rows)?;
+    check.warnings.extend(mtp_warnings);
+    let config = match &given {
+        Some(b) => Some(config::output_config(b, &d, opts.text_only)?),
+        None => None,
+    };
+    let vision = match (&opts.base_hf, d.spec.multimodal, &json) {
+        (Some(base), Some(mm), Some(j)) if d.multimodal && !opts.text_only && !compare => {
+            vision::vision_tensors(base, j, mm, d.hidden)?
+        }
+        _ => Vec::new(),
+    };
+    Ok(Setup {
+        d,
+        check,
+        rows,
+        config,
+        vision,
+    })
 }
 
-/// Maps every tensor of `ckpt` to HF tensors (see [`to_hf`] for the checks and errors).
+/// Maps every tensor of `ckpt` to HF tensors, for `diff` against a converted folder (see
+/// [`to_hf`] for the checks and errors; a multimodal config's vision tower is not the
+/// checkpoint's, so it is not among them).
 pub(crate) fn plan(ckpt: &Checkpoint, opts: &HfOptions) -> Result<Plan> {
-    let (d, _, _) = hyperparameters(ckpt, opts)?;
+    let d = setup(ckpt, opts, true)?.d;
     plan::plan(ckpt, &d, opts.allow_unmapped)
 }
 

@@ -4,17 +4,17 @@
 //!
 //! One process (`--workers N` threads): shards are written into `<out>/.to-hf-staging/`; the
 //! commit removes an earlier conversion's index first, then its files, moves the new shards in,
-//! writes config.json, and writes the index last.
+//! writes config.json and the tokenizer's files, and writes the index last.
 //!
 //! Several processes or machines (`--part i/n`): every part computes the same plan and writes its
 //! own shards (shard k belongs to part `k % n`) under their final names (temporary name, fsync,
 //! rename), then an empty marker `.to-hf-parts/<fingerprint>.<i>-of-<n>`; the fingerprint is a
 //! SHA-256 of the source checkpoint's identity (the storage stamps of `.metadata`, `common.pt` and
 //! every data file: two iterations of one model can have byte-identical `.metadata`), the index,
-//! every header and config.json, so parts of different conversions never count for each other. A
+//! every header, config.json and the tokenizer's files, so parts of different conversions never count for each other. A
 //! part replaces its own earlier marker and refuses to publish beside another conversion's. The
 //! part that finds all n markers checks every shard file's header and size against the plan,
-//! writes config.json and creates the index if absent; a part that finds the index already there
+//! writes config.json and the tokenizer's files and creates the index if absent; a part that finds the index already there
 //! checks it is the same bytes.
 
 use std::path::{Path, PathBuf};
@@ -27,7 +27,7 @@ use crate::storage::{atomic_create, atomic_write, create_dir_all, fsync_dir, Loc
 
 const STAGING: &str = ".to-hf-staging";
 const PARTS: &str = ".to-hf-parts";
-const CONFIG: &str = "config.json";
+pub(crate) const CONFIG: &str = "config.json";
 
 /// One part of a conversion split over processes or machines.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -196,7 +196,8 @@ pub(crate) fn stage(dir: &Path) -> Result<PathBuf> {
 
 /// Commits a one-process conversion whose shards are in `staging`: the earlier conversion's
 /// index goes first (from then on the folder holds no committed model), then its files; the new
-/// shards are moved in, `config` (bytes) written as config.json, the index written last.
+/// shards are moved in, `files` (name, bytes: config.json, the tokenizer's) written, the index
+/// written last.
 ///
 /// Errors: [`Error::Io`].
 pub(crate) fn commit(
@@ -204,7 +205,7 @@ pub(crate) fn commit(
     staging: &Path,
     plan: &ShardPlan,
     index: &[u8],
-    config: Option<&[u8]>,
+    files: &[(String, Vec<u8>)],
 ) -> Result<()> {
     let index_path = dir.join(INDEX);
     let earlier = earlier_conversion(dir)?;
@@ -225,8 +226,8 @@ pub(crate) fn commit(
         let (from, to) = (staging.join(&name), dir.join(&name));
         std::fs::rename(&from, &to).map_err(Error::io("rename", &to))?;
     }
-    if let Some(c) = config {
-        atomic_write(&dir.join(CONFIG), c)?;
+    for (name, bytes) in files {
+        atomic_write(&dir.join(name), bytes)?;
     }
     atomic_write(&index_path, index)?;
     std::fs::remove_dir(staging).map_err(Error::io("remove", staging))?;
@@ -234,12 +235,12 @@ pub(crate) fn commit(
 }
 
 /// A fingerprint of a conversion: its source's identity (`source`, see [`super::source_identity`]),
-/// the index, every header, and config.json.
+/// the index, every header, and the other files written (config.json, the tokenizer's).
 pub(crate) fn fingerprint(
     source: &[u8],
     plan: &ShardPlan,
     index: &[u8],
-    config: Option<&[u8]>,
+    files: &[(String, Vec<u8>)],
 ) -> String {
     let mut h = Sha256::new();
     h.update((source.len() as u64).to_le_bytes());
@@ -249,8 +250,11 @@ pub(crate) fn fingerprint(
         h.update((s.header.len() as u64).to_le_bytes());
         h.update(&s.header);
     }
-    if let Some(c) = config {
-        h.update(c);
+    for (name, bytes) in files {
+        h.update((name.len() as u64).to_le_bytes());
+        h.update(name.as_bytes());
+        h.update((bytes.len() as u64).to_le_bytes());
+        h.update(bytes);
     }
     h.finalize()[..12]
         .iter()
@@ -305,9 +309,9 @@ pub(crate) fn commit_part(
     plan: &ShardPlan,
     part: Part,
     index: &[u8],
-    config: Option<&[u8]>,
+    files: &[(String, Vec<u8>)],
 ) -> Result<bool> {
-    let fp = fingerprint(source, plan, index, config);
+    let fp = fingerprint(source, plan, index, files);
     let parts = dir.join(PARTS);
     let marker = |i: usize| parts.join(format!("{fp}.{i}-of-{}", part.count));
     // This part's earlier marker (a rerun, perhaps with other options) goes before its shards
@@ -354,8 +358,8 @@ pub(crate) fn commit_part(
         return Ok(false);
     }
     check_shard_files(dir, plan)?;
-    if let Some(c) = config {
-        atomic_write(&dir.join(CONFIG), c)?;
+    for (name, bytes) in files {
+        atomic_write(&dir.join(name), bytes)?;
     }
     if !atomic_create(&index_path, index)? {
         // Another part committed first: it must be this conversion.

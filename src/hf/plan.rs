@@ -23,7 +23,8 @@ pub(crate) struct Piece {
     pub sizes: Vec<u64>,
 }
 
-/// One HF tensor: the concatenation of its pieces (C order), reshaped to `shape`, then `post`.
+/// One HF tensor: the concatenation of its pieces (C order), reshaped to `shape`, then `post`;
+/// or, with `from_file`, bytes copied as they are from an HF safetensors file.
 #[derive(Clone, Debug)]
 pub(crate) struct HfTensor {
     pub name: String,
@@ -31,6 +32,19 @@ pub(crate) struct HfTensor {
     pub src_dtype: DType,
     pub pieces: Vec<Piece>,
     pub post: Post,
+    /// The file and byte offset of a tensor copied byte for byte (the vision tower of
+    /// `--base-hf`): written in its stored dtype whatever the output dtype.
+    pub from_file: Option<(std::path::PathBuf, u64)>,
+}
+
+impl HfTensor {
+    /// The dtype written: `requested` (the output dtype) or the source's.
+    pub(crate) fn out_dtype(&self, requested: Option<DType>) -> DType {
+        match (&self.from_file, requested) {
+            (None, Some(d)) => d,
+            _ => self.src_dtype,
+        }
+    }
 }
 
 /// The HF tensors a checkpoint converts to, in output order, and how many checkpoint keys the
@@ -61,28 +75,28 @@ fn skip_key(key: &str) -> bool {
         || key.starts_with("content_metadata")
 }
 
+/// The HF name prefix of a text model's layer `l` (from-hf reads the plain layout; to-hf names
+/// layers through [`Dims::layer_prefix`], which adds the multimodal and MTP layouts).
 pub(crate) fn layer_prefix(l: u64) -> String {
     format!("model.layers.{l}.")
 }
 
-/// The HF tensors rule `r` makes of checkpoint tensor `key` (shape `shape`); `layer`: the layer
-/// index and whether the key stacks layers on its first axis. `joined`: for a rule whose source
-/// joins several keys, each part's key and row count (`shape` is then the joined shape, `key`
-/// the first part); the split's row ranges are over the parts' rows in order.
+/// The HF tensors rule `r` makes of checkpoint tensor `key` (shape `shape`); `lead`: the layer
+/// index when the key stacks layers on its first axis; `name_of`: the HF name of an output name
+/// of the rule (its `{e}` already the expert index). `joined`: for a rule whose source joins
+/// several keys, each part's key and row count (`shape` is then the joined shape, `key` the first
+/// part); the split's row ranges are over the parts' rows in order.
+#[allow(clippy::too_many_arguments)]
 fn apply(
     d: &Dims,
     r: &Rule,
     key: &str,
     shape: &[u64],
     dtype: DType,
-    layer: Option<(u64, bool)>,
+    lead: &[u64],
+    name_of: &dyn Fn(&str) -> String,
     joined: Option<&[(String, u64)]>,
 ) -> Result<Vec<HfTensor>> {
-    let (prefix, lead) = match layer {
-        Some((l, true)) => (layer_prefix(l), vec![l]),
-        Some((l, false)) => (layer_prefix(l), vec![]),
-        None => (String::new(), vec![]),
-    };
     let inner = &shape[lead.len()..];
     // `groups`: the expert indices of each HF tensor's pieces (one tensor per expert, or one
     // tensor over all experts in order, or no expert axis).
@@ -153,15 +167,12 @@ fn apply(
                 let n = hf_shape.len();
                 hf_shape.swap(n - 2, n - 1);
             }
-            let name = format!(
-                "{prefix}{}",
-                match experts.as_slice() {
-                    [Some(e)] if r.experts == Experts::PerExpert => {
-                        o.name.replace("{e}", &e.to_string())
-                    }
-                    _ => o.name.to_string(),
+            let name = name_of(&match experts.as_slice() {
+                [Some(e)] if r.experts == Experts::PerExpert => {
+                    o.name.replace("{e}", &e.to_string())
                 }
-            );
+                _ => o.name.to_string(),
+            });
             check_shape(d, &name, key, &hf_shape, o.shape)?;
             out.push(HfTensor {
                 name,
@@ -169,6 +180,7 @@ fn apply(
                 src_dtype: dtype,
                 pieces,
                 post: r.post,
+                from_file: None,
             });
         }
     }
@@ -279,24 +291,62 @@ fn map_key(d: &Dims, key: &str, shape: &[u64], dtype: DType, lookup: Lookup) -> 
     if skip_key(key) {
         return Ok(Mapped::Skip);
     }
-    if let Some(r) = d.spec.model_rule(key) {
-        return Ok(Mapped::Tensors(apply(d, r, key, shape, dtype, None, None)?));
-    }
-    let Some(rest) = key.strip_prefix("decoder.layers.") else {
-        return Ok(Mapped::Unmapped);
+    // A tensor of no layer axis, named by `name_of`.
+    let unstacked = |r: &Rule, name_of: &dyn Fn(&str) -> String| -> Result<Mapped> {
+        Ok(Mapped::Tensors(apply(
+            d,
+            r,
+            key,
+            shape,
+            dtype,
+            &[],
+            name_of,
+            None,
+        )?))
     };
-    // `decoder.layers.{i}.sub` (one layer) or `decoder.layers.sub` (layer axis first).
-    let (layers, sub, stacked) = match rest.split_once('.') {
-        Some((i, sub)) if !i.is_empty() && i.bytes().all(|b| b.is_ascii_digit()) => {
-            let g: u64 = i
-                .parse()
-                .map_err(|_| Error::Validation(format!("{key}: bad layer index")))?;
-            // A HybridModel numbers attention and MLP layers apart (`layout`).
-            let l = d.layout.hf_layer(g, sub, key)?;
-            (l..l + 1, sub, false)
+    if let Some(r) = d.spec.model_rule(key) {
+        return unstacked(r, &|n| d.text_name(n));
+    }
+    // `decoder.layers.{i}.sub` (one layer), `decoder.layers.sub` (layer axis first), or MTP
+    // layer k's transformer layer (layer num_layers + k; `layout::mtp_layer_sub` names its
+    // keys); an MTP module's own tensors `mtp.layers.{k}.sub`.
+    let (layers, sub, stacked) = if let Some(rest) = key.strip_prefix("mtp.layers.") {
+        let Some((k, sub)) = rest
+            .split_once('.')
+            .and_then(|(k, sub)| Some((k.parse::<u64>().ok()?, sub)))
+        else {
+            return Ok(Mapped::Unmapped);
+        };
+        if k >= d.mtp_layers {
+            // Not converted (--drop-mtp): refused earlier otherwise, see `config::mtp_layers`.
+            return Ok(Mapped::Skip);
         }
-        _ if shape.is_empty() => return Ok(Mapped::Unmapped),
-        _ => (0..shape[0], rest, true),
+        match (super::layout::mtp_layer_sub(sub, key)?, d.spec.mtp) {
+            (Some(sub), _) => (d.num_layers + k..d.num_layers + k + 1, sub, false),
+            (None, Some(m)) => {
+                let Some(r) = m.rules.iter().find(|r| r.src.contains(&sub)) else {
+                    return Ok(Mapped::Unmapped);
+                };
+                return unstacked(r, &|n| d.mtp_name(n, k));
+            }
+            (None, None) => return Ok(Mapped::Unmapped),
+        }
+    } else {
+        let Some(rest) = key.strip_prefix("decoder.layers.") else {
+            return Ok(Mapped::Unmapped);
+        };
+        match rest.split_once('.') {
+            Some((i, sub)) if !i.is_empty() && i.bytes().all(|b| b.is_ascii_digit()) => {
+                let g: u64 = i
+                    .parse()
+                    .map_err(|_| Error::Validation(format!("{key}: bad layer index")))?;
+                // A HybridModel numbers attention and MLP layers apart (`layout`).
+                let l = d.layout.hf_layer(g, sub, key)?;
+                (l..l + 1, sub, false)
+            }
+            _ if shape.is_empty() => return Ok(Mapped::Unmapped),
+            _ => (0..shape[0], rest, true),
+        }
     };
     let (r, joined, shape) = match (d.spec.layer_rule(sub), d.spec.joined_rule(sub)) {
         (Some(r), _) => (r, None, shape.to_vec()),
@@ -340,24 +390,44 @@ fn map_key(d: &Dims, key: &str, shape: &[u64], dtype: DType, lookup: Lookup) -> 
                 }
             )));
         }
+        let prefix = d.layer_prefix(l);
+        let name_of = |n: &str| format!("{prefix}{n}");
+        let lead = if stacked { vec![l] } else { vec![] };
         out.extend(apply(
             d,
             r,
             key,
             shape,
             dtype,
-            Some((l, stacked)),
+            &lead,
+            &name_of,
             joined.as_deref(),
         )?);
     }
     Ok(Mapped::Tensors(out))
 }
 
-impl Dims {
-    fn is_moe(&self, l: u64) -> bool {
-        self.moe_layers.get(l as usize).copied().unwrap_or(false)
+/// The whole-model tensors that each converted MTP layer repeats in the HF layout
+/// ([`super::spec::MtpSpec::copies`]), from the first source key `lookup` finds.
+fn mtp_copies(d: &Dims, lookup: Lookup) -> Result<Vec<HfTensor>> {
+    let mut out = Vec::new();
+    let Some(m) = d.spec.mtp else {
+        return Ok(out);
+    };
+    for k in 0..d.mtp_layers {
+        for r in m.copies {
+            let Some((key, (shape, dtype))) = r.src.iter().find_map(|s| Some((*s, lookup(s)?)))
+            else {
+                continue; // reported as missing by `plan`
+            };
+            let name_of = |n: &str| d.mtp_name(n, k);
+            out.extend(apply(d, r, key, &shape, dtype, &[], &name_of, None)?);
+        }
     }
+    Ok(out)
+}
 
+impl Dims {
     fn moe_pattern_source(&self) -> String {
         format!(
             "{} experts, layer pattern {:?}",
@@ -393,34 +463,38 @@ impl Dims {
     /// Every HF tensor name the config requires, from the same rules that map.
     fn required(&self) -> BTreeSet<String> {
         let mut names = BTreeSet::new();
-        let mut add = |prefix: &str, r: &Rule| {
+        let mut add = |name_of: &dyn Fn(&str) -> String, r: &Rule| {
             for o in r.outs {
                 match r.experts {
                     Experts::No | Experts::Stacked => {
-                        names.insert(format!("{prefix}{}", o.name));
+                        names.insert(name_of(o.name));
                     }
                     Experts::PerExpert => {
                         for e in 0..self.num_experts {
-                            names.insert(format!(
-                                "{prefix}{}",
-                                o.name.replace("{e}", &e.to_string())
-                            ));
+                            names.insert(name_of(&o.name.replace("{e}", &e.to_string())));
                         }
                     }
                 }
             }
         };
         for r in self.spec.model.iter().filter(|r| self.requires(r, None)) {
-            add("", r);
+            add(&|n| self.text_name(n), r);
         }
-        for l in 0..self.num_layers {
-            let p = layer_prefix(l);
+        for l in 0..self.num_layers + self.mtp_layers {
+            let p = self.layer_prefix(l);
             for r in self
                 .spec
                 .layer_rules()
                 .filter(|r| self.requires(r, Some(l)))
             {
-                add(&p, r);
+                add(&|n| format!("{p}{n}"), r);
+            }
+        }
+        if let Some(m) = self.spec.mtp {
+            for k in 0..self.mtp_layers {
+                for r in m.rules.iter().chain(m.copies) {
+                    add(&|n| self.mtp_name(n, k), r);
+                }
             }
         }
         names
@@ -436,6 +510,14 @@ pub(crate) fn plan(ckpt: &Checkpoint, d: &Dims, allow_unmapped: bool) -> Result<
     let mut tensors: Vec<HfTensor> = Vec::new();
     let (mut unmapped, mut skipped) = (Vec::new(), 0usize);
     let mut stacked_layers: BTreeSet<u64> = BTreeSet::new();
+    let lookup = |k: &str| match ckpt.metadata.entries.get(k) {
+        Some(Entry::Tensor {
+            dtype,
+            global_shape,
+            ..
+        }) => Some((global_shape.clone(), *dtype)),
+        _ => None,
+    };
     for (key, e) in &ckpt.metadata.entries {
         let Entry::Tensor {
             dtype,
@@ -445,14 +527,6 @@ pub(crate) fn plan(ckpt: &Checkpoint, d: &Dims, allow_unmapped: bool) -> Result<
         else {
             skipped += 1;
             continue;
-        };
-        let lookup = |k: &str| match ckpt.metadata.entries.get(k) {
-            Some(Entry::Tensor {
-                dtype,
-                global_shape,
-                ..
-            }) => Some((global_shape.clone(), *dtype)),
-            _ => None,
         };
         match map_key(d, key, global_shape, *dtype, &lookup)? {
             Mapped::Tensors(v) => {
@@ -468,6 +542,7 @@ pub(crate) fn plan(ckpt: &Checkpoint, d: &Dims, allow_unmapped: bool) -> Result<
             Mapped::Unmapped => unmapped.push(key.clone()),
         }
     }
+    tensors.extend(mtp_copies(d, &lookup)?);
     if !unmapped.is_empty() && !allow_unmapped {
         return Err(Error::Validation(format!(
             "no rule maps these checkpoint keys (pass --allow-unmapped to skip them): {}",
@@ -508,13 +583,15 @@ pub(crate) fn plan(ckpt: &Checkpoint, d: &Dims, allow_unmapped: bool) -> Result<
             shown.join(", ")
         )));
     }
-    // Deterministic order: by layer, then name.
-    let layer_of = |n: &str| {
-        n.strip_prefix("model.layers.")
-            .and_then(|r| r.split('.').next())
-            .and_then(|i| i.parse::<u64>().ok())
+    // Deterministic order: the `mtp.*` module last, by layer, then name.
+    let order = |n: &str| {
+        let layer = n
+            .split_once("layers.")
+            .and_then(|(_, r)| r.split('.').next())
+            .and_then(|i| i.parse::<u64>().ok());
+        (n.starts_with("mtp."), layer)
     };
-    tensors.sort_by(|a, b| (layer_of(&a.name), &a.name).cmp(&(layer_of(&b.name), &b.name)));
+    tensors.sort_by(|a, b| (order(&a.name), &a.name).cmp(&(order(&b.name), &b.name)));
     Ok(Plan { tensors, skipped })
 }
 
@@ -523,6 +600,11 @@ pub(crate) fn plan(ckpt: &Checkpoint, d: &Dims, allow_unmapped: bool) -> Result<
 ///
 /// Errors: reader errors; [`Error::UnsupportedDtype`] for `+1` on a non-float tensor.
 pub(crate) fn read_hf_tensor(ckpt: &Checkpoint, t: &HfTensor, buf: &mut [u8]) -> Result<()> {
+    if let Some((path, at)) = &t.from_file {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::File::open(path).map_err(Error::io("open", path))?;
+        return f.read_exact_at(buf, *at).map_err(Error::io("read", path));
+    }
     let item = t.src_dtype.itemsize();
     let mut at = 0usize;
     for pc in &t.pieces {
@@ -824,6 +906,98 @@ mod tests {
 
     fn dims(cfg: serde_json::Value) -> Dims {
         Dims::from_config(&cfg, None).unwrap()
+    }
+
+    fn names(m: Mapped) -> Vec<String> {
+        let Mapped::Tensors(v) = m else { panic!() };
+        v.into_iter().map(|t| t.name).collect()
+    }
+
+    #[test]
+    fn mtp_layers_take_the_family_names() {
+        // deepseek_v3: MTP layer 0 of a 2-layer model is layer 2, an MoE layer (past
+        // first_k_dense_replace 1); its module's own tensors under the same prefix.
+        let mut d = dims(
+            serde_json::json!({"model_type": "deepseek_v3", "num_hidden_layers": 2,
+            "hidden_size": 8, "num_attention_heads": 2, "vocab_size": 10, "n_routed_experts": 2,
+            "first_k_dense_replace": 1, "moe_intermediate_size": 4}),
+        );
+        d.mtp_layers = 1;
+        let map = |k: &str, shape: &[u64]| map_key(&d, k, shape, DType::F32, &|_| None).unwrap();
+        assert_eq!(
+            names(map("mtp.layers.0.eh_proj.weight", &[8, 16])),
+            vec!["model.layers.2.eh_proj.weight"]
+        );
+        assert_eq!(
+            names(map("mtp.layers.0.final_layernorm.weight", &[8])),
+            vec!["model.layers.2.shared_head.norm.weight"]
+        );
+        assert_eq!(
+            names(map(
+                "mtp.layers.0.transformer_layer.mlp.router.weight",
+                &[2, 8]
+            )),
+            vec!["model.layers.2.mlp.gate.weight"]
+        );
+        // A HybridModel's MTP layer: its HybridStack's attention (0) and MLP (1), one HF layer.
+        assert_eq!(
+            names(map(
+                "mtp.layers.0.mtp_model_layer.layers.1.mlp.router.weight",
+                &[2, 8]
+            )),
+            vec!["model.layers.2.mlp.gate.weight"]
+        );
+        let req = d.required();
+        for n in [
+            "model.layers.2.embed_tokens.weight",
+            "model.layers.2.shared_head.head.weight",
+            "model.layers.2.enorm.weight",
+            "model.layers.2.mlp.experts.1.down_proj.weight",
+        ] {
+            assert!(req.contains(n), "{n}");
+        }
+        // Not converted (--drop-mtp): skipped.
+        d.mtp_layers = 0;
+        assert!(matches!(
+            map_key(
+                &d,
+                "mtp.layers.0.eh_proj.weight",
+                &[8, 16],
+                DType::F32,
+                &|_| None
+            ),
+            Ok(Mapped::Skip)
+        ));
+        // qwen3_5 multimodal: the text model under model.language_model., MTP top-level.
+        let mut d = dims(serde_json::json!({"model_type": "qwen3_5", "text_config": {
+            "num_hidden_layers": 2, "hidden_size": 8, "num_attention_heads": 2, "vocab_size": 10,
+            "intermediate_size": 4, "layer_types": ["linear_attention", "full_attention"]}}));
+        d.text_prefix = "model.language_model.";
+        d.mtp_layers = 1;
+        let map = |k: &str, shape: &[u64]| map_key(&d, k, shape, DType::F32, &|_| None).unwrap();
+        assert_eq!(
+            names(map("mtp.layers.0.hnorm.weight", &[8])),
+            vec!["mtp.pre_fc_norm_hidden.weight"]
+        );
+        assert_eq!(
+            names(map(
+                "mtp.layers.0.transformer_layer.mlp.linear_fc2.weight",
+                &[8, 4]
+            )),
+            vec!["mtp.layers.0.mlp.down_proj.weight"]
+        );
+        assert_eq!(
+            names(map("decoder.layers.1.mlp.linear_fc2.weight", &[8, 4])),
+            vec!["model.language_model.layers.1.mlp.down_proj.weight"]
+        );
+        assert_eq!(
+            names(map("embedding.word_embeddings.weight", &[16, 8])),
+            vec!["model.language_model.embed_tokens.weight"]
+        );
+        assert_eq!(
+            names(map("output_layer.weight", &[16, 8])),
+            vec!["lm_head.weight"]
+        );
     }
 
     #[test]

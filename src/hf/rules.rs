@@ -24,7 +24,9 @@
 //! The set of HF tensors a config requires is derived from the same rows (`When`), so a config
 //! that demands a tensor no checkpoint key produces is refused, not written incomplete.
 
-use super::spec::{check, out, rule, Check, Dims, Experts, Out, Post, Rel, Rule, Split, When};
+use super::spec::{
+    check, out, rule, Check, Dims, Experts, MtpSpec, Out, Post, Rel, Rule, Split, When,
+};
 use crate::error::{Error, Result};
 
 // ---- splits -----------------------------------------------------------------------------------
@@ -527,6 +529,63 @@ pub(crate) const GPT_OSS: &[Rule] = &[
     ),
 ];
 
+// ---- MTP ------------------------------------------------------------------------------------------
+
+/// DeepSeek-V3's MTP module as its official checkpoint holds it (deepseek-ai/DeepSeek-V3
+/// `README_WEIGHTS.md`: layer `num_hidden_layers + k` with `embed_tokens`, `enorm`, `hnorm`,
+/// `eh_proj`, `shared_head.norm`, `shared_head.head` beside its attention and MoE), and
+/// GLM-4.5's (zai-org/GLM-4.5, layer 92 of 92: the same names; vLLM `deepseek_mtp.py`,
+/// `glm4_moe_mtp.py` read them so). Megatron's `eh_proj` input is `[enorm(embedding);
+/// hnorm(hidden)]`, as HF's; `final_layernorm` is `shared_head.norm`; the MTP layer shares the
+/// model's embedding and output layer, which the HF layout repeats.
+pub(crate) static DEEPSEEK_MTP: MtpSpec = MtpSpec {
+    field: "num_nextn_predict_layers",
+    default: 1,
+    layer: "model.layers.{L}.",
+    rules: &[
+        rule(
+            &["enorm.weight"],
+            &[out("model.layers.{L}.enorm.weight", &[H])],
+            whole,
+            When::Always,
+        ),
+        rule(
+            &["hnorm.weight"],
+            &[out("model.layers.{L}.hnorm.weight", &[H])],
+            whole,
+            When::Always,
+        ),
+        rule(
+            &["eh_proj.weight"],
+            &[out(
+                "model.layers.{L}.eh_proj.weight",
+                &[H, &["2", "hidden_size"]],
+            )],
+            whole,
+            When::Always,
+        ),
+        rule(
+            &["final_layernorm.weight"],
+            &[out("model.layers.{L}.shared_head.norm.weight", &[H])],
+            whole,
+            When::Always,
+        ),
+    ],
+    copies: &[
+        rule(
+            &["embedding.word_embeddings.weight"],
+            &[out("model.layers.{L}.embed_tokens.weight", &[V, H])],
+            vocab_rows,
+            When::Always,
+        ),
+        rule(
+            &["output_layer.weight", "embedding.word_embeddings.weight"],
+            &[out("model.layers.{L}.shared_head.head.weight", &[V, H])],
+            vocab_rows,
+            When::Always,
+        ),
+    ],
+};
 // ---- deepseek_v32, glm_moe_dsa, minimax_m2 ------------------------------------------------------
 
 const INDEX_Q: &[&str] = &["index_n_heads", "index_head_dim"];

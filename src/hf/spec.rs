@@ -23,6 +23,61 @@ pub(crate) struct ArchSpec {
     pub checks: &'static [&'static [Check]],
     /// Which layers are MoE.
     pub moe_layers: LayerPattern,
+    /// The HF layout of Megatron's multi-token prediction layers (`mtp.layers.{k}.*`); None: the
+    /// family has none, and a checkpoint with MTP layers converts only with `--drop-mtp`.
+    pub mtp: Option<&'static MtpSpec>,
+    /// The layout of the family's multimodal config (one with a `text_config`); None: such a
+    /// config is refused.
+    pub multimodal: Option<&'static Multimodal>,
+}
+
+/// Where an architecture's official HF checkpoint keeps Megatron's MTP layers. Megatron stores
+/// MTP layer k as `mtp.layers.{k}.{enorm,hnorm,eh_proj,final_layernorm}.weight` and its
+/// transformer layer as `mtp.layers.{k}.transformer_layer.<decoder layer sub-key>` (MC 0.19
+/// `multi_token_prediction.py`, `MultiTokenPredictionLayer.sharded_state_dict`); the transformer
+/// layer maps with the family's layer rules as layer `num_hidden_layers + k`, a full-attention
+/// layer, MoE as the family's pattern makes that layer.
+pub(crate) struct MtpSpec {
+    /// The config.json field that declares the MTP layer count.
+    pub field: &'static str,
+    /// Its value when config.json lacks it (transformers' default).
+    pub default: u64,
+    /// The HF name prefix of MTP layer k's transformer layer: `{L}` stands for
+    /// `num_hidden_layers + k`, `{k}` for k.
+    pub layer: &'static str,
+    /// The MTP module's own tensors: Megatron sub-keys after `mtp.layers.{k}.`, full HF names
+    /// (`{L}`, `{k}` as in `layer`; a name without either exists once, so one MTP layer at most).
+    pub rules: &'static [Rule],
+    /// Whole-model tensors that the HF layout repeats in every MTP layer (DeepSeek-V3's
+    /// `embed_tokens` and `shared_head.head`): rules over whole-model keys, the first source the
+    /// checkpoint holds taken.
+    pub copies: &'static [Rule],
+}
+
+impl MtpSpec {
+    /// Whether every HF name of the module's own tensors names its layer (`{L}` or `{k}`).
+    pub(crate) fn per_layer_names(&self) -> bool {
+        self.rules
+            .iter()
+            .flat_map(|r| r.outs)
+            .all(|o| o.name.contains("{L}") || o.name.contains("{k}"))
+    }
+}
+
+/// The layout of a family's multimodal model (Qwen3.5's `...ForConditionalGeneration`): the text
+/// model under its own prefix, beside a vision tower a Megatron text checkpoint does not hold.
+pub(crate) struct Multimodal {
+    /// The text model's prefix in place of `model.` (`model.language_model.`: what
+    /// `save_pretrained` of the multimodal model writes; `lm_head` and `mtp.*` stay top-level).
+    pub text_prefix: &'static str,
+    /// The vision tower's prefix (`model.visual.`), whose tensors come from `--base-hf`.
+    pub vision_prefix: &'static str,
+    /// The vision tensors `vision_config` implies: names after `vision_prefix` (`{b}` a block
+    /// index below `depth`) and shapes as products of `vision_config` fields.
+    pub vision: &'static [Out],
+    /// `--text-only`: the text model's `model_type` and architecture.
+    pub text_model_type: &'static str,
+    pub text_architecture: &'static str,
 }
 
 /// A rule: Megatron tensor → HF tensors.
@@ -301,7 +356,14 @@ pub(crate) struct Dims {
     pub num_experts: u64,
     /// Per layer: MoE (true) or dense.
     pub moe_layers: Vec<bool>,
-    /// How the checkpoint numbers its layers (set from the checkpoint by `hyperparameters`).
+    /// The config is a multimodal one (its text model's fields in `text_config`).
+    pub multimodal: bool,
+    /// The names to write: the text model's of the multimodal model (`Multimodal::text_prefix`)
+    /// or a text model's (`model.`).
+    pub text_prefix: &'static str,
+    /// MTP layers converted, after the `num_layers` decoder layers (see [`MtpSpec`]).
+    pub mtp_layers: u64,
+    /// How the checkpoint numbers its layers (set from the checkpoint by `setup`).
     pub layout: Layout,
 }
 
@@ -322,6 +384,9 @@ impl Dims {
             tied: false,
             num_experts: 0,
             moe_layers: Vec::new(),
+            multimodal: false,
+            text_prefix: "model.",
+            mtp_layers: 0,
             layout: Layout::Gpt,
         };
         let need = |d: &Dims, k: &str| {
@@ -383,8 +448,13 @@ impl Dims {
 
     /// Layer `l`'s attention type: the config's `layer_types[l]`, or from `full_attention_interval`
     /// (default 4, transformers' for qwen3_next and qwen3_5) when it has no list: layer l is
-    /// `full_attention` iff (l + 1) % interval == 0, else `linear_attention`.
+    /// `full_attention` iff (l + 1) % interval == 0, else `linear_attention`. An MTP layer
+    /// (`l >= num_layers`) is `full_attention` (the MTP layer of qwen3_next and qwen3_5: TF
+    /// `Qwen3NextMTP`-style `mtp.layers.0.self_attn`, vLLM `qwen3_5_mtp.py` builds it so).
     pub fn layer_type(&self, l: u64) -> Option<String> {
+        if l >= self.num_layers {
+            return Some("full_attention".into());
+        }
         match self.cfg.get("layer_types") {
             Some(Json::Array(a)) => a.get(l as usize)?.as_str().map(str::to_string),
             _ => {
@@ -399,6 +469,39 @@ impl Dims {
                 )
             }
         }
+    }
+
+    /// Whether layer `l` is MoE: the config's pattern, evaluated at `l` for an MTP layer
+    /// (deepseek_v3's and glm4_moe's MTP layer, past `first_k_dense_replace`, is MoE).
+    pub fn is_moe(&self, l: u64) -> bool {
+        match self.moe_layers.get(l as usize) {
+            Some(&m) => m,
+            None => self.is_moe_layer(l),
+        }
+    }
+
+    /// The HF name of a whole-model tensor (`model.embed_tokens.weight`, `lm_head.weight`) under
+    /// the text model's prefix.
+    pub fn text_name(&self, name: &str) -> String {
+        match name.strip_prefix("model.") {
+            Some(rest) => format!("{}{rest}", self.text_prefix),
+            None => name.to_string(),
+        }
+    }
+
+    /// The HF name prefix of layer `l`: a decoder layer's under the text prefix, an MTP layer's
+    /// (`l >= num_layers`) as the family's [`MtpSpec::layer`] says.
+    pub fn layer_prefix(&self, l: u64) -> String {
+        match (l.checked_sub(self.num_layers), self.spec.mtp) {
+            (Some(k), Some(m)) => self.mtp_name(m.layer, k),
+            _ => format!("{}layers.{l}.", self.text_prefix),
+        }
+    }
+
+    /// `name` of MTP layer `k`: `{L}` is `num_hidden_layers + k`, `{k}` is k.
+    pub fn mtp_name(&self, name: &str, k: u64) -> String {
+        name.replace("{L}", &(self.num_layers + k).to_string())
+            .replace("{k}", &k.to_string())
     }
 
     /// Whether layer `l` runs its own DSA indexer (see [`When::IndexerLayer`]).

@@ -148,7 +148,7 @@ pub(crate) fn shard_plan(
     max_shard_bytes: u64,
     header_budget: usize,
 ) -> Result<ShardPlan> {
-    let dtype = |t: &HfTensor| out_dtype.unwrap_or(t.src_dtype);
+    let dtype = |t: &HfTensor| t.out_dtype(out_dtype);
     let nbytes = |t: &HfTensor| t.shape.iter().product::<u64>() * dtype(t).itemsize();
     // `{"__metadata__":{"format":"pt"},` and the closing brace.
     const HEADER_BASE: usize = 64;
@@ -246,7 +246,7 @@ pub(crate) fn write_shards(
         for &i in &s.tensors {
             jobs.push((i, f, data_start + off));
             let t = &tensors[i];
-            off += t.shape.iter().product::<u64>() * out_dtype.unwrap_or(t.src_dtype).itemsize();
+            off += t.shape.iter().product::<u64>() * t.out_dtype(out_dtype).itemsize();
         }
         files.push(file);
     }
@@ -274,7 +274,7 @@ pub(crate) fn write_shards(
                     if cancel.load(Ordering::Relaxed) {
                         return Err(Error::Interrupted(Stopped::Commit));
                     }
-                    let out = out_dtype.unwrap_or(t.src_dtype);
+                    let out = t.out_dtype(out_dtype);
                     let bytes = if out == t.src_dtype {
                         buf
                     } else {
@@ -335,6 +335,7 @@ mod tests {
                 src_dtype: DType::BF16,
                 pieces: Vec::new(),
                 post: super::super::spec::Post::None,
+                from_file: None,
             })
             .collect()
     }

@@ -14,13 +14,17 @@ use crate::commit::wait::Freshness;
 /// Converts checkpoint `checkpoint_dir` to HF safetensors in `out_dir`; see `shardwise to-hf`.
 /// `dtype` is bf16, fp16, fp32 or None (as stored); `max_shard_size` like "5GB"; `workers`
 /// threads; `part` like "0/2" for one part of a split conversion; `overwrite` replaces an earlier
-/// conversion in a non-empty `out_dir`. Returns the summary as a dict with the fields of
+/// conversion in a non-empty `out_dir`; `base_hf` (a multimodal config's original release: its
+/// vision tower is copied), `text_only` (a multimodal config's text model alone), `drop_mtp`
+/// (without the MTP layers), `tokenizer` (the tokenizer folder to copy; default the
+/// checkpoint's `tokenizer/`). Returns the summary as a dict with the fields of
 /// `shardwise to-hf --json` (`tensors`, `bytes`, `files`, `seconds`, `gb_per_s`, `skipped_keys`,
-/// `args_check`, `args_unchecked`, `padding_rows_dropped`, `config_written`, `part`, `committed`).
+/// `args_check`, `args_unchecked`, `warnings`, `padding_rows_dropped`, `config_written`,
+/// `mtp_layers`, `vision_tensors`, `tokenizer_files`, `part`, `committed`).
 /// Raises `InvalidArgumentError` (also for `threads` that is not a whole number >= 1),
 /// `ValidationError`, `StorageError`, `CorruptFileError`.
 #[pyfunction]
-#[pyo3(signature = (checkpoint_dir, out_dir, hf_config=None, arch=None, dtype=None, max_shard_size="5GB", threads=None, allow_unmapped=false, overwrite=false, part=None))]
+#[pyo3(signature = (checkpoint_dir, out_dir, hf_config=None, arch=None, dtype=None, max_shard_size="5GB", threads=None, allow_unmapped=false, overwrite=false, part=None, base_hf=None, text_only=false, drop_mtp=false, tokenizer=None))]
 #[allow(clippy::too_many_arguments)]
 pub(super) fn to_hf(
     py: Python<'_>,
@@ -34,6 +38,10 @@ pub(super) fn to_hf(
     allow_unmapped: bool,
     overwrite: bool,
     part: Option<String>,
+    base_hf: Option<PathBuf>,
+    text_only: bool,
+    drop_mtp: bool,
+    tokenizer: Option<PathBuf>,
 ) -> PyResult<Py<PyAny>> {
     let threads = opt_positive("threads", threads)?;
     let mut opts = crate::hf::HfOptions::from_user(
@@ -51,6 +59,10 @@ pub(super) fn to_hf(
         .map(crate::hf::Part::parse)
         .transpose()
         .map_err(to_py)?;
+    opts.base_hf = base_hf;
+    opts.text_only = text_only;
+    opts.drop_mtp = drop_mtp;
+    opts.tokenizer = tokenizer;
     let s = py
         .detach(|| {
             let loc = location(&checkpoint_dir)?;
