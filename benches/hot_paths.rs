@@ -95,9 +95,10 @@ fn write_rank_file(bencher: Bencher, gib: usize) {
     let buf = common::host_shards(total, piece);
     let chunks = common::chunks_of(&buf, piece);
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("__0_0.distcp");
+    let loc = shardwise::storage::Location::local(dir.path());
     bencher.counter(BytesCount::new(total)).bench_local(|| {
-        shardwise::writer::write_rank_file(&path, 0, &chunks, &[], None, false).unwrap()
+        let sink = loc.create_data("__0_0.distcp").unwrap();
+        shardwise::writer::write_rank(sink, 0, &chunks, &[], None, false).unwrap()
     });
 }
 

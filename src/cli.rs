@@ -436,11 +436,8 @@ where
     match result {
         Ok(code) => code,
         Err(Stop::Pipe) => EXIT_PIPE,
-        Err(Stop::Fail(Error::Interrupted)) => {
-            let _ = writeln!(
-                std::io::stderr(),
-                "shardwise: interrupted; nothing committed"
-            );
+        Err(Stop::Fail(e @ Error::Interrupted(_))) => {
+            let _ = writeln!(std::io::stderr(), "shardwise: {e}");
             EXIT_INTERRUPTED
         }
         Err(Stop::Fail(e)) => {
@@ -748,18 +745,9 @@ fn problem_lines(problems: &[crate::verify::Problem]) -> Vec<String> {
 }
 
 fn save_ids(dir: &Location) -> Result<Vec<String>> {
-    if let Some(d) = dir.as_local().filter(|d| !d.is_dir()) {
-        // Missing, not a directory and not allowed to look are three different answers.
-        return Err(match std::fs::metadata(d) {
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Error::Io {
-                op: "open checkpoint directory",
-                path: d.to_path_buf(),
-                source: e,
-            },
-            Err(e) => Error::io("stat", d)(e),
-            Ok(_) => Error::InvalidArgument(format!("{} is not a directory", d.display())),
-        });
-    }
+    // Missing, not a directory and not allowed to look are three different answers, which
+    // resolving the directory gives (listing a missing one would read as "no saves").
+    dir.canonical()?;
     crate::commit::state::save_ids(dir)
 }
 

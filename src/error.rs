@@ -5,6 +5,26 @@ use std::path::PathBuf;
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// What Ctrl-C stopped ([`Error::Interrupted`]), for its message.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stopped {
+    /// A save's or merge's wait: this process committed nothing.
+    Commit,
+    /// A load: the destinations may hold part of the requested data.
+    Load,
+}
+
+impl Stopped {
+    fn outcome(self) -> &'static str {
+        match self {
+            Stopped::Commit => "nothing committed",
+            Stopped::Load => {
+                "the load stopped before it finished (the destinations may hold part of the data)"
+            }
+        }
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// A tensor dtype the DCP writer does not support (complex, uint16/32/64, float4, ...).
@@ -47,9 +67,9 @@ pub enum Error {
         stale: Vec<(u32, String)>,
     },
 
-    /// A wait was interrupted (Ctrl-C); nothing was committed by this process.
-    #[error("interrupted; nothing committed")]
-    Interrupted,
+    /// Ctrl-C stopped a wait of a save or merge (nothing was committed by this process) or a load.
+    #[error("interrupted; {}", .0.outcome())]
+    Interrupted(Stopped),
 
     /// The merging rank reported a failure, or no commit appeared within the timeout.
     #[error("save {save_id} in {dir} was not committed: {reason}")]

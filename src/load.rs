@@ -31,21 +31,19 @@
 mod plan;
 
 use std::collections::HashMap;
-use std::fs::File;
-use std::os::unix::fs::FileExt;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::CudaEvent;
 use rayon::prelude::*;
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, Stopped};
 use crate::format::archive::{stored_tensor_in, HeadTail};
 use crate::format::metadata::{volume, Chunk, Entry};
 use crate::gpu::{self, DeviceCopier};
 use crate::reader::{Checkpoint, Recorded};
 use crate::staging::{self, HostBuffer, StagingPool, DEFAULT_BUFFER_BYTES};
-use crate::storage::Location;
+use crate::storage::DataSource;
 
 use plan::copy_box;
 pub use plan::{intersect, BoxCopy, ChunkIndex, Piece};
@@ -160,61 +158,38 @@ struct Layout {
     payload: std::ops::Range<u64>,
 }
 
-/// Where the bytes come from.
-enum Source<'a> {
-    Local(Vec<File>),
-    Remote {
-        remote: &'a crate::storage::remote::Remote,
-        timeout: Option<Duration>,
-    },
+/// The data files of one load, open for positioned reads, by index.
+struct Source<'a> {
+    ck: &'a Checkpoint,
+    rels: &'a [&'a str],
+    files: Vec<DataSource>,
 }
 
 impl Source<'_> {
-    /// Fills `buf` from byte `off` of file `file` (`rel`).
+    /// Fills `buf` from byte `off` of file `file`.
     ///
     /// Errors: [`Error::Corrupt`] naming `what`, the file and the offset when the file ends first;
     /// [`Error::Io`] / [`Error::Remote`].
     fn read_exact(
         &self,
-        ck: &Checkpoint,
         file: usize,
-        rel: &str,
         off: u64,
         buf: &mut [u8],
         what: &dyn Fn() -> String,
     ) -> Result<()> {
-        let path = ck.dir().join(rel);
-        let end = off + buf.len() as u64;
-        let short = |at: u64| Error::Corrupt {
-            path: path.clone(),
-            reason: format!(
-                "{}: the file ends at byte {at}, inside bytes {off}..{end} being read (truncated)",
-                what()
-            ),
-        };
-        match self {
-            Source::Local(files) => {
-                let mut done = 0;
-                while done < buf.len() {
-                    let n = files[file]
-                        .read_at(&mut buf[done..], off + done as u64)
-                        .map_err(Error::io("read", &path))?;
-                    if n == 0 {
-                        return Err(short(off + done as u64));
-                    }
-                    done += n;
-                }
-                Ok(())
-            }
-            Source::Remote { remote, timeout } => {
-                let got = remote.get_range_within(rel, off..off + buf.len() as u64, *timeout)?;
-                if got.len() != buf.len() {
-                    return Err(short(off + got.len() as u64));
-                }
-                buf.copy_from_slice(&got);
-                Ok(())
-            }
+        let n = self.files[file].read_at(off, buf)?;
+        if n < buf.len() {
+            let end = off + buf.len() as u64;
+            return Err(corrupt(
+                self.ck.dir().join(self.rels[file]),
+                format!(
+                    "{}: the file ends at byte {}, inside bytes {off}..{end} being read (truncated)",
+                    what(),
+                    off + n as u64
+                ),
+            ));
         }
+        Ok(())
     }
 }
 
@@ -456,56 +431,44 @@ pub unsafe fn load(ck: &Checkpoint, reqs: &[Request], opts: &LoadOptions) -> Res
 
     // Open every file and check every item lies inside it, before reading anything.
     let first_item_in = |f: usize| items.iter().find(|i| i.file == f).expect("file of an item");
-    let (source, sizes) = match ck.location() {
-        Location::Local(_) => {
-            let mut handles = Vec::with_capacity(files.len());
-            let mut sizes = Vec::with_capacity(files.len());
-            for (f, rel) in files.iter().enumerate() {
-                let it = first_item_in(f);
-                if rel.is_empty() {
-                    return Err(corrupt(
-                        ck.dir().join(".metadata"),
-                        format!(
-                            "{}: chunk has no storage_data entry",
-                            item_name(it.key, it.chunk)
-                        ),
-                    ));
-                }
-                let file = ck.open_file(rel).map_err(|e| match e {
-                    Error::Io { path, source, .. } => corrupt(
-                        path,
-                        format!(
-                            "{}: cannot open the data file: {source}",
-                            item_name(it.key, it.chunk)
-                        ),
+    let mut handles = Vec::with_capacity(files.len());
+    for (f, rel) in files.iter().enumerate() {
+        let it = first_item_in(f);
+        if rel.is_empty() {
+            return Err(corrupt(
+                ck.dir().join(".metadata"),
+                format!(
+                    "{}: chunk has no storage_data entry",
+                    item_name(it.key, it.chunk)
+                ),
+            ));
+        }
+        let file = ck.open_data(rel).map_err(|e| match e {
+            Error::Io { path, source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
+                corrupt(
+                    path,
+                    format!(
+                        "{}: cannot open the data file: it is missing",
+                        item_name(it.key, it.chunk)
                     ),
-                    other => other,
-                })?;
-                let path = ck.dir().join(rel);
-                sizes.push(file.metadata().map_err(Error::io("stat", &path))?.len());
-                handles.push(file);
+                )
             }
-            (Source::Local(handles), sizes)
-        }
-        Location::Remote(r) => {
-            let mut sizes = Vec::with_capacity(files.len());
-            for (f, rel) in files.iter().enumerate() {
-                let it = first_item_in(f);
-                sizes.push(r.size(rel)?.ok_or_else(|| {
-                    corrupt(
-                        ck.dir().join(rel),
-                        format!("{}: the data file is missing", item_name(it.key, it.chunk)),
-                    )
-                })?);
-            }
-            (
-                Source::Remote {
-                    remote: r,
-                    timeout: opts.timeout,
-                },
-                sizes,
-            )
-        }
+            Error::Io { path, source, .. } => corrupt(
+                path,
+                format!(
+                    "{}: cannot open the data file: {source}",
+                    item_name(it.key, it.chunk)
+                ),
+            ),
+            other => other,
+        })?;
+        handles.push(file.with_timeout(opts.timeout));
+    }
+    let sizes: Vec<u64> = handles.iter().map(DataSource::len).collect();
+    let source = Source {
+        ck,
+        rels: &files,
+        files: handles,
     };
     for it in &items {
         let s = &it.chunk.storage;
@@ -551,7 +514,7 @@ pub unsafe fn load(ck: &Checkpoint, reqs: &[Request], opts: &LoadOptions) -> Res
                 if it.transformed {
                     return Ok(None);
                 }
-                locate(ck, &source, it, &files, &counters).map(Some)
+                locate(ck, &source, it, &counters).map(Some)
             })
             .collect::<Result<_>>()
     })?;
@@ -631,7 +594,6 @@ pub unsafe fn load(ck: &Checkpoint, reqs: &[Request], opts: &LoadOptions) -> Res
         ck,
         reqs,
         items: &items,
-        files: &files,
         source: &source,
         copies: &copies,
         copy_item: &copy_item,
@@ -644,7 +606,8 @@ pub unsafe fn load(ck: &Checkpoint, reqs: &[Request], opts: &LoadOptions) -> Res
     };
     // The reads run on the pool while this thread watches for Ctrl-C (a load of hundreds of GB
     // must stop within a read, not at its end): reads not yet started then fail as Interrupted.
-    let cancel = std::sync::atomic::AtomicBool::new(false);
+    // A Ctrl-C already seen (during planning) stops the load before its first read.
+    let cancel = std::sync::atomic::AtomicBool::new(crate::interrupt::interrupted());
     let caller = std::thread::current();
     let outcome = std::thread::scope(|scope| {
         let job = scope.spawn(|| {
@@ -654,7 +617,7 @@ pub unsafe fn load(ck: &Checkpoint, reqs: &[Request], opts: &LoadOptions) -> Res
                     .with_max_len(1)
                     .map(|r| {
                         if cancel.load(std::sync::atomic::Ordering::Relaxed) {
-                            return Err(Error::Interrupted);
+                            return Err(Error::Interrupted(Stopped::Load));
                         }
                         exec.read(r)
                     })
@@ -715,13 +678,7 @@ impl Counters {
 /// a tensor of the chunk's shape and the key's dtype.
 ///
 /// Errors: [`Error::Corrupt`] naming key, file and offset.
-fn locate(
-    ck: &Checkpoint,
-    source: &Source,
-    it: &Item,
-    files: &[&str],
-    counters: &Counters,
-) -> Result<Layout> {
+fn locate(ck: &Checkpoint, source: &Source, it: &Item, counters: &Counters) -> Result<Layout> {
     let s = &it.chunk.storage;
     let Some(Entry::Tensor { dtype, .. }) = ck.metadata.entries.get(it.key) else {
         unreachable!("validated by plan_pieces")
@@ -735,18 +692,11 @@ fn locate(
             (window, window)
         };
         let mut head = vec![0u8; head_len as usize];
-        source.read_exact(ck, it.file, files[it.file], s.offset, &mut head, &what)?;
+        source.read_exact(it.file, s.offset, &mut head, &what)?;
         counters.add(head_len);
         let mut tail = vec![0u8; tail_len as usize];
         if tail_len > 0 {
-            source.read_exact(
-                ck,
-                it.file,
-                files[it.file],
-                s.offset + s.length - tail_len,
-                &mut tail,
-                &what,
-            )?;
+            source.read_exact(it.file, s.offset + s.length - tail_len, &mut tail, &what)?;
             counters.add(tail_len);
         }
         let blob = HeadTail {
@@ -875,7 +825,6 @@ struct Exec<'a> {
     ck: &'a Checkpoint,
     reqs: &'a [Request],
     items: &'a [Item<'a>],
-    files: &'a [&'a str],
     source: &'a Source<'a>,
     copies: &'a [plan::Copy],
     copy_item: &'a [usize],
@@ -928,7 +877,6 @@ impl Exec<'_> {
             }
             None => format!("bytes {}..{} of checked items", r.range.start, r.range.end),
         };
-        let rel = self.files[r.file];
         let mut segments = Vec::new();
         if let Some(ci) = r.direct {
             let c = &self.copies[ci];
@@ -937,8 +885,7 @@ impl Exec<'_> {
             // lends us exclusively (load's contract); direct copies go to host memory only.
             let dst =
                 unsafe { std::slice::from_raw_parts_mut((q.ptr + c.copy.dst) as *mut u8, len) };
-            self.source
-                .read_exact(self.ck, r.file, rel, r.range.start, dst, &what)?;
+            self.source.read_exact(r.file, r.range.start, dst, &what)?;
             self.counters.add(len as u64);
             self.hash(r, dst, &mut segments);
             return Ok(segments);
@@ -950,7 +897,7 @@ impl Exec<'_> {
         };
         let bytes = &mut buf.bytes()[..len];
         self.source
-            .read_exact(self.ck, r.file, rel, r.range.start, bytes, &what)?;
+            .read_exact(r.file, r.range.start, bytes, &what)?;
         self.counters.add(len as u64);
         self.hash(r, bytes, &mut segments);
         let mut uploaded = false;
@@ -1171,4 +1118,217 @@ unsafe fn upload(copier: &DeviceCopier, c: &BoxCopy, src: *const u8, dst: u64) -
         }
     });
     res
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::commit::wait::Freshness;
+    use crate::format::dtype::DType;
+    use crate::save::{save_rank, SaveOptions};
+    use crate::storage::Location;
+    use crate::writer::{Payload, TensorChunk};
+
+    /// Element (i, j) of the `[8, 6]` uint8 tensor `w`.
+    fn w(i: u64, j: u64) -> u8 {
+        (i * 6 + j) as u8
+    }
+
+    /// A committed checkpoint of 2 ranks, each saving 4 rows of `w`, in a fresh directory.
+    fn saved() -> (tempfile::TempDir, Checkpoint) {
+        let dir = tempfile::tempdir().unwrap();
+        let loc = Location::local(dir.path());
+        for rank in [1u32, 0] {
+            let rows: Vec<u8> = (4 * rank as u64..4 * rank as u64 + 4)
+                .flat_map(|i| (0..6).map(move |j| w(i, j)))
+                .collect();
+            let chunk = TensorChunk {
+                fqn: "w".into(),
+                dtype: DType::from_torch_name("torch.uint8").unwrap(),
+                global_shape: vec![8, 6],
+                offsets: vec![4 * rank as u64, 0],
+                sizes: vec![4, 6],
+                data: Payload::Host(&rows),
+            };
+            let opts = SaveOptions {
+                location: loc.clone(),
+                rank,
+                world_size: 2,
+                save_id: "s".into(),
+                megatron: false,
+                merge_rank: Some(0),
+                timeout: Duration::from_secs(20),
+                wait_for_commit: false,
+                overwrite: false,
+                freshness: Freshness::any_part(),
+                integrity: false,
+            };
+            save_rank(&opts, &[chunk], &[], None, None).unwrap();
+        }
+        let ck = Checkpoint::open(&loc).unwrap();
+        (dir, ck)
+    }
+
+    /// Load options with a 1 MiB staging pool (the default one is 1 GiB).
+    fn small() -> LoadOptions {
+        LoadOptions {
+            staging_budget: Some(1 << 20),
+            ..Default::default()
+        }
+    }
+
+    fn request(key: &str, offsets: [u64; 2], sizes: [u64; 2], out: &mut [u8]) -> Request {
+        Request {
+            key: key.into(),
+            offsets: offsets.to_vec(),
+            sizes: sizes.to_vec(),
+            ptr: out.as_mut_ptr() as u64,
+            nbytes: out.len() as u64,
+            device: None,
+        }
+    }
+
+    /// Regions across chunk borders and of part of the columns land in C order, in one call;
+    /// every item read is checked (whole, or by the blocks read).
+    #[test]
+    fn regions_across_chunks_load_in_one_call() {
+        let (_dir, ck) = saved();
+        let mut all = vec![0u8; 48];
+        let mut middle = vec![0u8; 4 * 2];
+        let mut one = vec![0u8; 1];
+        let reqs = [
+            request("w", [0, 0], [8, 6], &mut all),
+            request("w", [2, 1], [4, 2], &mut middle),
+            request("w", [7, 5], [1, 1], &mut one),
+        ];
+        // SAFETY: the destinations are the Vecs above, alive and untouched until load returns.
+        let stats = unsafe { load(&ck, &reqs, &small()) }.unwrap();
+        let want = |o: [u64; 2], s: [u64; 2]| -> Vec<u8> {
+            (o[0]..o[0] + s[0])
+                .flat_map(|i| (o[1]..o[1] + s[1]).map(move |j| w(i, j)))
+                .collect()
+        };
+        assert_eq!(all, want([0, 0], [8, 6]));
+        assert_eq!(middle, want([2, 1], [4, 2]));
+        assert_eq!(one, vec![w(7, 5)]);
+        assert_eq!(
+            (stats.requests, stats.items_checked, stats.items_unchecked),
+            (3, 2, 0)
+        );
+        // read_region is a one-request load of the same bytes.
+        let mut again = vec![0u8; 8];
+        read_region(&ck, "w", &[2, 1], &[4, 2], &mut again).unwrap();
+        assert_eq!(again, middle);
+    }
+
+    /// Every request is validated before any byte is read, each with its own error.
+    #[test]
+    fn bad_requests_are_refused_before_reading() {
+        let (_dir, ck) = saved();
+        let mut buf = vec![0u8; 48];
+        let run = |r: Request| unsafe { load(&ck, &[r], &small()) };
+        let e = run(request("nope", [0, 0], [1, 1], &mut buf[..1])).unwrap_err();
+        assert!(
+            matches!(&e, Error::MissingKey { key, .. } if key == "nope"),
+            "{e}"
+        );
+        let e = run(request("w", [4, 0], [5, 6], &mut buf[..30])).unwrap_err();
+        assert!(
+            matches!(&e, Error::InvalidArgument(m) if m.contains("outside the global shape [8, 6]")),
+            "{e}"
+        );
+        let e = run(request("w", [0, 0], [2, 6], &mut buf[..11])).unwrap_err();
+        assert!(
+            matches!(&e, Error::InvalidArgument(m) if m.contains("needs 12 bytes, the destination has 11")),
+            "{e}"
+        );
+        let mut null = request("w", [0, 0], [1, 1], &mut buf[..1]);
+        null.ptr = 0;
+        let e = run(null).unwrap_err();
+        assert!(
+            matches!(&e, Error::InvalidArgument(m) if m.contains("null destination")),
+            "{e}"
+        );
+        let opts = LoadOptions {
+            staging_budget: Some(0),
+            ..Default::default()
+        };
+        let r = request("w", [0, 0], [1, 1], &mut buf[..1]);
+        let e = unsafe { load(&ck, &[r], &opts) }.unwrap_err();
+        assert!(
+            matches!(&e, Error::InvalidArgument(m) if m.contains("staging_budget_bytes")),
+            "{e}"
+        );
+    }
+
+    /// A flipped payload byte fails the item's CRC-32, naming key, chunk, file and offset; without
+    /// the check the damaged byte is loaded as is.
+    #[test]
+    fn a_flipped_byte_is_a_crc_error_naming_the_item() {
+        let (dir, ck) = saved();
+        let path = dir.path().join("__1_0.distcp");
+        let mut bytes = std::fs::read(&path).unwrap();
+        let at = bytes
+            .windows(6)
+            .position(|x| x == [w(5, 0), w(5, 1), w(5, 2), w(5, 3), w(5, 4), w(5, 5)])
+            .unwrap();
+        bytes[at] ^= 0x40;
+        std::fs::write(&path, &bytes).unwrap();
+        let mut out = vec![0u8; 48];
+        let reqs = [request("w", [0, 0], [8, 6], &mut out)];
+        let e = unsafe { load(&ck, &reqs, &small()) }.unwrap_err();
+        assert!(
+            matches!(&e, Error::Corrupt { path, reason } if path.ends_with("__1_0.distcp")
+                && reason.contains("w chunk [4, 0]") && reason.contains("CRC-32")),
+            "{e}"
+        );
+        let unchecked = LoadOptions {
+            check_crc: false,
+            ..small()
+        };
+        let reqs = [request("w", [0, 0], [8, 6], &mut out)];
+        unsafe { load(&ck, &reqs, &unchecked) }.unwrap();
+        assert_eq!(out[30], w(5, 0) ^ 0x40);
+    }
+
+    /// Ctrl-C stops a load with load wording (not a save's "nothing committed"); the check runs
+    /// on the calling thread, so this test's flag stops only its own load.
+    #[test]
+    fn an_interrupted_load_says_it_is_a_load() {
+        thread_local!(static STOP: std::cell::Cell<bool> = const { std::cell::Cell::new(false) });
+        crate::interrupt::set_interrupt_check(|| STOP.with(|s| s.get()));
+        let (_dir, ck) = saved();
+        let mut out = vec![0u8; 48];
+        let reqs = [request("w", [0, 0], [8, 6], &mut out)];
+        STOP.with(|s| s.set(true));
+        let e = unsafe { load(&ck, &reqs, &small()) }.unwrap_err();
+        STOP.with(|s| s.set(false));
+        assert!(matches!(e, Error::Interrupted(Stopped::Load)), "{e}");
+        assert_eq!(
+            e.to_string(),
+            "interrupted; the load stopped before it finished (the destinations may hold part of the data)"
+        );
+    }
+
+    /// A data file cut short is found before any read, naming the item and the file's size.
+    #[test]
+    fn a_truncated_data_file_is_refused_before_reading() {
+        let (dir, ck) = saved();
+        let path = dir.path().join("__0_0.distcp");
+        let len = std::fs::metadata(&path).unwrap().len();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_len(len - 100)
+            .unwrap();
+        let mut out = vec![0u8; 6];
+        let reqs = [request("w", [0, 0], [1, 6], &mut out)];
+        let e = unsafe { load(&ck, &reqs, &small()) }.unwrap_err();
+        assert!(
+            matches!(&e, Error::Corrupt { reason, .. } if reason.contains("w chunk [0, 0]")
+                && reason.contains(&format!("passes the end of the file ({} bytes; truncated)", len - 100))),
+            "{e}"
+        );
+    }
 }

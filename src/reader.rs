@@ -11,9 +11,7 @@
 //! torch or Megatron) are read unchecked: DCP records no checksum.
 
 use std::collections::{HashMap, HashSet};
-use std::fs::File;
 use std::io::Read;
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
@@ -21,13 +19,15 @@ use memmap2::Mmap;
 use rayon::prelude::*;
 
 use crate::commit::read_checksums;
+use crate::commit::record::CommitRecord;
+use crate::commit::state::{metadata_writer, MetadataWriter};
 use crate::error::{Error, Result};
 use crate::format::archive::{bad_record_crcs, records, stored_tensor, StoredTensor};
 use crate::format::metadata::{volume, Chunk, Entry, StorageInfo};
 use crate::format::read_metadata::{read_metadata, CheckpointMetadata};
 use crate::format::unpickle::unpickle;
 use crate::format::COMMON_FILE;
-use crate::storage::Location;
+use crate::storage::{DataSource, Location};
 
 /// Where and with which CRC-32 the writer placed one item: a record of the checksum sidecar.
 pub use crate::format::sidecar::ItemChecksum as Recorded;
@@ -49,6 +49,8 @@ pub struct Checkpoint {
     block_bytes: u64,
     /// Items of mapped files already checked against their CRC (addresses of their records).
     verified: Mutex<HashSet<usize>>,
+    /// The record of the commit that wrote `.metadata`, when shardwise did.
+    commit: Option<CommitRecord>,
 }
 
 /// The common (non-sharded) state a Megatron loader reads, as raw torch.save bytes.
@@ -58,29 +60,20 @@ pub struct CommonState {
     pub bytes: Vec<u8>,
 }
 
-/// A data file as the reader holds it.
-pub enum Mapped {
-    Map(Mmap),
-    Empty,
-    /// An object of `size` bytes, read by ranged GETs.
-    Remote {
-        size: u64,
-    },
+/// A data file as the reader holds it: open for positioned reads ([`DataSource`]), and memory
+/// mapped where that is possible (a non-empty local file); an object is read by ranged GETs.
+pub struct Mapped {
+    source: DataSource,
+    map: Option<Mmap>,
 }
 
 impl Mapped {
     fn bytes(&self) -> &[u8] {
-        match self {
-            Mapped::Map(m) => m,
-            Mapped::Empty | Mapped::Remote { .. } => &[],
-        }
+        self.map.as_deref().unwrap_or_default()
     }
 
     fn len(&self) -> u64 {
-        match self {
-            Mapped::Remote { size } => *size,
-            other => other.bytes().len() as u64,
-        }
+        self.source.len()
     }
 }
 
@@ -110,7 +103,7 @@ impl std::ops::Deref for ItemBytes {
 impl Drop for ItemBytes {
     fn drop(&mut self) {
         if let ItemBytes::Mapped(m, r) = self {
-            if let Mapped::Map(map) = m.as_ref() {
+            if let Some(map) = &m.map {
                 // SAFETY: MADV_DONTNEED on a read-only shared file mapping discards no data.
                 let _ = unsafe {
                     map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, r.start, r.len())
@@ -140,53 +133,6 @@ fn corrupt(path: impl Into<PathBuf>, reason: impl Into<String>) -> Error {
     }
 }
 
-/// The bytes of `.metadata`: memory-mapped locally (hundreds of MB at millions of chunks: no copy
-/// into the heap, and pages the decoder has passed can be dropped by the kernel), read whole from an
-/// object store.
-///
-/// Errors: the hint of [`crate::hints::no_metadata`] when there is none; [`Error::Io`] /
-/// [`Error::Remote`] when it cannot be read.
-fn metadata_bytes(loc: &Location) -> Result<Held> {
-    let Location::Local(dir) = loc else {
-        let bytes = loc
-            .read(".metadata")?
-            .ok_or_else(|| crate::hints::no_metadata(loc))?;
-        return Ok(Held::Read(bytes));
-    };
-    let path = dir.join(".metadata");
-    let file = match File::open(&path) {
-        Ok(f) => f,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return Err(crate::hints::no_metadata(loc))
-        }
-        Err(e) => return Err(Error::io("read", &path)(e)),
-    };
-    if file.metadata().map_err(Error::io("stat", &path))?.len() == 0 {
-        return Ok(Held::Read(Vec::new()));
-    }
-    // SAFETY: `.metadata` is only ever replaced whole (written to a temporary file, then renamed:
-    // `storage::atomic_write`), so the mapped file never changes under the decoder.
-    Ok(Held::Map(
-        unsafe { Mmap::map(&file) }.map_err(Error::io("map", &path))?,
-    ))
-}
-
-/// `.metadata`'s bytes as [`metadata_bytes`] holds them.
-enum Held {
-    Map(Mmap),
-    Read(Vec<u8>),
-}
-
-impl std::ops::Deref for Held {
-    type Target = [u8];
-    fn deref(&self) -> &[u8] {
-        match self {
-            Held::Map(m) => m,
-            Held::Read(v) => v,
-        }
-    }
-}
-
 impl Checkpoint {
     /// Opens the checkpoint at `loc` (a directory or an object-store prefix) and decodes its
     /// `.metadata` (never executing it).
@@ -194,18 +140,17 @@ impl Checkpoint {
     /// Errors: [`Error::Io`]/[`Error::Remote`] if `.metadata` cannot be read, [`Error::Corrupt`] if
     /// it is not DCP metadata.
     pub fn open(loc: &Location) -> Result<Checkpoint> {
-        let loc = match loc {
-            Location::Local(dir) => Location::Local(
-                dir.canonicalize()
-                    .map_err(Error::io("open checkpoint directory", dir))?,
-            ),
-            remote => remote.clone(),
-        };
+        let loc = loc.canonical()?;
         let path = loc.path_of(".metadata");
-        let bytes = metadata_bytes(&loc)?;
+        // Memory-mapped locally (hundreds of MB at millions of chunks: no copy into the heap, and
+        // pages the decoder has passed can be dropped by the kernel), read whole from a store.
+        let bytes = loc
+            .read_held(".metadata")?
+            .ok_or_else(|| crate::hints::no_metadata(&loc))?;
         let metadata = read_metadata(&bytes).map_err(|e| corrupt(&path, e.0))?;
+        let writer = metadata_writer(&loc, &bytes)?;
         drop(bytes);
-        let sums = read_checksums(&loc)?;
+        let sums = read_checksums(&loc, &writer)?;
         let block_bytes = sums.as_ref().map_or(0, |s| s.block_bytes);
         let recorded = sums.map(|sums| {
             let mut by_key: HashMap<String, Vec<Recorded>> = HashMap::new();
@@ -225,7 +170,17 @@ impl Checkpoint {
             recorded,
             block_bytes,
             verified: Mutex::new(HashSet::new()),
+            commit: match writer {
+                MetadataWriter::Commit(r) => Some(r),
+                _ => None,
+            },
         })
+    }
+
+    /// The `COMMITTED` record of the shardwise save whose commit wrote this `.metadata`, if any:
+    /// what the commit wrote beside it (`common.pt`'s size and CRC-32, the data files' sizes).
+    pub fn commit_record(&self) -> Option<&CommitRecord> {
+        self.commit.as_ref()
     }
 
     /// Whether the checkpoint has shardwise's checksum sidecar (its reads are CRC-checked).
@@ -298,63 +253,22 @@ impl Checkpoint {
     }
 
     /// Opens data file `rel` (a `relative_path` of `.metadata`, confined to the directory when
-    /// decoded) of a local checkpoint for reading.
+    /// decoded) for positioned reads ([`Location::open_data`]).
     ///
-    /// Errors: [`Error::Corrupt`] for a path that resolves outside the directory (through a
-    /// symlink);
-    /// [`Error::Io`] when it cannot be opened (missing file).
-    pub fn open_file(&self, rel: &str) -> Result<File> {
-        let path = self.dir.join(rel);
-        // A symlink inside the directory must not lead out of it either.
-        let real = path.canonicalize().map_err(Error::io("open", &path))?;
-        if !real.starts_with(&self.dir) {
-            return Err(corrupt(
-                &path,
-                format!("{rel:?} resolves outside the checkpoint directory"),
-            ));
-        }
-        // O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer forever; the
-        // flag changes nothing for a regular file's reads. Only regular files are data files
-        // (a FIFO or device named by a hostile `.metadata` is refused, not read).
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_NONBLOCK)
-            .open(&real)
-            .map_err(Error::io("open", &path))?;
-        if !file.metadata().map_err(Error::io("stat", &path))?.is_file() {
-            return Err(corrupt(&path, format!("{rel:?} is not a regular file")));
-        }
-        Ok(file)
+    /// Errors: [`Error::Corrupt`] for a file that resolves outside the directory (through a
+    /// symlink) or is not a regular file; [`Error::Io`] / [`Error::Remote`] when it cannot be
+    /// opened (missing file).
+    pub fn open_data(&self, rel: &str) -> Result<DataSource> {
+        self.loc.open_data(rel)
     }
 
     fn file(&self, rel: &str) -> Result<Arc<Mapped>> {
         if let Some(f) = self.files.lock().unwrap().get(rel) {
             return Ok(f.clone());
         }
-        let path = self.dir.join(rel);
-        if let Location::Remote(r) = &self.loc {
-            let size = r.size(rel)?.ok_or_else(|| Error::Io {
-                op: "open",
-                path: path.clone(),
-                source: std::io::ErrorKind::NotFound.into(),
-            })?;
-            let mapped = Arc::new(Mapped::Remote { size });
-            self.files
-                .lock()
-                .unwrap()
-                .insert(rel.to_string(), mapped.clone());
-            return Ok(mapped);
-        }
-        let file = self.open_file(rel)?;
-        let len = file.metadata().map_err(Error::io("stat", &path))?.len();
-        let mapped = if len == 0 {
-            Mapped::Empty
-        } else {
-            // SAFETY: checkpoint files are immutable once written; a concurrent writer would be a
-            // misuse that can only produce wrong bytes, which the CRC checks of `verify` report.
-            Mapped::Map(unsafe { Mmap::map(&file) }.map_err(Error::io("map", &path))?)
-        };
-        let mapped = Arc::new(mapped);
+        let source = self.open_data(rel)?;
+        let map = source.map()?;
+        let mapped = Arc::new(Mapped { source, map });
         self.files
             .lock()
             .unwrap()
@@ -417,11 +331,10 @@ impl Checkpoint {
             .metadata
             .transforms
             .get(&(key.to_string(), offsets.map(|o| o.to_vec())));
-        let raw = match &self.loc {
-            Location::Remote(r) => {
-                ItemBytes::Fetched(r.get_range(&storage.relative_path, storage.offset..end)?)
-            }
-            Location::Local(_) => ItemBytes::Mapped(file.clone(), range),
+        let raw = match &file.map {
+            Some(_) => ItemBytes::Mapped(file.clone(), range),
+            // An object (or an empty item of an empty file): one ranged GET.
+            None => ItemBytes::Fetched(file.source.read_range(storage.offset..end)?),
         };
         let pending = self.pending_check(key, offsets, storage, &raw)?;
         let Some(transforms) = transforms else {

@@ -8,7 +8,9 @@
 //!   for checkpoints shardwise wrote, the CRC-32 recorded for the item in the checksum sidecar
 //!   (through the reader, which checks it on every read);
 //! - the common state: `common.pt` (megatron-core ≤ 0.18) or the `common_state` object (0.19):
-//!   zip CRCs and a `data.pkl` that decodes (megatron-torch-dist.md §1.2, §1.4);
+//!   zip CRCs and a `data.pkl` that decodes (megatron-torch-dist.md §1.2, §1.4); for a checkpoint
+//!   shardwise committed, `common.pt` whole against the size and CRC-32 its `COMMITTED` record
+//!   holds (a changed byte that no zip record's CRC covers is found too);
 //! - a torch DCP `use_collectives=False` directory: no rank-local `__{rank}.metadata` newer than
 //!   `.metadata` (a stale merge, [`crate::dcp_local::stale_metadata`]);
 //! - `metadata.json`: a JSON object whose `sharded_backend` is `torch_dist` and with no field
@@ -20,6 +22,7 @@
 use rayon::prelude::*;
 use serde::Serialize;
 
+use crate::commit::record::Digest;
 use crate::error::{Error, Result};
 use crate::format::archive::{bad_record_crcs, records};
 use crate::format::metadata::{check_layout, Chunk, Entry, StorageInfo};
@@ -289,6 +292,28 @@ fn check_megatron_files(ckpt: &Checkpoint, quick: bool) -> Vec<Problem> {
             true
         }
     };
+    // Whole-file size and CRC-32 against the commit record: a byte changed where no zip record's
+    // CRC-32 looks (a header field, the central directory) is found too. Reported last, and only
+    // when nothing else was found wrong with common.pt (one problem per damage).
+    let mut whole = None;
+    if let Some((r, want)) = ckpt.commit_record().and_then(|r| Some((r, r.common?))) {
+        let got = match loc.read(COMMON_FILE) {
+            Ok(b) => b.map(|b| Digest::of(&b)),
+            Err(_) => Some(want), // unreadable: reported above
+        };
+        if got != Some(want) {
+            let got = got.map_or("missing".into(), |g| {
+                format!("{} bytes, CRC-32 {:08x},", g.size, g.crc32)
+            });
+            whole = Some(file_problem(
+                COMMON_FILE,
+                format!(
+                    "{got} but save {} committed {} bytes, CRC-32 {:08x} (changed since the commit)",
+                    r.save_id, want.size, want.crc32
+                ),
+            ));
+        }
+    }
     let has_common_state = ckpt
         .metadata
         .entries
@@ -334,6 +359,9 @@ fn check_megatron_files(ckpt: &Checkpoint, quick: bool) -> Vec<Problem> {
                 message: strip(e),
             });
         }
+    }
+    if let Some(p) = whole.filter(|_| !problems.iter().any(|q| q.key == COMMON_FILE)) {
+        problems.push(p);
     }
     problems
 }

@@ -12,7 +12,8 @@ use crate::blockcrc::{hash_piece, PayloadCrc, PieceCrc};
 use crate::error::{Error, Result};
 use crate::format::dtype::DType;
 use crate::format::zip::ArchiveLayout;
-use crate::storage::DataFile;
+use crate::storage::remote::Upload;
+use crate::storage::{DataFile, DataSink};
 
 /// Payload bytes per parallel write task.
 const PIECE_BYTES: usize = 8 << 20;
@@ -152,7 +153,7 @@ impl InOrder {
 /// the parallel writes). None when a payload is in device memory (the write refuses it anyway).
 fn digest_direct(
     tensors: &[TensorChunk],
-    objects: &[ByteObject],
+    objects: &[&ByteObject],
     lay: &FileLayout,
 ) -> Option<[u8; 32]> {
     let mut order = InOrder::new(tensors.len(), true);
@@ -211,35 +212,59 @@ pub struct Staging<'s> {
     pub on_staged: Option<Box<dyn FnOnce() + Send + 's>>,
 }
 
-/// Writes all items of one rank into `file_path` and fsyncs it. `seed` makes the archives'
-/// `serialization_id`s distinct per rank. Without `staging`, host payloads are written straight from
-/// the caller's memory by parallel positioned writes; with it, payloads go through the staging pool.
-/// With `digest`, [`Written::sha256`] is the file's SHA-256, computed from the bytes written (host
-/// memory or staging buffers, in file order), not by reading the file back.
+/// Writes all items of one rank into `sink` (a new data file, [`crate::storage::Location::create_data`]),
+/// durably. `seed` makes the archives' `serialization_id`s distinct per rank. Without `staging`,
+/// host payloads are written straight from the caller's memory; with it, payloads go through the
+/// staging pool (required for device payloads). With `digest`, [`Written::sha256`] is the file's
+/// SHA-256, computed from the bytes written (host memory or staging buffers, in file order), not by
+/// reading the file back. The bytes are the same on every sink: see [`write_positioned`] and
+/// [`write_stream`] for how each is filled.
 ///
 /// Errors: [`Error::InvalidArgument`] for malformed chunks or device payloads without staging,
 /// [`Error::Gpu`] for CUDA failures, [`Error::Io`] for any write failure (including a full disk at
-/// preallocation).
-pub fn write_rank_file(
-    file_path: &std::path::Path,
+/// preallocation), [`Error::Remote`] for upload failures (the upload is aborted).
+pub fn write_rank(
+    sink: DataSink,
     seed: u64,
     tensors: &[TensorChunk],
-    objects: &[ByteObject],
+    objects: &[&ByteObject],
+    staging: Option<Staging>,
+    digest: bool,
+) -> Result<Written> {
+    match sink {
+        DataSink::Positioned(file) => {
+            write_positioned(&file, seed, tensors, objects, staging, digest)
+        }
+        DataSink::Stream(upload) => {
+            let part_bytes = upload.part_bytes();
+            write_stream(upload, part_bytes, seed, tensors, objects, staging, digest)
+        }
+    }
+}
+
+/// [`write_rank`] into a local file: it is preallocated, then objects, archive heads and payload
+/// pieces are written by parallel positioned writes, and the archive tails last (once their
+/// payload's CRC-32 is combined from its pieces'); then fsync.
+fn write_positioned(
+    file: &DataFile,
+    seed: u64,
+    tensors: &[TensorChunk],
+    objects: &[&ByteObject],
     staging: Option<Staging>,
     digest: bool,
 ) -> Result<Written> {
     let lay = FileLayout::new(seed, tensors, objects)?;
-    let file = DataFile::create(file_path, lay.total)?;
+    file.reserve(lay.total)?;
     let (mut pieces, sha256) = match staging {
         None if digest => {
             let (pieces, sha) = rayon::join(
-                || write_direct(&file, tensors, objects, &lay),
+                || write_direct(file, tensors, objects, &lay),
                 || digest_direct(tensors, objects, &lay),
             );
             (pieces?, sha)
         }
-        None => (write_direct(&file, tensors, objects, &lay)?, None),
-        Some(st) => write_staged(&file, tensors, objects, &lay, st, digest)?,
+        None => (write_direct(file, tensors, objects, &lay)?, None),
+        Some(st) => write_staged(file, tensors, objects, &lay, st, digest)?,
     };
 
     // Combine piece CRCs in payload order and write the archive tails.
@@ -263,22 +288,20 @@ pub fn write_rank_file(
     Ok(lay.written(objects, tensor_crcs, sha256))
 }
 
-/// Writes the same bytes as [`write_rank_file`] strictly in file order, one window after the
-/// other, as the parts of an object-store upload: archive tails are filled in as their window is
+/// [`write_rank`] into an object-store upload: the same bytes as [`write_positioned`], strictly in
+/// file order, one window after the other, as the parts of the upload: archive tails are filled in as their window is
 /// built, since every payload byte before a tail has been CRC'd by then. Windows are
 /// `part_bytes` long, or the staging buffer size when staging; windows are gathered into parts of
 /// at least `part_bytes` (all but the last), and a file of one part is a single PUT. Parts upload
 /// concurrently (see [`Upload`](crate::storage::remote::Upload)) while the next window is filled;
 /// a staged window is copied out of its pinned buffer, so buffers return to the pool at once.
 ///
-/// Errors: as [`write_rank_file`], with [`Error::Remote`] for upload failures (the upload is
-/// aborted).
-pub fn write_rank_object(
-    mut upload: crate::storage::remote::Upload,
+fn write_stream(
+    mut upload: Upload,
     part_bytes: usize,
     seed: u64,
     tensors: &[TensorChunk],
-    objects: &[ByteObject],
+    objects: &[&ByteObject],
     staging: Option<Staging>,
     digest: bool,
 ) -> Result<Written> {
@@ -372,7 +395,7 @@ struct FileLayout {
 
 impl FileLayout {
     /// `seed` makes the archives' `serialization_id`s distinct per rank.
-    fn new(seed: u64, tensors: &[TensorChunk], objects: &[ByteObject]) -> Result<FileLayout> {
+    fn new(seed: u64, tensors: &[TensorChunk], objects: &[&ByteObject]) -> Result<FileLayout> {
         for t in tensors {
             check_chunk(t)?;
         }
@@ -401,7 +424,7 @@ impl FileLayout {
 
     fn written(
         &self,
-        objects: &[ByteObject],
+        objects: &[&ByteObject],
         tensor_crcs: Vec<(u32, Vec<u32>)>,
         sha256: Option<[u8; 32]>,
     ) -> Written {
@@ -434,7 +457,7 @@ impl FileLayout {
 fn write_direct(
     file: &DataFile,
     tensors: &[TensorChunk],
-    objects: &[ByteObject],
+    objects: &[&ByteObject],
     lay: &FileLayout,
 ) -> Result<Vec<PieceCrc>> {
     let (object_pos, layouts, tensor_pos) = (&lay.object_pos, &lay.layouts, &lay.tensor_pos);
@@ -515,7 +538,7 @@ struct Segment<'a> {
 /// Cuts the file into windows of `bsize` bytes, in file order, and lists what fills each.
 fn plan_windows<'a>(
     tensors: &'a [TensorChunk],
-    objects: &'a [ByteObject],
+    objects: &'a [&ByteObject],
     lay: &'a FileLayout,
     bsize: u64,
 ) -> Vec<Vec<Segment<'a>>> {
@@ -622,7 +645,7 @@ fn fill_window(
 fn write_staged(
     file: &DataFile,
     tensors: &[TensorChunk],
-    objects: &[ByteObject],
+    objects: &[&ByteObject],
     lay: &FileLayout,
     st: Staging,
     digest: bool,
@@ -771,6 +794,19 @@ mod tests {
     use super::*;
     use sha2::Digest;
 
+    /// A local data file at `path` as a sink.
+    fn sink(path: &std::path::Path) -> DataSink<'static> {
+        DataSink::Positioned(DataFile::create_empty(path).unwrap())
+    }
+
+    /// An upload of object `f` at `loc`, an object store.
+    fn upload(loc: &crate::storage::Location) -> Upload<'_> {
+        match loc.create_data("f").unwrap() {
+            DataSink::Stream(u) => u,
+            DataSink::Positioned(_) => panic!("{loc} is an object store"),
+        }
+    }
+
     /// One whole 1-D uint8 tensor `t{i}` per buffer.
     fn uint8_chunks(data: &[Vec<u8>]) -> Vec<TensorChunk<'_>> {
         data.iter()
@@ -828,15 +864,11 @@ mod tests {
                 caller_streams: &streams,
                 on_staged: None,
             });
-            let w = write_rank_file(&path, 1, &tensors, &[], st, false).unwrap();
+            let w = write_rank(sink(&path), 1, &tensors, &[], st, false).unwrap();
             check(&w, &std::fs::read(&path).unwrap(), name);
         }
         let loc = crate::storage::Location::parse("memory://b/blocks").unwrap();
-        let crate::storage::Location::Remote(r) = &loc else {
-            panic!("memory:// is an object store")
-        };
-        let w =
-            write_rank_object(r.upload("f").unwrap(), 5000, 1, &tensors, &[], None, false).unwrap();
+        let w = write_stream(upload(&loc), 5000, 1, &tensors, &[], None, false).unwrap();
         check(&w, &loc.read("f").unwrap().unwrap(), "object");
     }
 
@@ -850,10 +882,11 @@ mod tests {
             .collect();
         let tensors = uint8_chunks(&data);
         let obj = b"PK object bytes".to_vec();
-        let objects = [ByteObject {
+        let object = ByteObject {
             fqn: "o".into(),
             bytes: &obj,
-        }];
+        };
+        let objects = [&object];
         let streams = std::collections::HashMap::new();
         for (name, budget) in [("direct", 0), ("staged", 3 * 4096), ("deferred", 64 << 20)] {
             let path = dir.path().join(name);
@@ -864,27 +897,15 @@ mod tests {
                 caller_streams: &streams,
                 on_staged: None,
             });
-            let w = write_rank_file(&path, 1, &tensors, &objects, st, true).unwrap();
+            let w = write_rank(sink(&path), 1, &tensors, &objects, st, true).unwrap();
             let on_disk: [u8; 32] = sha2::Sha256::digest(std::fs::read(&path).unwrap()).into();
             assert_eq!(w.sha256, Some(on_disk), "{name}");
-            let none = write_rank_file(&path, 1, &tensors, &objects, None, false).unwrap();
+            let none = write_rank(sink(&path), 1, &tensors, &objects, None, false).unwrap();
             assert_eq!(none.sha256, None);
         }
         // The object-store writer, in parts of 4 KiB: the same digest as the uploaded object's.
         let loc = crate::storage::Location::parse("memory://b/sha256").unwrap();
-        let crate::storage::Location::Remote(r) = &loc else {
-            panic!("memory:// is an object store")
-        };
-        let w = write_rank_object(
-            r.upload("f").unwrap(),
-            4096,
-            1,
-            &tensors,
-            &objects,
-            None,
-            true,
-        )
-        .unwrap();
+        let w = write_stream(upload(&loc), 4096, 1, &tensors, &objects, None, true).unwrap();
         let uploaded: [u8; 32] = sha2::Sha256::digest(loc.read("f").unwrap().unwrap()).into();
         assert_eq!(w.sha256, Some(uploaded));
     }

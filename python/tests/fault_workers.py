@@ -21,16 +21,21 @@ from dcp_util import row_shard
 
 
 def save_rank(ckpt: str, rank: int, world: int, save_id, rows: int, timeout_s: float, result_path: str,
-              merge_rank=0, wait_for_commit=True, trap_sigint=False, offset: float = 0.0, **save_kw) -> None:
+              merge_rank=0, wait_for_commit=True, trap_sigint=False, offset: float = 0.0, start_after=None,
+              **save_kw) -> None:
     """One rank of a save: ``rows`` x 1024 float32 rows of ``w`` (4 KiB a row, plus ``offset``, so two
     attempts can save different values), plus a small ``b``. ``save_id=None`` derives the id as a
-    launch would; ``save_kw`` go to ``shardwise.megatron.save``.
+    launch would; ``save_kw`` go to ``shardwise.megatron.save``. With ``start_after`` (a path), the
+    process exists at once but saves only once that file exists (a rank that is slow to reach its save).
 
     Writes ``{"ok", "type", "error", "report", "elapsed_s"}`` to ``result_path``. With
     ``trap_sigint``, SIGINT is recorded instead of raising KeyboardInterrupt (which could otherwise
     fire inside the ``except`` below and lose the record): ``sigint_s`` is when Python ran the
     handler and ``returned_s`` when the save call returned, both seconds after the save began.
     """
+    deadline = time.monotonic() + 60
+    while start_after is not None and not os.path.exists(start_after) and time.monotonic() < deadline:
+        time.sleep(0.005)
     state = {"w": row_shard("w", rank, world, rows=rows, cols=1024), "b": row_shard("b", rank, world, rows=2, cols=4)}
     state["w"].data.add_(offset)
     t0 = time.monotonic()

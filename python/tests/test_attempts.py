@@ -90,6 +90,27 @@ def test_rerun_after_a_failed_attempt_gives_every_rank_the_same_outcome(ctx, tmp
     assert_holds(ckpt, [1.0, 1.0, 1.0])
 
 
+def test_a_rerun_rank_started_before_a_dead_publishers_part_replaces_it(ctx, tmp_path):
+    """Case 2b (issue 25). A rank process of the rerun exists before attempt 1's process for the same
+    rank publishes its part (launcher restarts overlap); that publisher, on this host, is then killed.
+    Its liveness is known here, so the part is attempt 1's leftover however recently it was published:
+    the rerun replaces it and commits, instead of refusing it as a second live process saving as the
+    same rank (the time rule is for publishers on other hosts)."""
+    ckpt, out, go = tmp_path / "c", tmp_path / "out", tmp_path / "go"
+    # The rerun's ranks 0 and 2 import torch after `go` is touched; on a loaded machine that
+    # alone takes 30 s, so rank 1's wait for their commit is bounded generously.
+    slow = start_ranks(ctx, ckpt, None, out / "a2", ranks=[1], timeout_s=180.0, offset=2.0, start_after=str(go))
+    first = start_ranks(ctx, ckpt, None, out / "a1", ranks=[1], timeout_s=30.0, offset=1.0)
+    wait_for_parts(ckpt, [1])
+    kill_all(first)
+    # The rest of the rerun starts after attempt 1's part, so the merger takes it for an earlier one.
+    procs = {**slow, **start_ranks(ctx, ckpt, None, out / "a2", ranks=[0, 2], timeout_s=180.0, offset=2.0)}
+    go.touch()
+    results = finish(procs, out / "a2", "None", bound_s=240.0)
+    assert all(r["ok"] for r in results.values()), results
+    assert_holds(ckpt, [2.0, 2.0, 2.0])
+
+
 def test_racing_cli_merges_after_a_failed_merge_all_succeed(ctx, tmp_path):
     """Case 3. Every part is there, an earlier merge failed (it expected a 4th rank) and left FAILED;
     six `shardwise merge` processes then race: exactly one commits and all six exit 0."""

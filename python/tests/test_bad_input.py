@@ -155,6 +155,24 @@ def test_directory_cannot_be_written(tmp_path, earlier):
     assert tree_digest(earlier[0]) == earlier[1]
 
 
+def test_a_file_given_as_the_checkpoint_directory_is_named_as_such(tmp_path):
+    """A file where a checkpoint directory belongs (issue 25): every entry point says it is not a
+    directory, as a StorageError (as for a missing directory), and the file is left as it was."""
+    f = tmp_path / "model.pt"
+    f.write_bytes(b"not a checkpoint")
+    calls = {
+        "save": lambda: swm.save({"w": row_shard("w", 0, 1)}, str(f), rank=0, world_size=1),
+        "open": lambda: shardwise.open(f),
+        "load": lambda: swm.load({"w": row_shard("w", 0, 1)}, str(f)),
+        "load_common_state_dict": lambda: swm.load_common_state_dict(str(f)),
+    }
+    for name, call in calls.items():
+        with pytest.raises(shardwise.StorageError, match="not a (checkpoint )?directory") as e:
+            call()
+        assert "common.pt" not in str(e.value), (name, e.value)
+    assert f.read_bytes() == b"not a checkpoint"
+
+
 def test_committed_checkpoint_is_not_overwritten_by_default(tmp_path, earlier):
     ckpt, digest = earlier
     with pytest.raises(shardwise.CheckpointExistsError):

@@ -213,6 +213,22 @@ def test_flipped_byte_in_common_pt(tp1, hf_config, tmp_path):
     assert [p["key"] for p in json.loads(v.stdout)["problems"]] == ["common.pt"]
 
 
+def test_verify_finds_a_common_pt_byte_that_no_zip_crc_covers(tp1, tmp_path):
+    """A byte of common.pt outside every record's data (here the "version made by" field of its zip
+    central directory) passes the zip CRCs; verify, quick or not, still reports common.pt against
+    the size and CRC-32 that its COMMITTED record holds (issue 25)."""
+    ck = _copy(tp1 / "tp1", tmp_path / "ck")
+    common = ck / "common.pt"
+    _flip(common, common.read_bytes().find(b"PK\x01\x02") + 4)
+    shardwise.open(ck).read_common()  # every zip record still checks out
+    for quick in ([], ["--quick"]):
+        v = cli("verify", ck, "--json", *quick)
+        assert v.returncode == 1, v.stdout + v.stderr
+        problems = json.loads(v.stdout)["problems"]
+        assert [p["key"] for p in problems] == ["common.pt"], problems
+        assert "changed since the commit" in problems[0]["message"], problems
+
+
 def test_flipped_byte_in_megatron_common_state_object(tp2dp2, hf_config, tmp_path):
     """megatron-core 0.19 keeps the common state inside DCP (``common_state/shard_0_1``); a
     Megatron-written checkpoint has no sidecar, so the zip CRCs are what finds the damage."""

@@ -21,12 +21,33 @@ pub fn hostname() -> String {
         .unwrap_or_default()
 }
 
-/// This process as a part records it: `host:pid:start` (start in ns since the epoch), unique
-/// among the processes of a cluster.
+/// Where a pid names one process: this host name and this process's pid namespace
+/// (`<hostname>#<namespace inode>`). Containers on one machine may share its host name
+/// (`docker --network host`) but not their pids, so a publisher's liveness can be told only from
+/// the same host and namespace.
+pub fn host_id() -> String {
+    static ID: OnceLock<String> = OnceLock::new();
+    ID.get_or_init(|| {
+        // `pid:[4026531836]`; empty where /proc does not say.
+        let ns: String = std::fs::read_link("/proc/self/ns/pid")
+            .map(|l| {
+                l.to_string_lossy()
+                    .chars()
+                    .filter(char::is_ascii_digit)
+                    .collect()
+            })
+            .unwrap_or_default();
+        format!("{}#{ns}", hostname())
+    })
+    .clone()
+}
+
+/// This process as a part records it: `host:pid:start` (host as [`host_id`], start in ns since the
+/// epoch), unique among the processes of a cluster.
 pub fn publisher() -> String {
     format!(
         "{}:{}:{}",
-        hostname(),
+        host_id(),
         std::process::id(),
         process_start_ns()
     )
@@ -39,19 +60,21 @@ fn parse_publisher(publisher: &str) -> Option<(&str, u32, u64)> {
     Some((host, pid.parse().ok()?, start.parse().ok()?))
 }
 
-/// Whether the publisher runs on this host (its liveness can then be told by [`publisher_alive`]).
+/// Whether the publisher runs on this host, in this pid namespace ([`host_id`]): its liveness can
+/// then be told by [`publisher_alive`]. False for parts of shardwise before the namespace was
+/// recorded (their liveness is unknown).
 pub fn publisher_on_this_host(publisher: &str) -> bool {
-    parse_publisher(publisher).is_some_and(|(host, _, _)| host == hostname())
+    parse_publisher(publisher).is_some_and(|(host, _, _)| host == host_id())
 }
 
-/// Whether the process a part names as its publisher is alive: it runs on this host, and a process
-/// with its pid started when it did (within 0.1 s; a reused pid started later). `false` when it is
-/// gone or runs on another host (not knowable from here).
+/// Whether the process a part names as its publisher is alive: it runs on this host
+/// ([`publisher_on_this_host`]), and a process with its pid started when it did (within 0.1 s; a
+/// reused pid started later). `false` when it is gone or runs elsewhere (not knowable from here).
 pub fn publisher_alive(publisher: &str) -> bool {
     let Some((host, pid, start)) = parse_publisher(publisher) else {
         return false;
     };
-    host == hostname() && process_start_of(pid).is_some_and(|s| s.abs_diff(start) < 100_000_000)
+    host == host_id() && process_start_of(pid).is_some_and(|s| s.abs_diff(start) < 100_000_000)
 }
 
 /// Wall-clock start of this process, ns since the Unix epoch (see [`process_start_of`]); falls

@@ -54,8 +54,11 @@ impl CommitLock {
         let _ = self.file.sync_all();
     }
 
-    /// Takes the lock at `path`, or takes over the lock of a dead merger.
+    /// Takes the lock at `path` (creating its directory), or takes over the lock of a dead merger.
     pub(super) fn acquire(path: &Path) -> Result<Lock> {
+        if let Some(dir) = path.parent() {
+            crate::storage::create_dir_all(dir)?;
+        }
         match std::fs::OpenOptions::new()
             .read(true)
             .write(true)
@@ -126,16 +129,74 @@ impl Drop for CommitLock {
     }
 }
 
+/// The path of the `COMMITTING` lock of `save_id`; `None` on object stores, which have no lock
+/// (no `flock`; their commit relies on create-if-absent instead).
+pub(super) fn lock_path(loc: &Location, save_id: &str) -> Option<PathBuf> {
+    Some(loc.as_local()?.join(Marker::Committing.rel(save_id)))
+}
+
 /// Whether the `COMMITTING` lock of `save_id` is held by a merger that died (its `flock` is free and
 /// it had recorded itself). `None` when there is no lock, liveness cannot be told, or `loc` is an
 /// object store (which has no lock).
 pub fn dead_merger(loc: &Location, save_id: &str) -> Option<String> {
-    let path = loc.as_local()?.join(Marker::Committing.rel(save_id));
+    let path = lock_path(loc, save_id)?;
     let file = std::fs::File::open(&path).ok()?;
     if try_flock(&file)? {
         let holder = std::fs::read_to_string(&path).unwrap_or_default();
         (!holder.is_empty()).then_some(holder)
     } else {
         None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_held_lock_is_busy_for_others_and_gone_when_dropped() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s/COMMITTING");
+        let Lock::Held(lock, false) = CommitLock::acquire(&path).unwrap() else {
+            panic!("a free lock is taken")
+        };
+        // flock belongs to the open file: a second open in this process contends like another
+        // process would.
+        assert!(matches!(CommitLock::acquire(&path).unwrap(), Lock::Busy));
+        let holder = std::fs::read_to_string(&path).unwrap();
+        assert!(
+            holder.starts_with(&format!("pid {} host ", std::process::id())),
+            "{holder}"
+        );
+        drop(lock);
+        assert!(!path.exists());
+        assert!(matches!(
+            CommitLock::acquire(&path).unwrap(),
+            Lock::Held(_, false)
+        ));
+    }
+
+    /// A lock file whose holder recorded itself but holds no flock is a dead merger's: reported as
+    /// such, and taken over.
+    #[test]
+    fn a_dead_mergers_lock_is_reported_and_taken_over() {
+        let dir = tempfile::tempdir().unwrap();
+        let loc = Location::local(dir.path());
+        let path = lock_path(&loc, "s").unwrap();
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(&path, "pid 1 host gone").unwrap();
+        assert_eq!(dead_merger(&loc, "s").as_deref(), Some("pid 1 host gone"));
+        assert!(matches!(
+            CommitLock::acquire(&path).unwrap(),
+            Lock::Held(_, true)
+        ));
+        assert_eq!(dead_merger(&loc, "other"), None);
+    }
+
+    #[test]
+    fn object_stores_have_no_lock() {
+        let loc = Location::parse("memory://lock-tests/x").unwrap();
+        assert_eq!(lock_path(&loc, "s"), None);
+        assert_eq!(dead_merger(&loc, "s"), None);
     }
 }

@@ -26,6 +26,7 @@
 //! next merge, which finds the identical `.metadata` already there. Locally, parts are created
 //! only-if-absent too (hard link of a temporary file).
 
+pub mod attempt;
 pub mod liveness;
 pub mod lock;
 pub mod manifest;
@@ -41,7 +42,7 @@ use crate::error::{Error, Result};
 use crate::format::metadata::{emit_metadata_from, MetadataSource};
 use crate::format::sidecar::{self, Checksums, CHECKSUMS_FILE};
 use crate::format::{COMMON_FILE, MEGATRON_METADATA_JSON, METADATA_JSON_FILE};
-use crate::storage::{fsync_dir, sweep_temp_files, Location};
+use crate::storage::Location;
 use liveness::now_ns;
 use lock::{CommitLock, Lock};
 use part::{
@@ -49,27 +50,20 @@ use part::{
 };
 pub use record::CommitSummary;
 use record::{not_committed, read_commit_record, CommitRecord, Digest};
-use state::CheckpointState;
+use state::{CheckpointState, MetadataWriter};
 use wait::{collect_parts, stale_reason, Backoff, Freshness};
 
-/// Reads the checksum sidecar of the save that committed the checkpoint's current `.metadata` (the
-/// `COMMITTED` record whose `.metadata` size and CRC-32 match), if it has one; `.shardwise/checksums`
-/// of shardwise < 0.2 when there is no record at all. None when another writer (torch, Megatron)
-/// replaced the `.metadata` a record describes: its sidecar would describe other bytes.
+/// Reads the checksum sidecar of the save that committed the checkpoint's current `.metadata`,
+/// `writer` ([`state::metadata_writer`]), if it has one; `.shardwise/checksums` of shardwise < 0.2
+/// when there is no record at all. None when another writer (torch, Megatron) replaced the
+/// `.metadata` a record describes: its sidecar would describe other bytes.
 ///
 /// Errors: [`Error::Corrupt`] for an undecodable sidecar; storage errors.
-pub fn read_checksums(loc: &Location) -> Result<Option<Checksums>> {
-    let records: Vec<CommitRecord> = state::save_ids(loc)?
-        .into_iter()
-        .filter_map(|id| read_commit_record(loc, &id))
-        .collect();
-    let rel = if records.is_empty() {
-        format!("{STATE_DIR}/{CHECKSUMS_FILE}")
-    } else {
-        match state::metadata_record(loc, &records)? {
-            Ok(r) => marker_rel(&r.save_id, CHECKSUMS_FILE),
-            Err(_) => return Ok(None),
-        }
+pub fn read_checksums(loc: &Location, writer: &MetadataWriter) -> Result<Option<Checksums>> {
+    let rel = match writer {
+        MetadataWriter::Commit(r) => marker_rel(&r.save_id, CHECKSUMS_FILE),
+        MetadataWriter::Unrecorded => format!("{STATE_DIR}/{CHECKSUMS_FILE}"),
+        MetadataWriter::Replaced => return Ok(None),
     };
     match loc.read(&rel)? {
         Some(bytes) => sidecar::decode(&bytes, loc.path_of(&rel)).map(Some),
@@ -87,7 +81,13 @@ pub fn read_checksums(loc: &Location) -> Result<Option<Checksums>> {
 ///
 /// Errors: as [`read_checksums`].
 pub fn same_tensor_crcs(a: &Location, b: &Location) -> Result<Option<bool>> {
-    let (Some(a), Some(b)) = (read_checksums(a)?, read_checksums(b)?) else {
+    let sums = |loc: &Location| -> Result<Option<Checksums>> {
+        let Some(meta) = loc.read(".metadata")? else {
+            return Ok(None);
+        };
+        read_checksums(loc, &state::metadata_writer(loc, &meta)?)
+    };
+    let (Some(a), Some(b)) = (sums(a)?, sums(b)?) else {
         return Ok(None);
     };
     let tensors = |c: Checksums| -> std::collections::HashMap<(String, Vec<u64>), u32> {
@@ -142,11 +142,9 @@ pub fn merge(
     if let Some(done) = current_commit(loc, save_id, fresh) {
         return Ok(done);
     }
-    let Some(dir) = loc.as_local() else {
-        return commit(loc, save_id, world_size, timeout, fresh);
+    let Some(lock_path) = lock::lock_path(loc, save_id) else {
+        return commit(loc, save_id, world_size, timeout, fresh, Publish::Racing);
     };
-    crate::storage::create_dir_all(&dir.join(save_rel(save_id)))?;
-    let lock_path = dir.join(Marker::Committing.rel(save_id));
     let wait = timeout.max(Duration::from_secs(10));
     let deadline = Instant::now() + wait;
     let mut backoff = Backoff::new();
@@ -182,7 +180,7 @@ pub fn merge(
     if let Some(done) = current_commit(loc, save_id, fresh) {
         return Ok(done);
     }
-    let result = commit(loc, save_id, world_size, timeout, fresh).map(|mut s| {
+    let result = commit(loc, save_id, world_size, timeout, fresh, Publish::Locked).map(|mut s| {
         s.took_over_dead_merger = took_over;
         s
     });
@@ -232,6 +230,16 @@ pub fn repair(loc: &Location, timeout: Duration) -> Result<(String, CommitSummar
     Ok((save_id, summary))
 }
 
+/// How a merger publishes the commit's files.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Publish {
+    /// It holds the local `COMMITTING` lock: files an earlier attempt left are replaced.
+    Locked,
+    /// No lock exists (object stores): `.metadata` and `COMMITTED` are created only if absent, so
+    /// of racing mergers exactly one commits, and a `.metadata` already there must be identical.
+    Racing,
+}
+
 /// The commit itself, by the lock holder (local) or by every merger (object store). On failure it
 /// publishes `FAILED` with the reason, so waiting ranks fail fast.
 fn commit(
@@ -240,8 +248,10 @@ fn commit(
     world_size: u32,
     timeout: Duration,
     fresh: &Freshness,
+    publish: Publish,
 ) -> Result<CommitSummary> {
-    let result = commit_unguarded(loc, save_id, world_size, timeout, fresh).map_err(|e| match e {
+    let result = commit_unguarded(loc, save_id, world_size, timeout, fresh, publish);
+    let result = result.map_err(|e| match e {
         Error::Validation(m) => Error::Validation(format!("{m}; nothing committed")),
         other => other,
     });
@@ -257,6 +267,7 @@ fn commit_unguarded(
     world_size: u32,
     timeout: Duration,
     fresh: &Freshness,
+    publish: Publish,
 ) -> Result<CommitSummary> {
     use rayon::prelude::*;
 
@@ -305,42 +316,35 @@ fn commit_unguarded(
     let integrity = integrity_manifest(&parts, &meta, megatron)?;
     let mut record = record;
     let committed_rel = Marker::Committed.rel(save_id);
-    match loc {
-        Location::Local(dir) => {
-            if let Some(c) = common.filter(|c| c.name != COMMON_FILE && loc.exists(&c.name)) {
-                loc.rename(&c.name, COMMON_FILE)?;
-            }
-            loc.write(".metadata", meta)?;
-            if megatron {
-                loc.write(
-                    METADATA_JSON_FILE,
-                    MEGATRON_METADATA_JSON.as_bytes().to_vec(),
-                )?;
-            }
-            write_integrity(loc, integrity)?;
-            record.stamp_files(loc)?;
-            // We hold the lock: a COMMITTED here is an earlier attempt's, replaced.
-            loc.write(&committed_rel, record.to_json()?)?;
-            fsync_dir(dir)?;
-            // Every rank of this save has published its part, so no writer of it is still writing
-            // here; what is left are temporary files of processes killed mid-write.
-            sweep_temp_files(dir);
-        }
-        Location::Remote(r) => {
-            if !r.put_new(".metadata", meta.clone())? && loc.read(".metadata")? != Some(meta) {
+    // Staged where it can be renamed into place (see `attempt`), so an overwritten checkpoint
+    // keeps its common state until this commit.
+    if let Some(c) = common.filter(|c| c.name != COMMON_FILE && loc.exists(&c.name)) {
+        loc.rename(&c.name, COMMON_FILE)?;
+    }
+    match publish {
+        Publish::Locked => loc.write(".metadata", meta)?,
+        Publish::Racing => {
+            if !loc.write_new(".metadata", meta.clone())? && loc.read(".metadata")? != Some(meta) {
                 return Err(Error::Validation(format!(
                     "{loc} already holds a different .metadata (another save's); nothing committed"
                 )));
             }
-            if megatron {
-                loc.write(
-                    METADATA_JSON_FILE,
-                    MEGATRON_METADATA_JSON.as_bytes().to_vec(),
-                )?;
-            }
-            write_integrity(loc, integrity)?;
-            record.stamp_files(loc)?;
-            if !r.put_new(&committed_rel, record.to_json()?)? {
+        }
+    }
+    if megatron {
+        loc.write(
+            METADATA_JSON_FILE,
+            MEGATRON_METADATA_JSON.as_bytes().to_vec(),
+        )?;
+    }
+    write_integrity(loc, integrity)?;
+    record.stamp_files(loc)?;
+    let record_bytes = record.to_json()?;
+    match publish {
+        // A COMMITTED here is an earlier attempt's, replaced.
+        Publish::Locked => loc.write(&committed_rel, record_bytes)?,
+        Publish::Racing => {
+            if !loc.write_new(&committed_rel, record_bytes)? {
                 // A racing merger created the marker first: the commit is its.
                 return Ok(read_commit_record(loc, save_id)
                     .map(|r| CommitSummary {
@@ -354,6 +358,10 @@ fn commit_unguarded(
             }
         }
     }
+    loc.sync_dir()?;
+    // Every rank of this save has published its part, so no writer of it is still writing here;
+    // what is left are temporary files of processes killed mid-write.
+    loc.sweep_temp_files();
     remove_superseded(loc, save_id, &record);
     Ok(record.summary)
 }
@@ -368,13 +376,13 @@ fn integrity_manifest(parts: &[RankPart], meta: &[u8], megatron: bool) -> Result
     manifest::manifest(parts, &top)
 }
 
-/// Writes the manifest, or removes one left by a local checkpoint this commit replaces (its
-/// digests would not match the new files; object-store prefixes are never overwritten).
+/// Writes the manifest, or removes one left by a checkpoint this commit replaces (its digests
+/// would not match the new files; only where checkpoints can be replaced: object-store prefixes
+/// are never overwritten).
 fn write_integrity(loc: &Location, bytes: Option<Vec<u8>>) -> Result<()> {
-    match (bytes, loc) {
-        (Some(m), _) => loc.write(manifest::INTEGRITY_FILE, m),
-        (None, Location::Local(_)) => loc.remove(manifest::INTEGRITY_FILE),
-        (None, Location::Remote(_)) => Ok(()),
+    match bytes {
+        Some(m) => loc.write(manifest::INTEGRITY_FILE, m),
+        None => loc.remove_replaced(manifest::INTEGRITY_FILE),
     }
 }
 
@@ -429,5 +437,235 @@ fn remove_superseded(loc: &Location, keep: &str, record: &CommitRecord) {
                 let _ = loc.remove(&f.name);
             }
         }
+    }
+}
+
+/// Saves made of parts alone, for the unit tests of the commit protocol: each rank's data file is
+/// plain bytes (a merge never reads data files, only their storage stamps).
+#[cfg(test)]
+pub(crate) mod testing {
+    use super::part::{write_part, FileRecord, RankPart, TensorRecord, PART_FORMAT};
+    use super::*;
+
+    /// Bytes of each rank's data file; its one item is bytes 8..72.
+    pub const DATA_BYTES: usize = 80;
+
+    /// Publishes rank `rank`'s part of save `save_id` (`world_size` ranks, each saving rows
+    /// `rank*2..rank*2+2` of an 8-bit tensor `w` of shape `[2 * world_size]`), after writing its
+    /// data file (and, for rank 0 of a Megatron save, the staged `common.pt`).
+    pub fn publish(loc: &Location, save_id: &str, rank: u32, world_size: u32, megatron: bool) {
+        let name = format!("__{rank}_0.distcp");
+        loc.create_dir().unwrap();
+        loc.write(&name, vec![rank as u8; DATA_BYTES]).unwrap();
+        let common = (megatron && rank == 0).then(|| {
+            let rel = loc.stage_rel(marker_rel(save_id, COMMON_FILE), COMMON_FILE);
+            loc.write(&rel, b"PK common".to_vec()).unwrap();
+            FileRecord {
+                stamp: loc.stamp(&rel).unwrap().unwrap(),
+                name: rel,
+                size: 9,
+                sha256: None,
+            }
+        });
+        let part = RankPart {
+            format: PART_FORMAT,
+            save_id: save_id.into(),
+            rank,
+            world_size,
+            megatron,
+            published_at_ns: now_ns(),
+            publisher: liveness::publisher(),
+            files: vec![FileRecord {
+                stamp: loc.stamp(&name).unwrap().unwrap(),
+                name,
+                size: DATA_BYTES as u64,
+                sha256: None,
+            }],
+            tensors: vec![TensorRecord {
+                fqn: "w".into(),
+                dtype: "torch.uint8".into(),
+                global_shape: vec![2 * world_size as u64],
+                offsets: vec![2 * rank as u64],
+                sizes: vec![2],
+                file: 0,
+                offset: 8,
+                length: 64,
+                crc32: rank,
+                blocks: vec![],
+            }],
+            objects: vec![],
+            common,
+        };
+        write_part(loc, &part).unwrap();
+    }
+
+    /// A save of `world_size` ranks, published and merged.
+    pub fn committed(
+        loc: &Location,
+        save_id: &str,
+        world_size: u32,
+        megatron: bool,
+    ) -> CommitSummary {
+        for r in 0..world_size {
+            publish(loc, save_id, r, world_size, megatron);
+        }
+        merge(
+            loc,
+            save_id,
+            world_size,
+            Duration::from_secs(10),
+            &Freshness::any_part(),
+        )
+        .unwrap()
+    }
+
+    /// A fresh `memory://` location.
+    pub fn memory(name: &str) -> Location {
+        Location::parse(&format!("memory://commit-tests/{name}-{}", now_ns())).unwrap()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::testing::{committed, memory, publish};
+    use super::*;
+
+    #[test]
+    fn a_merge_commits_once_and_a_second_reports_the_first() {
+        let dir = tempfile::tempdir().unwrap();
+        let loc = Location::local(dir.path());
+        let first = committed(&loc, "s", 2, true);
+        assert_eq!(
+            (first.already_committed, first.keys, first.tensor_chunks),
+            (false, 1, 2)
+        );
+        assert_eq!(first.data_bytes, 2 * testing::DATA_BYTES as u64);
+        // The staged common state was renamed into place, and the record names every file.
+        assert!(loc.exists(COMMON_FILE) && !loc.exists(&marker_rel("s", COMMON_FILE)));
+        let record = read_commit_record(&loc, "s").unwrap();
+        assert_eq!(record.files.len(), 2);
+        assert!(record.megatron && record.common.is_some());
+        let again = merge(&loc, "s", 2, Duration::from_secs(1), &Freshness::any_part()).unwrap();
+        assert!(again.already_committed);
+        assert_eq!((again.keys, again.tensor_chunks), (1, 2));
+    }
+
+    /// A merge that misses a rank fails at its timeout naming the rank, and publishes FAILED so
+    /// that a waiting rank fails at once with the merger's reason.
+    #[test]
+    fn a_missing_rank_fails_the_merge_and_the_waiters_at_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let loc = Location::local(dir.path());
+        publish(&loc, "s", 0, 2, false);
+        let fresh = Freshness::any_part();
+        let e = merge(&loc, "s", 2, Duration::from_millis(50), &fresh).unwrap_err();
+        assert!(
+            matches!(&e, Error::MissingRanks { missing, world_size: 2, .. } if missing == &[1]),
+            "{e}"
+        );
+        assert!(part::read_failed(&loc, "s").is_some());
+        let t0 = Instant::now();
+        let waited = wait::wait_for_commit(&loc, "s", 2, Duration::from_secs(30), &fresh);
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "a FAILED marker ends the wait"
+        );
+        assert!(
+            matches!(&waited, Err(Error::NotCommitted { reason, .. }) if reason.contains("ranks [1]")),
+            "{waited:?}"
+        );
+        assert!(!loc.exists(".metadata"), "nothing committed");
+    }
+
+    /// A waiting rank returns once the commit is there, and at its timeout names the missing
+    /// ranks; a commit older than the attempt does not count.
+    #[test]
+    fn wait_for_commit_sees_only_this_attempts_commit() {
+        let dir = tempfile::tempdir().unwrap();
+        let loc = Location::local(dir.path());
+        publish(&loc, "s", 1, 3, false);
+        let short = Duration::from_millis(30);
+        let e = wait::wait_for_commit(&loc, "s", 3, short, &Freshness::any_part()).unwrap_err();
+        assert!(
+            matches!(&e, Error::NotCommitted { reason, .. } if reason.contains("parts still missing from ranks [0, 2]")),
+            "{e}"
+        );
+        publish(&loc, "s", 0, 3, false);
+        publish(&loc, "s", 2, 3, false);
+        merge(&loc, "s", 3, short, &Freshness::any_part()).unwrap();
+        wait::wait_for_commit(&loc, "s", 3, short, &Freshness::any_part()).unwrap();
+        let later = Freshness {
+            since_ns: Some(liveness::now_ns() + 1_000_000_000),
+            failed_since_ns: 0,
+        };
+        assert!(wait::wait_for_commit(&loc, "s", 3, short, &later).is_err());
+    }
+
+    /// `n` mergers of save `s` (2 ranks) started at once; their summaries.
+    fn race(loc: &Location, n: usize) -> Vec<CommitSummary> {
+        std::thread::scope(|s| {
+            let handles: Vec<_> = (0..n)
+                .map(|_| {
+                    s.spawn(|| {
+                        merge(loc, "s", 2, Duration::from_secs(10), &Freshness::any_part()).unwrap()
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    /// On an object store there is no lock: racing mergers each publish with create-if-absent,
+    /// and exactly one of them commits; the others report its commit.
+    #[test]
+    fn racing_mergers_on_an_object_store_commit_once() {
+        let loc = memory("race");
+        for r in 0..2 {
+            publish(&loc, "s", r, 2, true);
+        }
+        let summaries = race(&loc, 4);
+        assert_eq!(summaries.iter().filter(|s| !s.already_committed).count(), 1);
+        assert!(state::is_committed(&loc));
+        assert!(loc.exists(COMMON_FILE), "written in place, no rename");
+    }
+
+    /// Local mergers racing for the lock: one commits, the others wait for its outcome.
+    #[test]
+    fn racing_local_mergers_commit_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let loc = Location::local(dir.path());
+        for r in 0..2 {
+            publish(&loc, "s", r, 2, false);
+        }
+        let summaries = race(&loc, 4);
+        assert_eq!(summaries.iter().filter(|s| !s.already_committed).count(), 1);
+        assert!(
+            !loc.exists(&Marker::Committing.rel("s")),
+            "the lock is gone"
+        );
+    }
+
+    /// A data file rewritten after its part was published is not merged: the merge waits past the
+    /// stale part and fails naming it.
+    #[test]
+    fn a_data_file_changed_after_its_part_is_not_merged() {
+        let dir = tempfile::tempdir().unwrap();
+        let loc = Location::local(dir.path());
+        publish(&loc, "s", 0, 1, false);
+        std::thread::sleep(Duration::from_millis(20));
+        loc.write("__0_0.distcp", vec![9; 81]).unwrap();
+        let e = merge(
+            &loc,
+            "s",
+            1,
+            Duration::from_millis(50),
+            &Freshness::any_part(),
+        )
+        .unwrap_err();
+        assert!(
+            matches!(&e, Error::MissingRanks { stale, .. } if stale.len() == 1
+                && stale[0].1.contains("__0_0.distcp was replaced or changed")),
+            "{e}"
+        );
     }
 }

@@ -150,6 +150,37 @@ pub(crate) fn metadata_record<'a>(
         .ok_or(Some(digest)))
 }
 
+/// Who wrote a checkpoint's current `.metadata`, as far as shardwise can tell.
+#[derive(Clone, Debug, PartialEq)]
+pub enum MetadataWriter {
+    /// The commit of a shardwise save, by its record (same `.metadata` size and CRC-32).
+    Commit(CommitRecord),
+    /// No save left a commit record: torch, Megatron, or shardwise < 0.2.
+    Unrecorded,
+    /// Saves left records, none of them of this `.metadata`: another writer replaced it (or it
+    /// was damaged).
+    Replaced,
+}
+
+/// Who wrote `.metadata` bytes `meta` of `loc` (the newest matching record wins).
+///
+/// Errors: storage errors listing the saves.
+pub fn metadata_writer(loc: &Location, meta: &[u8]) -> Result<MetadataWriter> {
+    let mut records: Vec<CommitRecord> = save_ids(loc)?
+        .into_iter()
+        .filter_map(|id| read_commit_record(loc, &id))
+        .collect();
+    if records.is_empty() {
+        return Ok(MetadataWriter::Unrecorded);
+    }
+    records.sort_by_key(|r| std::cmp::Reverse(r.committed_at_ns));
+    let digest = Digest::of(meta);
+    Ok(match records.into_iter().find(|r| r.metadata == digest) {
+        Some(r) => MetadataWriter::Commit(r),
+        None => MetadataWriter::Replaced,
+    })
+}
+
 /// Whether `loc` holds a committed checkpoint ([`checkpoint_state`]); unreadable counts as not.
 pub fn is_committed(loc: &Location) -> bool {
     matches!(checkpoint_state(loc), Ok(CheckpointState::Committed { .. }))
@@ -411,6 +442,155 @@ pub fn is_data_file_name(name: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::commit::testing::committed;
+
+    /// The one definition of "committed", as a table: each damage to a committed directory and the
+    /// state it gives; `is_committed` agrees with each.
+    #[test]
+    fn checkpoint_state_of_each_damage() {
+        #[derive(Debug, PartialEq)]
+        enum Want {
+            Committed {
+                recorded: bool,
+            },
+            NotCommitted(&'static str),
+            Damaged {
+                repairable: bool,
+                reason: &'static str,
+            },
+        }
+        use Want::*;
+        type Damage = fn(&std::path::Path);
+        let cases: [(&str, Damage, Want); 11] = [
+            ("whole", |_| {}, Committed { recorded: true }),
+            (
+                ".metadata removed",
+                |d| std::fs::remove_file(d.join(".metadata")).unwrap(),
+                Damaged {
+                    repairable: true,
+                    reason: ".metadata is missing, although save s committed it",
+                },
+            ),
+            (
+                ".metadata replaced",
+                |d| std::fs::write(d.join(".metadata"), b"other").unwrap(),
+                Damaged {
+                    repairable: true,
+                    reason: "is not the one save s committed",
+                },
+            ),
+            (
+                "data file truncated",
+                |d| std::fs::write(d.join("__1_0.distcp"), [0u8; 3]).unwrap(),
+                Damaged {
+                    repairable: true,
+                    reason: "data file __1_0.distcp has 3 bytes, save s committed 80 bytes",
+                },
+            ),
+            (
+                "data file removed",
+                |d| std::fs::remove_file(d.join("__0_0.distcp")).unwrap(),
+                Damaged {
+                    repairable: true,
+                    reason: "data file __0_0.distcp is missing",
+                },
+            ),
+            (
+                "common.pt changed",
+                |d| std::fs::write(d.join("common.pt"), b"PK commoN").unwrap(),
+                Damaged {
+                    repairable: true,
+                    reason: "common.pt is 9 bytes, CRC-32",
+                },
+            ),
+            (
+                "metadata.json removed",
+                |d| std::fs::remove_file(d.join("metadata.json")).unwrap(),
+                Damaged {
+                    repairable: true,
+                    reason: "metadata.json is missing",
+                },
+            ),
+            (
+                "merger died before COMMITTED",
+                |d| std::fs::remove_file(d.join(".shardwise/s/COMMITTED")).unwrap(),
+                NotCommitted("merger that did not finish the commit"),
+            ),
+            (
+                "empty directory",
+                |d| {
+                    std::fs::remove_dir_all(d).unwrap();
+                    std::fs::create_dir(d).unwrap()
+                },
+                NotCommitted(".metadata is absent"),
+            ),
+            (
+                "written by torch (no shardwise state)",
+                |d| std::fs::remove_dir_all(d.join(".shardwise")).unwrap(),
+                Committed { recorded: false },
+            ),
+            (
+                "written by torch, data file truncated",
+                |d| {
+                    std::fs::remove_dir_all(d.join(".shardwise")).unwrap();
+                    std::fs::write(d.join("__1_0.distcp"), [0u8; 71]).unwrap()
+                },
+                Damaged {
+                    repairable: false,
+                    reason: "data file __1_0.distcp has 71 bytes; .metadata needs 72 bytes",
+                },
+            ),
+        ];
+        for (what, damage, want) in cases {
+            let dir = tempfile::tempdir().unwrap();
+            let loc = Location::local(dir.path());
+            committed(&loc, "s", 2, true);
+            damage(dir.path());
+            let got = checkpoint_state(&loc).unwrap();
+            let matches = match (&got, &want) {
+                (CheckpointState::Committed { record }, Committed { recorded }) => {
+                    record.is_some() == *recorded
+                }
+                (CheckpointState::NotCommitted { reason }, NotCommitted(r)) => reason.contains(r),
+                (
+                    CheckpointState::Damaged {
+                        reason,
+                        repairable: rep,
+                    },
+                    Damaged {
+                        repairable,
+                        reason: r,
+                    },
+                ) => reason.contains(r) && (rep.as_deref() == Some("s")) == *repairable,
+                _ => false,
+            };
+            assert!(matches, "{what}: got {got:?}, want {want:?}");
+            assert_eq!(
+                is_committed(&loc),
+                matches!(want, Committed { .. }),
+                "{what}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_metadata_writer_is_the_newest_matching_record() {
+        let dir = tempfile::tempdir().unwrap();
+        let loc = Location::local(dir.path());
+        assert_eq!(
+            metadata_writer(&loc, b"x").unwrap(),
+            MetadataWriter::Unrecorded
+        );
+        committed(&loc, "s", 1, false);
+        let meta = loc.read(".metadata").unwrap().unwrap();
+        assert!(
+            matches!(metadata_writer(&loc, &meta).unwrap(), MetadataWriter::Commit(r) if r.save_id == "s")
+        );
+        assert_eq!(
+            metadata_writer(&loc, b"other").unwrap(),
+            MetadataWriter::Replaced
+        );
+    }
 
     #[test]
     fn data_file_names() {

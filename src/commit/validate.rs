@@ -468,19 +468,76 @@ mod tests {
         );
     }
 
+    /// Each way parts can disagree, and the message that names it (a table: the exact error per
+    /// case, not only that there is one).
     #[test]
-    fn overlap_gap_and_disagreement_are_refused_naming_ranks() {
-        let overlap = build_global(&[part(0, &[("w", 0, 3)]), part(1, &[("w", 2, 2)])]);
-        assert!(overlap.unwrap_err().to_string().contains("rank"));
-        let gap = build_global(&[part(0, &[("w", 0, 1)]), part(1, &[("w", 2, 2)])]);
-        assert!(gap.is_err());
-        let mut other = part(1, &[("w", 2, 2)]);
-        other.tensors[0].dtype = "torch.bfloat16".into();
-        let e = build_global(&[part(0, &[("w", 0, 2)]), other]).unwrap_err();
-        assert!(e.to_string().contains("rank 1"), "{e}");
-        let mut flag = part(1, &[("w", 2, 2)]);
-        flag.megatron = true;
-        assert!(build_global(&[part(0, &[("w", 0, 2)]), flag]).is_err());
+    fn disagreeing_parts_are_refused_naming_keys_and_ranks() {
+        let dtype = || {
+            let mut p = part(1, &[("w", 2, 2)]);
+            p.tensors[0].dtype = "torch.bfloat16".into();
+            p
+        };
+        let flag = || {
+            let mut p = part(1, &[("w", 2, 2)]);
+            p.megatron = true;
+            p
+        };
+        let outside = || {
+            let mut p = part(1, &[("w", 2, 2)]);
+            p.tensors[0].offsets = vec![3];
+            p
+        };
+        let object = |rank| {
+            let mut p = part(rank, &[("w", 2 * rank as u64, 2)]);
+            p.objects.push(crate::commit::part::ObjectRecord {
+                fqn: "o".into(),
+                shard: None,
+                file: 0,
+                offset: 0,
+                length: 1,
+                crc32: 0,
+            });
+            p
+        };
+        let cases: [(&str, Vec<RankPart>, &str); 6] = [
+            (
+                "overlap",
+                vec![part(0, &[("w", 0, 3)]), part(1, &[("w", 2, 2)])],
+                "key w: rank 0 and rank 1 both save overlapping chunks (offsets [0] sizes [3] and offsets [2] sizes [2])",
+            ),
+            (
+                "gap",
+                vec![part(0, &[("w", 0, 1)]), part(1, &[("w", 2, 2)])],
+                "key w: the saved chunks cover 3 of 4 elements of global shape [4] (coverage gap)",
+            ),
+            (
+                "dtype",
+                vec![part(0, &[("w", 0, 2)]), dtype()],
+                "key w: rank 0 saves it as torch.float32 [4], rank 1 as torch.bfloat16 [4]",
+            ),
+            (
+                "flag",
+                vec![part(0, &[("w", 0, 2)]), flag()],
+                "rank 1 disagrees with rank 0 on the Megatron layout flag",
+            ),
+            (
+                "bounds",
+                vec![part(0, &[("w", 0, 2)]), outside()],
+                "key w: rank 1 saves chunk offsets [3] sizes [2], outside the global shape [4]",
+            ),
+            (
+                "object twice",
+                vec![object(0), object(1)],
+                "byte object o is written by ranks 0 and 1; exactly one main replica may save it",
+            ),
+        ];
+        for (what, parts, want) in cases {
+            match build_global(&parts) {
+                Err(Error::Validation(m)) => assert!(m.contains(want), "{what}: {m}"),
+                Err(e) => panic!("{what}: not a validation error: {e}"),
+                Ok(_) => panic!("{what}: merged"),
+            }
+        }
     }
 
     /// Parts folded in any order give the `.metadata` of the chunks in rank order, and a sidecar

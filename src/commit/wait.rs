@@ -15,7 +15,7 @@ use super::part::{
     decode_part_items, listed_parts, part_rel, read_failed, read_part_bytes, PartItems, RankPart,
 };
 use super::record::{not_committed, read_commit_record};
-use crate::error::{fmt_ranks, Error, Result};
+use crate::error::{fmt_ranks, Error, Result, Stopped};
 use crate::format::COMMON_FILE;
 use crate::interrupt::interrupted;
 use crate::storage::Location;
@@ -53,13 +53,13 @@ impl Backoff {
     /// Errors: [`Error::Interrupted`] when the interrupt check fires.
     pub(crate) fn sleep(&mut self, deadline: Instant) -> Result<()> {
         if interrupted() {
-            return Err(Error::Interrupted);
+            return Err(Error::Interrupted(Stopped::Commit));
         }
         let left = deadline.saturating_duration_since(Instant::now());
         std::thread::sleep(self.0.min(left));
         self.0 = (self.0 * 2).min(Duration::from_millis(500));
         if interrupted() {
-            return Err(Error::Interrupted);
+            return Err(Error::Interrupted(Stopped::Commit));
         }
         Ok(())
     }

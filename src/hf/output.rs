@@ -23,7 +23,7 @@ use sha2::{Digest, Sha256};
 
 use super::write::{ShardPlan, INDEX};
 use crate::error::{Error, Result};
-use crate::storage::{atomic_create, atomic_write, create_dir_all, fsync_dir};
+use crate::storage::{atomic_create, atomic_write, create_dir_all, fsync_dir, Location};
 
 const STAGING: &str = ".to-hf-staging";
 const PARTS: &str = ".to-hf-parts";
@@ -136,12 +136,7 @@ fn not_empty(dir: &Path, found: &[String], hint: &str) -> Error {
 ///
 /// Errors: [`Error::InvalidArgument`] for a URL, or a non-empty folder without `overwrite`.
 pub(crate) fn check_folder(dir: &Path, overwrite: bool) -> Result<()> {
-    if dir.to_string_lossy().contains("://") {
-        return Err(Error::InvalidArgument(format!(
-            "to-hf writes to a local directory, not to {}",
-            dir.display()
-        )));
-    }
+    let dir = Location::local_output(dir, "to-hf")?;
     let found = entries(dir)?;
     if !found.is_empty() && !overwrite {
         return Err(not_empty(

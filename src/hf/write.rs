@@ -10,7 +10,7 @@ use rayon::prelude::*;
 use serde::Serialize;
 
 use super::plan::{read_hf_tensor, HfTensor};
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, Stopped};
 use crate::format::dtype::DType;
 use crate::reader::Checkpoint;
 use crate::storage::DataFile;
@@ -265,14 +265,14 @@ pub(crate) fn write_shards(
                 .with_max_len(1)
                 .map(|&(i, f, off)| -> Result<u64> {
                     if cancel.load(Ordering::Relaxed) {
-                        return Err(Error::Interrupted);
+                        return Err(Error::Interrupted(Stopped::Commit));
                     }
                     let t = &tensors[i];
                     let item = t.src_dtype.itemsize();
                     let mut buf = vec![0u8; (t.shape.iter().product::<u64>() * item) as usize];
                     read_hf_tensor(ckpt, t, &mut buf)?;
                     if cancel.load(Ordering::Relaxed) {
-                        return Err(Error::Interrupted);
+                        return Err(Error::Interrupted(Stopped::Commit));
                     }
                     let out = t.out_dtype(out_dtype);
                     let bytes = if out == t.src_dtype {

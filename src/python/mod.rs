@@ -100,7 +100,7 @@ pub(super) fn to_py(e: Error) -> PyErr {
             StorageError::new_err(msg)
         }
         Error::Corrupt { .. } => CorruptFileError::new_err(msg),
-        Error::Interrupted => pyo3::exceptions::PyKeyboardInterrupt::new_err(msg),
+        Error::Interrupted(_) => pyo3::exceptions::PyKeyboardInterrupt::new_err(msg),
         Error::Gpu(_) => GpuError::new_err(msg),
     }
 }

@@ -105,36 +105,47 @@ pub struct DataFile {
 }
 
 impl DataFile {
-    /// Creates (truncating) `path` and reserves `len` bytes, so a full disk fails here, before any
-    /// data is written, where the filesystem supports `posix_fallocate`.
+    /// Creates (truncating) `path` and reserves `len` bytes ([`DataFile::reserve`]).
     pub fn create(path: &Path, len: u64) -> Result<DataFile> {
+        let file = DataFile::create_empty(path)?;
+        file.reserve(len)?;
+        Ok(file)
+    }
+
+    /// Creates (truncating) `path`, empty.
+    pub fn create_empty(path: &Path) -> Result<DataFile> {
         let file = OpenOptions::new()
             .create(true)
             .write(true)
             .truncate(true)
             .open(path)
             .map_err(Error::io("create", path))?;
-        if len > 0 {
-            // SAFETY: plain syscall on an open descriptor.
-            let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len as libc::off_t) };
-            match rc {
-                0 => {}
-                libc::EOPNOTSUPP | libc::EINVAL => {
-                    file.set_len(len).map_err(Error::io("resize", path))?
-                }
-                errno => {
-                    return Err(Error::Io {
-                        op: "allocate",
-                        path: path.to_path_buf(),
-                        source: std::io::Error::from_raw_os_error(errno),
-                    })
-                }
-            }
-        }
         Ok(DataFile {
             path: path.to_path_buf(),
             file,
         })
+    }
+
+    /// Reserves the first `len` bytes, so a full disk fails here, before any data is written,
+    /// where the filesystem supports `posix_fallocate` (elsewhere the file is only extended).
+    pub fn reserve(&self, len: u64) -> Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        let path = &self.path;
+        // SAFETY: plain syscall on an open descriptor.
+        let rc = unsafe { libc::posix_fallocate(self.file.as_raw_fd(), 0, len as libc::off_t) };
+        match rc {
+            0 => Ok(()),
+            libc::EOPNOTSUPP | libc::EINVAL => {
+                self.file.set_len(len).map_err(Error::io("resize", path))
+            }
+            errno => Err(Error::Io {
+                op: "allocate",
+                path: path.to_path_buf(),
+                source: std::io::Error::from_raw_os_error(errno),
+            }),
+        }
     }
 
     /// `pwrite` of all of `buf` at byte `offset`; safe to call from many threads at once.

@@ -3,12 +3,14 @@
 //! crate, conditional creates). Everything above this module names files by their `/`-separated
 //! path inside the checkpoint (`.metadata`, `.shardwise/<save_id>/3.part`).
 
+mod data;
 mod local;
 pub mod remote;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+pub use data::{DataSink, DataSource, Held};
 pub use local::{
     atomic_create, atomic_write, create_dir_all, fsync_dir, sweep_temp_files, DataFile,
 };
@@ -82,6 +84,106 @@ impl Location {
         }
     }
 
+    /// Whether a file here can be replaced or renamed atomically, so that a checkpoint can be
+    /// switched to another in one step (its `.metadata` renamed over) and a file staged elsewhere
+    /// moved into place: local filesystems. Object stores have neither rename nor a way to switch
+    /// a prefix from one set of objects to another.
+    pub fn can_replace_atomically(&self) -> bool {
+        matches!(self, Location::Local(_))
+    }
+
+    /// Where a file that is moved into place at commit waits until then: `staged` where files can
+    /// be renamed atomically (local), `final_rel` itself on object stores, which cannot rename
+    /// (the object is written where it belongs; a reader only trusts it once the commit record
+    /// names its size and CRC).
+    pub fn stage_rel(&self, staged: String, final_rel: &str) -> String {
+        if self.can_replace_atomically() {
+            staged
+        } else {
+            final_rel.to_string()
+        }
+    }
+
+    /// Refuses to replace a committed checkpoint here where that cannot be done in one step: on
+    /// object stores, whose prefix cannot be switched from one set of objects to another (a reader
+    /// could see files of both).
+    ///
+    /// Errors: [`Error::InvalidArgument`] on an object store.
+    pub fn check_replaceable(&self) -> Result<()> {
+        if self.can_replace_atomically() {
+            return Ok(());
+        }
+        Err(Error::InvalidArgument(format!(
+            "overwrite=True is refused on object stores ({self}): they cannot switch a checkpoint atomically; save into a new prefix, or delete the old one first"
+        )))
+    }
+
+    /// Removes `rel` when it may be a file of a checkpoint that a commit here replaces; nothing on
+    /// object stores, where a committed checkpoint is never replaced ([`Location::check_replaceable`]),
+    /// so an object there belongs to this save.
+    ///
+    /// Errors: [`Error::Io`].
+    pub fn remove_replaced(&self, rel: &str) -> Result<()> {
+        match self {
+            Location::Local(_) => self.remove(rel),
+            Location::Remote(_) => Ok(()),
+        }
+    }
+
+    /// `dir` as a local directory to write into, for a command that only writes locally (`what`
+    /// names it).
+    ///
+    /// Errors: [`Error::InvalidArgument`] for an object-store URL.
+    pub fn local_output<'p>(dir: &'p Path, what: &str) -> Result<&'p Path> {
+        if dir.to_string_lossy().contains("://") {
+            return Err(Error::InvalidArgument(format!(
+                "{what} writes to a local directory, not to {}",
+                dir.display()
+            )));
+        }
+        Ok(dir)
+    }
+
+    /// The location with a local path made canonical (absolute, symlinks resolved), so that files
+    /// found under it can be checked to lie inside it; an object-store location as it is.
+    ///
+    /// Errors: [`Error::Io`] when the directory cannot be resolved (missing) or is not a
+    /// directory (a file given as the checkpoint directory).
+    pub fn canonical(&self) -> Result<Location> {
+        match self {
+            Location::Local(dir) => {
+                let real = dir
+                    .canonicalize()
+                    .map_err(Error::io("open checkpoint directory", dir))?;
+                if !real.is_dir() {
+                    return Err(not_a_directory("open checkpoint directory", dir));
+                }
+                Ok(Location::Local(real))
+            }
+            remote => Ok(remote.clone()),
+        }
+    }
+
+    /// Makes the renames and creations done in the directory durable (local: fsync of the
+    /// directory; an object-store write is durable when it returns).
+    ///
+    /// Errors: [`Error::Io`].
+    pub fn sync_dir(&self) -> Result<()> {
+        match self {
+            Location::Local(dir) => fsync_dir(dir),
+            Location::Remote(_) => Ok(()),
+        }
+    }
+
+    /// Removes the temporary files of local writers killed mid-write ([`sweep_temp_files`]);
+    /// object stores have none (a PUT is whole or absent). Only call it when no writer can still
+    /// be publishing here. Best effort.
+    pub fn sweep_temp_files(&self) {
+        if let Location::Local(dir) = self {
+            sweep_temp_files(dir);
+        }
+    }
+
     /// The location as a path for messages and errors (a URL is kept as written).
     pub fn display_path(&self) -> PathBuf {
         match self {
@@ -96,8 +198,13 @@ impl Location {
     }
 
     /// Creates the directory (local) — object stores have no directories.
+    ///
+    /// Errors: [`Error::Io`], also for a path that exists and is not a directory.
     pub fn create_dir(&self) -> Result<()> {
         match self {
+            Location::Local(p) if p.exists() && !p.is_dir() => {
+                Err(not_a_directory("create checkpoint directory", p))
+            }
             Location::Local(p) => create_dir_all(p),
             Location::Remote(_) => Ok(()),
         }
@@ -279,6 +386,21 @@ impl Location {
             }
             Location::Remote(r) => r.list(rel_dir),
         }
+    }
+}
+
+/// A checkpoint directory given as a path that is a file (or anything but a directory): a
+/// [`Error::Io`] (Python's `StorageError`, as for a missing directory and as `shardwise.load`'s
+/// own check says it), naming the path and what to pass instead.
+fn not_a_directory(op: &'static str, path: &Path) -> Error {
+    Error::Io {
+        op,
+        path: path.to_path_buf(),
+        source: std::io::Error::new(
+            std::io::ErrorKind::NotADirectory,
+            "not a directory: a checkpoint is a directory (pass the directory that holds \
+             .metadata, not a file in it)",
+        ),
     }
 }
 

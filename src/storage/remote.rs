@@ -601,6 +601,11 @@ pub struct Upload<'r> {
 }
 
 impl Upload<'_> {
+    /// Bytes per part of this upload ([`Remote::part_bytes`]).
+    pub fn part_bytes(&self) -> usize {
+        self.remote.part_bytes
+    }
+
     /// Queues the next part (every part but the last must be at least [`MIN_PART_BYTES`]); blocks
     /// while `concurrency` parts are in flight.
     pub fn part(&mut self, bytes: Vec<u8>) -> Result<()> {

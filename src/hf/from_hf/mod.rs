@@ -29,7 +29,7 @@ use super::output::{check_outside, Part};
 use super::spec::Dims;
 use crate::commit::part::ObjectShard;
 use crate::commit::wait::{missing_ranks, Freshness};
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, Stopped};
 use crate::format::dtype::DType;
 use crate::interrupt::interrupted;
 use crate::save::{save_rank, ObjectItem, SaveOptions};
@@ -208,12 +208,7 @@ pub fn from_hf(
 ) -> Result<FromHfSummary> {
     let t0 = Instant::now();
     // Phase 1: the output folder.
-    if ckpt_dir.to_string_lossy().contains("://") {
-        return Err(Error::InvalidArgument(format!(
-            "from-hf writes to a local directory, not to {}",
-            ckpt_dir.display()
-        )));
-    }
+    Location::local_output(ckpt_dir, "from-hf")?;
     if opts.part.is_some() && opts.overwrite {
         return Err(Error::InvalidArgument(
             "--overwrite cannot be combined with --part: empty the folder first".into(),
@@ -342,7 +337,7 @@ pub fn from_hf(
     let groups = run::groups(&p.jobs, item, opts.max_file_bytes.max(largest));
     let world = groups.len().max(1) as u32;
     let save_id = save_id(&src, opts, &d)?;
-    let loc = Location::Local(ckpt_dir.to_path_buf());
+    let loc = Location::local(ckpt_dir);
     let mine: Vec<usize> = match opts.part {
         None => (0..groups.len()).collect(),
         Some(part) => part.shards(groups.len()),
@@ -380,7 +375,7 @@ pub fn from_hf(
             })
         })?;
         if interrupted() {
-            return Err(Error::Interrupted);
+            return Err(Error::Interrupted(Stopped::Commit));
         }
         let tensors: Vec<TensorChunk> = jobs
             .iter()
@@ -410,7 +405,7 @@ pub fn from_hf(
     // Phase 4: the commit, by whichever process finds every part published.
     let committed = if missing_ranks(&loc, &save_id, world)?.is_empty() {
         if interrupted() {
-            return Err(Error::Interrupted);
+            return Err(Error::Interrupted(Stopped::Commit));
         }
         crate::commit::merge(
             &loc,

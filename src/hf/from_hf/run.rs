@@ -10,7 +10,7 @@ use std::time::Duration;
 use super::super::plan::invert_post;
 use super::plan::{Chunk, Job};
 use super::source::HfSource;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, Stopped};
 use crate::format::dtype::DType;
 use crate::interrupt::interrupted;
 
@@ -38,10 +38,12 @@ pub(crate) fn watching_interrupt<T: Send>(
                 break;
             }
         }
-        worker.join().unwrap_or(Err(Error::Interrupted))
+        worker
+            .join()
+            .unwrap_or(Err(Error::Interrupted(Stopped::Commit)))
     });
     if stop.load(Ordering::Relaxed) {
-        return Err(Error::Interrupted);
+        return Err(Error::Interrupted(Stopped::Commit));
     }
     out
 }
@@ -57,7 +59,7 @@ pub(crate) fn run_job(src: &HfSource, j: &Job, dtype: DType, stop: &AtomicBool) 
     let mut buf = vec![0u8; j.numel() as usize * item];
     for input in &j.inputs {
         if stop.load(Ordering::Relaxed) {
-            return Err(Error::Interrupted);
+            return Err(Error::Interrupted(Stopped::Commit));
         }
         let n = input.shape.iter().product::<u64>() as usize;
         let mut tmp = vec![0u8; n * item];
@@ -142,8 +144,8 @@ mod tests {
     fn work_that_ends_returns_its_result() {
         assert_eq!(watching_interrupt(|_| Ok(7)).unwrap(), 7);
         assert!(matches!(
-            watching_interrupt::<()>(|_| Err(Error::Interrupted)),
-            Err(Error::Interrupted)
+            watching_interrupt::<()>(|_| Err(Error::Interrupted(Stopped::Commit))),
+            Err(Error::Interrupted(Stopped::Commit))
         ));
     }
 }
