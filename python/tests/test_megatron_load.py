@@ -335,7 +335,7 @@ def test_truncated_and_missing_data_file(plain_ckpt, tmp_path):
         swm.load(_request(), bad)
     swl.clear_cache()
     os.unlink(data)
-    with pytest.raises(shardwise.CorruptFileError, match="__0_0.distcp.*No such file"):
+    with pytest.raises(shardwise.CorruptFileError, match="__0_0.distcp.*cannot open the data file: it is missing"):
         swm.load(_request(), bad)
 
 
