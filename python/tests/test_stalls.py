@@ -118,8 +118,10 @@ def test_a_silent_endpoint_fails_both_ranks_within_the_timeout(silent_endpoint, 
     _check(ranks, baseline, url)
     for r in ranks:
         assert r["type"] == "StorageError", r
-        # the operation and the object: every rank's first request is the read of .metadata
-        assert f"get {url}/.metadata" in r["error"], r["error"]
+        # the operation and the object: every rank's first request lists the saves' state
+        # (.shardwise), to decide whether the directory holds a committed checkpoint by the commit
+        # records and a stat, without reading .metadata (issue 27)
+        assert f"list {url}/.shardwise" in r["error"], r["error"]
         assert "nothing committed" in r["error"], r["error"]
 
 
