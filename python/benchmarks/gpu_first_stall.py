@@ -37,40 +37,10 @@ import warnings
 
 warnings.filterwarnings("ignore")
 
+# The same rank (32 large bf16 tensors + 256 small) and copy floor as the issue-14 benchmark.
+from gpu_default_budget import build_state, copy_floor  # noqa: E402  (this script's directory)
+
 CASES = ["floor", "shardwise", "shardwise_reserved", "shardwise_reserved_late", "dcp", "megatron"]
-
-
-def build_state(gib: float, n_big: int = 32):
-    import torch
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
-    per = int(gib * (1 << 30)) // n_big // 2  # bf16 elements per big tensor
-    cols = 4096
-    state = {}
-    for i in range(n_big):
-        t = torch.empty(per // cols, cols, dtype=torch.bfloat16, device="cuda").normal_()
-        state[f"big{i}"] = ShardedTensor.from_rank_offsets(f"big{i}", t, replica_id=0)
-    for i in range(256):
-        t = torch.empty(1024, dtype=torch.bfloat16, device="cuda").normal_()
-        state[f"small{i}"] = ShardedTensor.from_rank_offsets(f"small{i}", t, replica_id=0)
-    nbytes = sum(sh.data.numel() * 2 for sh in state.values())
-    return state, nbytes
-
-
-def copy_floor(state) -> float:
-    """Seconds of a pinned D2H copy of every tensor (preallocated destinations), fastest of 3."""
-    import torch
-
-    outs = [torch.empty(sh.data.shape, dtype=sh.data.dtype, pin_memory=True) for sh in state.values()]
-    best = float("inf")
-    for _ in range(3):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for o, sh in zip(outs, state.values()):
-            o.copy_(sh.data, non_blocking=True)
-        torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def init_gloo():
