@@ -85,7 +85,7 @@ enum Command {
         out: PathBuf,
         /// HF config.json: hyperparameters (checked against the checkpoint's stored args) and
         /// copied to the output. Without it the args give the hyperparameters, --arch is
-        /// required, and no config.json is written (said on stderr and as config_written).
+        /// required, and the config.json written is built from the args.
         #[arg(long)]
         hf_config: Option<PathBuf>,
         /// Architecture (llama, qwen2, qwen3, qwen3_moe, mixtral, ...); default: the config's model_type.
@@ -133,6 +133,13 @@ enum Command {
         /// tokenizer/ (Megatron-LM after 0.19 saves one there), when it has one.
         #[arg(long, value_name = "DIR")]
         tokenizer: Option<PathBuf>,
+        /// Write the weights quantized as the official releases store them: fp8-block (e4m3
+        /// weights with float32 weight_scale_inv per 128x128 block; embeddings, lm_head, norms,
+        /// routers, gates, biases and small projections stay in the output dtype) or mxfp4
+        /// (gpt_oss's experts as *_blocks / *_scales). config.json gets the matching
+        /// quantization_config.
+        #[arg(long, value_name = "FORMAT")]
+        quantize: Option<String>,
         /// Skip checkpoint keys that no rule maps instead of failing.
         #[arg(long)]
         allow_unmapped: bool,
@@ -413,6 +420,7 @@ where
             text_only,
             drop_mtp,
             tokenizer,
+            quantize,
             json,
             timeout,
         } => {
@@ -430,6 +438,7 @@ where
             opts.text_only = text_only;
             opts.drop_mtp = drop_mtp;
             opts.tokenizer = tokenizer;
+            opts.quantize = quantize;
             to_hf(&bounded(&dir, timeout)?, &out, &opts, json)
         }
     })();
@@ -1245,10 +1254,10 @@ fn to_hf(dir: &Location, out: &Path, opts: &crate::hf::HfOptions, json: bool) ->
             summary.args_unchecked.join(", ")
         );
     }
-    if opts.config.is_none() {
+    if opts.config.is_none() && summary.config_written {
         let _ = writeln!(
             err,
-            "shardwise: note: no config.json written (no --hf-config); transformers needs one beside the weights"
+            "shardwise: note: config.json built from the checkpoint's stored args (no --hf-config): fields the args do not hold (token ids, RoPE scaling) are transformers' defaults"
         );
     }
     for w in &summary.warnings {

@@ -9,6 +9,9 @@ layer-stacked keys), written by shardwise.
 
 Run: python python/benchmarks/hf_convert.py --dir /tmp/hfbench [--layers 20 --hidden 2048]
 
+Quantized conversion (issue 22): `--methods bf16:2,fp8:2` runs `to-hf --dtype bf16` and the same
+with `--quantize fp8-block` (quantization inside the streaming pass).
+
 Parallel conversion (issue 16): `--methods ceiling:1,ceiling:4,shardwise:1,shardwise:4,parts:4` runs
 the read+write ceiling with N threads (pread/pwrite of 64 MiB blocks, fsync'd), `to-hf --workers N`,
 and `to-hf --part i/N` as N concurrent processes (each with cpus/N workers), as several machines
@@ -166,6 +169,12 @@ def child(method, ckpt, out, config):
         import shardwise
 
         shardwise.to_hf(ckpt, out, hf_config=config, threads=n)
+    elif kind in ("bf16", "fp8"):
+        # The bf16 conversion, and the same with block-FP8 quantization in its streaming pass.
+        import shardwise
+
+        shardwise.to_hf(ckpt, out, hf_config=config, threads=n, dtype="bf16",
+                        quantize="fp8-block" if kind == "fp8" else None)
     elif kind == "parts":
         parts(ckpt, out, config, n)
     elif kind == "full-load":
@@ -197,7 +206,8 @@ def main():
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--child", nargs=4)
     ap.add_argument("--methods", default="ceiling,shardwise,full-load",
-                    help="comma-separated: ceiling[:threads], shardwise[:workers], parts:N, full-load")
+                    help="comma-separated: ceiling[:threads], shardwise[:workers], parts:N, full-load, "
+                         "bf16[:workers] (to-hf --dtype bf16), fp8[:workers] (the same with --quantize fp8-block)")
     ap.add_argument("--builder", choices=["shardwise", "dcp"], default="shardwise")
     ap.add_argument("--repeat", type=int, default=1)
     args = ap.parse_args()

@@ -333,13 +333,14 @@ def gdn_model(cfg):
                 linear_value_head_dim=tc.linear_value_head_dim, linear_num_key_heads=tc.linear_num_key_heads,
                 linear_num_value_heads=tc.linear_num_value_heads, num_experts=tc.num_moe_experts,
                 make_vocab_size_divisible_by=128, tensor_model_parallel_size=tp, vocab_size=cfg.vocab_size,
-                norm_epsilon=tc.layernorm_epsilon)
+                norm_epsilon=tc.layernorm_epsilon, max_position_embeddings=cfg.max_position_embeddings)
     if mtp_layers:
         args.update(mtp_num_layers=mtp_layers)
     if moe:
         args.update(moe_ffn_hidden_size=tc.moe_ffn_hidden_size, moe_router_topk=tc.moe_router_topk,
                     moe_shared_expert_intermediate_size=tc.moe_shared_expert_intermediate_size,
-                    moe_shared_expert_gate=True)
+                    moe_shared_expert_gate=True, moe_router_score_function=tc.moe_router_score_function,
+                    moe_router_pre_softmax=tc.moe_router_pre_softmax)
     return model.eval(), args
 
 

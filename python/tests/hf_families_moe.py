@@ -387,7 +387,7 @@ def megatron_args(family: str, cfg, tc) -> dict:
 
     same = ["num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels", "ffn_hidden_size",
             "moe_ffn_hidden_size", "moe_router_topk", "moe_layer_freq", "moe_shared_expert_intermediate_size",
-            "moe_router_score_function", "moe_router_enable_expert_bias", "moe_router_topk_scaling_factor",
+            "moe_router_score_function", "moe_router_pre_softmax", "moe_router_enable_expert_bias", "moe_router_topk_scaling_factor",
             "moe_router_num_groups", "moe_router_group_topk", "multi_latent_attention", "q_lora_rank",
             "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "qk_layernorm", "add_bias_linear",
             "add_qkv_bias", "softmax_type", "window_size", "window_attn_skip_freq", "glu_linear_offset",
@@ -401,7 +401,9 @@ def megatron_args(family: str, cfg, tc) -> dict:
                 num_experts=tc.num_moe_experts, padded_vocab_size=VOCAB_MEGATRON,
                 untie_embeddings_and_output_weights=True, rotary_percent=rotary_percent,
                 rotary_base=int(cfg.rope_parameters["rope_theta"]),
-                tensor_model_parallel_size=tc.tensor_model_parallel_size, norm_epsilon=tc.layernorm_epsilon)
+                tensor_model_parallel_size=tc.tensor_model_parallel_size, norm_epsilon=tc.layernorm_epsilon,
+                vocab_size=cfg.vocab_size, make_vocab_size_divisible_by=128,
+                max_position_embeddings=cfg.max_position_embeddings)
     if family == "minimax_m2":
         args["qk_layernorm"] = False  # Megatron-Bridge's setting: its spec injects the full-dim norms itself
     return args

@@ -117,7 +117,11 @@ def save_and_forward(rank, world, port, base, arch, url=None):
                               moe_shared_expert_intermediate_size=None, moe_layer_freq=1,
                               untie_embeddings_and_output_weights=True, vocab_size=cfg.vocab_size,
                               padded_vocab_size=VOCAB_MEGATRON, make_vocab_size_divisible_by=128,
-                              tensor_model_parallel_size=2, norm_epsilon=cfg.rms_norm_eps)
+                              tensor_model_parallel_size=2, norm_epsilon=cfg.rms_norm_eps,
+                              max_position_embeddings=cfg.max_position_embeddings,
+                              rotary_base=int(_rope_theta(cfg)),
+                              moe_router_topk=cfg.num_experts_per_tok if moe else None,
+                              moe_router_score_function="softmax", moe_router_pre_softmax=False)
     # "megatron": Megatron's own save (megatron-core 0.19: args inside the .distcp files'
     # common_state object); "shardwise": common.pt; "noargs": no args stored at all.
     for who in ("shardwise", "s3") if url else ("megatron", "shardwise", "noargs"):

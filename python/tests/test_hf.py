@@ -202,13 +202,15 @@ def test_output_folder_is_refused_unless_overwrite_which_leaves_nothing_stale(sa
         {"model.safetensors.index.json", "config.json", "tokenizer.json", "adapter_model.safetensors",
          *index["weight_map"].values()})
     assert (out / "adapter_model.safetensors").read_bytes() == b"mine"
-    # Without --hf-config: no config.json, and an earlier one (describing the earlier weights) goes.
+    # Without --hf-config: the config.json built from the stored args replaces the earlier one.
+    (out / "config.json").write_text("{}")
     r = subprocess.run([sys.executable, "-m", "shardwise.cli", "to-hf", ck, str(out), "--arch", "llama",
                         "--overwrite", "--json"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["config_written"] is False
-    assert "no config.json written" in r.stderr
-    assert not (out / "config.json").exists() and (out / "tokenizer.json").exists()
+    assert json.loads(r.stdout)["config_written"] is True
+    assert "config.json built from the checkpoint's stored args" in r.stderr
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    assert (out / "tokenizer.json").exists()
 
 
 def test_parts_and_workers_write_the_same_bytes_and_commit_once(saved, tmp_path):
@@ -232,6 +234,19 @@ def test_parts_and_workers_write_the_same_bytes_and_commit_once(saved, tmp_path)
     assert s["committed"] and s["config_written"]
     assert _files(split) == want
     assert sorted(p.name for p in split.iterdir()) == sorted(want), "markers and temporary files are gone"
+    # Quantized in the same streaming pass (block FP8): the same bytes for any worker count or split,
+    # each weight's scale in its weight's file.
+    q = dict(hf_config=cfg, max_shard_size="50KB", quantize="fp8-block")
+    shardwise.to_hf(ck, str(tmp_path / "q1"), threads=1, **q)
+    qwant = _files(tmp_path / "q1")
+    shardwise.to_hf(ck, str(tmp_path / "q4"), threads=4, **q)
+    assert _files(tmp_path / "q4") == qwant
+    for i in (1, 0):
+        shardwise.to_hf(ck, str(tmp_path / "qsplit"), part=f"{i}/2", **q)
+    assert _files(tmp_path / "qsplit") == qwant
+    weight_map = json.loads(qwant["model.safetensors.index.json"])["weight_map"]
+    scales = [k for k in weight_map if k.endswith("_scale_inv")]
+    assert len(scales) > 10 and all(weight_map[k] == weight_map[k[: -len("_scale_inv")]] for k in scales)
     # A part run again after the commit has nothing to do; a different conversion is refused.
     assert shardwise.to_hf(ck, str(split), hf_config=cfg, max_shard_size="50KB", part="0/3")["files"] == 0
     with pytest.raises(shardwise.InvalidArgumentError, match="not empty"):

@@ -9,6 +9,7 @@ use super::layout::HybridPattern;
 use super::spec::{Dims, LayerPattern, Rel};
 use crate::error::{Error, Result};
 use crate::format::archive::records;
+use crate::format::dtype::DType;
 use crate::format::unpickle::{unpickle, Value};
 use crate::reader::Checkpoint;
 
@@ -79,11 +80,36 @@ impl Dims {
                         cfg.insert(c.hf.into(), v.into());
                     }
                 }
-                // The embedding's rows are kept (no vocab_size).
-                Rel::Vocab => {}
-                Rel::Float => {
-                    if let Some(v) = args.float(c.args) {
+                // The tokenizer's vocabulary when the args store it (`--vocab-size`; the padding
+                // beyond it is trimmed, checked by `check_vocab`), else the embedding's rows
+                // are kept.
+                Rel::Vocab => {
+                    if let Some(v) = args.field("vocab_size") {
                         cfg.insert(c.hf.into(), v.into());
+                    }
+                }
+                // As stored: an integer stays one (DSA's `index_topk`).
+                Rel::Float | Rel::Derived => {
+                    if let Some(v) = args.raw(c.args).filter(|v| v.is_number() || v.is_boolean()) {
+                        cfg.insert(c.hf.into(), v.clone());
+                    }
+                }
+                Rel::TopkNorm => {
+                    let norm = match args.raw(c.args).and_then(|v| v.as_str()) {
+                        Some("sigmoid") => Some(true),
+                        _ => args.flag("moe_router_pre_softmax").map(|pre| !pre),
+                    };
+                    if let Some(n) = norm {
+                        cfg.insert(c.hf.into(), n.into());
+                    }
+                }
+                Rel::SharedExperts => {
+                    if args.0.contains_key(c.args) {
+                        let shared = args.field(c.args).unwrap_or(0);
+                        let each = args.field("moe_ffn_hidden_size").filter(|&f| f > 0);
+                        if let Some(n) = each.filter(|f| shared % f == 0).map(|f| shared / f) {
+                            cfg.insert(c.hf.into(), n.into());
+                        }
                     }
                 }
                 Rel::AttnLayers => {
@@ -124,10 +150,14 @@ impl Dims {
                         let leading = p.iter().take_while(|&&m| !m).count();
                         match spec.moe_layers {
                             LayerPattern::FirstKDense => {
-                                cfg.insert("first_k_dense_replace".into(), leading.into())
+                                cfg.insert("first_k_dense_replace".into(), leading.into());
                             }
-                            _ => cfg.insert("mlp_only_layers".into(), dense.into()),
-                        };
+                            LayerPattern::QwenSparseStep => {
+                                cfg.insert("mlp_only_layers".into(), dense.into());
+                            }
+                            // Every layer or none is MoE whatever the config says.
+                            LayerPattern::AllMoe | LayerPattern::Dense => {}
+                        }
                     }
                 }
             }
@@ -557,6 +587,93 @@ pub(crate) fn output_config(given: &[u8], d: &Dims, text_only: bool) -> Result<V
     Ok(bytes)
 }
 
+/// `config` (config.json bytes) with `quantization_config` set to `q`, or removed when None; the
+/// bytes as they are when that changes nothing.
+///
+/// Errors: [`Error::InvalidArgument`] when `config` is not a JSON object.
+pub(crate) fn with_quantization(config: &[u8], q: Option<&Json>) -> Result<Vec<u8>> {
+    let Ok(Json::Object(mut out)) = serde_json::from_slice::<Json>(config) else {
+        return Err(Error::InvalidArgument(
+            "config.json is not a JSON object".into(),
+        ));
+    };
+    let before = out.get("quantization_config").cloned();
+    match q {
+        Some(q) => out.insert("quantization_config".into(), q.clone()),
+        None => out.remove("quantization_config"),
+    };
+    if out.get("quantization_config") == before.as_ref() {
+        return Ok(config.to_vec());
+    }
+    let mut bytes = serde_json::to_vec_pretty(&Json::Object(out)).expect("serializable");
+    bytes.push(b'\n');
+    Ok(bytes)
+}
+
+/// The RoPE fields transformers 5 keeps in `rope_parameters` (a config from the args holds them
+/// at the top level, as the check rows name them).
+const ROPE_FIELDS: &[&str] = &["rope_theta", "partial_rotary_factor"];
+
+/// The config.json of a conversion without `--hf-config`: `d.cfg` as [`Dims::from_args`] built it
+/// from the stored args, in transformers' names: the expert count under the family's field
+/// ([`super::spec::ArchSpec::experts_field`]), products of fields (check rows like
+/// `n_shared_experts*moe_intermediate_size`) left out, `num_key_value_heads` always (an MLA
+/// config's is its head count), the RoPE base and fraction (unless 1) in `rope_parameters` (`rope_type` `default`: Megatron's `--rope-scaling` variants are not
+/// described, see the README), `vocab_size` the tokenizer's from the args or else the embedding's
+/// `rows`, the MTP field as converted (left out when 0 is its default), `model_type` and
+/// `architectures` of the text model, and `dtype`, the weights' dtype as `save_pretrained`
+/// writes it. Fields the args do not hold (token ids, `hidden_act`: SwiGLU's `silu` is every
+/// family's default) keep transformers' defaults. Keys sorted, as transformers writes them.
+pub(crate) fn config_from_args(d: &Dims, rows: Option<u64>, dtype: DType) -> Vec<u8> {
+    let spec = d.spec;
+    let mut out = Map::new();
+    for (k, v) in &d.cfg {
+        if k.contains(['*', '+']) || ROPE_FIELDS.contains(&k.as_str()) {
+            continue;
+        }
+        let name = if k == "num_experts" {
+            spec.experts_field
+        } else {
+            k
+        };
+        out.insert(name.into(), v.clone());
+    }
+    // MLA has no query groups: its config says as many key/value heads as heads (DeepSeek-V3's).
+    out.insert("num_key_value_heads".into(), d.groups.into());
+    let mut rope = Map::new();
+    for f in ROPE_FIELDS {
+        // A rotary fraction of 1 is transformers' default and no field of the MLA configs.
+        if let Some(v) = d
+            .float(f)
+            .filter(|&v| !(*f == "partial_rotary_factor" && v == 1.0))
+        {
+            rope.insert((*f).into(), v.into());
+        }
+    }
+    if !rope.is_empty() {
+        rope.insert("rope_type".into(), "default".into());
+        out.insert("rope_parameters".into(), rope.into());
+    }
+    if let Some(v) = d.vocab_size.or(rows) {
+        out.insert("vocab_size".into(), v.into());
+    }
+    if let Some(m) = spec.mtp {
+        out.insert(m.field.into(), d.mtp_layers.into());
+        if d.mtp_layers == 0 && m.default == 0 {
+            out.remove(m.field);
+        }
+    }
+    let model_type = spec
+        .multimodal
+        .map_or(spec.model_types[0], |m| m.text_model_type);
+    out.insert("model_type".into(), model_type.into());
+    out.insert("architectures".into(), vec![spec.architecture].into());
+    out.insert("dtype".into(), dtype.torch_name().into());
+    let mut bytes = serde_json::to_vec_pretty(&Json::Object(out)).expect("serializable");
+    bytes.push(b'\n');
+    bytes
+}
+
 /// The outcome of checking the config against the args.
 pub(crate) struct ArgsCheck {
     /// `"passed"`, or `"skipped: ..."` when nothing could be checked.
@@ -713,7 +830,7 @@ pub(crate) fn check_args(d: &Dims, args: Option<&Args>, rows: Option<u64>) -> Re
                     None => unchecked.push(format!("{} (args has no num_layers)", c.hf)),
                 }
             }
-            Rel::MlaNormEps => {}
+            Rel::MlaNormEps | Rel::Derived | Rel::TopkNorm | Rel::SharedExperts => {}
             Rel::MoeLayers => match a.moe_layers() {
                 Some(p) if p != d.moe_layers => {
                     let show = |v: &[bool]| -> String {
@@ -1066,9 +1183,76 @@ mod tests {
             ),
             (2, 64, 4, 2, 16, 4, false)
         );
-        assert_eq!(d.vocab_size, None);
+        // The tokenizer's vocabulary the args store (the padding beyond it is trimmed); without
+        // it the embedding's rows are kept.
+        assert_eq!(d.vocab_size, Some(250));
         assert_eq!(d.field("moe_intermediate_size"), Some(32));
         assert_eq!(d.moe_layers, vec![true, true]);
+        let mut a = args();
+        a.0.remove("vocab_size");
+        assert_eq!(
+            Dims::from_args(&a, Some("qwen3_moe")).unwrap().vocab_size,
+            None
+        );
+    }
+
+    #[test]
+    fn a_config_built_from_the_args_uses_transformers_names() {
+        let mut a = args();
+        for (k, v) in [
+            ("max_position_embeddings", json!(4096)),
+            ("moe_router_topk", json!(2)),
+            ("moe_router_score_function", json!("softmax")),
+            ("moe_router_pre_softmax", json!(false)),
+            ("rotary_base", json!(1000000)),
+        ] {
+            a.0.insert(k.into(), v);
+        }
+        let d = Dims::from_args(&a, Some("qwen3_moe")).unwrap();
+        let cfg: Json =
+            serde_json::from_slice(&config_from_args(&d, Some(256), DType::BF16)).unwrap();
+        assert_eq!(
+            cfg,
+            json!({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                "dtype": "bfloat16", "num_hidden_layers": 2, "hidden_size": 64,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                "intermediate_size": 128, "moe_intermediate_size": 32, "num_experts": 4,
+                "mlp_only_layers": [], "tie_word_embeddings": false, "vocab_size": 250,
+                "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "num_experts_per_tok": 2,
+                "norm_topk_prob": true, "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"}})
+        );
+        // deepseek_v3's names: the expert count, the shared experts, an MTP field saying 0.
+        let Json::Object(m) = json!({"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+            "num_experts": 8, "moe_ffn_hidden_size": 16, "moe_shared_expert_intermediate_size": 32,
+            "moe_router_score_function": "sigmoid", "moe_layer_freq": [0, 1]})
+        else {
+            unreachable!()
+        };
+        let d = Dims::from_args(&Args(m), Some("deepseek_v3")).unwrap();
+        let cfg: Json =
+            serde_json::from_slice(&config_from_args(&d, Some(256), DType::F32)).unwrap();
+        assert_eq!(
+            (
+                &cfg["n_routed_experts"],
+                &cfg["n_shared_experts"],
+                &cfg["first_k_dense_replace"],
+                &cfg["norm_topk_prob"],
+                &cfg["num_nextn_predict_layers"],
+                &cfg["vocab_size"],
+                &cfg["num_key_value_heads"]
+            ),
+            (
+                &json!(8),
+                &json!(2),
+                &json!(1),
+                &json!(true),
+                &json!(0),
+                &json!(256),
+                &json!(4)
+            )
+        );
+        assert!(cfg.get("num_experts").is_none() && cfg.get("head_dim").is_none());
+        assert!(!cfg.as_object().unwrap().keys().any(|k| k.contains('*')));
     }
 
     #[test]

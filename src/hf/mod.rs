@@ -3,13 +3,13 @@
 //! needs, converted, and written at its precomputed offset by one of `threads` workers, so peak
 //! memory is about `threads x largest HF tensor` whatever the model size.
 //!
-//! Modules, each importing only those before it: [`layout`] (how the checkpoint numbers its layers:
+//! Modules, each importing only those before it: [`quant`] (the block-FP8 and MXFP4 formats of
+//! quantized releases, pure functions), [`layout`] (how the checkpoint numbers its layers:
 //! a GPTModel's or a HybridModel's), [`spec`] (the rule vocabulary and [`spec::Dims`]),
 //! [`rules`] and [`gdn`] (the rule slices), [`families`] (the architectures), [`config`]
 //! (hyperparameters from config.json and the stored args, and their checks), [`plan`] (the table
 //! applied to the checkpoint's keys), [`write`] (shard plan, safetensors headers, index),
-//! [`output`] (the folder and the commit), [`quant`] (the block-FP8 and MXFP4 formats of quantized
-//! releases). Name mapping:
+//! [`output`] (the folder and the commit). Name mapping:
 //! megatron-torch-dist.md §2.7 and §4.3, shared/reference/hf-mappings-2026.md. Output files:
 //! safetensors sharded as `model-0000k-of-0000n.safetensors` with
 //! `model.safetensors.index.json`, as `transformers` writes them.
@@ -75,6 +75,9 @@ pub struct HfOptions {
     /// The tokenizer folder to copy (`--tokenizer DIR`); None: `<checkpoint>/tokenizer/` when
     /// the checkpoint is a local folder that has one.
     pub tokenizer: Option<PathBuf>,
+    /// `--quantize`: `fp8-block` (block-scaled FP8, see [`quant`]) or `mxfp4` (gpt_oss's
+    /// experts); None writes every tensor in the output dtype.
+    pub quantize: Option<String>,
 }
 
 impl HfOptions {
@@ -120,6 +123,7 @@ impl HfOptions {
             text_only: false,
             drop_mtp: false,
             tokenizer: None,
+            quantize: None,
         })
     }
 }
@@ -145,12 +149,16 @@ pub struct HfSummary {
     /// Embedding and output rows beyond `vocab_size` left out (Megatron's vocabulary padding,
     /// checked to be no more than its padding explains).
     pub padding_rows_dropped: u64,
-    /// Whether config.json was written (only with `--hf-config`).
+    /// Whether config.json was written (the `--hf-config` one, else one built from the stored
+    /// args).
     pub config_written: bool,
     /// MTP layers converted.
     pub mtp_layers: u64,
     /// Vision tensors copied from `--base-hf`.
     pub vision_tensors: usize,
+    /// HF tensors of the conversion (all parts) written quantized (`--quantize`), each as its
+    /// stored tensors (FP8 weight and `weight_scale_inv`, or MXFP4 blocks and scales).
+    pub quantized: usize,
     /// Tokenizer files copied (from `--tokenizer` or `<checkpoint>/tokenizer/`).
     pub tokenizer_files: usize,
     /// `"i/n"` for one part of a split conversion.
@@ -176,6 +184,11 @@ pub fn to_hf(
     progress: &(dyn Fn(u64) + Sync),
 ) -> Result<HfSummary> {
     let t0 = Instant::now();
+    let scheme = opts
+        .quantize
+        .as_deref()
+        .map(quant::Scheme::from_user)
+        .transpose()?;
     // Phase 1: the output folder, checked before anything is read (nothing changes there yet).
     if opts.part.is_some() && opts.overwrite {
         return Err(Error::InvalidArgument(
@@ -195,6 +208,7 @@ pub fn to_hf(
         check,
         rows,
         config,
+        from_args,
         vision,
     } = setup(&ckpt, opts, false)?;
     let Plan {
@@ -202,7 +216,26 @@ pub fn to_hf(
         skipped,
     } = plan::plan(&ckpt, &d, opts.allow_unmapped)?;
     let vision_tensors = vision.len();
+    // Without --hf-config, the config.json built from the stored args, its `dtype` the weights'.
+    let config = match (config, from_args) {
+        (Some(c), _) => Some(c),
+        (None, true) => {
+            let dtype = opts.dtype.or_else(|| tensors.first().map(|t| t.src_dtype));
+            dtype.map(|t| config::config_from_args(&d, rows, t))
+        }
+        (None, false) => None,
+    };
     tensors.extend(vision);
+    let quantization = match scheme {
+        Some(s) => Some(quantize_plan(&mut tensors, s, &d, opts.dtype)?),
+        None => None,
+    };
+    let quantized = tensors.iter().filter(|t| t.quant.is_some()).count();
+    // The config declares the weights as written: the quantization applied, or none (a given
+    // release config's own quantization_config would describe weights this folder lacks).
+    let config = config
+        .map(|c| config::with_quantization(&c, quantization.as_ref()))
+        .transpose()?;
     // The files written beside the weights: config.json, then the tokenizer's.
     let tokenizer = match (&opts.tokenizer, ckpt.location()) {
         (Some(dir), _) => tokenizer::tokenizer_files(dir, true)?,
@@ -308,9 +341,71 @@ pub fn to_hf(
         config_written: committed && config.is_some(),
         mtp_layers: d.mtp_layers,
         vision_tensors,
+        quantized,
         tokenizer_files: if committed { tokenizer_files } else { 0 },
         part: opts.part.map(|p| format!("{}/{}", p.index, p.count)),
         committed,
+    })
+}
+
+/// Marks the tensors of a conversion that `scheme` quantizes ([`quant::quantizes`]; tensors copied from
+/// `--base-hf` never are) and returns the `quantization_config` that describes the folder:
+/// [`quant::fp8_block_config`] with [`quant::fp8_modules_to_not_convert`] of the kept tensors (none for the
+/// DeepSeek families, as DeepSeek-V3's config.json has none), or [`quant::mxfp4_config`] with
+/// [`quant::GPT_OSS_NOT_CONVERTED`]. `out`: the output dtype (None: as stored).
+///
+/// Errors: [`Error::InvalidArgument`] for MXFP4 of a family without an MXFP4 release, a tensor to
+/// quantize that is not float32/bfloat16/float16, or an MXFP4 weight whose blocked dimension is
+/// not a multiple of 32.
+fn quantize_plan(
+    tensors: &mut [HfTensor],
+    scheme: quant::Scheme,
+    d: &spec::Dims,
+    out: Option<DType>,
+) -> Result<serde_json::Value> {
+    let model_type = d.spec.model_types[0];
+    if scheme == quant::Scheme::Mxfp4 && !quant::MXFP4_MODEL_TYPES.contains(&model_type) {
+        return Err(Error::InvalidArgument(format!(
+            "--quantize mxfp4: {model_type} has no MXFP4 release whose layout shardwise could follow (it writes gpt_oss's MXFP4 experts); use --quantize fp8-block"
+        )));
+    }
+    for t in tensors.iter_mut().filter(|t| t.from_file.is_none()) {
+        if !quant::quantizes(scheme, &t.name, &t.shape) {
+            continue;
+        }
+        let dtype = t.out_dtype(out);
+        if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16) {
+            return Err(Error::InvalidArgument(format!(
+                "--quantize: {} is {}; float32, bfloat16 or float16 values are quantized",
+                t.name,
+                dtype.torch_name()
+            )));
+        }
+        if scheme == quant::Scheme::Mxfp4 {
+            let n = t.shape.len();
+            if t.shape[n - 2] % quant::MXFP4_BLOCK != 0 {
+                return Err(Error::InvalidArgument(format!(
+                    "--quantize mxfp4: {} {:?}: its input dimension {} is not a multiple of the {}-element MXFP4 block",
+                    t.name,
+                    t.shape,
+                    t.shape[n - 2],
+                    quant::MXFP4_BLOCK
+                )));
+            }
+        }
+        t.quant = Some(scheme);
+    }
+    Ok(match scheme {
+        quant::Scheme::Fp8Block(_) if model_type.starts_with("deepseek") => {
+            quant::fp8_block_config(&[])
+        }
+        quant::Scheme::Fp8Block(_) => quant::fp8_block_config(&quant::fp8_modules_to_not_convert(
+            tensors
+                .iter()
+                .filter(|t| t.quant.is_none())
+                .map(|t| t.name.as_str()),
+        )),
+        quant::Scheme::Mxfp4 => quant::mxfp4_config(quant::GPT_OSS_NOT_CONVERTED),
     })
 }
 
@@ -358,8 +453,10 @@ struct Setup {
     check: config::ArgsCheck,
     /// The embedding's rows.
     rows: Option<u64>,
-    /// The config.json to write.
+    /// The config.json to write: `--hf-config`'s.
     config: Option<Vec<u8>>,
+    /// No `--hf-config`: the dims come from the stored args, and so does the config.json written.
+    from_args: bool,
     /// The vision tower's tensors (copies from `--base-hf`).
     vision: Vec<HfTensor>,
 }
@@ -472,6 +569,7 @@ fn setup(ckpt: &Checkpoint, opts: &HfOptions, compare: bool) -> Result<Setup> {
         _ => Vec::new(),
     };
     Ok(Setup {
+        from_args: json.is_none(),
         d,
         check,
         rows,

@@ -317,6 +317,11 @@ pub(crate) fn commit_part(
     // This part's earlier marker (a rerun, perhaps with other options) goes before its shards
     // change; any other conversion's marker means the folder mixes two conversions.
     for name in entries(&parts)? {
+        // A marker another part is writing right now (`atomic_write`'s hidden temporary name) is
+        // no conversion's yet.
+        if name.starts_with('.') {
+            continue;
+        }
         let (of, which) = name.split_once('.').unwrap_or((&name, ""));
         if of == fp {
             continue;

@@ -35,6 +35,9 @@ pub(crate) struct HfTensor {
     /// The file and byte offset of a tensor copied byte for byte (the vision tower of
     /// `--base-hf`): written in its stored dtype whatever the output dtype.
     pub from_file: Option<(std::path::PathBuf, u64)>,
+    /// Written quantized (`--quantize`): the stored tensors of [`super::quant::stored`] in place
+    /// of this one. Set by the caller of [`plan`], never for a tensor copied from a file.
+    pub quant: Option<super::quant::Scheme>,
 }
 
 impl HfTensor {
@@ -181,6 +184,7 @@ fn apply(
                 pieces,
                 post: r.post,
                 from_file: None,
+                quant: None,
             });
         }
     }

@@ -35,10 +35,6 @@
 //!   its biased exponent, each `x / d` rounded to e2m1 by that function's bit arithmetic (round
 //!   half away on the last kept bit, saturating at 6).
 
-// The dequantizers are used by from-hf, the quantizers by to-hf --quantize (issue #22); until both
-// land, part of this module has no caller.
-#![allow(dead_code)]
-
 use serde_json::{json, Value as Json};
 
 use crate::error::{Error, Result};
@@ -141,7 +137,8 @@ pub(crate) fn fp8_block_config(modules_to_not_convert: &[String]) -> Json {
 
 /// `modules_to_not_convert` as the Qwen FP8 releases derive it (Qwen3-Next-80B-A3B-Instruct-FP8,
 /// Qwen3-Coder-480B-A35B-Instruct-FP8 config.json): `lm_head` and the module of every tensor
-/// under `model.layers.` or `mtp.` that stays unquantized (norms, routers, shared-expert gates,
+/// under `model.layers.` (a multimodal model's `model.language_model.layers.`), `mtp.` or a
+/// vision tower copied as it is (`model.visual.`) that stays unquantized (norms, routers, shared-expert gates,
 /// the GDN's `A_log`, `conv1d`, `dt_bias`, `in_proj_ba`, `norm`), sorted with layer numbers in
 /// numeric order; the embedding and final norm are not listed. `kept`: the HF names of the
 /// tensors written unquantized.
@@ -151,7 +148,10 @@ pub(crate) fn fp8_modules_to_not_convert<'a>(
     let mut mods: Vec<String> = kept
         .into_iter()
         .filter(|n| {
-            *n == "lm_head.weight" || n.starts_with("model.layers.") || n.starts_with("mtp.")
+            *n == "lm_head.weight"
+                || n.contains("layers.")
+                || n.starts_with("mtp.")
+                || n.starts_with("model.visual.")
         })
         .map(|n| n.rsplit_once('.').map_or(n, |(m, _)| m).to_string())
         .collect();
@@ -181,6 +181,172 @@ fn natural_key(s: &str) -> Vec<(u64, String)> {
 /// The `quantization_config` of an MXFP4 folder, as gpt-oss writes it.
 pub(crate) fn mxfp4_config(modules_to_not_convert: &[&str]) -> Json {
     json!({"modules_to_not_convert": modules_to_not_convert, "quant_method": "mxfp4"})
+}
+
+// ---- to-hf --quantize ----------------------------------------------------------------------------
+
+impl Scheme {
+    /// The scheme of `--quantize` (`fp8-block`: [`FP8_BLOCK`] blocks; `mxfp4`).
+    ///
+    /// Errors: [`Error::InvalidArgument`] for another name.
+    pub(crate) fn from_user(name: &str) -> Result<Scheme> {
+        match name {
+            "fp8-block" => Ok(Scheme::Fp8Block(FP8_BLOCK)),
+            "mxfp4" => Ok(Scheme::Mxfp4),
+            other => Err(Error::InvalidArgument(format!(
+                "--quantize {other:?}: use fp8-block or mxfp4"
+            ))),
+        }
+    }
+}
+
+/// HF weights that block-FP8 releases keep in high precision although they are 2-D linear
+/// weights: the embedding and output head (`lm_head`, DeepSeek-V3's MTP `shared_head.head`), the
+/// MoE routers (`mlp.gate`, mixtral's and minimax_m2's `block_sparse_moe.gate`, gpt_oss's
+/// `mlp.router`), the shared expert's gate and the Gated DeltaNet's small `in_proj_ba` (Qwen3.5:
+/// `in_proj_a`, `in_proj_b`), the MTP module's input projection (Qwen's `mtp.fc`, DeepSeek-V3's
+/// `eh_proj`) and the DSA indexer's head weights (`weights_proj`). Sources:
+/// Qwen3-Next-80B-A3B-Instruct-FP8 config.json `modules_to_not_convert` (lm_head, every
+/// `mlp.gate`, `mlp.shared_expert_gate`, `linear_attn.in_proj_ba`, `mtp.fc`, norms, conv1d,
+/// A_log, dt_bias); DeepSeek-V3 (its README_WEIGHTS.md: 128x128 blocks, float32
+/// `weight_scale_inv`; the router `mlp.gate` and `lm_head` are not linear layers its FP8 kernels
+/// run, and vLLM's `deepseek_mtp.py` builds `eh_proj` as a plain `nn.Linear` that cannot hold FP8).
+const FP8_KEPT_SUFFIXES: &[&str] = &[
+    "embed_tokens.weight",
+    "lm_head.weight",
+    "shared_head.head.weight",
+    ".gate.weight",
+    ".router.weight",
+    "shared_expert_gate.weight",
+    "linear_attn.in_proj_ba.weight",
+    "linear_attn.in_proj_a.weight",
+    "linear_attn.in_proj_b.weight",
+    "mtp.fc.weight",
+    ".eh_proj.weight",
+    "indexer.weights_proj.weight",
+];
+
+/// gpt-oss's quantized tensors: the experts' fused projections (openai/gpt-oss-20b and -120b:
+/// `mlp.experts.gate_up_proj_blocks` / `_scales`, `mlp.experts.down_proj_blocks` / `_scales`; their
+/// biases stay bf16).
+const MXFP4_QUANTIZED_SUFFIXES: &[&str] = &["mlp.experts.gate_up_proj", "mlp.experts.down_proj"];
+
+/// Whether HF tensor `name` of `shape` is written quantized under `scheme`: for block FP8 every
+/// 2-D `.weight` but those of [`FP8_KEPT_SUFFIXES`] (1-D norms, biases, `A_log`, `dt_bias`,
+/// expert biases and the 3-D `conv1d` stay in the output dtype, as do gpt_oss's 3-D fused
+/// experts); for MXFP4 gpt_oss's fused experts ([`MXFP4_QUANTIZED_SUFFIXES`]).
+pub(crate) fn quantizes(scheme: Scheme, name: &str, shape: &[u64]) -> bool {
+    match scheme {
+        Scheme::Fp8Block(_) => {
+            shape.len() == 2
+                && name.ends_with(".weight")
+                && !FP8_KEPT_SUFFIXES.iter().any(|k| name.ends_with(k))
+        }
+        Scheme::Mxfp4 => {
+            shape.len() == 3 && MXFP4_QUANTIZED_SUFFIXES.iter().any(|k| name.ends_with(k))
+        }
+    }
+}
+
+/// The `model_type`s with an MXFP4 release whose layout `--quantize mxfp4` writes.
+pub(crate) const MXFP4_MODEL_TYPES: &[&str] = &["gpt_oss"];
+
+/// The safetensors tensors that HF tensor `name` (`shape`, the transformers parameter's) is stored
+/// as under `scheme`, in file order: (name, dtype, shape).
+/// - Block FP8: `name` as e4m3fn codes of `shape`, then `name` + `_scale_inv`, float32
+///   ([`fp8_scale_shape`]).
+/// - MXFP4: the parameter `[.., rows, cols]` is gpt-oss's `[E, in, out]`, stored transposed:
+///   `name_blocks` `[.., cols, rows/32, 16]` then `name_scales` `[.., cols, rows/32]`, both uint8.
+pub(crate) fn stored(name: &str, shape: &[u64], scheme: Scheme) -> Vec<(String, DType, Vec<u64>)> {
+    match scheme {
+        Scheme::Fp8Block(block) => vec![
+            (name.to_string(), DType::F8E4M3FN, shape.to_vec()),
+            (
+                format!("{name}{SCALE_INV_SUFFIX}"),
+                DType::F32,
+                fp8_scale_shape(shape, block),
+            ),
+        ],
+        Scheme::Mxfp4 => {
+            let t = transposed_shape(shape);
+            let (lead, last) = t.split_at(t.len() - 1);
+            let groups = last[0] / MXFP4_BLOCK;
+            let blocks: Vec<u64> = lead
+                .iter()
+                .copied()
+                .chain([groups, MXFP4_BLOCK / 2])
+                .collect();
+            let scales: Vec<u64> = lead.iter().copied().chain([groups]).collect();
+            vec![
+                (format!("{name}{MXFP4_BLOCKS_SUFFIX}"), DType::U8, blocks),
+                (format!("{name}{MXFP4_SCALES_SUFFIX}"), DType::U8, scales),
+            ]
+        }
+    }
+}
+
+/// `shape` with its last two dimensions swapped.
+fn transposed_shape(shape: &[u64]) -> Vec<u64> {
+    let mut t = shape.to_vec();
+    let n = t.len();
+    if n >= 2 {
+        t.swap(n - 2, n - 1);
+    }
+    t
+}
+
+/// Swaps the last two dimensions of `bytes` (`shape`, elements of `item` bytes).
+fn transpose_last2(bytes: &[u8], shape: &[u64], item: usize) -> Vec<u8> {
+    let (mats, rows, cols) = matrices(shape);
+    let mut out = vec![0u8; bytes.len()];
+    for m in 0..mats {
+        let base = m * rows * cols;
+        for r in 0..rows {
+            for c in 0..cols {
+                let src = (base + r * cols + c) * item;
+                let dst = (base + c * rows + r) * item;
+                out[dst..dst + item].copy_from_slice(&bytes[src..src + item]);
+            }
+        }
+    }
+    out
+}
+
+/// The bytes of the tensors [`stored`] lists for HF tensor `name` (`values`: `shape` in `dtype`,
+/// float32, bfloat16 or float16), concatenated in that order: [`fp8_quantize`]'s codes then its
+/// float32 scales (little-endian), or [`mxfp4_quantize`]'s blocks then scales of the transposed
+/// parameter.
+///
+/// Errors: those of the quantizers, naming `name`.
+pub(crate) fn quantize(
+    name: &str,
+    scheme: Scheme,
+    values: &[u8],
+    dtype: DType,
+    shape: &[u64],
+) -> Result<Vec<u8>> {
+    let n = shape.iter().product::<u64>() as usize;
+    let named = |e: Error| Error::Validation(format!("{name}: {e}"));
+    match scheme {
+        Scheme::Fp8Block(block) => {
+            let ns = fp8_scale_shape(shape, block).iter().product::<u64>() as usize;
+            let mut out = vec![0u8; n + 4 * ns];
+            let mut scales = vec![0f32; ns];
+            fp8_quantize(values, dtype, shape, block, &mut out[..n], &mut scales).map_err(named)?;
+            for (s, o) in scales.iter().zip(out[n..].chunks_exact_mut(4)) {
+                o.copy_from_slice(&s.to_le_bytes());
+            }
+            Ok(out)
+        }
+        Scheme::Mxfp4 => {
+            let t = transpose_last2(values, shape, dtype.itemsize() as usize);
+            let b = MXFP4_BLOCK as usize;
+            let mut out = vec![0u8; n / 2 + n / b];
+            let (blocks, scales) = out.split_at_mut(n / 2);
+            mxfp4_quantize(&t, dtype, &transposed_shape(shape), blocks, scales).map_err(named)?;
+            Ok(out)
+        }
+    }
 }
 
 // ---- e4m3fn ------------------------------------------------------------------------------------
@@ -814,6 +980,107 @@ mod tests {
             &mut s
         )
         .is_err());
+    }
+
+    #[test]
+    fn what_is_quantized_and_how_it_is_stored() {
+        let fp8 = Scheme::from_user("fp8-block").unwrap();
+        for kept in [
+            "model.embed_tokens.weight",
+            "lm_head.weight",
+            "model.layers.0.mlp.gate.weight",
+            "model.layers.0.block_sparse_moe.gate.weight",
+            "model.layers.0.mlp.router.weight",
+            "model.layers.0.mlp.shared_expert_gate.weight",
+            "model.layers.0.linear_attn.in_proj_ba.weight",
+            "model.layers.0.linear_attn.in_proj_a.weight",
+            "mtp.fc.weight",
+            "model.layers.3.eh_proj.weight",
+            "model.layers.3.shared_head.head.weight",
+        ] {
+            assert!(!quantizes(fp8, kept, &[8, 8]), "{kept}");
+        }
+        for q in [
+            "model.layers.0.self_attn.q_proj.weight",
+            "model.layers.0.mlp.experts.3.gate_proj.weight",
+            "model.layers.0.mlp.shared_expert.down_proj.weight",
+            "model.layers.0.linear_attn.in_proj_qkvz.weight",
+            "model.layers.0.mlp.gate_proj.weight",
+            "mtp.layers.0.self_attn.o_proj.weight",
+        ] {
+            assert!(quantizes(fp8, q, &[8, 8]), "{q}");
+        }
+        // Norms, biases, conv1d and gpt_oss's 3-D experts are not 2-D weights.
+        assert!(!quantizes(
+            fp8,
+            "model.layers.0.input_layernorm.weight",
+            &[8]
+        ));
+        assert!(!quantizes(
+            fp8,
+            "model.layers.0.linear_attn.conv1d.weight",
+            &[8, 1, 4]
+        ));
+        assert!(!quantizes(
+            fp8,
+            "model.layers.0.self_attn.q_proj.bias",
+            &[8, 8]
+        ));
+        assert!(quantizes(
+            Scheme::Mxfp4,
+            "model.layers.0.mlp.experts.gate_up_proj",
+            &[4, 64, 64]
+        ));
+        assert!(!quantizes(
+            Scheme::Mxfp4,
+            "model.layers.0.mlp.experts.gate_up_proj_bias",
+            &[4, 64]
+        ));
+        assert!(!quantizes(
+            Scheme::Mxfp4,
+            "model.layers.0.self_attn.q_proj.weight",
+            &[8, 8]
+        ));
+        assert!(Scheme::from_user("int4").is_err());
+        // FP8: codes then the scale grid; MXFP4: the transposed parameter's blocks and scales.
+        assert_eq!(
+            stored("w.weight", &[300, 129], fp8),
+            vec![
+                ("w.weight".to_string(), DType::F8E4M3FN, vec![300, 129]),
+                ("w.weight_scale_inv".to_string(), DType::F32, vec![3, 2]),
+            ]
+        );
+        assert_eq!(
+            stored("e.down_proj", &[4, 32, 64], Scheme::Mxfp4),
+            vec![
+                (
+                    "e.down_proj_blocks".to_string(),
+                    DType::U8,
+                    vec![4, 64, 1, 16]
+                ),
+                ("e.down_proj_scales".to_string(), DType::U8, vec![4, 64, 1]),
+            ]
+        );
+        // The bytes are the stored tensors' in order: a [2, 3] FP8 weight, then its one f32 scale.
+        let x = [1.0f32, -2.0, 0.5, 0.0, 0.25, 2.0];
+        let bytes = quantize("w", fp8, &bf16_bytes(&x), DType::BF16, &[2, 3]).unwrap();
+        assert_eq!(&bytes[..6], &[0x76, 0xFE, 0x6E, 0x00, 0x66, 0x7E]);
+        assert_eq!(f32s(&bytes[6..]), vec![2.0 / 448.0]);
+        // MXFP4 quantizes the transposed [.., 2, 32] of a [.., 32, 2] parameter: column 1 is all 3s.
+        let p: Vec<f32> = (0..64)
+            .map(|i| if i % 2 == 1 { 3.0 } else { 0.0 })
+            .collect();
+        let bytes = quantize(
+            "e",
+            Scheme::Mxfp4,
+            &bf16_bytes(&p),
+            DType::BF16,
+            &[1, 32, 2],
+        )
+        .unwrap();
+        assert_eq!(bytes.len(), 32 + 2);
+        assert!(bytes[..16].iter().all(|&b| b == 0) && bytes[16..32].iter().all(|&b| b == 0x77));
+        assert_eq!(&bytes[32..], &[0, 126]); // amax 3: 3 / 6 = 2^-1
     }
 
     #[test]

@@ -671,6 +671,49 @@ pub(crate) const BASE_CHECKS: &[Check] = &[
     check("rms_norm_eps", "norm_epsilon", Rel::Float),
 ];
 
+/// What a config built from the args takes from them beyond the checked rows (every family):
+/// the context length Megatron trained with.
+pub(crate) const BASE_DERIVED: &[Check] = &[check(
+    "max_position_embeddings",
+    "max_position_embeddings",
+    Rel::Derived,
+)];
+
+/// The RoPE base of the families without [`ROPE_CHECKS`] (a config built from the args says it;
+/// a given config.json is not checked for it).
+pub(crate) const ROPE_THETA_DERIVED: &[Check] = &[check("rope_theta", "rotary_base", Rel::Derived)];
+
+/// The router's top-k (`--moe-router-topk`), every MoE family.
+pub(crate) const TOPK_DERIVED: &[Check] = &[check(
+    "num_experts_per_tok",
+    "moe_router_topk",
+    Rel::Derived,
+)];
+
+/// Whether the router renormalises its top-k (the families whose config has `norm_topk_prob`).
+pub(crate) const TOPK_NORM_DERIVED: &[Check] = &[check(
+    "norm_topk_prob",
+    "moe_router_score_function",
+    Rel::TopkNorm,
+)];
+
+/// deepseek_v3's grouped router (`--moe-router-topk-scaling-factor`, `--moe-router-num-groups`,
+/// `--moe-router-group-topk`) and its shared expert count.
+pub(crate) const GROUPED_ROUTER_DERIVED: &[Check] = &[
+    check(
+        "routed_scaling_factor",
+        "moe_router_topk_scaling_factor",
+        Rel::Derived,
+    ),
+    check("n_group", "moe_router_num_groups", Rel::Derived),
+    check("topk_group", "moe_router_group_topk", Rel::Derived),
+    check(
+        "n_shared_experts",
+        "moe_shared_expert_intermediate_size",
+        Rel::SharedExperts,
+    ),
+];
+
 /// The head split of standard attention (every architecture but MLA's: transformers' deepseek_v3
 /// `head_dim` is `qk_rope_head_dim`, and Megatron's `kv_channels` is unused by MLA).
 pub(crate) const HEAD_SPLIT_CHECKS: &[Check] = &[

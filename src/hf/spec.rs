@@ -14,12 +14,20 @@ use crate::error::{Error, Result};
 pub(crate) struct ArchSpec {
     /// `model_type` values of config.json (and `--arch`) that select it.
     pub model_types: &'static [&'static str],
+    /// The transformers class of the text model (`architectures` of a config.json built from the
+    /// stored args, whose `model_type` is `model_types[0]`, or the multimodal layout's
+    /// `text_model_type`).
+    pub architecture: &'static str,
+    /// The config.json field of the routed expert count (`num_experts`, mixtral's and gpt_oss's
+    /// `num_local_experts`, deepseek_v3's `n_routed_experts`; see [`Dims::field`]).
+    pub experts_field: &'static str,
     /// Rules for whole-model keys (full checkpoint key).
     pub model: &'static [Rule],
     /// Rules for per-layer keys (sub-key after `decoder.layers.{i}.`, or after `decoder.layers.`
     /// when layers are stacked on a leading axis).
     pub layer: &'static [&'static [Rule]],
-    /// Config fields checked against Megatron's stored args.
+    /// Config fields tied to Megatron's stored args: checked against them, and the source of a
+    /// config.json built from them (the [`Rel::Derived`] rows only the latter).
     pub checks: &'static [&'static [Check]],
     /// Which layers are MoE.
     pub moe_layers: LayerPattern,
@@ -246,6 +254,18 @@ pub(crate) enum Rel {
     /// `modeling_deepseek_v3.py`); Megatron applies `layernorm_epsilon` to every norm. Another
     /// epsilon (config, else args) is converted with a warning: those two norms then differ.
     MlaNormEps,
+    /// Not a check: a config built from the args takes the field from this args field as stored
+    /// (a number or a boolean). Not checked because an HF release may declare another value for
+    /// the same model (Megatron's `max_position_embeddings` is its training length), or because
+    /// no tensor depends on it and Megatron keeps it under several flags.
+    Derived,
+    /// Not a check: `norm_topk_prob` from the router's scoring (MC 0.19 `moe_utils.py`
+    /// `topk_routing_with_score_function`): a sigmoid router always renormalises its top-k; a
+    /// softmax router does unless `moe_router_pre_softmax` (softmax over all experts, then top-k).
+    TopkNorm,
+    /// Not a check: deepseek_v3's `n_shared_experts`, Megatron's
+    /// `moe_shared_expert_intermediate_size / moe_ffn_hidden_size` (0 without shared experts).
+    SharedExperts,
 }
 
 // ---- constructors ------------------------------------------------------------------------------

@@ -196,6 +196,7 @@ pub(crate) fn vision_tensors(
             pieces: Vec::new(),
             post: Post::None,
             from_file: Some((s.file.clone(), s.start)),
+            quant: None,
         });
     }
     Ok(out)

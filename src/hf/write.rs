@@ -10,6 +10,7 @@ use rayon::prelude::*;
 use serde::Serialize;
 
 use super::plan::{read_hf_tensor, HfTensor};
+use super::quant;
 use crate::error::{Error, Result, Stopped};
 use crate::format::dtype::DType;
 use crate::reader::Checkpoint;
@@ -126,12 +127,35 @@ pub(crate) const MAX_HEADER_BYTES: usize = 100_000_000;
 /// estimate of an entry (which bounds each data offset by 20 digits) never matters.
 pub(crate) const HEADER_BUDGET: usize = 90_000_000;
 
-/// An upper bound of a tensor's entry in a safetensors header:
+/// The safetensors tensors HF tensor `t` is written as, in file order (name, dtype, shape): itself
+/// in the output dtype, or its quantized form ([`quant::stored`]: the weight and its scales,
+/// always in one file).
+fn st_tensors(t: &HfTensor, out_dtype: Option<DType>) -> Vec<(String, DType, Vec<u64>)> {
+    match t.quant {
+        Some(s) => quant::stored(&t.name, &t.shape, s),
+        None => vec![(t.name.clone(), t.out_dtype(out_dtype), t.shape.clone())],
+    }
+}
+
+/// The bytes written for `t` (all of its [`st_tensors`]).
+fn written_bytes(t: &HfTensor, out_dtype: Option<DType>) -> u64 {
+    st_tensors(t, out_dtype)
+        .iter()
+        .map(|(_, d, s)| s.iter().product::<u64>() * d.itemsize())
+        .sum()
+}
+
+/// An upper bound of `t`'s entries in a safetensors header: per stored tensor
 /// `"name":{"dtype":"BF16","shape":[..],"data_offsets":[a,b]},` with both offsets at 20 digits.
-fn header_entry_bound(t: &HfTensor) -> usize {
-    let name = serde_json::to_string(&t.name).map_or(t.name.len() * 6 + 2, |s| s.len());
-    let shape: usize = t.shape.iter().map(|d| d.to_string().len() + 1).sum();
-    name + shape + 100
+fn header_entry_bound(t: &HfTensor, out_dtype: Option<DType>) -> usize {
+    st_tensors(t, out_dtype)
+        .iter()
+        .map(|(name, _, shape)| {
+            let name = serde_json::to_string(name).map_or(name.len() * 6 + 2, |s| s.len());
+            let shape: usize = shape.iter().map(|d| d.to_string().len() + 1).sum();
+            name + shape + 100
+        })
+        .sum()
 }
 
 /// Shards greedy in tensor order, each at most `max_shard_bytes` of data (a larger tensor gets
@@ -148,14 +172,13 @@ pub(crate) fn shard_plan(
     max_shard_bytes: u64,
     header_budget: usize,
 ) -> Result<ShardPlan> {
-    let dtype = |t: &HfTensor| t.out_dtype(out_dtype);
-    let nbytes = |t: &HfTensor| t.shape.iter().product::<u64>() * dtype(t).itemsize();
+    let nbytes = |t: &HfTensor| written_bytes(t, out_dtype);
     // `{"__metadata__":{"format":"pt"},` and the closing brace.
     const HEADER_BASE: usize = 64;
     let mut groups: Vec<Vec<usize>> = vec![Vec::new()];
     let (mut size, mut header) = (0u64, HEADER_BASE);
     for (i, t) in tensors.iter().enumerate() {
-        let (n, h) = (nbytes(t), header_entry_bound(t));
+        let (n, h) = (nbytes(t), header_entry_bound(t, out_dtype));
         let full = size + n > max_shard_bytes || header + h > header_budget;
         if !groups.last().unwrap().is_empty() && full {
             groups.push(Vec::new());
@@ -170,17 +193,18 @@ pub(crate) fn shard_plan(
         let mut infos = Vec::with_capacity(idx.len());
         let mut at = 0usize;
         for &i in &idx {
-            let t = &tensors[i];
-            let n = nbytes(t) as usize;
-            infos.push((
-                t.name.clone(),
-                safetensors::tensor::TensorInfo {
-                    dtype: st_dtype(dtype(t))?,
-                    shape: t.shape.iter().map(|&d| d as usize).collect(),
-                    data_offsets: (at, at + n),
-                },
-            ));
-            at += n;
+            for (name, dtype, shape) in st_tensors(&tensors[i], out_dtype) {
+                let n = (shape.iter().product::<u64>() * dtype.itemsize()) as usize;
+                infos.push((
+                    name,
+                    safetensors::tensor::TensorInfo {
+                        dtype: st_dtype(dtype)?,
+                        shape: shape.iter().map(|&d| d as usize).collect(),
+                        data_offsets: (at, at + n),
+                    },
+                ));
+                at += n;
+            }
         }
         let meta = safetensors::tensor::Metadata::new(
             Some(HashMap::from([("format".to_string(), "pt".to_string())])),
@@ -210,8 +234,9 @@ pub(crate) fn shard_plan(
     for k in 0..plan.shards.len() {
         let name = plan.file_name(k);
         for &i in &plan.shards[k].tensors {
-            plan.weight_map
-                .insert(tensors[i].name.clone(), name.clone());
+            for (st, _, _) in st_tensors(&tensors[i], out_dtype) {
+                plan.weight_map.insert(st, name.clone());
+            }
         }
         plan.total += plan.shards[k].data_len;
     }
@@ -245,8 +270,7 @@ pub(crate) fn write_shards(
         let mut off = 0u64;
         for &i in &s.tensors {
             jobs.push((i, f, data_start + off));
-            let t = &tensors[i];
-            off += t.shape.iter().product::<u64>() * t.out_dtype(out_dtype).itemsize();
+            off += written_bytes(&tensors[i], out_dtype);
         }
         files.push(file);
     }
@@ -279,6 +303,12 @@ pub(crate) fn write_shards(
                         buf
                     } else {
                         convert(&buf, t.src_dtype, out)?
+                    };
+                    // Quantized from the output dtype's values: what a quantization of the
+                    // unquantized conversion gives.
+                    let bytes = match t.quant {
+                        Some(s) => quant::quantize(&t.name, s, &bytes, out, &t.shape)?,
+                        None => bytes,
                     };
                     files[f].write_at(&bytes, off)?;
                     progress(bytes.len() as u64);
@@ -336,6 +366,7 @@ mod tests {
                 pieces: Vec::new(),
                 post: super::super::spec::Post::None,
                 from_file: None,
+                quant: None,
             })
             .collect()
     }

@@ -160,6 +160,9 @@ pub(crate) fn megatron_args(d: &Dims, lay: &Layout) -> Result<BTreeMap<String, A
             }
             // A warning of to-hf only; norm_epsilon itself is the Float row's.
             Rel::MlaNormEps => {}
+            // The fields a config built from to-hf's args takes (context length, router
+            // settings): no tensor depends on them, and from-hf's args describe the tensors.
+            Rel::Derived | Rel::TopkNorm | Rel::SharedExperts => {}
             Rel::MoeLayers => {
                 if d.num_experts > 0 {
                     let all = d.moe_layers.iter().all(|&m| m);
