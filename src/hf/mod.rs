@@ -204,10 +204,9 @@ pub fn to_hf(
     let vision_tensors = vision.len();
     tensors.extend(vision);
     // The files written beside the weights: config.json, then the tokenizer's.
-    let tokenizer = match (&opts.tokenizer, ckpt.location()) {
-        (Some(dir), _) => tokenizer::tokenizer_files(dir, true)?,
-        (None, Location::Local(dir)) => tokenizer::tokenizer_files(&dir.join("tokenizer"), false)?,
-        _ => Vec::new(),
+    let tokenizer = match &opts.tokenizer {
+        Some(dir) => tokenizer::given_tokenizer(dir)?,
+        None => tokenizer::tokenizer_files(ckpt.location(), "tokenizer")?,
     };
     let tokenizer_files = tokenizer.len();
     let files: Vec<(String, Vec<u8>)> = config
