@@ -38,7 +38,7 @@ use crate::format::dtype::DType;
 use crate::reader::Checkpoint;
 use crate::storage::{create_dir_all, Location};
 
-pub use from_hf::{from_hf, FromHfOptions, FromHfSummary, Impl};
+pub use from_hf::{from_hf, parse_max_file_size, FromHfOptions, FromHfSummary, Impl};
 pub use output::Part;
 pub(crate) use plan::{read_hf_tensor, HfTensor, Plan};
 pub(crate) use spec::Post;

@@ -59,8 +59,10 @@ pub struct FromHfOptions {
     pub tracker: bool,
     /// Worker threads converting tensors.
     pub threads: usize,
-    /// The largest data file, in bytes, unless one tensor alone is larger: the tensors of one file
-    /// are held in memory until it is written.
+    /// The largest data file, in bytes, unless one tensor alone is larger (0, the default: the
+    /// largest tensor's size). The tensors of one file are held in memory until it is written,
+    /// one file per worker, so peak memory is about `threads x max(max_file_bytes, largest
+    /// tensor)` plus one HF tensor per worker.
     pub max_file_bytes: u64,
     /// Skip HF tensors no rule reads instead of failing.
     pub allow_unmapped: bool,
@@ -116,7 +118,7 @@ impl FromHfOptions {
             iteration: 0,
             tracker: false,
             threads,
-            max_file_bytes: 1 << 30,
+            max_file_bytes: 0,
             allow_unmapped: false,
             overwrite: false,
             part: None,
@@ -149,6 +151,17 @@ pub struct FromHfSummary {
     pub committed: bool,
     /// The tracker file written, if any.
     pub tracker: Option<PathBuf>,
+}
+
+/// `--max-file-size`: a size ([`crate::hf::parse_size`]) in bytes, or `auto` (0: the largest
+/// tensor's size).
+///
+/// Errors: [`Error::InvalidArgument`] for a bad size.
+pub fn parse_max_file_size(s: &str) -> Result<u64> {
+    if s.trim().eq_ignore_ascii_case("auto") {
+        return Ok(0);
+    }
+    crate::hf::parse_size(s)
 }
 
 /// Megatron-LM's padded vocabulary: `vocab` rounded up to a multiple of `divisible_by x tp`
@@ -359,49 +372,61 @@ pub fn from_hf(
         freshness: Freshness::any_part(),
         integrity: false,
     };
-    let (mut chunks, mut bytes, mut files) = (0usize, 0u64, 0usize);
-    for &g in &mine {
-        let range = groups.get(g).cloned().unwrap_or(0..0);
-        let jobs = &p.jobs[range];
-        let bufs: Vec<Vec<u8>> = run::watching_interrupt(|stop| {
-            pool.install(|| {
-                jobs.par_iter()
-                    .map(|j| {
-                        let b = run::run_job(&src, j, opts.dtype, stop)?;
-                        progress(b.len() as u64);
-                        Ok(b)
+    // Each worker converts one group at a time (its jobs in turn) and writes it as one rank's
+    // save: while one group is written (saves of one process write one at a time), the others
+    // convert, so reading, converting and writing overlap, and memory holds at most one group per
+    // worker.
+    let one_group =
+        |g: usize, stop: &std::sync::atomic::AtomicBool| -> Result<(usize, u64, usize)> {
+            let range = groups.get(g).cloned().unwrap_or(0..0);
+            let jobs = &p.jobs[range];
+            let mut bufs = Vec::with_capacity(jobs.len());
+            for j in jobs {
+                let b = run::run_job(&src, j, opts.dtype, stop)?;
+                progress(b.len() as u64);
+                bufs.push(b);
+            }
+            if stop.load(std::sync::atomic::Ordering::Relaxed) {
+                return Err(Error::Interrupted(Stopped::Commit));
+            }
+            let tensors: Vec<TensorChunk> = jobs
+                .iter()
+                .zip(&bufs)
+                .flat_map(|(j, b)| {
+                    j.chunks.iter().map(move |c| TensorChunk {
+                        fqn: c.key.clone(),
+                        dtype: opts.dtype,
+                        global_shape: c.global_shape.clone(),
+                        offsets: c.offsets.clone(),
+                        sizes: c.sizes.clone(),
+                        data: Payload::Host(run::chunk_bytes(b, c, opts.dtype)),
                     })
-                    .collect::<Result<Vec<_>>>()
-            })
-        })?;
-        if interrupted() {
-            return Err(Error::Interrupted(Stopped::Commit));
-        }
-        let tensors: Vec<TensorChunk> = jobs
-            .iter()
-            .zip(&bufs)
-            .flat_map(|(j, b)| {
-                j.chunks.iter().map(move |c| TensorChunk {
-                    fqn: c.key.clone(),
-                    dtype: opts.dtype,
-                    global_shape: c.global_shape.clone(),
-                    offsets: c.offsets.clone(),
-                    sizes: c.sizes.clone(),
-                    data: Payload::Host(run::chunk_bytes(b, c, opts.dtype)),
                 })
-            })
-            .collect();
-        let report = save_rank(
-            &save_opts(g),
-            &tensors,
-            if g == 0 { &objects } else { &[] },
-            (g == 0).then_some(common.as_slice()),
-            None,
-        )?;
-        chunks += tensors.len();
-        bytes += tensors.iter().map(|t| t.data.len()).sum::<u64>();
-        files += report.data_file.is_some() as usize;
+                .collect();
+            let report = save_rank(
+                &save_opts(g),
+                &tensors,
+                if g == 0 { &objects } else { &[] },
+                (g == 0).then_some(common.as_slice()),
+                None,
+            )?;
+            let bytes = tensors.iter().map(|t| t.data.len()).sum::<u64>();
+            Ok((tensors.len(), bytes, report.data_file.is_some() as usize))
+        };
+    let written: Vec<(usize, u64, usize)> = run::watching_interrupt(|stop| {
+        pool.install(|| {
+            mine.par_iter()
+                .with_max_len(1)
+                .map(|&g| one_group(g, stop))
+                .collect::<Result<Vec<_>>>()
+        })
+    })?;
+    if interrupted() {
+        return Err(Error::Interrupted(Stopped::Commit));
     }
+    let chunks = written.iter().map(|w| w.0).sum::<usize>();
+    let bytes = written.iter().map(|w| w.1).sum::<u64>();
+    let files = written.iter().map(|w| w.2).sum::<usize>();
     // Phase 4: the commit, by whichever process finds every part published.
     let committed = if missing_ranks(&loc, &save_id, world)?.is_empty() {
         if interrupted() {
@@ -465,7 +490,7 @@ fn save_id(src: &source::HfSource, opts: &FromHfOptions, d: &Dims) -> Result<Str
     h.update(src.identity()?);
     h.update(
         format!(
-            "\0{:?}\0{:?}\0{}\0{}\0{}\0{}\0{}",
+            "\0{:?}\0{:?}\0{}\0{}\0{}\0{}\0{}\0{}",
             opts.dtype,
             opts.transformer_impl,
             opts.moe_grouped_gemm,
@@ -473,6 +498,8 @@ fn save_id(src: &source::HfSource, opts: &FromHfOptions, d: &Dims) -> Result<Str
             opts.tensor_model_parallel_size,
             opts.iteration,
             d.spec.model_types[0],
+            // The data files' grouping: parts split with different sizes must not mix.
+            opts.max_file_bytes,
         )
         .as_bytes(),
     );
