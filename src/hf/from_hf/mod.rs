@@ -19,6 +19,7 @@ mod run;
 mod source;
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use rayon::prelude::*;
@@ -372,53 +373,77 @@ pub fn from_hf(
         freshness: Freshness::any_part(),
         integrity: false,
     };
-    // Each worker converts one group at a time (its jobs in turn) and writes it as one rank's
-    // save: while one group is written (saves of one process write one at a time), the others
-    // convert, so reading, converting and writing overlap, and memory holds at most one group per
-    // worker.
-    let one_group =
-        |g: usize, stop: &std::sync::atomic::AtomicBool| -> Result<(usize, u64, usize)> {
-            let range = groups.get(g).cloned().unwrap_or(0..0);
-            let jobs = &p.jobs[range];
-            let mut bufs = Vec::with_capacity(jobs.len());
-            for j in jobs {
+    // The workers convert one group at a time each (its jobs in turn) and hand it to one writer
+    // thread, which saves it as one rank: reading, converting and writing overlap, and memory holds
+    // at most a group per worker plus the one queued and the one being written. The writer runs
+    // outside the pool: a save's own rayon work waited for inside the pool could steal another
+    // group's task, whose save would then wait for the save ticket this thread holds (deadlock).
+    let convert = |g: usize, stop: &AtomicBool| -> Result<Vec<Vec<u8>>> {
+        let range = groups.get(g).cloned().unwrap_or(0..0);
+        p.jobs[range]
+            .iter()
+            .map(|j| {
                 let b = run::run_job(&src, j, opts.dtype, stop)?;
                 progress(b.len() as u64);
-                bufs.push(b);
-            }
-            if stop.load(std::sync::atomic::Ordering::Relaxed) {
-                return Err(Error::Interrupted(Stopped::Commit));
-            }
-            let tensors: Vec<TensorChunk> = jobs
-                .iter()
-                .zip(&bufs)
-                .flat_map(|(j, b)| {
-                    j.chunks.iter().map(move |c| TensorChunk {
-                        fqn: c.key.clone(),
-                        dtype: opts.dtype,
-                        global_shape: c.global_shape.clone(),
-                        offsets: c.offsets.clone(),
-                        sizes: c.sizes.clone(),
-                        data: Payload::Host(run::chunk_bytes(b, c, opts.dtype)),
-                    })
+                Ok(b)
+            })
+            .collect()
+    };
+    let write = |g: usize, bufs: &[Vec<u8>]| -> Result<(usize, u64, usize)> {
+        let range = groups.get(g).cloned().unwrap_or(0..0);
+        let tensors: Vec<TensorChunk> = p.jobs[range]
+            .iter()
+            .zip(bufs)
+            .flat_map(|(j, b)| {
+                j.chunks.iter().map(move |c| TensorChunk {
+                    fqn: c.key.clone(),
+                    dtype: opts.dtype,
+                    global_shape: c.global_shape.clone(),
+                    offsets: c.offsets.clone(),
+                    sizes: c.sizes.clone(),
+                    data: Payload::Host(run::chunk_bytes(b, c, opts.dtype)),
                 })
-                .collect();
-            let report = save_rank(
-                &save_opts(g),
-                &tensors,
-                if g == 0 { &objects } else { &[] },
-                (g == 0).then_some(common.as_slice()),
-                None,
-            )?;
-            let bytes = tensors.iter().map(|t| t.data.len()).sum::<u64>();
-            Ok((tensors.len(), bytes, report.data_file.is_some() as usize))
-        };
+            })
+            .collect();
+        let report = save_rank(
+            &save_opts(g),
+            &tensors,
+            if g == 0 { &objects } else { &[] },
+            (g == 0).then_some(common.as_slice()),
+            None,
+        )?;
+        let bytes = tensors.iter().map(|t| t.data.len()).sum::<u64>();
+        Ok((tensors.len(), bytes, report.data_file.is_some() as usize))
+    };
     let written: Vec<(usize, u64, usize)> = run::watching_interrupt(|stop| {
-        pool.install(|| {
-            mine.par_iter()
-                .with_max_len(1)
-                .map(|&g| one_group(g, stop))
-                .collect::<Result<Vec<_>>>()
+        let (tx, rx) = std::sync::mpsc::sync_channel::<(usize, Vec<Vec<u8>>)>(1);
+        std::thread::scope(|s| {
+            let writer = s.spawn(move || -> Result<Vec<(usize, u64, usize)>> {
+                let mut out = Vec::new();
+                for (g, bufs) in rx {
+                    if stop.load(Ordering::Relaxed) {
+                        return Err(Error::Interrupted(Stopped::Commit));
+                    }
+                    out.push(write(g, &bufs)?);
+                }
+                Ok(out)
+            });
+            let converted = pool.install(|| {
+                mine.par_iter().with_max_len(1).try_for_each(|&g| {
+                    let bufs = convert(g, stop)?;
+                    // A closed queue: the writer failed, and says why below.
+                    tx.send((g, bufs))
+                        .map_err(|_| Error::Interrupted(Stopped::Commit))
+                })
+            });
+            drop(tx);
+            let written = writer
+                .join()
+                .unwrap_or(Err(Error::Interrupted(Stopped::Commit)));
+            match (written, converted) {
+                (Err(e), _) | (Ok(_), Err(e)) => Err(e),
+                (Ok(w), Ok(())) => Ok(w),
+            }
         })
     })?;
     if interrupted() {
