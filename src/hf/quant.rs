@@ -295,27 +295,40 @@ fn transposed_shape(shape: &[u64]) -> Vec<u64> {
     t
 }
 
-/// Swaps the last two dimensions of `bytes` (`shape`, elements of `item` bytes).
-fn transpose_last2(bytes: &[u8], shape: &[u64], item: usize) -> Vec<u8> {
+/// `x` (`shape`) with its last two dimensions swapped.
+fn transpose_last2(x: &[f32], shape: &[u64]) -> Vec<f32> {
     let (mats, rows, cols) = matrices(shape);
-    let mut out = vec![0u8; bytes.len()];
+    let mut out = vec![0f32; x.len()];
     for m in 0..mats {
         let base = m * rows * cols;
         for r in 0..rows {
             for c in 0..cols {
-                let src = (base + r * cols + c) * item;
-                let dst = (base + c * rows + r) * item;
-                out[dst..dst + item].copy_from_slice(&bytes[src..src + item]);
+                out[base + c * rows + r] = x[base + r * cols + c];
             }
         }
     }
     out
 }
 
+/// Rounds float32 values to `dtype` (bfloat16 or float16, to nearest even, as torch's `.to`), in
+/// place; float32 (or another dtype) leaves them as they are.
+fn round_to(x: &mut [f32], dtype: DType) {
+    match dtype {
+        DType::BF16 => x
+            .iter_mut()
+            .for_each(|v| *v = half::bf16::from_f32(*v).to_f32()),
+        DType::F16 => x
+            .iter_mut()
+            .for_each(|v| *v = half::f16::from_f32(*v).to_f32()),
+        _ => {}
+    }
+}
+
 /// The bytes of the tensors [`stored`] lists for HF tensor `name` (`values`: `shape` in `dtype`,
-/// float32, bfloat16 or float16), concatenated in that order: [`fp8_quantize`]'s codes then its
-/// float32 scales (little-endian), or [`mxfp4_quantize`]'s blocks then scales of the transposed
-/// parameter.
+/// float32, bfloat16 or float16), concatenated in that order: [`fp8_quantize_values`]'s codes then its
+/// float32 scales (little-endian), or [`mxfp4_quantize_values`]'s blocks then scales of the transposed
+/// parameter. The values are first rounded to `out` (the output dtype), in the same pass that
+/// reads them: the quantization of the unquantized conversion's tensor.
 ///
 /// Errors: those of the quantizers, naming `name`.
 pub(crate) fn quantize(
@@ -323,27 +336,32 @@ pub(crate) fn quantize(
     scheme: Scheme,
     values: &[u8],
     dtype: DType,
+    out: DType,
     shape: &[u64],
 ) -> Result<Vec<u8>> {
     let n = shape.iter().product::<u64>() as usize;
     let named = |e: Error| Error::Validation(format!("{name}: {e}"));
+    let mut x = load_f32(values, dtype).map_err(named)?;
+    round_to(&mut x, out);
     match scheme {
         Scheme::Fp8Block(block) => {
             let ns = fp8_scale_shape(shape, block).iter().product::<u64>() as usize;
             let mut out = vec![0u8; n + 4 * ns];
             let mut scales = vec![0f32; ns];
-            fp8_quantize(values, dtype, shape, block, &mut out[..n], &mut scales).map_err(named)?;
+            fp8_quantize_values(&x, shape, block, &mut out[..n], &mut scales).map_err(named)?;
             for (s, o) in scales.iter().zip(out[n..].chunks_exact_mut(4)) {
                 o.copy_from_slice(&s.to_le_bytes());
             }
             Ok(out)
         }
         Scheme::Mxfp4 => {
-            let t = transpose_last2(values, shape, dtype.itemsize() as usize);
+            // transformers' quantize_to_mxfp4 quantizes the bfloat16 weight.
+            round_to(&mut x, DType::BF16);
+            let t = transpose_last2(&x, shape);
             let b = MXFP4_BLOCK as usize;
             let mut out = vec![0u8; n / 2 + n / b];
             let (blocks, scales) = out.split_at_mut(n / 2);
-            mxfp4_quantize(&t, dtype, &transposed_shape(shape), blocks, scales).map_err(named)?;
+            mxfp4_quantize_values(&t, &transposed_shape(shape), blocks, scales).map_err(named)?;
             Ok(out)
         }
     }
@@ -591,21 +609,17 @@ fn fp8_dequant_as<S: Store>(
     Ok(())
 }
 
-/// Quantizes `src` (`shape` `[.., rows, cols]` of `src_dtype`: float32, bfloat16 or float16) to
-/// block FP8: `weight` gets `prod(shape)` e4m3fn codes, `scale_inv` the scale grid
-/// ([`fp8_scale_shape`]); the recipe is in the module docs.
+/// Quantizes `x` (`shape` `[.., rows, cols]`) to block FP8: `weight` gets `prod(shape)` e4m3fn
+/// codes, `scale_inv` the scale grid ([`fp8_scale_shape`]); the recipe is in the module docs.
 ///
-/// Errors: [`Error::Validation`] for buffer sizes that do not fit `shape`;
-/// [`Error::UnsupportedDtype`] for another source dtype.
-pub(crate) fn fp8_quantize(
-    src: &[u8],
-    src_dtype: DType,
+/// Errors: [`Error::Validation`] for buffer sizes that do not fit `shape`.
+fn fp8_quantize_values(
+    x: &[f32],
     shape: &[u64],
     block: [u64; 2],
     weight: &mut [u8],
     scale_inv: &mut [f32],
 ) -> Result<()> {
-    let x = load_f32(src, src_dtype)?;
     let n: u64 = shape.iter().product();
     let ns: u64 = fp8_scale_shape(shape, block).iter().product();
     if x.len() as u64 != n || weight.len() as u64 != n || scale_inv.len() as u64 != ns {
@@ -637,8 +651,9 @@ pub(crate) fn fp8_quantize(
                 let scale = (1.0 / amax) * E4M3_MAX;
                 scale_inv[(m * srows + sr) * scols + sc] = amax / E4M3_MAX;
                 for r in r0..r1 {
-                    for c in c0..c1 {
-                        weight[at(r) + c] = f32_to_e4m3(x[at(r) + c] * scale);
+                    let (a, b) = (at(r) + c0, at(r) + c1);
+                    for (w, v) in weight[a..b].iter_mut().zip(&x[a..b]) {
+                        *w = f32_to_e4m3(v * scale);
                     }
                 }
             }
@@ -746,20 +761,18 @@ fn f32_to_e2m1(q: f32) -> u8 {
     ((sign >> 28) | code) as u8
 }
 
-/// Quantizes `src` (`shape` `[.., cols]` of `src_dtype`, `cols` a multiple of 32) to MXFP4 as
-/// transformers' `quantize_to_mxfp4` does (values rounded to bfloat16 first): `blocks` gets
+/// Quantizes `x` (`shape` `[.., cols]`, `cols` a multiple of 32, values already rounded to
+/// bfloat16 as transformers' `quantize_to_mxfp4` casts them) to MXFP4: `blocks` gets
 /// `prod(shape) / 2` bytes (`[.., cols/32, 16]`), `scales` `prod(shape) / 32` e8m0 bytes.
 ///
 /// Errors: [`Error::Validation`] for a last dimension that is not a multiple of 32 or buffers
-/// that do not fit; [`Error::UnsupportedDtype`] for another source dtype.
-pub(crate) fn mxfp4_quantize(
-    src: &[u8],
-    src_dtype: DType,
+/// that do not fit.
+fn mxfp4_quantize_values(
+    x: &[f32],
     shape: &[u64],
     blocks: &mut [u8],
     scales: &mut [u8],
 ) -> Result<()> {
-    let x = load_f32(src, src_dtype)?;
     let b = MXFP4_BLOCK as usize;
     let n: u64 = shape.iter().product();
     if shape.last().is_none_or(|c| c % MXFP4_BLOCK != 0)
@@ -779,11 +792,7 @@ pub(crate) fn mxfp4_quantize(
         .zip(blocks.chunks_exact_mut(b / 2))
         .zip(scales.iter_mut())
     {
-        let v: Vec<f32> = xs
-            .iter()
-            .map(|&v| half::bf16::from_f32(v).to_f32())
-            .collect();
-        let amax = v.iter().fold(0f32, |a, x| a.max(x.abs()));
+        let amax = xs.iter().fold(0f32, |a, x| a.max(x.abs()));
         let d = (amax / 6.0).to_bits();
         let rounded = d.wrapping_add(0x7F_FFFF) & 0x7F80_0000;
         *s = (rounded >> 23) as u8;
@@ -792,7 +801,7 @@ pub(crate) fn mxfp4_quantize(
         } else {
             1.0 / f32::from_bits(rounded)
         };
-        for (pair, o) in v.chunks_exact(2).zip(out.iter_mut()) {
+        for (pair, o) in xs.chunks_exact(2).zip(out.iter_mut()) {
             *o = f32_to_e2m1(pair[0] * qs) | (f32_to_e2m1(pair[1] * qs) << 4);
         }
     }
@@ -802,6 +811,30 @@ pub(crate) fn mxfp4_quantize(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The quantizers over little-endian bytes of `src_dtype` (as the tests write their inputs).
+    fn fp8_quantize(
+        src: &[u8],
+        src_dtype: DType,
+        shape: &[u64],
+        block: [u64; 2],
+        weight: &mut [u8],
+        scale_inv: &mut [f32],
+    ) -> Result<()> {
+        fp8_quantize_values(&load_f32(src, src_dtype)?, shape, block, weight, scale_inv)
+    }
+
+    fn mxfp4_quantize(
+        src: &[u8],
+        src_dtype: DType,
+        shape: &[u64],
+        blocks: &mut [u8],
+        scales: &mut [u8],
+    ) -> Result<()> {
+        let mut x = load_f32(src, src_dtype)?;
+        round_to(&mut x, DType::BF16);
+        mxfp4_quantize_values(&x, shape, blocks, scales)
+    }
 
     fn bf16_bytes(v: &[f32]) -> Vec<u8> {
         v.iter()
@@ -1063,7 +1096,7 @@ mod tests {
         );
         // The bytes are the stored tensors' in order: a [2, 3] FP8 weight, then its one f32 scale.
         let x = [1.0f32, -2.0, 0.5, 0.0, 0.25, 2.0];
-        let bytes = quantize("w", fp8, &bf16_bytes(&x), DType::BF16, &[2, 3]).unwrap();
+        let bytes = quantize("w", fp8, &bf16_bytes(&x), DType::BF16, DType::BF16, &[2, 3]).unwrap();
         assert_eq!(&bytes[..6], &[0x76, 0xFE, 0x6E, 0x00, 0x66, 0x7E]);
         assert_eq!(f32s(&bytes[6..]), vec![2.0 / 448.0]);
         // MXFP4 quantizes the transposed [.., 2, 32] of a [.., 32, 2] parameter: column 1 is all 3s.
@@ -1074,6 +1107,7 @@ mod tests {
             "e",
             Scheme::Mxfp4,
             &bf16_bytes(&p),
+            DType::BF16,
             DType::BF16,
             &[1, 32, 2],
         )

@@ -299,16 +299,11 @@ pub(crate) fn write_shards(
                         return Err(Error::Interrupted(Stopped::Commit));
                     }
                     let out = t.out_dtype(out_dtype);
-                    let bytes = if out == t.src_dtype {
-                        buf
-                    } else {
-                        convert(&buf, t.src_dtype, out)?
-                    };
-                    // Quantized from the output dtype's values: what a quantization of the
-                    // unquantized conversion gives.
                     let bytes = match t.quant {
-                        Some(s) => quant::quantize(&t.name, s, &bytes, out, &t.shape)?,
-                        None => bytes,
+                        // Rounded to the output dtype and quantized in one pass over the values.
+                        Some(s) => quant::quantize(&t.name, s, &buf, t.src_dtype, out, &t.shape)?,
+                        None if out == t.src_dtype => buf,
+                        None => convert(&buf, t.src_dtype, out)?,
                     };
                     files[f].write_at(&bytes, off)?;
                     progress(bytes.len() as u64);
