@@ -1169,6 +1169,25 @@ mod tests {
     }
 
     #[test]
+    fn the_quantization_config_written_is_the_conversions() {
+        let given =
+            br#"{"model_type": "gpt_oss", "quantization_config": {"quant_method": "mxfp4"}}"#;
+        // Unchanged when it already says the same; replaced; removed for unquantized weights.
+        let same = json!({"quant_method": "mxfp4"});
+        assert_eq!(
+            with_quantization(given, Some(&same)).unwrap(),
+            given.to_vec()
+        );
+        let fp8 = json!({"quant_method": "fp8"});
+        let out: Json =
+            serde_json::from_slice(&with_quantization(given, Some(&fp8)).unwrap()).unwrap();
+        assert_eq!(out["quantization_config"], fp8);
+        let out: Json = serde_json::from_slice(&with_quantization(given, None).unwrap()).unwrap();
+        assert_eq!(out, json!({"model_type": "gpt_oss"}));
+        assert!(with_quantization(b"[1]", None).is_err());
+    }
+
+    #[test]
     fn args_alone_give_the_dims() {
         let d = Dims::from_args(&args(), Some("qwen3_moe")).unwrap();
         assert_eq!(
