@@ -364,7 +364,9 @@ def test_ctrl_c_commits_nothing_and_a_rerun_completes(tmp_path):
     ckpt = tmp_path / "ckpt"
     cmd = [sys.executable, "-m", "shardwise.cli", "from-hf", str(hf), str(ckpt), "--transformer-impl", "local",
            "--dtype", "fp32", "--workers", "1", "--max-file-size", "16MB"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # SIGINT as a terminal gives it, whatever this test run inherited (background jobs ignore it).
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     while not list(ckpt.glob("*.distcp")):  # data files are being written
         assert proc.poll() is None, proc.communicate()
