@@ -416,7 +416,7 @@ pub fn from_hf(
         let bytes = tensors.iter().map(|t| t.data.len()).sum::<u64>();
         Ok((tensors.len(), bytes, report.data_file.is_some() as usize))
     };
-    let written: Vec<(usize, u64, usize)> = run::watching_interrupt(|stop| {
+    let (written, stopped) = crate::interrupt::watching(|stop| {
         let (tx, rx) = std::sync::mpsc::sync_channel::<(usize, Vec<Vec<u8>>)>(0);
         std::thread::scope(|s| {
             let writer = s.spawn(move || -> Result<Vec<(usize, u64, usize)>> {
@@ -446,7 +446,11 @@ pub fn from_hf(
                 (Ok(w), Ok(())) => Ok(w),
             }
         })
-    })?;
+    });
+    if stopped {
+        return Err(Error::Interrupted(Stopped::Commit));
+    }
+    let written: Vec<(usize, u64, usize)> = written?;
     if interrupted() {
         return Err(Error::Interrupted(Stopped::Commit));
     }
