@@ -4,7 +4,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 
 use rayon::prelude::*;
 use serde::Serialize;
@@ -282,8 +282,7 @@ pub(crate) fn write_shards(
     // Python's signal handlers, which only the calling thread may): a job not yet started, and a
     // job between its read and its write, stop with `Interrupted`, so the conversion ends within
     // about one tensor's read and nothing is committed.
-    let cancel = AtomicBool::new(false);
-    let run = || -> Result<u64> {
+    let (total, _) = crate::interrupt::watching(|cancel| -> Result<u64> {
         pool.install(|| {
             jobs.par_iter()
                 .with_max_len(1)
@@ -311,23 +310,8 @@ pub(crate) fn write_shards(
                 })
                 .sum::<Result<u64>>()
         })
-    };
-    let caller = std::thread::current();
-    let total = std::thread::scope(|scope| {
-        let job = scope.spawn(|| {
-            let r = run();
-            caller.unpark();
-            r
-        });
-        while !job.is_finished() {
-            if crate::interrupt::interrupted() {
-                cancel.store(true, Ordering::Relaxed);
-            }
-            std::thread::park_timeout(std::time::Duration::from_millis(50));
-        }
-        job.join()
-            .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
-    })?;
+    });
+    let total = total?;
     for f in &files {
         f.sync()?;
     }
