@@ -184,9 +184,10 @@ enum Command {
         /// Worker threads converting tensors in parallel (default: the number of CPUs).
         #[arg(long, visible_alias = "threads", value_name = "N")]
         workers: Option<usize>,
-        /// The largest data file, e.g. 1GB (a larger tensor gets a file of its own); the tensors
-        /// of one file are held in memory until it is written.
-        #[arg(long, default_value = "1GB")]
+        /// The largest data file, e.g. 1GB (a larger tensor gets a file of its own), or auto:
+        /// the largest tensor's size. Each worker holds one file's tensors in memory until it is
+        /// written, so peak memory is about (workers + 1) x max(this, the largest tensor).
+        #[arg(long, default_value = "auto")]
         max_file_size: String,
         /// Write only part i of n (0-based), for a conversion split over processes or machines
         /// sharing CKPT_DIR: every part computes the same data files and writes those k with
@@ -386,7 +387,7 @@ where
             json,
         } => {
             let mut opts = crate::hf::FromHfOptions::from_user(&dtype, &transformer_impl, workers)?;
-            opts.max_file_bytes = crate::hf::parse_size(&max_file_size)?;
+            opts.max_file_bytes = crate::hf::parse_max_file_size(&max_file_size)?;
             opts.arch = arch;
             opts.moe_grouped_gemm = moe_grouped_gemm;
             opts.make_vocab_size_divisible_by = make_vocab_size_divisible_by;

@@ -607,35 +607,21 @@ pub unsafe fn load(ck: &Checkpoint, reqs: &[Request], opts: &LoadOptions) -> Res
     // The reads run on the pool while this thread watches for Ctrl-C (a load of hundreds of GB
     // must stop within a read, not at its end): reads not yet started then fail as Interrupted.
     // A Ctrl-C already seen (during planning) stops the load before its first read.
-    let cancel = std::sync::atomic::AtomicBool::new(crate::interrupt::interrupted());
-    let caller = std::thread::current();
-    let outcome = std::thread::scope(|scope| {
-        let job = scope.spawn(|| {
-            let r = readers.install(|| {
-                reads
-                    .par_iter()
-                    .with_max_len(1)
-                    .map(|r| {
-                        if cancel.load(std::sync::atomic::Ordering::Relaxed) {
-                            return Err(Error::Interrupted(Stopped::Load));
-                        }
-                        exec.read(r)
-                    })
-                    .collect::<Result<Vec<Vec<Segment>>>>()
-            });
-            caller.unpark();
-            r
-        });
-        while !job.is_finished() {
-            if crate::interrupt::interrupted() {
-                cancel.store(true, std::sync::atomic::Ordering::Relaxed);
-            }
-            std::thread::park_timeout(std::time::Duration::from_millis(50));
-        }
-        job.join()
-            .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
-    })
-    .and_then(|segments| {
+    let (outcome, _) = crate::interrupt::watching(|cancel| {
+        readers.install(|| {
+            reads
+                .par_iter()
+                .with_max_len(1)
+                .map(|r| {
+                    if cancel.load(std::sync::atomic::Ordering::Relaxed) {
+                        return Err(Error::Interrupted(Stopped::Load));
+                    }
+                    exec.read(r)
+                })
+                .collect::<Result<Vec<Vec<Segment>>>>()
+        })
+    });
+    let outcome = outcome.and_then(|segments| {
         for (p, id) in &transformed_pieces {
             exec.transformed(p, *id)?;
         }

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,11 +29,13 @@ from mcore import spawn
 # from-hf writes a GPTModel's keys; the HybridModel variants (hf_families_hybrid) are the same HF
 # families, which megatron-core's gpt_checkpoint_interop retargets.
 MCORE = importlib.metadata.version("megatron-core")
-FAMILIES = [f for f in hf_families.FAMILIES if f not in hf_families_hybrid.FAMILY_ARGS]
-# Loaded by Megatron: with an older release first on PYTHONPATH (measured with 0.13.1), hf_workers'
-# dense builders only: the other builders use 0.19's modules, and before 0.19 a MoE model at
-# TP=2 x EP=2 requires sequence parallelism, which the CPU forward does not run.
-LOADED = FAMILIES if tuple(map(int, MCORE.split(".")[:2])) >= (0, 19) else ["llama", "qwen3"]
+# With an older release first on PYTHONPATH (`make test` runs the Megatron load of this file once
+# more with the oldest release of the matrix), hf_workers' dense builders only: the other builders
+# use 0.19's modules, and before 0.19 a MoE model at TP=2 x EP=2 requires sequence parallelism,
+# which the CPU forward does not run.
+FAMILIES = ([f for f in hf_families.FAMILIES if f not in hf_families_hybrid.FAMILY_ARGS]
+            if tuple(map(int, MCORE.split(".")[:2])) >= (0, 19) else ["llama", "qwen3"])
+LOADED = FAMILIES
 MAX_REL_DIFF = 1e-4
 
 
@@ -72,6 +75,7 @@ def megatron_loaded(converted):
     """One 2-rank run for all families: megatron-core's load of each checkpoint and its logits
     (``<family>/megatron_logits.pt``); the ranks' results, failures included."""
     base, _ = converted
+    assert MCORE == os.environ.get("SHARDWISE_MCORE", MCORE), "not the release the matrix asked for"
     return spawn(hf_families.load_and_forward, 2, str(base / "out"), str(base), LOADED, timeout_s=900)
 
 
@@ -302,7 +306,9 @@ def test_workers_and_parts_write_the_same_bytes_and_the_tracker(tmp_path):
     one = shardwise.from_hf(str(hf), str(tmp_path / "a" / "iter_0000007"), workers=1, tracker=True, **kw)
     assert one["files"] >= 4 and one["committed"], one
     assert (tmp_path / "a" / "latest_checkpointed_iteration.txt").read_text() == "7"
-    shardwise.from_hf(str(hf), str(tmp_path / "b"), workers=3, **kw)
+    # More workers than files: the saves of one process queue behind one writer (16 workers on
+    # one pool once deadlocked on the save ticket).
+    shardwise.from_hf(str(hf), str(tmp_path / "b"), workers=16, **kw)
     parts = [shardwise.from_hf(str(hf), str(tmp_path / "c"), workers=1, part=f"{i}/3", **kw) for i in (2, 0, 1)]
     assert [p["committed"] for p in parts] == [False, False, True]
     want = _files(tmp_path / "a" / "iter_0000007")
@@ -362,7 +368,9 @@ def test_ctrl_c_commits_nothing_and_a_rerun_completes(tmp_path):
     ckpt = tmp_path / "ckpt"
     cmd = [sys.executable, "-m", "shardwise.cli", "from-hf", str(hf), str(ckpt), "--transformer-impl", "local",
            "--dtype", "fp32", "--workers", "1", "--max-file-size", "16MB"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # SIGINT as a terminal gives it, whatever this test run inherited (background jobs ignore it).
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     while not list(ckpt.glob("*.distcp")):  # data files are being written
         assert proc.poll() is None, proc.communicate()

@@ -320,7 +320,9 @@ def test_ctrl_c_during_to_hf_stops_within_a_second_and_commits_nothing(tmp_path,
     cmd = ([sys.executable, "-m", "shardwise.cli", "to-hf", *args] if how == "cli" else
            [sys.executable, "-c", "import shardwise, sys; shardwise.to_hf(sys.argv[1], sys.argv[2], hf_config=sys.argv[3], "
             "dtype='bf16', threads=1, max_shard_size='50MB')", str(ck), str(out), str(cfg)])
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # SIGINT as a terminal gives it, whatever this test run inherited (background jobs ignore it).
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     staging = out / ".to-hf-staging"
     deadline = time.monotonic() + 120
     while not (staging.exists() and any(staging.iterdir())):  # the shard files exist: tensors are moving

@@ -124,28 +124,36 @@ impl CommitRecord {
     }
 }
 
+/// What a committed file holds now, against the digest its commit recorded.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum FileNow {
+    /// The committed bytes.
+    Holds,
+    /// Other bytes: their digest.
+    Differs(Digest),
+    Missing,
+}
+
 /// Whether `rel` in `loc` still holds the bytes of `digest`: by a `stat` when the file still has
 /// `stamp`, the one storage gave right after the commit wrote it; otherwise (no stamp recorded,
 /// the file was copied without its timestamps, touched or replaced) by reading it whole.
-/// `Ok(Err(now))` gives the digest the file has now, `None` when it is absent.
 ///
 /// Errors: storage errors.
-pub fn still_holds(
+pub fn file_now(
     loc: &Location,
     rel: &str,
     digest: Digest,
     stamp: Option<&str>,
-) -> Result<Result<(), Option<Digest>>, Error> {
+) -> Result<FileNow, Error> {
     if let Some(stamp) = stamp {
         if loc.stamp(rel)?.as_deref() == Some(stamp) {
-            return Ok(Ok(()));
+            return Ok(FileNow::Holds);
         }
     }
-    let now = loc.read(rel)?.map(|b| Digest::of(&b));
-    Ok(if now == Some(digest) {
-        Ok(())
-    } else {
-        Err(now)
+    Ok(match loc.read(rel)?.map(|b| Digest::of(&b)) {
+        None => FileNow::Missing,
+        Some(now) if now == digest => FileNow::Holds,
+        Some(now) => FileNow::Differs(now),
     })
 }
 

@@ -18,7 +18,7 @@ use std::collections::BTreeMap;
 
 use super::lock::dead_merger;
 use super::part::{listed_parts, read_failed, read_part, Marker, STATE_DIR};
-use super::record::{read_commit_record, still_holds, CommitRecord, Digest};
+use super::record::{file_now, read_commit_record, CommitRecord, Digest, FileNow};
 use super::wait::{stale_reason, Freshness};
 use crate::error::Result;
 use crate::format::metadata::Entry;
@@ -55,22 +55,16 @@ pub fn save_ids(loc: &Location) -> Result<Vec<String>> {
 /// Errors: storage errors when `.metadata` or the state directory cannot be read.
 pub fn checkpoint_state(loc: &Location) -> Result<CheckpointState> {
     let ids = save_ids(loc)?;
-    let mut records: Vec<CommitRecord> = Vec::new();
-    let mut legacy_marker = false;
-    for id in &ids {
-        if let Some(r) = read_commit_record(loc, id) {
-            records.push(r);
-        } else if loc.exists(&Marker::Committed.rel(id)) {
-            legacy_marker = true; // shardwise < 0.2 wrote an empty marker
-        }
-    }
-    records.sort_by_key(|r| std::cmp::Reverse(r.committed_at_ns));
+    let Records {
+        records,
+        legacy_marker,
+    } = commit_records(loc, &ids);
     if !records.is_empty() {
         let damaged = |reason: String, save: &CommitRecord| CheckpointState::Damaged {
             reason,
             repairable: Some(save.save_id.clone()),
         };
-        let r = match metadata_record(loc, &records)? {
+        let r = match metadata_record(loc, &records, None)? {
             Ok(r) => r,
             Err(None) => {
                 let r = &records[0];
@@ -121,29 +115,65 @@ pub fn checkpoint_state(loc: &Location) -> Result<CheckpointState> {
     })
 }
 
-/// The record among `records` (newest first) whose commit wrote the `.metadata` now in `loc`:
-/// found by the file's storage stamp alone while it has the one a record holds (no read: this is
-/// what keeps `status` and retention O(1) in the `.metadata` size), else by the size and CRC-32
-/// of the whole file. `Err(None)`: `.metadata` is absent; `Err(Some(digest))`: no record wrote it.
+/// The commit records of saves `ids` of `loc`, newest first.
+struct Records {
+    records: Vec<CommitRecord>,
+    /// A save of shardwise < 0.2 left its empty `COMMITTED` marker (no record to match).
+    legacy_marker: bool,
+}
+
+fn commit_records(loc: &Location, ids: &[String]) -> Records {
+    let mut records = Vec::new();
+    let mut legacy_marker = false;
+    for id in ids {
+        if let Some(r) = read_commit_record(loc, id) {
+            records.push(r);
+        } else if loc.exists(&Marker::Committed.rel(id)) {
+            legacy_marker = true;
+        }
+    }
+    records.sort_by_key(|r| std::cmp::Reverse(r.committed_at_ns));
+    Records {
+        records,
+        legacy_marker,
+    }
+}
+
+/// The record among `records` (newest first) whose commit wrote the `.metadata` of `loc`: the one
+/// rule for "which save wrote `.metadata`" (commit state, retention, and the reader's choice of
+/// checksums all ask it).
+/// - `read`: the `.metadata` bytes the caller already holds; the record is the one with their size
+///   and CRC-32 (these bytes, not a later file, are the ones being trusted).
+/// - Otherwise by the file's storage stamp alone while it has the one a record holds (no read:
+///   this is what keeps `status` and retention O(1) in the `.metadata` size), else by the size and
+///   CRC-32 of the whole file.
+///
+/// `Err(None)`: `.metadata` is absent; `Err(Some(digest))`: no record wrote it.
 ///
 /// Errors: storage errors.
 pub(crate) fn metadata_record<'a>(
     loc: &Location,
     records: &'a [CommitRecord],
+    read: Option<&[u8]>,
 ) -> Result<std::result::Result<&'a CommitRecord, Option<Digest>>> {
-    let Some(stamp) = loc.stamp(".metadata")? else {
-        return Ok(Err(None));
+    let digest = match read {
+        Some(meta) => Digest::of(meta),
+        None => {
+            let Some(stamp) = loc.stamp(".metadata")? else {
+                return Ok(Err(None));
+            };
+            if let Some(r) = records
+                .iter()
+                .find(|r| r.metadata_stamp.as_deref() == Some(stamp.as_str()))
+            {
+                return Ok(Ok(r));
+            }
+            let Some(meta) = loc.read(".metadata")? else {
+                return Ok(Err(None));
+            };
+            Digest::of(&meta)
+        }
     };
-    if let Some(r) = records
-        .iter()
-        .find(|r| r.metadata_stamp.as_deref() == Some(stamp.as_str()))
-    {
-        return Ok(Ok(r));
-    }
-    let Some(meta) = loc.read(".metadata")? else {
-        return Ok(Err(None));
-    };
-    let digest = Digest::of(&meta);
     Ok(records
         .iter()
         .find(|r| r.metadata == digest)
@@ -162,22 +192,18 @@ pub enum MetadataWriter {
     Replaced,
 }
 
-/// Who wrote `.metadata` bytes `meta` of `loc` (the newest matching record wins).
+/// Who wrote `.metadata` bytes `meta` of `loc` ([`metadata_record`]; the newest matching record
+/// wins).
 ///
 /// Errors: storage errors listing the saves.
 pub fn metadata_writer(loc: &Location, meta: &[u8]) -> Result<MetadataWriter> {
-    let mut records: Vec<CommitRecord> = save_ids(loc)?
-        .into_iter()
-        .filter_map(|id| read_commit_record(loc, &id))
-        .collect();
+    let Records { records, .. } = commit_records(loc, &save_ids(loc)?);
     if records.is_empty() {
         return Ok(MetadataWriter::Unrecorded);
     }
-    records.sort_by_key(|r| std::cmp::Reverse(r.committed_at_ns));
-    let digest = Digest::of(meta);
-    Ok(match records.into_iter().find(|r| r.metadata == digest) {
-        Some(r) => MetadataWriter::Commit(r),
-        None => MetadataWriter::Replaced,
+    Ok(match metadata_record(loc, &records, Some(meta))? {
+        Ok(r) => MetadataWriter::Commit(r.clone()),
+        Err(_) => MetadataWriter::Replaced,
     })
 }
 
@@ -199,16 +225,15 @@ fn missing_committed_file(loc: &Location, r: &CommitRecord) -> Result<Option<Str
         }
     }
     if let Some(d) = r.common {
-        if let Err(now) = still_holds(loc, COMMON_FILE, d, r.common_stamp.as_deref())? {
+        let now = match file_now(loc, COMMON_FILE, d, r.common_stamp.as_deref())? {
+            FileNow::Holds => None,
+            FileNow::Missing => Some("missing".to_string()),
+            FileNow::Differs(n) => Some(format!("{} bytes, CRC-32 {:08x}", n.size, n.crc32)),
+        };
+        if let Some(now) = now {
             return Ok(Some(format!(
-                "{COMMON_FILE} is {} (save {} committed {} bytes, CRC-32 {:08x})",
-                now.map_or("missing".into(), |n| format!(
-                    "{} bytes, CRC-32 {:08x}",
-                    n.size, n.crc32
-                )),
-                r.save_id,
-                d.size,
-                d.crc32
+                "{COMMON_FILE} is {now} (save {} committed {} bytes, CRC-32 {:08x})",
+                r.save_id, d.size, d.crc32
             )));
         }
     }
@@ -443,6 +468,55 @@ pub fn is_data_file_name(name: &str) -> bool {
 mod tests {
     use super::*;
     use crate::commit::testing::committed;
+
+    /// The one rule for "which save wrote `.metadata`": by the storage stamp without reading while
+    /// the file keeps it (so a same-size rewrite that kept the mtime passes: the documented price of
+    /// O(1) status), by the bytes the caller holds when given, else by reading the file.
+    #[test]
+    fn metadata_record_by_stamp_by_held_bytes_then_by_reading() {
+        let dir = tempfile::tempdir().unwrap();
+        let loc = Location::local(dir.path());
+        committed(&loc, "s", 2, true);
+        let Records { records, .. } = commit_records(&loc, &save_ids(&loc).unwrap());
+        assert_eq!(records.len(), 1);
+        assert!(records[0].metadata_stamp.is_some());
+        let path = dir.path().join(".metadata");
+        let original = std::fs::read(&path).unwrap();
+        let found = |read: Option<&[u8]>| {
+            metadata_record(&loc, &records, read)
+                .unwrap()
+                .map(|r| r.save_id.clone())
+        };
+        assert_eq!(found(None), Ok("s".into()));
+        // Same size, other bytes, the old mtime put back: the stamp still matches, no read.
+        let mtime = std::fs::metadata(&path).unwrap().modified().unwrap();
+        let mut other = original.clone();
+        other[0] ^= 0xff;
+        std::fs::write(&path, &other).unwrap();
+        std::fs::File::options()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_modified(mtime)
+            .unwrap();
+        assert_eq!(found(None), Ok("s".into()));
+        // The bytes a reader holds are judged by their own digest.
+        assert_eq!(found(Some(&other)), Err(Some(Digest::of(&other))));
+        assert_eq!(found(Some(&original)), Ok("s".into()));
+        // A new mtime (past the kernel's coarse clock tick): the stamp no longer matches, the
+        // file is read.
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        std::fs::write(&path, &other).unwrap();
+        assert_eq!(found(None), Err(Some(Digest::of(&other))));
+        std::fs::write(&path, &original).unwrap();
+        assert_eq!(found(None), Ok("s".into()));
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(found(None), Err(None));
+        assert_eq!(
+            metadata_writer(&loc, &other).unwrap(),
+            MetadataWriter::Replaced
+        );
+    }
 
     /// The one definition of "committed", as a table: each damage to a committed directory and the
     /// state it gives; `is_committed` agrees with each.

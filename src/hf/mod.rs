@@ -38,7 +38,7 @@ use crate::format::dtype::DType;
 use crate::reader::Checkpoint;
 use crate::storage::{create_dir_all, Location};
 
-pub use from_hf::{from_hf, FromHfOptions, FromHfSummary, Impl};
+pub use from_hf::{from_hf, parse_max_file_size, FromHfOptions, FromHfSummary, Impl};
 pub use output::Part;
 pub(crate) use plan::{read_hf_tensor, HfTensor, Plan};
 pub(crate) use spec::Post;
@@ -204,10 +204,9 @@ pub fn to_hf(
     let vision_tensors = vision.len();
     tensors.extend(vision);
     // The files written beside the weights: config.json, then the tokenizer's.
-    let tokenizer = match (&opts.tokenizer, ckpt.location()) {
-        (Some(dir), _) => tokenizer::tokenizer_files(dir, true)?,
-        (None, Location::Local(dir)) => tokenizer::tokenizer_files(&dir.join("tokenizer"), false)?,
-        _ => Vec::new(),
+    let tokenizer = match &opts.tokenizer {
+        Some(dir) => tokenizer::given_tokenizer(dir)?,
+        None => tokenizer::tokenizer_files(ckpt.location(), "tokenizer")?,
     };
     let tokenizer_files = tokenizer.len();
     let files: Vec<(String, Vec<u8>)> = config

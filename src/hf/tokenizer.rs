@@ -6,6 +6,7 @@
 use std::path::Path;
 
 use crate::error::{Error, Result};
+use crate::storage::Location;
 
 /// The largest tokenizer folder copied, in bytes (the largest tokenizers in use are tens of MB).
 const MAX_BYTES: u64 = 1 << 30;
@@ -31,55 +32,57 @@ fn is_tokenizer_file(name: &str) -> bool {
         )
 }
 
-/// `(name, bytes)` of the tokenizer files directly in `dir` (see [`is_tokenizer_file`]), sorted
-/// by name. Only regular files are read: a symlink (which could lead out of an untrusted
-/// checkpoint) or a subfolder is left alone. `given`: `dir` is `--tokenizer DIR` (it must exist
-/// and hold a tokenizer); otherwise it is `<checkpoint>/tokenizer/`, and an absent folder gives
-/// none.
+/// `(name, bytes)` of the tokenizer files directly under `rel_dir` of `loc` (see
+/// [`is_tokenizer_file`]), sorted by name: `<checkpoint>/tokenizer/` of a local or object-store
+/// checkpoint (an absent folder gives none), or `--tokenizer DIR` through [`given_tokenizer`]. Only
+/// regular files are read: a symlink (which could lead out of an untrusted checkpoint) or a
+/// subfolder is left alone (storage's `list` does not follow links).
 ///
-/// Errors: [`Error::InvalidArgument`] for a `--tokenizer` folder that is absent or holds no
-/// tokenizer file, or tokenizer files over [`MAX_BYTES`] together; [`Error::Io`].
-pub(crate) fn tokenizer_files(dir: &Path, given: bool) -> Result<Vec<(String, Vec<u8>)>> {
-    let rd = match std::fs::read_dir(dir) {
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound && !given => return Ok(Vec::new()),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return Err(Error::InvalidArgument(format!(
-                "--tokenizer {}: no such folder",
-                dir.display()
-            )))
-        }
-        Err(e) => return Err(Error::io("read directory", dir)(e)),
-        Ok(rd) => rd,
-    };
+/// Errors: [`Error::InvalidArgument`] for tokenizer files over [`MAX_BYTES`] together, or one that
+/// vanishes between the listing and its read; storage errors.
+pub(crate) fn tokenizer_files(loc: &Location, rel_dir: &str) -> Result<Vec<(String, Vec<u8>)>> {
+    let (listed, _) = loc.list(rel_dir)?;
     let mut out = Vec::new();
     let mut total = 0u64;
-    for e in rd {
-        let e = e.map_err(Error::io("read directory", dir))?;
-        let name = e.file_name().to_string_lossy().into_owned();
-        let path = e.path();
-        let meta = std::fs::symlink_metadata(&path).map_err(Error::io("stat", &path))?;
-        if !meta.file_type().is_file() || !is_tokenizer_file(&name) {
-            continue;
-        }
-        total += meta.len();
+    for f in listed.into_iter().filter(|f| is_tokenizer_file(&f.name)) {
+        total += f.size;
         if total > MAX_BYTES {
             return Err(Error::InvalidArgument(format!(
                 "{}: the tokenizer files are over {MAX_BYTES} bytes together",
-                dir.display()
+                loc.path_of(rel_dir).display()
             )));
         }
-        out.push((
-            name,
-            std::fs::read(&path).map_err(Error::io("read", &path))?,
-        ));
+        let rel = format!("{rel_dir}/{}", f.name);
+        let bytes = loc.read(&rel)?.ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "{}: removed while it was being copied",
+                loc.path_of(&rel).display()
+            ))
+        })?;
+        out.push((f.name, bytes));
     }
-    if given && out.is_empty() {
+    out.sort();
+    Ok(out)
+}
+
+/// The tokenizer files of `--tokenizer DIR` (a local folder that must exist and hold a tokenizer).
+///
+/// Errors: [`Error::InvalidArgument`] for a folder that is absent or holds no tokenizer file, and
+/// [`tokenizer_files`]' errors.
+pub(crate) fn given_tokenizer(dir: &Path) -> Result<Vec<(String, Vec<u8>)>> {
+    if !dir.is_dir() {
+        return Err(Error::InvalidArgument(format!(
+            "--tokenizer {}: no such folder",
+            dir.display()
+        )));
+    }
+    let out = tokenizer_files(&Location::local(dir), ".")?;
+    if out.is_empty() {
         return Err(Error::InvalidArgument(format!(
             "--tokenizer {}: no tokenizer file there (tokenizer.json, tokenizer_config.json, tokenizer.model, vocab.json, ...)",
             dir.display()
         )));
     }
-    out.sort();
     Ok(out)
 }
 
@@ -119,19 +122,19 @@ mod tests {
         std::fs::write(dir.join("tokenizer.json"), b"{}").unwrap();
         std::fs::write(dir.join("config.json"), b"{}").unwrap();
         std::os::unix::fs::symlink("/etc/passwd", dir.join("vocab.json")).unwrap();
-        let got = tokenizer_files(&dir, true).unwrap();
+        let got = given_tokenizer(&dir).unwrap();
         assert_eq!(got, vec![("tokenizer.json".to_string(), b"{}".to_vec())]);
+        // A checkpoint's tokenizer/ folder, through storage: the same files.
+        let parent = Location::local(dir.parent().unwrap());
+        let name = dir.file_name().unwrap().to_str().unwrap();
+        assert_eq!(tokenizer_files(&parent, name).unwrap(), got);
         // Absent: none for <checkpoint>/tokenizer, refused for --tokenizer.
-        assert!(tokenizer_files(&dir.join("none"), false)
+        assert!(tokenizer_files(&Location::local(&dir), "none")
             .unwrap()
             .is_empty());
-        let e = tokenizer_files(&dir.join("none"), true)
-            .unwrap_err()
-            .to_string();
+        let e = given_tokenizer(&dir.join("none")).unwrap_err().to_string();
         assert!(e.contains("no such folder"), "{e}");
-        let e = tokenizer_files(&dir.join("sub"), true)
-            .unwrap_err()
-            .to_string();
+        let e = given_tokenizer(&dir.join("sub")).unwrap_err().to_string();
         assert!(e.contains("no tokenizer file there"), "{e}");
         std::fs::remove_dir_all(&dir).unwrap();
     }

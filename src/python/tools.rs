@@ -74,11 +74,11 @@ pub(super) fn to_hf(
 
 /// Converts the Hugging Face folder `hf_dir` into a torch_dist checkpoint in `ckpt_dir`; see
 /// `shardwise from-hf`. `dtype` bf16, fp16 or fp32; `transformer_impl` transformer_engine or
-/// local; `workers` threads; `max_file_size` like "1GB"; `part` like "0/2". Returns the summary as a dict (chunks, keys,
+/// local; `workers` threads; `max_file_size` like "1GB" or "auto" (the largest tensor); `part` like "0/2". Returns the summary as a dict (chunks, keys,
 /// bytes, files, seconds, gb_per_s, hf_tensors, dequantized, skipped, stacked_layers,
 /// padded_vocab_size, iteration, part, committed, tracker).
 #[pyfunction]
-#[pyo3(signature = (hf_dir, ckpt_dir, *, arch=None, dtype="bf16", transformer_impl="transformer_engine", moe_grouped_gemm=false, make_vocab_size_divisible_by=128, tensor_model_parallel_size=1, iteration=0, tracker=false, workers=None, max_file_size="1GB", part=None, overwrite=false, allow_unmapped=false))]
+#[pyo3(signature = (hf_dir, ckpt_dir, *, arch=None, dtype="bf16", transformer_impl="transformer_engine", moe_grouped_gemm=false, make_vocab_size_divisible_by=128, tensor_model_parallel_size=1, iteration=0, tracker=false, workers=None, max_file_size="auto", part=None, overwrite=false, allow_unmapped=false))]
 #[allow(clippy::too_many_arguments)]
 pub(super) fn from_hf(
     py: Python<'_>,
@@ -100,7 +100,7 @@ pub(super) fn from_hf(
 ) -> PyResult<Py<PyAny>> {
     let mut opts =
         crate::hf::FromHfOptions::from_user(dtype, transformer_impl, workers).map_err(to_py)?;
-    opts.max_file_bytes = crate::hf::parse_size(max_file_size).map_err(to_py)?;
+    opts.max_file_bytes = crate::hf::parse_max_file_size(max_file_size).map_err(to_py)?;
     opts.arch = arch;
     opts.moe_grouped_gemm = moe_grouped_gemm;
     opts.make_vocab_size_divisible_by = make_vocab_size_divisible_by;

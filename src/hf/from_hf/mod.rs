@@ -19,6 +19,7 @@ mod run;
 mod source;
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use rayon::prelude::*;
@@ -59,8 +60,10 @@ pub struct FromHfOptions {
     pub tracker: bool,
     /// Worker threads converting tensors.
     pub threads: usize,
-    /// The largest data file, in bytes, unless one tensor alone is larger: the tensors of one file
-    /// are held in memory until it is written.
+    /// The largest data file, in bytes, unless one tensor alone is larger (0, the default: the
+    /// largest tensor's size). The tensors of one file are held in memory until it is written,
+    /// one file per worker plus the one being written, so peak memory is about `(threads + 1) x
+    /// max(max_file_bytes, largest tensor)` plus one HF tensor per worker.
     pub max_file_bytes: u64,
     /// Skip HF tensors no rule reads instead of failing.
     pub allow_unmapped: bool,
@@ -116,7 +119,7 @@ impl FromHfOptions {
             iteration: 0,
             tracker: false,
             threads,
-            max_file_bytes: 1 << 30,
+            max_file_bytes: 0,
             allow_unmapped: false,
             overwrite: false,
             part: None,
@@ -149,6 +152,17 @@ pub struct FromHfSummary {
     pub committed: bool,
     /// The tracker file written, if any.
     pub tracker: Option<PathBuf>,
+}
+
+/// `--max-file-size`: a size ([`crate::hf::parse_size`]) in bytes, or `auto` (0: the largest
+/// tensor's size).
+///
+/// Errors: [`Error::InvalidArgument`] for a bad size.
+pub fn parse_max_file_size(s: &str) -> Result<u64> {
+    if s.trim().eq_ignore_ascii_case("auto") {
+        return Ok(0);
+    }
+    crate::hf::parse_size(s)
 }
 
 /// Megatron-LM's padded vocabulary: `vocab` rounded up to a multiple of `divisible_by x tp`
@@ -359,27 +373,28 @@ pub fn from_hf(
         freshness: Freshness::any_part(),
         integrity: false,
     };
-    let (mut chunks, mut bytes, mut files) = (0usize, 0u64, 0usize);
-    for &g in &mine {
+    // The workers convert one group at a time each (its jobs in turn) and hand it to one writer
+    // thread, which saves it as one rank: reading, converting and writing overlap, and memory holds
+    // at most a group per worker plus the one being written (the hand-off is a rendezvous: a
+    // worker keeps its converted group until the writer takes it). The writer runs
+    // outside the pool: a save's own rayon work waited for inside the pool could steal another
+    // group's task, whose save would then wait for the save ticket this thread holds (deadlock).
+    let convert = |g: usize, stop: &AtomicBool| -> Result<Vec<Vec<u8>>> {
         let range = groups.get(g).cloned().unwrap_or(0..0);
-        let jobs = &p.jobs[range];
-        let bufs: Vec<Vec<u8>> = run::watching_interrupt(|stop| {
-            pool.install(|| {
-                jobs.par_iter()
-                    .map(|j| {
-                        let b = run::run_job(&src, j, opts.dtype, stop)?;
-                        progress(b.len() as u64);
-                        Ok(b)
-                    })
-                    .collect::<Result<Vec<_>>>()
-            })
-        })?;
-        if interrupted() {
-            return Err(Error::Interrupted(Stopped::Commit));
-        }
-        let tensors: Vec<TensorChunk> = jobs
+        p.jobs[range]
             .iter()
-            .zip(&bufs)
+            .map(|j| {
+                let b = run::run_job(&src, j, opts.dtype, stop)?;
+                progress(b.len() as u64);
+                Ok(b)
+            })
+            .collect()
+    };
+    let write = |g: usize, bufs: &[Vec<u8>]| -> Result<(usize, u64, usize)> {
+        let range = groups.get(g).cloned().unwrap_or(0..0);
+        let tensors: Vec<TensorChunk> = p.jobs[range]
+            .iter()
+            .zip(bufs)
             .flat_map(|(j, b)| {
                 j.chunks.iter().map(move |c| TensorChunk {
                     fqn: c.key.clone(),
@@ -398,10 +413,50 @@ pub fn from_hf(
             (g == 0).then_some(common.as_slice()),
             None,
         )?;
-        chunks += tensors.len();
-        bytes += tensors.iter().map(|t| t.data.len()).sum::<u64>();
-        files += report.data_file.is_some() as usize;
+        let bytes = tensors.iter().map(|t| t.data.len()).sum::<u64>();
+        Ok((tensors.len(), bytes, report.data_file.is_some() as usize))
+    };
+    let (written, stopped) = crate::interrupt::watching(|stop| {
+        let (tx, rx) = std::sync::mpsc::sync_channel::<(usize, Vec<Vec<u8>>)>(0);
+        std::thread::scope(|s| {
+            let writer = s.spawn(move || -> Result<Vec<(usize, u64, usize)>> {
+                let mut out = Vec::new();
+                for (g, bufs) in rx {
+                    if stop.load(Ordering::Relaxed) {
+                        return Err(Error::Interrupted(Stopped::Commit));
+                    }
+                    out.push(write(g, &bufs)?);
+                }
+                Ok(out)
+            });
+            let converted = pool.install(|| {
+                mine.par_iter().with_max_len(1).try_for_each(|&g| {
+                    let bufs = convert(g, stop)?;
+                    // A closed queue: the writer failed, and says why below.
+                    tx.send((g, bufs))
+                        .map_err(|_| Error::Interrupted(Stopped::Commit))
+                })
+            });
+            drop(tx);
+            let written = writer
+                .join()
+                .unwrap_or(Err(Error::Interrupted(Stopped::Commit)));
+            match (written, converted) {
+                (Err(e), _) | (Ok(_), Err(e)) => Err(e),
+                (Ok(w), Ok(())) => Ok(w),
+            }
+        })
+    });
+    if stopped {
+        return Err(Error::Interrupted(Stopped::Commit));
     }
+    let written: Vec<(usize, u64, usize)> = written?;
+    if interrupted() {
+        return Err(Error::Interrupted(Stopped::Commit));
+    }
+    let chunks = written.iter().map(|w| w.0).sum::<usize>();
+    let bytes = written.iter().map(|w| w.1).sum::<u64>();
+    let files = written.iter().map(|w| w.2).sum::<usize>();
     // Phase 4: the commit, by whichever process finds every part published.
     let committed = if missing_ranks(&loc, &save_id, world)?.is_empty() {
         if interrupted() {
@@ -465,7 +520,7 @@ fn save_id(src: &source::HfSource, opts: &FromHfOptions, d: &Dims) -> Result<Str
     h.update(src.identity()?);
     h.update(
         format!(
-            "\0{:?}\0{:?}\0{}\0{}\0{}\0{}\0{}",
+            "\0{:?}\0{:?}\0{}\0{}\0{}\0{}\0{}\0{}",
             opts.dtype,
             opts.transformer_impl,
             opts.moe_grouped_gemm,
@@ -473,6 +528,8 @@ fn save_id(src: &source::HfSource, opts: &FromHfOptions, d: &Dims) -> Result<Str
             opts.tensor_model_parallel_size,
             opts.iteration,
             d.spec.model_types[0],
+            // The data files' grouping: parts split with different sizes must not mix.
+            opts.max_file_bytes,
         )
         .as_bytes(),
     );

@@ -1,52 +1,15 @@
 //! Running the reverse plan: each job's HF tensors read (converted or dequantized into the
 //! output dtype), their value transform inverted, and their rows scattered back into the Megatron
-//! source tensor; jobs gathered into groups, one data file each, so memory holds one group and
-//! one HF tensor per worker.
+//! source tensor; jobs gathered into groups, one data file each (the caller converts a group per
+//! worker and writes one at a time).
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc;
-use std::time::Duration;
 
 use super::super::plan::invert_post;
 use super::plan::{Chunk, Job};
 use super::source::HfSource;
 use crate::error::{Error, Result, Stopped};
 use crate::format::dtype::DType;
-use crate::interrupt::interrupted;
-
-/// How often the calling thread polls for Ctrl-C while workers convert.
-const INTERRUPT_POLL: Duration = Duration::from_millis(20);
-
-/// Runs `work` on another thread while this one polls [`interrupted`]: the Python binding's check
-/// runs signal handlers only on Python's main thread (the caller here), never on the pool's
-/// workers. On Ctrl-C the flag `work` is given turns true; `work` is expected to stop at its next
-/// check and return [`Error::Interrupted`], which is returned in any case.
-pub(crate) fn watching_interrupt<T: Send>(
-    work: impl FnOnce(&AtomicBool) -> Result<T> + Send,
-) -> Result<T> {
-    let stop = AtomicBool::new(false);
-    let (done_tx, done_rx) = mpsc::channel::<()>();
-    let out = std::thread::scope(|s| {
-        let worker = s.spawn(|| {
-            let r = work(&stop);
-            let _ = done_tx.send(());
-            r
-        });
-        while let Err(mpsc::RecvTimeoutError::Timeout) = done_rx.recv_timeout(INTERRUPT_POLL) {
-            if interrupted() {
-                stop.store(true, Ordering::Relaxed);
-                break;
-            }
-        }
-        worker
-            .join()
-            .unwrap_or(Err(Error::Interrupted(Stopped::Commit)))
-    });
-    if stop.load(Ordering::Relaxed) {
-        return Err(Error::Interrupted(Stopped::Commit));
-    }
-    out
-}
 
 /// The Megatron source tensor of job `j` in `dtype` (`experts x rows x rest`, C order); `stop`
 /// (Ctrl-C) is checked before each HF tensor is read.
@@ -138,14 +101,5 @@ mod tests {
         assert_eq!(groups(&jobs, 1, 8), vec![0..2, 2..3, 3..4, 4..6]);
         assert_eq!(groups(&jobs, 1, 100), vec![0..6]);
         assert!(groups(&[], 1, 8).is_empty());
-    }
-
-    #[test]
-    fn work_that_ends_returns_its_result() {
-        assert_eq!(watching_interrupt(|_| Ok(7)).unwrap(), 7);
-        assert!(matches!(
-            watching_interrupt::<()>(|_| Err(Error::Interrupted(Stopped::Commit))),
-            Err(Error::Interrupted(Stopped::Commit))
-        ));
     }
 }
