@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use shardwise::commit::merge;
 use shardwise::commit::validate::Fold;
 use shardwise::commit::wait::{collect_parts, Freshness};
-use shardwise::format::metadata::emit_metadata_from;
+use shardwise::format::metadata::write_metadata;
 use shardwise::storage::Location;
 
 /// CPU seconds of this process so far (all threads): on a shared machine, wall time also counts
@@ -56,23 +56,31 @@ fn main() {
     let global = fold.finish(&parts).unwrap();
     let validate_s = t.elapsed().as_secs_f64();
     let validate_cpu = cpu_s() - c;
+    // The sidecar and `.metadata` are encoded as the merge encodes them, into a CRC only (the
+    // merge streams them to storage), so that neither is held here either.
+    let crc_of = |write: &dyn Fn(&mut dyn FnMut(&[u8]) -> shardwise::error::Result<()>)| {
+        let (mut crc, mut len) = (crc32fast::Hasher::new(), 0usize);
+        write(&mut |b| {
+            crc.update(b);
+            len += b.len();
+            Ok(())
+        });
+        (len, crc.finalize())
+    };
     let (t, c) = (Instant::now(), cpu_s());
-    let sums = global.checksums(common::SAVE_ID).unwrap();
+    let (sums_bytes, _) = crc_of(&|out| global.write_checksums(common::SAVE_ID, out).unwrap());
     let sums_s = t.elapsed().as_secs_f64();
     let sums_cpu = cpu_s() - c;
-    let sums_bytes = sums.len();
-    drop(sums);
     let (t, c) = (Instant::now(), cpu_s());
-    let meta = emit_metadata_from(&global);
+    let (meta_bytes, meta_crc) = crc_of(&|out| write_metadata(&global, out).unwrap());
     let emit_s = t.elapsed().as_secs_f64();
     let emit_cpu = cpu_s() - c;
     println!(
         "phases (wall s / CPU s): read+fold parts {collect_s:.2}/{collect_cpu:.2}, validate \
          {validate_s:.2}/{validate_cpu:.2}, encode checksums {sums_s:.2}/{sums_cpu:.2} ({sums_bytes} bytes), \
-         pickle .metadata {emit_s:.2}/{emit_cpu:.2} ({} bytes)",
-        meta.len()
+         pickle .metadata {emit_s:.2}/{emit_cpu:.2} ({meta_bytes} bytes, CRC-32 {meta_crc:08x})"
     );
-    drop((meta, global, parts));
+    drop((global, parts));
     let (t1, c1) = (Instant::now(), cpu_s());
     let summary = merge(
         &loc,
@@ -84,6 +92,19 @@ fn main() {
     .unwrap();
     let merge_s = t1.elapsed().as_secs_f64();
     let merge_cpu = cpu_s() - c1;
+    // The committed file is the pickle of the phases above, byte for byte (read in pieces, not
+    // held: the peak RSS is the merge's).
+    let mut written = crc32fast::Hasher::new();
+    let mut file = std::fs::File::open(dir.path().join(".metadata")).unwrap();
+    let mut buf = vec![0u8; 8 << 20];
+    loop {
+        let n = std::io::Read::read(&mut file, &mut buf).unwrap();
+        if n == 0 {
+            break;
+        }
+        written.update(&buf[..n]);
+    }
+    assert_eq!(written.finalize(), meta_crc, "the committed .metadata");
     println!(
         "ranks {world}, chunks/rank {chunks}: publish {publish_s:.2}s (all ranks, this machine), merge+validate+commit {merge_s:.2}s ({merge_cpu:.2} CPU s), \
          {} chunks, .metadata {:.1} MiB",

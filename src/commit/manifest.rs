@@ -31,52 +31,66 @@ pub fn sha256_hex(bytes: &[u8]) -> String {
     hex(&Sha256::digest(bytes).into())
 }
 
-/// The manifest bytes for a commit of `parts`, whose top-level files besides the ranks' data files
-/// and `common.pt` are `extra` (name, bytes): `.metadata`, and `metadata.json` for Megatron saves.
-/// None when no rank recorded digests (the save did not ask for a manifest).
-///
-/// Errors: [`Error::Validation`] when some ranks recorded digests and others did not (the ranks
-/// disagree on `verify_integrity`).
-pub fn manifest(parts: &[RankPart], extra: &[(&str, &[u8])]) -> Result<Option<Vec<u8>>> {
-    let mut files: BTreeMap<String, String> = BTreeMap::new();
-    let mut without: Vec<u32> = Vec::new();
-    for p in parts {
-        let common = p.common.iter().map(|c| (COMMON_FILE, c));
-        let data = p.files.iter().map(|f| (f.name.as_str(), f));
-        for (name, record) in data.chain(common) {
-            match &record.sha256 {
-                Some(d) => {
-                    files.insert(name.to_string(), d.clone());
+/// The manifest of a commit: file name to SHA-256 hex, sorted by name.
+pub struct Manifest(BTreeMap<String, String>);
+
+impl Manifest {
+    /// The entries of the ranks' data files and `common.pt` for a commit of `parts`; None when no
+    /// rank recorded digests (the save did not ask for a manifest). The commit's own top-level
+    /// files (`.metadata`, and `metadata.json` for Megatron saves) are [`Manifest::add`]ed once
+    /// written.
+    ///
+    /// Errors: [`Error::Validation`] when some ranks recorded digests and others did not (the
+    /// ranks disagree on `verify_integrity`).
+    pub fn of_parts(parts: &[RankPart]) -> Result<Option<Manifest>> {
+        let mut files: BTreeMap<String, String> = BTreeMap::new();
+        let mut without: Vec<u32> = Vec::new();
+        for p in parts {
+            let common = p.common.iter().map(|c| (COMMON_FILE, c));
+            let data = p.files.iter().map(|f| (f.name.as_str(), f));
+            for (name, record) in data.chain(common) {
+                match &record.sha256 {
+                    Some(d) => {
+                        files.insert(name.to_string(), d.clone());
+                    }
+                    None => without.push(p.rank),
                 }
-                None => without.push(p.rank),
             }
         }
+        if files.is_empty() {
+            return Ok(None);
+        }
+        if !without.is_empty() {
+            without.dedup();
+            return Err(Error::Validation(format!(
+                "ranks disagree on verify_integrity: the files of {} carry no SHA-256; nothing committed",
+                crate::error::fmt_ranks(&without)
+            )));
+        }
+        Ok(Some(Manifest(files)))
     }
-    if files.is_empty() {
-        return Ok(None);
+
+    /// Adds (or replaces) the entry of file `name`, its SHA-256 in hex.
+    pub fn add(&mut self, name: &str, sha256_hex: String) {
+        self.0.insert(name.to_string(), sha256_hex);
     }
-    if !without.is_empty() {
-        without.dedup();
-        return Err(Error::Validation(format!(
-            "ranks disagree on verify_integrity: the files of {} carry no SHA-256; nothing committed",
-            crate::error::fmt_ranks(&without)
-        )));
+
+    /// The manifest file's bytes.
+    ///
+    /// Errors: [`Error::InvalidArgument`] if it cannot be encoded.
+    pub fn encode(&self) -> Result<Vec<u8>> {
+        #[derive(serde::Serialize)]
+        struct Json<'a> {
+            algorithm: &'a str,
+            files: &'a BTreeMap<String, String>,
+        }
+        // serde_json's pretty form (2-space indent, ": ") is json.dump(indent=2)'s for these values.
+        serde_json::to_vec_pretty(&Json {
+            algorithm: "sha256",
+            files: &self.0,
+        })
+        .map_err(|e| Error::InvalidArgument(format!("cannot encode {INTEGRITY_FILE}: {e}")))
     }
-    for (name, bytes) in extra {
-        files.insert(name.to_string(), sha256_hex(bytes));
-    }
-    #[derive(serde::Serialize)]
-    struct Manifest<'a> {
-        algorithm: &'a str,
-        files: &'a BTreeMap<String, String>,
-    }
-    // serde_json's pretty form (2-space indent, ": ") is json.dump(indent=2)'s for these values.
-    let bytes = serde_json::to_vec_pretty(&Manifest {
-        algorithm: "sha256",
-        files: &files,
-    })
-    .map_err(|e| Error::InvalidArgument(format!("cannot encode {INTEGRITY_FILE}: {e}")))?;
-    Ok(Some(bytes))
 }
 
 #[cfg(test)]

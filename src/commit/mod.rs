@@ -14,7 +14,9 @@
 //!
 //! Commit order (local): checksum sidecar, rank 0's staged `common.pt` renamed into place,
 //! `.metadata` (tmp + rename), `metadata.json` (Megatron saves), then the `COMMITTED` record; a
-//! directory is committed only once that record matches its `.metadata` ([`state`]). A save with
+//! directory is committed only once that record matches its `.metadata` ([`state`]). The sidecar
+//! and `.metadata` are encoded at once and streamed to storage as they are made
+//! ([`Location::create_streamed`]); `.metadata` is published under its name only in its turn. A save with
 //! `overwrite` writes its data under file names the committed checkpoint does not use, so the old
 //! checkpoint stays loadable until the new `.metadata` replaces it; its files are removed after
 //! the commit.
@@ -39,17 +41,18 @@ pub mod wait;
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
-use crate::format::metadata::{emit_metadata_from, MetadataSource};
+use crate::format::metadata::{write_metadata, MetadataSource};
 use crate::format::sidecar::{self, Checksums, CHECKSUMS_FILE};
 use crate::format::{COMMON_FILE, MEGATRON_METADATA_JSON, METADATA_JSON_FILE};
-use crate::storage::Location;
+use crate::storage::{Location, Mode};
 use liveness::now_ns;
 use lock::{CommitLock, Lock};
+use manifest::Manifest;
 use part::{
     check_save_id, marker_rel, publish_failed, read_failed, save_rel, Marker, RankPart, STATE_DIR,
 };
 pub use record::CommitSummary;
-use record::{not_committed, read_commit_record, CommitRecord, Digest};
+use record::{not_committed, read_commit_record, CommitRecord, Digest, Digester};
 use state::{CheckpointState, MetadataWriter};
 use wait::{collect_parts, stale_reason, Backoff, Freshness};
 
@@ -305,30 +308,69 @@ fn commit_unguarded(
         }
         None => None,
     };
-    // The sidecar is written, and dropped, before `.metadata` is pickled: at scale each is ~1 GB.
-    loc.write(
-        &marker_rel(save_id, CHECKSUMS_FILE),
-        global.checksums(save_id)?,
-    )?;
-    let meta = emit_metadata_from(&global);
-    let record = commit_record(save_id, &parts, &global, &meta, common_digest, megatron);
+    let mut integrity = Manifest::of_parts(&parts)?;
+    // The sidecar and `.metadata` are encoded at once, on two threads, each written to storage as
+    // it is made (at scale each is about 1 GB): `.metadata` is staged, and published below in the
+    // commit order.
+    let mode = match publish {
+        Publish::Locked => Mode::Replace,
+        Publish::Racing => Mode::CreateNew,
+    };
+    let (sums, meta) = std::thread::scope(|s| {
+        let sums = s.spawn(|| -> Result<()> {
+            let rel = marker_rel(save_id, CHECKSUMS_FILE);
+            let mut sink = loc.create_streamed(&rel, Mode::Replace)?;
+            global.write_checksums(save_id, &mut |b| sink.write(b))?;
+            sink.finish()?.publish().map(|_| ())
+        });
+        let meta = (|| -> Result<_> {
+            let mut sink = loc.create_streamed(".metadata", mode)?;
+            let mut digest = Digester::new(integrity.is_some());
+            write_metadata(&global, &mut |b| {
+                digest.update(b);
+                sink.write(b)
+            })?;
+            Ok((sink.finish()?, digest.finish()))
+        })();
+        let sums = sums
+            .join()
+            .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+        (sums, meta)
+    });
+    sums?;
+    let (meta, (meta_digest, meta_sha)) = meta?;
+    let mut record = commit_record(
+        save_id,
+        &parts,
+        &global,
+        meta_digest,
+        common_digest,
+        megatron,
+    );
     drop(global);
-    let integrity = integrity_manifest(&parts, &meta, megatron)?;
-    let mut record = record;
+    if let (Some(m), Some(sha)) = (&mut integrity, meta_sha) {
+        m.add(".metadata", sha);
+        if megatron {
+            m.add(
+                METADATA_JSON_FILE,
+                manifest::sha256_hex(MEGATRON_METADATA_JSON.as_bytes()),
+            );
+        }
+    }
     let committed_rel = Marker::Committed.rel(save_id);
     // Staged where it can be renamed into place (see `attempt`), so an overwritten checkpoint
     // keeps its common state until this commit.
     if let Some(c) = common.filter(|c| c.name != COMMON_FILE && loc.exists(&c.name)) {
         loc.rename(&c.name, COMMON_FILE)?;
     }
-    match publish {
-        Publish::Locked => loc.write(".metadata", meta)?,
-        Publish::Racing => {
-            if !loc.write_new(".metadata", meta.clone())? && loc.read(".metadata")? != Some(meta) {
-                return Err(Error::Validation(format!(
-                    "{loc} already holds a different .metadata (another save's); nothing committed"
-                )));
-            }
+    if !meta.publish()? {
+        // Racing (object store): a merger of the same parts made the same bytes; anything else
+        // is another save's (compared by size and CRC-32, as a record is with its `.metadata`).
+        let there = loc.read(".metadata")?.map(|b| Digest::of(&b));
+        if there != Some(meta_digest) {
+            return Err(Error::Validation(format!(
+                "{loc} already holds a different .metadata (another save's); nothing committed"
+            )));
         }
     }
     if megatron {
@@ -337,7 +379,7 @@ fn commit_unguarded(
             MEGATRON_METADATA_JSON.as_bytes().to_vec(),
         )?;
     }
-    write_integrity(loc, integrity)?;
+    write_integrity(loc, integrity.map(|m| m.encode()).transpose()?)?;
     record.stamp_files(loc)?;
     let record_bytes = record.to_json()?;
     match publish {
@@ -366,16 +408,6 @@ fn commit_unguarded(
     Ok(record.summary)
 }
 
-/// megatron-core 0.19's `integrity.json` for this commit, when the ranks recorded digests
-/// ([`manifest::manifest`]): their files, `.metadata` and `metadata.json`.
-fn integrity_manifest(parts: &[RankPart], meta: &[u8], megatron: bool) -> Result<Option<Vec<u8>>> {
-    let mut top: Vec<(&str, &[u8])> = vec![(".metadata", meta)];
-    if megatron {
-        top.push((METADATA_JSON_FILE, MEGATRON_METADATA_JSON.as_bytes()));
-    }
-    manifest::manifest(parts, &top)
-}
-
 /// Writes the manifest, or removes one left by a checkpoint this commit replaces (its digests
 /// would not match the new files; only where checkpoints can be replaced: object-store prefixes
 /// are never overwritten).
@@ -390,7 +422,7 @@ fn commit_record(
     save_id: &str,
     parts: &[RankPart],
     global: &validate::Global,
-    meta: &[u8],
+    meta: Digest,
     common: Option<Digest>,
     megatron: bool,
 ) -> CommitRecord {
@@ -399,7 +431,7 @@ fn commit_record(
         keys: global.keys(),
         tensor_chunks,
         byte_objects,
-        metadata_bytes: meta.len() as u64,
+        metadata_bytes: meta.size,
         ..Default::default()
     };
     let files: Vec<(String, u64)> = parts
@@ -411,7 +443,7 @@ fn commit_record(
     CommitRecord {
         save_id: save_id.to_string(),
         committed_at_ns: now_ns(),
-        metadata: Digest::of(meta),
+        metadata: meta,
         common,
         megatron,
         files,

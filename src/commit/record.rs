@@ -39,6 +39,44 @@ impl Digest {
     }
 }
 
+/// The [`Digest`] of bytes seen piece by piece (a file streamed as it is made), and their
+/// SHA-256 when asked (for the integrity manifest).
+pub struct Digester {
+    size: u64,
+    crc: crc32fast::Hasher,
+    sha256: Option<sha2::Sha256>,
+}
+
+impl Digester {
+    pub fn new(sha256: bool) -> Digester {
+        Digester {
+            size: 0,
+            crc: crc32fast::Hasher::new(),
+            sha256: sha256.then(<sha2::Sha256 as sha2::Digest>::new),
+        }
+    }
+
+    pub fn update(&mut self, bytes: &[u8]) {
+        self.size += bytes.len() as u64;
+        self.crc.update(bytes);
+        if let Some(s) = &mut self.sha256 {
+            sha2::Digest::update(s, bytes);
+        }
+    }
+
+    /// The digest, and the SHA-256 in hex when asked.
+    pub fn finish(self) -> (Digest, Option<String>) {
+        let digest = Digest {
+            size: self.size,
+            crc32: self.crc.finalize(),
+        };
+        let sha = self
+            .sha256
+            .map(|s| super::manifest::hex(&sha2::Digest::finalize(s).into()));
+        (digest, sha)
+    }
+}
+
 /// `.shardwise/S/COMMITTED` (JSON): what the commit of save `S` wrote.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct CommitRecord {

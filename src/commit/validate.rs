@@ -173,7 +173,16 @@ impl Fold {
             }
             files[r] = p.files.iter().map(|f| f.name.clone()).collect();
         }
-        Ok(Global { keys, files })
+        let mut first_file = Vec::with_capacity(files.len() + 1);
+        first_file.push(0);
+        for f in &files {
+            first_file.push(first_file.last().unwrap() + f.len());
+        }
+        Ok(Global {
+            keys,
+            files,
+            first_file,
+        })
     }
 }
 
@@ -267,6 +276,9 @@ pub struct Global {
     keys: Vec<Key>,
     /// File names of each rank's part, by rank.
     files: Vec<Vec<String>>,
+    /// Per rank, the id of its first file when all ranks' files are numbered in rank order (and
+    /// the number of files last): the file ids of [`MetadataSource::file_id`].
+    first_file: Vec<usize>,
 }
 
 impl Global {
@@ -285,40 +297,39 @@ impl Global {
         }
     }
 
-    /// The checksum sidecar ([`sidecar::Checksums`]), keys in sorted order. Items are encoded in
-    /// parallel, in ranges of keys, and joined by [`sidecar::encode`].
+    /// The checksum sidecar ([`sidecar::Checksums`]), keys in sorted order, handed to `out` piece
+    /// by piece (about 1 MiB each) as it is encoded ([`sidecar::frame`]).
     ///
-    /// Errors: [`Error::InvalidArgument`] if it cannot be encoded.
-    pub fn checksums(&self, save_id: &str) -> Result<Vec<u8>> {
-        let ranges = (rayon::current_num_threads() * 4)
-            .min(self.keys.len())
-            .max(1);
-        let per = self.keys.len().div_ceil(ranges);
-        let pieces: Vec<Vec<u8>> = (0..ranges)
-            .into_par_iter()
-            .map(|r| {
-                let mut buf = Vec::new();
-                for k in r * per..((r + 1) * per).min(self.keys.len()) {
-                    let chunks = self.tensor(k).map(|(_, _, n)| n);
-                    for c in 0..chunks.unwrap_or(1) {
-                        let (relative_path, offset, length) = self.storage(k, c);
-                        let item = sidecar::ItemRef {
-                            fqn: self.fqn(k),
-                            offsets: chunks.map(|_| self.chunk(k, c).0),
-                            relative_path,
-                            offset,
-                            length,
-                            crc32: self.item(k, c).crc32,
-                            blocks: &self.item(k, c).blocks,
-                        };
-                        sidecar::encode_item(&mut buf, &item)?;
-                    }
-                }
-                Ok(buf)
-            })
-            .collect::<Result<_>>()?;
+    /// Errors: [`Error::InvalidArgument`] if it cannot be encoded; those of `out`.
+    pub fn write_checksums(
+        &self,
+        save_id: &str,
+        out: &mut dyn FnMut(&[u8]) -> Result<()>,
+    ) -> Result<()> {
         let (t, o) = self.counts();
-        sidecar::encode(save_id, t + o, pieces, crate::blockcrc::BLOCK_BYTES)
+        let (mut buf, tail) = sidecar::frame(save_id, t + o, crate::blockcrc::BLOCK_BYTES)?;
+        for k in 0..self.keys.len() {
+            let chunks = self.tensor(k).map(|(_, _, n)| n);
+            for c in 0..chunks.unwrap_or(1) {
+                let (relative_path, offset, length) = self.storage(k, c);
+                let item = sidecar::ItemRef {
+                    fqn: self.fqn(k),
+                    offsets: chunks.map(|_| self.chunk(k, c).0),
+                    relative_path,
+                    offset,
+                    length,
+                    crc32: self.item(k, c).crc32,
+                    blocks: &self.item(k, c).blocks,
+                };
+                sidecar::encode_item(&mut buf, &item)?;
+                if buf.len() >= 1 << 20 {
+                    out(&buf)?;
+                    buf.clear();
+                }
+            }
+        }
+        buf.extend_from_slice(&tail);
+        out(&buf)
     }
 }
 
@@ -357,6 +368,13 @@ impl MetadataSource for Global {
             i.offset,
             i.length,
         )
+    }
+    fn files(&self) -> usize {
+        self.first_file.last().copied().unwrap_or(0)
+    }
+    fn file_id(&self, key: usize, chunk: usize) -> Option<usize> {
+        let i = self.item(key, chunk);
+        Some(self.first_file[i.rank as usize] + i.file as usize)
     }
 }
 
@@ -640,7 +658,10 @@ mod tests {
             }
         }
         assert_eq!(emit_metadata_from(&g), emit_metadata(&want));
-        let sums: Checksums = rmp_serde::from_slice(&g.checksums("s").unwrap()).unwrap();
+        let mut sidecar = Vec::new();
+        g.write_checksums("s", &mut |b| Ok(sidecar.extend_from_slice(b)))
+            .unwrap();
+        let sums: Checksums = rmp_serde::from_slice(&sidecar).unwrap();
         assert_eq!(
             sums,
             Checksums {

@@ -7,6 +7,7 @@
 
 use std::collections::BTreeMap;
 
+use crate::error::Result;
 use crate::format::dtype::DType;
 use crate::format::pickle::Pickler;
 
@@ -47,39 +48,47 @@ pub enum Entry {
 /// Pickles the global metadata; keys are emitted in sorted order, chunks in the given order
 /// (their position is the `MetadataIndex.index` hint).
 pub fn emit_metadata(entries: &BTreeMap<String, Entry>) -> Vec<u8> {
-    struct Map<'a>(Vec<(&'a str, &'a Entry)>);
-    impl MetadataSource for Map<'_> {
-        fn keys(&self) -> usize {
-            self.0.len()
-        }
-        fn fqn(&self, key: usize) -> &str {
-            self.0[key].0
-        }
-        fn tensor(&self, key: usize) -> Option<(DType, &[u64], usize)> {
-            match self.0[key].1 {
-                Entry::Tensor {
-                    dtype,
-                    global_shape,
-                    chunks,
-                } => Some((*dtype, global_shape, chunks.len())),
-                Entry::Bytes { .. } => None,
-            }
-        }
-        fn chunk(&self, key: usize, chunk: usize) -> (&[u64], &[u64]) {
-            match self.0[key].1 {
-                Entry::Tensor { chunks, .. } => (&chunks[chunk].offsets, &chunks[chunk].sizes),
-                Entry::Bytes { .. } => (&[], &[]),
-            }
-        }
-        fn storage(&self, key: usize, chunk: usize) -> (&str, u64, u64) {
-            let s = match self.0[key].1 {
-                Entry::Tensor { chunks, .. } => &chunks[chunk].storage,
-                Entry::Bytes { storage } => storage,
-            };
-            (&s.relative_path, s.offset, s.length)
+    emit_metadata_from(&Map::of(entries))
+}
+
+/// Sorted entries as a [`MetadataSource`].
+struct Map<'a>(Vec<(&'a str, &'a Entry)>);
+
+impl<'a> Map<'a> {
+    fn of(entries: &'a BTreeMap<String, Entry>) -> Map<'a> {
+        Map(entries.iter().map(|(k, e)| (k.as_str(), e)).collect())
+    }
+}
+impl MetadataSource for Map<'_> {
+    fn keys(&self) -> usize {
+        self.0.len()
+    }
+    fn fqn(&self, key: usize) -> &str {
+        self.0[key].0
+    }
+    fn tensor(&self, key: usize) -> Option<(DType, &[u64], usize)> {
+        match self.0[key].1 {
+            Entry::Tensor {
+                dtype,
+                global_shape,
+                chunks,
+            } => Some((*dtype, global_shape, chunks.len())),
+            Entry::Bytes { .. } => None,
         }
     }
-    emit_metadata_from(&Map(entries.iter().map(|(k, e)| (k.as_str(), e)).collect()))
+    fn chunk(&self, key: usize, chunk: usize) -> (&[u64], &[u64]) {
+        match self.0[key].1 {
+            Entry::Tensor { chunks, .. } => (&chunks[chunk].offsets, &chunks[chunk].sizes),
+            Entry::Bytes { .. } => (&[], &[]),
+        }
+    }
+    fn storage(&self, key: usize, chunk: usize) -> (&str, u64, u64) {
+        let s = match self.0[key].1 {
+            Entry::Tensor { chunks, .. } => &chunks[chunk].storage,
+            Entry::Bytes { storage } => storage,
+        };
+        (&s.relative_path, s.offset, s.length)
+    }
 }
 
 /// The keys of a global `.metadata`, read by index, so that a merger can pickle its own compact
@@ -95,14 +104,72 @@ pub trait MetadataSource {
     fn chunk(&self, key: usize, chunk: usize) -> (&[u64], &[u64]);
     /// `(relative_path, offset, length)` of a chunk's archive (chunk 0 for a byte object).
     fn storage(&self, key: usize, chunk: usize) -> (&str, u64, u64);
+    /// Number of distinct file ids that [`MetadataSource::file_id`] gives (0: it gives none).
+    fn files(&self) -> usize {
+        0
+    }
+    /// An id below [`MetadataSource::files`] of the file that [`MetadataSource::storage`] names,
+    /// the same id only for the same `relative_path`: the pickler then looks each file name up
+    /// once instead of once per chunk.
+    fn file_id(&self, _key: usize, _chunk: usize) -> Option<usize> {
+        None
+    }
 }
 
 /// [`emit_metadata`] for any [`MetadataSource`]: the same bytes for the same keys and chunks.
 pub fn emit_metadata_from(src: &impl MetadataSource) -> Vec<u8> {
     let mut p = Pickler::new(true);
-    object_start(&mut p, M, "Metadata");
-    p.empty_dict();
-    p.mark();
+    emit(src, &mut p, &mut |_| Ok(())).expect("no output to fail");
+    p.finish()
+}
+
+/// Bytes of pickle buffered before [`write_metadata`] hands them on.
+const FLUSH_BYTES: usize = 1 << 20;
+
+/// [`emit_metadata_from`] handed to `out` piece by piece (about 1 MiB each) as it is pickled, so
+/// that a `.metadata` of a GB is written while it is made and never held whole.
+///
+/// Errors: those of `out`, as soon as it returns one.
+pub fn write_metadata(
+    src: &impl MetadataSource,
+    out: &mut dyn FnMut(&[u8]) -> Result<()>,
+) -> Result<()> {
+    let mut p = Pickler::new(true);
+    emit(src, &mut p, &mut |p| {
+        if p.buf.len() >= FLUSH_BYTES {
+            out(&p.buf)?;
+            p.buf.clear();
+        }
+        Ok(())
+    })?;
+    out(&p.finish())
+}
+
+/// Memo indices of the values pickled once per chunk ([`Pickler::str_in`]).
+#[derive(Default)]
+struct Slots {
+    chunk_class: Option<u32>,
+    index_class: Option<u32>,
+    storage_class: Option<u32>,
+    size: Option<u32>,
+    offsets: Option<u32>,
+    sizes: Option<u32>,
+    fqn: Option<u32>,
+    offset: Option<u32>,
+    index: Option<u32>,
+    relative_path: Option<u32>,
+    length: Option<u32>,
+}
+
+/// Pickles `src` into `p`, calling `flush(p)` between chunks (it may drain `p.buf`).
+fn emit(
+    src: &impl MetadataSource,
+    p: &mut Pickler,
+    flush: &mut dyn FnMut(&mut Pickler) -> Result<()>,
+) -> Result<()> {
+    let mut slot = Slots::default();
+    let mut file_slots: Vec<Option<u32>> = vec![None; src.files()];
+    state_start(p, &mut None, M, "Metadata");
 
     p.str("state_dict_metadata");
     p.empty_dict();
@@ -111,34 +178,31 @@ pub fn emit_metadata_from(src: &impl MetadataSource) -> Vec<u8> {
         p.str(src.fqn(k));
         match src.tensor(k) {
             Some((dtype, global_shape, chunks)) => {
-                object_start(&mut p, M, "TensorStorageMetadata");
-                p.empty_dict();
-                p.mark();
+                state_start(p, &mut None, M, "TensorStorageMetadata");
                 p.str("properties");
-                tensor_properties(&mut p, dtype);
+                tensor_properties(p, dtype);
                 p.str("size");
-                torch_size(&mut p, global_shape);
+                torch_size(p, &mut slot.size, global_shape);
                 p.str("chunks");
                 p.empty_list();
                 p.mark();
                 for c in 0..chunks {
                     let (offsets, sizes) = src.chunk(k, c);
-                    object_start(&mut p, M, "ChunkStorageMetadata");
-                    p.empty_dict();
-                    p.mark();
-                    p.str("offsets");
-                    torch_size(&mut p, offsets);
-                    p.str("sizes");
-                    torch_size(&mut p, sizes);
+                    state_start(p, &mut slot.chunk_class, M, "ChunkStorageMetadata");
+                    p.str_in(&mut slot.offsets, "offsets");
+                    torch_size(p, &mut slot.size, offsets);
+                    p.str_in(&mut slot.sizes, "sizes");
+                    torch_size(p, &mut slot.size, sizes);
                     p.setitems();
                     p.build();
+                    flush(p)?;
                 }
                 p.appends();
                 p.setitems();
                 p.build();
             }
             // torch writes BytesStorageMetadata as GLOBAL, EMPTY_TUPLE, NEWOBJ with no BUILD.
-            None => object_start(&mut p, M, "BytesStorageMetadata"),
+            None => object_start(p, &mut None, M, "BytesStorageMetadata"),
         }
     }
     p.setitems();
@@ -155,23 +219,47 @@ pub fn emit_metadata_from(src: &impl MetadataSource) -> Vec<u8> {
         p.tuple(1);
     }
     p.setitems();
+    flush(p)?;
 
     p.str("storage_data");
     p.empty_dict();
     p.mark();
     for k in 0..src.keys() {
         let fqn = src.fqn(k);
-        match src.tensor(k) {
-            Some((_, _, chunks)) => {
-                for c in 0..chunks {
-                    metadata_index(&mut p, fqn, Some(src.chunk(k, c).0), Some(c));
-                    storage_info(&mut p, src.storage(k, c));
-                }
+        let mut fqn_slot = None;
+        let chunks = src.tensor(k).map(|(_, _, n)| n);
+        for c in 0..chunks.unwrap_or(1) {
+            let offsets = chunks.map(|_| src.chunk(k, c).0);
+            // MetadataIndex(fqn, offset, index).
+            state_start(p, &mut slot.index_class, M, "MetadataIndex");
+            p.str_in(&mut slot.fqn, "fqn");
+            p.str_in(&mut fqn_slot, fqn);
+            if let Some(o) = offsets {
+                p.str_in(&mut slot.offset, "offset");
+                torch_size(p, &mut slot.size, o);
             }
-            None => {
-                metadata_index(&mut p, fqn, None, None);
-                storage_info(&mut p, src.storage(k, 0));
+            p.str_in(&mut slot.index, "index");
+            match chunks {
+                Some(_) => p.int(c as i128),
+                None => p.none(),
             }
+            p.setitems();
+            p.build();
+            // _StorageInfo(relative_path, offset, length).
+            let (relative_path, offset, length) = src.storage(k, c);
+            state_start(p, &mut slot.storage_class, FS, "_StorageInfo");
+            p.str_in(&mut slot.relative_path, "relative_path");
+            match src.file_id(k, c).and_then(|f| file_slots.get_mut(f)) {
+                Some(file_slot) => p.str_in(file_slot, relative_path),
+                None => p.str(relative_path),
+            }
+            p.str_in(&mut slot.offset, "offset");
+            p.int(offset as i128);
+            p.str_in(&mut slot.length, "length");
+            p.int(length as i128);
+            p.setitems();
+            p.build();
+            flush(p)?;
         }
     }
     p.setitems();
@@ -180,18 +268,27 @@ pub fn emit_metadata_from(src: &impl MetadataSource) -> Vec<u8> {
     p.str("1.0.0");
     p.setitems();
     p.build();
-    p.finish()
+    Ok(())
 }
 
-/// `GLOBAL cls; EMPTY_TUPLE; NEWOBJ` (a dataclass instance before its BUILD).
-fn object_start(p: &mut Pickler, module: &str, name: &str) {
-    p.global(module, name);
+/// `GLOBAL cls; EMPTY_TUPLE; NEWOBJ` (a dataclass instance before its BUILD); `class` is the memo
+/// slot of the class ([`Pickler::global_in`]).
+fn object_start(p: &mut Pickler, class: &mut Option<u32>, module: &str, name: &str) {
+    p.global_in(class, module, name);
     p.empty_tuple();
     p.newobj();
 }
 
-fn torch_size(p: &mut Pickler, dims: &[u64]) {
-    p.global("torch", "Size");
+/// [`object_start`], then `EMPTY_DICT; MARK`: the state dict of its BUILD opened.
+fn state_start(p: &mut Pickler, class: &mut Option<u32>, module: &str, name: &str) {
+    object_start(p, class, module, name);
+    p.empty_dict();
+    p.mark();
+}
+
+/// `torch.Size(dims)`; `size` is the memo slot of the `torch.Size` global.
+fn torch_size(p: &mut Pickler, size: &mut Option<u32>, dims: &[u64]) {
+    p.global_in(size, "torch", "Size");
     p.int_tuple(dims);
     p.tuple(1);
     p.reduce();
@@ -199,7 +296,7 @@ fn torch_size(p: &mut Pickler, dims: &[u64]) {
 
 /// `TensorProperties` with the 5-tuple state `(dtype, layout, requires_grad, memory_format, pin_memory)`.
 fn tensor_properties(p: &mut Pickler, dtype: DType) {
-    object_start(p, M, "TensorProperties");
+    object_start(p, &mut None, M, "TensorProperties");
     p.mark();
     p.global("torch", dtype.torch_name());
     p.global("torch.serialization", "_get_layout");
@@ -213,39 +310,6 @@ fn tensor_properties(p: &mut Pickler, dtype: DType) {
     p.reduce();
     p.bool(false);
     p.tuple(5);
-    p.build();
-}
-
-fn metadata_index(p: &mut Pickler, fqn: &str, offsets: Option<&[u64]>, index: Option<usize>) {
-    object_start(p, M, "MetadataIndex");
-    p.empty_dict();
-    p.mark();
-    p.str("fqn");
-    p.str(fqn);
-    if let Some(o) = offsets {
-        p.str("offset");
-        torch_size(p, o);
-    }
-    p.str("index");
-    match index {
-        Some(i) => p.int(i as i128),
-        None => p.none(),
-    }
-    p.setitems();
-    p.build();
-}
-
-fn storage_info(p: &mut Pickler, (relative_path, offset, length): (&str, u64, u64)) {
-    object_start(p, FS, "_StorageInfo");
-    p.empty_dict();
-    p.mark();
-    p.str("relative_path");
-    p.str(relative_path);
-    p.str("offset");
-    p.int(offset as i128);
-    p.str("length");
-    p.int(length as i128);
-    p.setitems();
     p.build();
 }
 
@@ -360,4 +424,101 @@ pub fn check_bounds(
         "key {fqn}: {} saves chunk offsets {offsets:?} sizes {sizes:?}, outside the global shape {shape:?}",
         origin(),
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A map whose strings collide with the emitter's own (keys named like field names, a file
+    /// named like a key), with dimensions past 3 (MARK tuples) and ints of every opcode width, a
+    /// byte object, and file names shared across keys: every memo reuse rule is exercised.
+    fn tricky_map() -> BTreeMap<String, Entry> {
+        let storage = |path: &str, offset: u64| StorageInfo {
+            relative_path: path.into(),
+            offset,
+            length: 70_000 + offset,
+        };
+        let chunk = |offsets: Vec<u64>, sizes: Vec<u64>, path: &str, offset: u64| Chunk {
+            offsets,
+            sizes,
+            storage: storage(path, offset),
+        };
+        let mut m = BTreeMap::new();
+        for (k, fqn) in ["offsets", "w", "sizes", "fqn", "__1_0.distcp", "x.y"]
+            .iter()
+            .enumerate()
+        {
+            let k = k as u64;
+            let chunks = vec![
+                chunk(vec![0, 0], vec![2, 300], "__0_0.distcp", k),
+                chunk(vec![2, 0], vec![2, 300], "__1_0.distcp", k << 33),
+                chunk(vec![4, 0], vec![1 << 20, 300], "w", 1 << 31),
+            ];
+            m.insert(
+                fqn.to_string(),
+                Entry::Tensor {
+                    dtype: if k % 2 == 0 { DType::BF16 } else { DType::F32 },
+                    global_shape: vec![(1 << 20) + 4, 300],
+                    chunks,
+                },
+            );
+        }
+        m.insert(
+            "big".into(),
+            Entry::Tensor {
+                dtype: DType::I64,
+                global_shape: vec![2, 3, 4, 5, 70_000],
+                chunks: vec![chunk(vec![0; 5], vec![2, 3, 4, 5, 70_000], "offset", 9)],
+            },
+        );
+        m.insert(
+            "rng".into(),
+            Entry::Bytes {
+                storage: storage("__0_0.distcp", 5),
+            },
+        );
+        m
+    }
+
+    /// The bytes of [`tricky_map`] as the emitter of shardwise 0.3 (before the memo slots and the
+    /// streamed output) wrote them: size and CRC-32. The `.metadata` of a merge must not change.
+    #[test]
+    fn metadata_bytes_are_unchanged() {
+        let bytes = emit_metadata(&tricky_map());
+        assert_eq!(
+            (bytes.len(), crc32fast::hash(&bytes)),
+            (3294, 4291089072),
+            "the .metadata bytes changed"
+        );
+    }
+
+    /// [`write_metadata`] hands on the bytes of [`emit_metadata`], in pieces of about a MiB.
+    #[test]
+    fn streamed_metadata_is_the_same_bytes() {
+        let mut map = tricky_map();
+        let chunk = |i: u64| Chunk {
+            offsets: vec![i],
+            sizes: vec![1],
+            storage: StorageInfo {
+                relative_path: format!("__{}_0.distcp", i % 97),
+                offset: i,
+                length: 1,
+            },
+        };
+        for k in 0..40 {
+            let chunks = (0..1000).map(chunk).collect();
+            let e = Entry::Tensor {
+                dtype: DType::F32,
+                global_shape: vec![1000],
+                chunks,
+            };
+            map.insert(format!("layer.{k}"), e);
+        }
+        let bytes = emit_metadata(&map);
+        let mut pieces = Vec::new();
+        write_metadata(&Map::of(&map), &mut |b| Ok(pieces.push(b.to_vec()))).unwrap();
+        assert!(pieces.len() > 2, "{} pieces", pieces.len());
+        assert!(pieces.concat() == bytes);
+    }
 }

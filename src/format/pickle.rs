@@ -136,6 +136,20 @@ impl Pickler {
 
     /// `GLOBAL module\nname\n`, memoized.
     pub fn global(&mut self, module: &str, name: &str) {
+        self.global_idx(module, name);
+    }
+
+    /// [`Pickler::global`] for a global emitted many times: `slot` keeps its memo index after the
+    /// first call, so later ones are a `BINGET` without a lookup (the same bytes).
+    pub fn global_in(&mut self, slot: &mut Option<u32>, module: &str, name: &str) {
+        match *slot {
+            Some(idx) if self.reuse => self.get(idx),
+            _ => *slot = Some(self.global_idx(module, name)),
+        }
+    }
+
+    /// [`Pickler::global`]; returns the global's memo index.
+    fn global_idx(&mut self, module: &str, name: &str) -> u32 {
         if self.reuse {
             if let Some(&(_, _, idx)) = self
                 .globals
@@ -144,7 +158,7 @@ impl Pickler {
                 .find(|(m, n, _)| n == name && m == module)
             {
                 self.get(idx);
-                return;
+                return idx;
             }
         }
         self.buf.push(GLOBAL);
@@ -157,14 +171,30 @@ impl Pickler {
             self.globals
                 .push((module.to_string(), name.to_string(), idx));
         }
+        idx
     }
 
     /// `BINUNICODE` (u32 length + UTF-8), memoized.
     pub fn str(&mut self, s: &str) {
+        self.str_idx(s);
+    }
+
+    /// [`Pickler::str`] for a string emitted many times: `slot` keeps its memo index after the
+    /// first call, so later ones are a `BINGET` without hashing the string (the same bytes: a
+    /// string's memo index never changes once it has one).
+    pub fn str_in(&mut self, slot: &mut Option<u32>, s: &str) {
+        match *slot {
+            Some(idx) if self.reuse => self.get(idx),
+            _ => *slot = Some(self.str_idx(s)),
+        }
+    }
+
+    /// [`Pickler::str`]; returns the string's memo index.
+    fn str_idx(&mut self, s: &str) -> u32 {
         if self.reuse {
             if let Some(&idx) = self.strings.get(s) {
                 self.get(idx);
-                return;
+                return idx;
             }
         }
         self.buf.push(BINUNICODE);
@@ -174,6 +204,7 @@ impl Pickler {
         if self.reuse {
             self.strings.insert(s.to_string(), idx);
         }
+        idx
     }
 
     /// An int with CPython's choice of opcode: BININT1, BININT2, BININT or LONG1.

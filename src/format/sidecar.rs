@@ -59,45 +59,37 @@ fn encode_error(e: impl std::fmt::Display) -> Error {
 }
 
 /// Appends one item, encoded as an element of [`Checksums::items`], to `buf`. Items may be
-/// encoded in pieces on several threads and joined by [`encode`].
+/// encoded in pieces and written between the two halves of [`frame`].
 ///
 /// Errors: [`Error::InvalidArgument`] if it cannot be encoded.
 pub fn encode_item(buf: &mut Vec<u8>, item: &ItemRef) -> Result<()> {
     rmp_serde::encode::write(buf, item).map_err(encode_error)
 }
 
-/// The sidecar bytes of save `save_id` whose `items` items were encoded, in order, into `pieces`
-/// ([`encode_item`]); `block_bytes` as in [`Checksums::block_bytes`]. Equal to `rmp_serde`'s
-/// encoding of the [`Checksums`] value.
+/// The bytes before and after the items of the sidecar of save `save_id` with `items` items
+/// ([`encode_item`]) and `block_bytes` as in [`Checksums::block_bytes`]: the sidecar is the first,
+/// the items in order, then the second, equal to `rmp_serde`'s encoding of the [`Checksums`]
+/// value. A sidecar of a GB is written that way as it is encoded, never held whole.
 ///
 /// Errors: [`Error::InvalidArgument`] for more than 2^32 - 1 items.
-pub fn encode(
-    save_id: &str,
-    items: usize,
-    pieces: Vec<Vec<u8>>,
-    block_bytes: u64,
-) -> Result<Vec<u8>> {
+pub fn frame(save_id: &str, items: usize, block_bytes: u64) -> Result<(Vec<u8>, Vec<u8>)> {
     // A struct as rmp_serde writes it: an array of its 3 fields.
-    let mut out = vec![0x93];
-    out.extend(rmp_serde::to_vec(save_id).map_err(encode_error)?);
+    let mut head = vec![0x93];
+    head.extend(rmp_serde::to_vec(save_id).map_err(encode_error)?);
     match items {
-        0..=15 => out.push(0x90 | items as u8),
+        0..=15 => head.push(0x90 | items as u8),
         16..=0xffff => {
-            out.push(0xdc);
-            out.extend((items as u16).to_be_bytes());
+            head.push(0xdc);
+            head.extend((items as u16).to_be_bytes());
         }
         _ => {
-            out.push(0xdd);
+            head.push(0xdd);
             let n = u32::try_from(items).map_err(|_| encode_error(format!("{items} items")))?;
-            out.extend(n.to_be_bytes());
+            head.extend(n.to_be_bytes());
         }
     }
-    out.reserve_exact(pieces.iter().map(Vec::len).sum());
-    for p in pieces {
-        out.extend_from_slice(&p);
-    }
-    out.extend(rmp_serde::to_vec(&block_bytes).map_err(encode_error)?);
-    Ok(out)
+    let tail = rmp_serde::to_vec(&block_bytes).map_err(encode_error)?;
+    Ok((head, tail))
 }
 
 /// Decodes sidecar bytes; `path` names the file in errors.
@@ -126,31 +118,25 @@ mod tests {
         }
     }
 
-    fn encoded(sums: &Checksums, per_piece: usize) -> Vec<u8> {
-        let pieces = sums
-            .items
-            .chunks(per_piece.max(1))
-            .map(|chunk| {
-                let mut buf = Vec::new();
-                for i in chunk {
-                    let r = ItemRef {
-                        fqn: &i.fqn,
-                        offsets: i.offsets.as_deref(),
-                        relative_path: &i.relative_path,
-                        offset: i.offset,
-                        length: i.length,
-                        crc32: i.crc32,
-                        blocks: &i.blocks,
-                    };
-                    encode_item(&mut buf, &r).unwrap();
-                }
-                buf
-            })
-            .collect();
-        encode(&sums.save_id, sums.items.len(), pieces, sums.block_bytes).unwrap()
+    fn encoded(sums: &Checksums) -> Vec<u8> {
+        let (mut buf, tail) = frame(&sums.save_id, sums.items.len(), sums.block_bytes).unwrap();
+        for i in &sums.items {
+            let r = ItemRef {
+                fqn: &i.fqn,
+                offsets: i.offsets.as_deref(),
+                relative_path: &i.relative_path,
+                offset: i.offset,
+                length: i.length,
+                crc32: i.crc32,
+                blocks: &i.blocks,
+            };
+            encode_item(&mut buf, &r).unwrap();
+        }
+        buf.extend(tail);
+        buf
     }
 
-    /// The pieced encoding is rmp_serde's encoding of the whole value, for each array-length form
+    /// The framed encoding is rmp_serde's encoding of the whole value, for each array-length form
     /// (fixarray, array16, array32 need > 65535 items: checked on the header only).
     #[test]
     fn pieced_encoding_equals_rmp_serde_of_the_value() {
@@ -165,12 +151,12 @@ mod tests {
                     .collect(),
                 block_bytes: crate::blockcrc::BLOCK_BYTES,
             };
-            let bytes = encoded(&sums, 7);
+            let bytes = encoded(&sums);
             assert_eq!(bytes, rmp_serde::to_vec(&sums).unwrap(), "{n} items");
             assert_eq!(decode(&bytes, "x".into()).unwrap(), sums);
         }
-        let big = encode("s", 70_000, vec![], 0).unwrap();
-        assert_eq!(&big[..6], &[0x93, 0xa1, b's', 0xdd, 0, 1]);
+        let (big, _) = frame("s", 70_000, 0).unwrap();
+        assert_eq!(big, [0x93, 0xa1, b's', 0xdd, 0, 1, 0x11, 0x70]);
     }
 
     /// A sidecar written before block CRCs (2 fields; items of 6) reads with no blocks and a block

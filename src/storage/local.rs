@@ -26,45 +26,56 @@ pub fn fsync_dir(dir: &Path) -> Result<()> {
 /// Writes `bytes` to `path` atomically: a unique temporary name in the same directory, fsync,
 /// rename over `path`, fsync of the directory. Readers see the old file or the whole new one.
 pub fn atomic_write(path: &Path, bytes: &[u8]) -> Result<()> {
-    let dir = path.parent().unwrap_or(Path::new("."));
-    let tmp = temp_name(path);
-    let result = (|| {
-        let mut f = File::create(&tmp).map_err(Error::io("create", &tmp))?;
-        f.write_all(bytes).map_err(Error::io("write", &tmp))?;
-        f.sync_all().map_err(Error::io("fsync", &tmp))?;
-        std::fs::rename(&tmp, path).map_err(Error::io("rename", path))?;
-        fsync_dir(dir)
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result
+    write_temp(path, bytes, true).map(|_| ())
 }
 
 /// Like [`atomic_write`] but only if `path` does not exist yet: the temporary file is hard-linked
 /// to `path` (`link` fails with `EEXIST` instead of replacing, unlike `rename`). `Ok(true)` when
 /// this call created `path`, `Ok(false)` when it was already there (nothing changed).
 pub fn atomic_create(path: &Path, bytes: &[u8]) -> Result<bool> {
-    let dir = path.parent().unwrap_or(Path::new("."));
+    write_temp(path, bytes, false)
+}
+
+/// `bytes` written to a temporary file and fsynced, then [`publish_temp`].
+fn write_temp(path: &Path, bytes: &[u8], replace: bool) -> Result<bool> {
     let tmp = temp_name(path);
-    let result = (|| {
+    let written = (|| {
         let mut f = File::create(&tmp).map_err(Error::io("create", &tmp))?;
         f.write_all(bytes).map_err(Error::io("write", &tmp))?;
-        f.sync_all().map_err(Error::io("fsync", &tmp))?;
-        match std::fs::hard_link(&tmp, path) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => return Ok(false),
-            Err(e) => return Err(Error::io("link", path)(e)),
-        }
-        fsync_dir(dir)?;
-        Ok(true)
+        f.sync_all().map_err(Error::io("fsync", &tmp))
     })();
-    let _ = std::fs::remove_file(&tmp);
-    result
+    if let Err(e) = written {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
+    }
+    publish_temp(&tmp, path, replace)
+}
+
+/// Publishes the written and fsynced temporary file `tmp` as `path`: renamed over it (`replace`),
+/// or hard-linked only if `path` does not exist (`Ok(false)` when it did: nothing changed); then
+/// the directory is fsynced. `tmp` is gone afterwards, whatever the outcome.
+pub(super) fn publish_temp(tmp: &Path, path: &Path, replace: bool) -> Result<bool> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let result = if replace {
+        std::fs::rename(tmp, path).map_err(Error::io("rename", path))
+    } else {
+        match std::fs::hard_link(tmp, path) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                let _ = std::fs::remove_file(tmp);
+                return Ok(false);
+            }
+            Err(e) => Err(Error::io("link", path)(e)),
+        }
+    };
+    let _ = std::fs::remove_file(tmp);
+    result?;
+    fsync_dir(dir)?;
+    Ok(true)
 }
 
 /// `.<name>.tmp.<pid>.<n>` beside `path`.
-fn temp_name(path: &Path) -> PathBuf {
+pub(super) fn temp_name(path: &Path) -> PathBuf {
     let dir = path.parent().unwrap_or(Path::new("."));
     let name = path
         .file_name()

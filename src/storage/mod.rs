@@ -6,6 +6,7 @@
 mod data;
 mod local;
 pub mod remote;
+mod stream;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -14,6 +15,7 @@ pub use data::{DataSink, DataSource, Held};
 pub use local::{
     atomic_create, atomic_write, create_dir_all, fsync_dir, sweep_temp_files, DataFile,
 };
+pub use stream::{Mode, Staged, StreamSink};
 
 use crate::error::{Error, Result};
 
