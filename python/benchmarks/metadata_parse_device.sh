@@ -4,14 +4,14 @@
 # torch (2.11 pickles TensorProperties as the 5-tuple its __setstate__ takes, so no patching).
 #
 # Usage, from the repository root on the device, in two calls (each under the 10-minute limit):
-#   SHARDWISE_PKG=/path/to/dir-holding-shardwise bash .devrun-parse.sh make    # ~1 min + ~1 min + ~4 min
-#   SHARDWISE_PKG=/path/to/dir-holding-shardwise bash .devrun-parse.sh bench   # ~2 + 2 + 4 min
+#   SHARDWISE_PKG=/path/to/dir-holding-shardwise bash python/benchmarks/metadata_parse_device.sh make    # ~1 min + ~1 min + ~4 min
+#   SHARDWISE_PKG=/path/to/dir-holding-shardwise bash python/benchmarks/metadata_parse_device.sh bench   # ~2 + 2 + 4 min
 # SHARDWISE_PKG: the directory that holds the built `shardwise` package (added to PYTHONPATH);
 # PYTHON (default python3) must have torch. Files go to $MD_DIR (default /tmp/md27).
 # `bench` prints one JSON line per file and a table; `all` runs both (about 12 min: too long for
 # one call).
 set -euo pipefail
-cd "$(dirname "$0")"
+cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python3}
 DIR=${MD_DIR:-/tmp/md27}
 export PYTHONPATH="${SHARDWISE_PKG:-}${PYTHONPATH:+:$PYTHONPATH}"
