@@ -193,7 +193,7 @@ enum Command {
         workers: Option<usize>,
         /// The largest data file, e.g. 1GB (a larger tensor gets a file of its own), or auto:
         /// the largest tensor's size. Each worker holds one file's tensors in memory until it is
-        /// written, so peak memory is about (workers + 1) x max(this, the largest tensor).
+        /// written, so peak memory is about (workers + 2) x max(this, the largest tensor).
         #[arg(long, default_value = "auto")]
         max_file_size: String,
         /// Write only part i of n (0-based), for a conversion split over processes or machines

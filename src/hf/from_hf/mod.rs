@@ -62,8 +62,8 @@ pub struct FromHfOptions {
     pub threads: usize,
     /// The largest data file, in bytes, unless one tensor alone is larger (0, the default: the
     /// largest tensor's size). The tensors of one file are held in memory until it is written,
-    /// one file per worker plus the one being written, so peak memory is about `(threads + 1) x
-    /// max(max_file_bytes, largest tensor)` plus one HF tensor per worker.
+    /// one file per worker plus one queued and one being written, so peak memory is about
+    /// `(threads + 2) x max(max_file_bytes, largest tensor)` plus one HF tensor per worker.
     pub max_file_bytes: u64,
     /// Skip HF tensors no rule reads instead of failing.
     pub allow_unmapped: bool,
@@ -375,8 +375,9 @@ pub fn from_hf(
     };
     // The workers convert one group at a time each (its jobs in turn) and hand it to one writer
     // thread, which saves it as one rank: reading, converting and writing overlap, and memory holds
-    // at most a group per worker plus the one being written (the hand-off is a rendezvous: a
-    // worker keeps its converted group until the writer takes it). The writer runs
+    // at most a group per worker plus the one queued and the one being written (a queue of one:
+    // with a rendezvous instead, 4 workers on 16 cores reached 74 % of the disk's ceiling, not
+    // 89 %; BENCHMARKS.md "from-hf"). The writer runs
     // outside the pool: a save's own rayon work waited for inside the pool could steal another
     // group's task, whose save would then wait for the save ticket this thread holds (deadlock).
     let convert = |g: usize, stop: &AtomicBool| -> Result<Vec<Vec<u8>>> {
@@ -417,7 +418,7 @@ pub fn from_hf(
         Ok((tensors.len(), bytes, report.data_file.is_some() as usize))
     };
     let (written, stopped) = crate::interrupt::watching(|stop| {
-        let (tx, rx) = std::sync::mpsc::sync_channel::<(usize, Vec<Vec<u8>>)>(0);
+        let (tx, rx) = std::sync::mpsc::sync_channel::<(usize, Vec<Vec<u8>>)>(1);
         std::thread::scope(|s| {
             let writer = s.spawn(move || -> Result<Vec<(usize, u64, usize)>> {
                 let mut out = Vec::new();
