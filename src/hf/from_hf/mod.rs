@@ -441,7 +441,7 @@ pub fn from_hf(
             drop(tx);
             let written = writer
                 .join()
-                .unwrap_or(Err(Error::Interrupted(Stopped::Commit)));
+                .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
             match (written, converted) {
                 (Err(e), _) | (Ok(_), Err(e)) => Err(e),
                 (Ok(w), Ok(())) => Ok(w),
