@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import warnings
 from typing import Any, Iterator, Optional
 
 from ._fs import is_url
@@ -153,6 +154,15 @@ def _dist_checkpointing_save(sharded_state_dict, checkpoint_dir, args, kwargs):
     backend = sharded_strategy[0] if isinstance(sharded_strategy, tuple) else getattr(sharded_strategy, "backend", None)
     if sharded_strategy is not None and backend != "torch_dist":
         raise InvalidArgumentError(f"shardwise writes the torch_dist format; sharded_strategy has backend {backend!r}")
+    hint = getattr(sharded_strategy, "separation_hint", None)
+    if hint is not None:
+        # Megatron writes the keys starting with the hint to files of their own, which
+        # remove_sharded_tensors can delete later; shardwise writes one data file per rank.
+        warnings.warn(
+            f"sharded_strategy.separation_hint={hint!r} is ignored: shardwise writes one data file per rank, "
+            f"so remove_sharded_tensors(..., {hint!r}) finds no file of its own to remove in {checkpoint_dir}",
+            stacklevel=4,
+        )
     if megatron_args.get("verify_integrity"):
         kwargs["verify_integrity"] = True
     content_metadata = megatron_args.get("content_metadata")

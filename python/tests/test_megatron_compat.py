@@ -163,3 +163,25 @@ def test_importing_shardwise_megatron_does_not_import_megatron():
     code = "import sys, shardwise.megatron, shardwise.megatron_errors; print('megatron.core' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env={**os.environ})
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_separation_hint_is_ignored_with_a_warning(tmp_path):
+    """Megatron-LM's ``test_remove_sharded_tensors`` saves with ``separation_hint`` so that the keys
+    with that prefix get files of their own; shardwise writes one data file per rank, so the
+    drop-in says the hint is ignored (and what that means for ``remove_sharded_tensors``), and the
+    checkpoint is complete and loads."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    from shardwise import dropin
+
+    sd = {
+        "a": ShardedTensor.from_rank_offsets("a", torch.arange(4.0)),
+        "prefix_b": ShardedTensor.from_rank_offsets("prefix_b", torch.ones(3)),
+    }
+    strategy = TorchDistSaveShardedStrategy("torch_dist", 1, separation_hint="prefix")
+    with pytest.warns(UserWarning, match=r"separation_hint='prefix' is ignored.*remove_sharded_tensors"):
+        dropin.dist_checkpointing_save(sd, str(tmp_path / "c"), strategy, rank=0, world_size=1, timeout_s=30)
+    assert [f for f in os.listdir(tmp_path / "c") if f.endswith(".distcp")] == ["__0_0.distcp"]
+    out = swm.load({"prefix_b": ShardedTensor.from_rank_offsets("prefix_b", torch.zeros(3))}, tmp_path / "c")
+    assert torch.equal(out["prefix_b"], torch.ones(3))
