@@ -185,3 +185,27 @@ def test_separation_hint_is_ignored_with_a_warning(tmp_path):
     assert [f for f in os.listdir(tmp_path / "c") if f.endswith(".distcp")] == ["__0_0.distcp"]
     out = swm.load({"prefix_b": ShardedTensor.from_rank_offsets("prefix_b", torch.zeros(3))}, tmp_path / "c")
     assert torch.equal(out["prefix_b"], torch.ones(3))
+
+
+def test_common_state_is_common_pt_which_megatron_reads(tmp_path):
+    """The drop-in writes the common state as ``common.pt`` under every megatron-core (0.13-0.18
+    cannot read 0.19's ``common_state`` object): the installed Megatron's own
+    ``load_common_state_dict`` returns it, and ``.metadata`` (what ``load_sharded_metadata`` lists)
+    holds every sharded key and, unlike 0.19's own save, no ``common_state`` (Megatron-LM's
+    ``TestNonStrictLoad::test_sharded_metadata`` at 8 ranks; README)."""
+    import megatron.core.dist_checkpointing as mdc
+    from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from shardwise import dropin
+
+    sd = {
+        "a": ShardedTensor.from_rank_offsets("a", torch.arange(4.0)),
+        "o": ShardedObject("o", {"x": 1}, (1,), (0,), replica_id=0),
+        "iteration": 7,
+    }
+    dropin.dist_checkpointing_save(sd, str(tmp_path / "c"), rank=0, world_size=1, timeout_s=30)
+    assert (tmp_path / "c" / "common.pt").exists()
+    assert mdc.load_common_state_dict(str(tmp_path / "c"))["iteration"] == 7
+    # What Megatron's load_sharded_metadata lists (it fails on torch 2.15 itself: `strides`).
+    assert set(FileSystemReader(str(tmp_path / "c")).read_metadata().state_dict_metadata) == {"a", "o/shard_0_1"}
