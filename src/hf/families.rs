@@ -4,8 +4,17 @@
 
 use super::gdn;
 use super::rules::*;
-use super::spec::{check, ArchSpec, LayerPattern, Rel, Rule};
+use super::spec::{check, ArchSpec, Check, LayerPattern, Rel, Rule};
 use crate::error::{Error, Result};
+
+/// The checks of the dense grouped-query families (llama, qwen2, qwen3).
+const DENSE_GQA_CHECKS: &[&[Check]] = &[
+    BASE_CHECKS,
+    HEAD_SPLIT_CHECKS,
+    DENSE_CHECKS,
+    BASE_DERIVED,
+    ROPE_THETA_DERIVED,
+];
 
 /// deepseek_v32's and glm_moe_dsa's layer: deepseek_v3's with DeepSeek sparse attention's indexer
 /// (the two differ only in the indexer's rope, a check row).
@@ -25,13 +34,7 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
         experts_field: "num_experts",
         model: COMMON_MODEL,
         layer: &[ATTN_QKV, NORMS, DENSE_MLP],
-        checks: &[
-            BASE_CHECKS,
-            HEAD_SPLIT_CHECKS,
-            DENSE_CHECKS,
-            BASE_DERIVED,
-            ROPE_THETA_DERIVED,
-        ],
+        checks: DENSE_GQA_CHECKS,
         moe_layers: LayerPattern::Dense,
         mtp: None,
         multimodal: None,
@@ -42,13 +45,7 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
         experts_field: "num_experts",
         model: COMMON_MODEL,
         layer: &[QKV_BIAS_REQUIRED, ATTN_QKV, NORMS, DENSE_MLP],
-        checks: &[
-            BASE_CHECKS,
-            HEAD_SPLIT_CHECKS,
-            DENSE_CHECKS,
-            BASE_DERIVED,
-            ROPE_THETA_DERIVED,
-        ],
+        checks: DENSE_GQA_CHECKS,
         moe_layers: LayerPattern::Dense,
         mtp: None,
         multimodal: None,
@@ -59,13 +56,7 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
         experts_field: "num_experts",
         model: COMMON_MODEL,
         layer: &[ATTN_QKV, QK_NORM, NORMS, DENSE_MLP],
-        checks: &[
-            BASE_CHECKS,
-            HEAD_SPLIT_CHECKS,
-            DENSE_CHECKS,
-            BASE_DERIVED,
-            ROPE_THETA_DERIVED,
-        ],
+        checks: DENSE_GQA_CHECKS,
         moe_layers: LayerPattern::Dense,
         mtp: None,
         multimodal: None,
