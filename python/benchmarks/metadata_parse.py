@@ -177,29 +177,38 @@ print(json.dumps({"s": dt, "peak_mib": peak / 1024, "base_mib": base / 1024, "n"
 """
 
 
-def child(which, path):
-    r = subprocess.run([sys.executable, "-c", CHILD, which, path], capture_output=True, text=True, check=True)
+def child(which, path, pkg_dir=None):
+    env = dict(os.environ)
+    if pkg_dir:  # a given build of shardwise: its directory goes first on the child's path
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.abspath(pkg_dir), env.get("PYTHONPATH")]))
+    r = subprocess.run([sys.executable, "-c", CHILD, which, path], capture_output=True, text=True, check=True, env=env)
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def bench(dirs, reps):
+def bench(dirs, reps, builds):
+    """One JSON line per directory. ``builds``: {label: directory holding a ``shardwise`` package, or
+    None for the one this interpreter imports}; each label gets its own entry, speed-up and memory
+    ratio against ``pickle.load`` of the same run."""
     for d in dirs:
         size = os.path.getsize(os.path.join(d, ".metadata"))
-        runs = {"pickle": [], "shardwise": []}
-        for _ in range(reps):  # alternate, so that load changes hit both alike
-            for which in runs:
-                runs[which].append(child(which, d))
+        runs = {"pickle": []} | {label: [] for label in builds}
+        for _ in range(reps):  # alternate, so that load changes hit all alike
+            for label in runs:
+                which = "pickle" if label == "pickle" else "shardwise"
+                runs[label].append(child(which, d, builds.get(label)))
         out = {"dir": d, "mib": round(size / 2**20, 1), "cpus": os.cpu_count(), "load": os.getloadavg()[0]}
-        for which, rs in runs.items():
-            out[which] = {
+        for label, rs in runs.items():
+            out[label] = {
                 "s_median": round(statistics.median(r["s"] for r in rs), 3),
                 "s_all": [round(r["s"], 3) for r in rs],
                 "peak_mib": round(max(r["peak_mib"] for r in rs)),
                 "rise_mib": round(max(r["peak_mib"] - r["base_mib"] for r in rs)),
                 "n": rs[0]["n"],
             }
-        out["speedup"] = round(out["pickle"]["s_median"] / out["shardwise"]["s_median"], 1)
-        out["rise_ratio"] = round(out["shardwise"]["rise_mib"] / out["pickle"]["rise_mib"], 3)
+        for label in builds:
+            suffix = "" if label == "shardwise" else f"_{label}"
+            out["speedup" + suffix] = round(out["pickle"]["s_median"] / out[label]["s_median"], 1)
+            out["rise_ratio" + suffix] = round(out[label]["rise_mib"] / out["pickle"]["rise_mib"], 3)
         print(json.dumps(out), flush=True)
 
 
@@ -214,11 +223,23 @@ def main():
     b = sub.add_parser("bench")
     b.add_argument("dirs", nargs="+")
     b.add_argument("--reps", type=int, default=3)
+    b.add_argument(
+        "--build",
+        action="append",
+        metavar="LABEL=DIR",
+        help="compare builds in one run: DIR holds a built `shardwise` package (repeatable; "
+        "default: the shardwise this interpreter imports, labelled 'shardwise')",
+    )
     a = ap.parse_args()
     if a.cmd == "make":
         make(a.layout, a.out, a.tensors, a.chunks)
     else:
-        bench(a.dirs, a.reps)
+        builds = {"shardwise": None}
+        if a.build:
+            builds = dict(spec.split("=", 1) for spec in a.build)
+            if "pickle" in builds or any(not label for label in builds):
+                ap.error("--build LABEL=DIR: LABEL must be non-empty and not 'pickle'")
+        bench(a.dirs, a.reps, builds)
 
 
 if __name__ == "__main__":
