@@ -38,6 +38,17 @@ fn main() {
     let file = std::fs::File::open(path).unwrap();
     // SAFETY: a read-only mapping of a file nobody writes during the benchmark.
     let map = unsafe { memmap2::Mmap::map(&file).unwrap() };
+    // The first step of the parse alone: the opcode walk that finds the batches decoded in
+    // parallel (`format::split`), with the sizes `read_metadata` uses.
+    let (t, c) = (Instant::now(), cpu_s());
+    let plan = shardwise::format::split::plan(&map, shardwise::format::split::Sizes::METADATA);
+    let batches = plan.as_ref().map_or(0, |p| p.batches.len());
+    println!(
+        "plan: {batches} batches, {:.3} s wall, {:.3} s CPU",
+        t.elapsed().as_secs_f64(),
+        cpu_s() - c
+    );
+    drop(plan);
     for _ in 0..reps {
         let (t, c) = (Instant::now(), cpu_s());
         let md = read_metadata(&map).unwrap();

@@ -12,7 +12,23 @@ pub fn archive(data: &[u8]) {
     let _ = crate::format::archive::stored_tensor(data);
 }
 
-/// The `.metadata` decoder.
+/// The `.metadata` decoder, sequential and split into batches decoded in parallel (small and
+/// large batches): the three must agree, value for value and error for error.
 pub fn metadata(data: &[u8]) {
-    let _ = crate::format::read_metadata::read_metadata(data);
+    use crate::format::read_metadata::read_metadata_split;
+    use crate::format::split::Sizes;
+    let whole = read_metadata_split(data, None);
+    for max_bytes in [256, usize::MAX] {
+        let split = read_metadata_split(
+            data,
+            Some(Sizes {
+                min_bytes: 1,
+                max_bytes,
+            }),
+        );
+        assert_eq!(
+            whole, split,
+            "split decode (batches <= {max_bytes} bytes) differs"
+        );
+    }
 }

@@ -161,6 +161,35 @@ struct Slots {
     length: Option<u32>,
 }
 
+/// Items per `MARK ... SETITEMS`/`APPENDS` batch, as CPython's pickler writes them
+/// (`Lib/pickle.py`, `_BATCHSIZE`): a reader decodes the batches of a large `.metadata` in
+/// parallel (`format::split`).
+const BATCH: usize = 1000;
+
+/// Counts the items of one open container batch and starts a new batch every [`BATCH`].
+struct Batches {
+    items: usize,
+    dict: bool,
+}
+
+impl Batches {
+    fn new(dict: bool) -> Batches {
+        Batches { items: 0, dict }
+    }
+    /// After an item: closes the batch and opens the next when it is full.
+    fn item(&mut self, p: &mut Pickler) {
+        self.items += 1;
+        if self.items % BATCH == 0 {
+            if self.dict {
+                p.setitems();
+            } else {
+                p.appends();
+            }
+            p.mark();
+        }
+    }
+}
+
 /// Pickles `src` into `p`, calling `flush(p)` between chunks (it may drain `p.buf`).
 fn emit(
     src: &impl MetadataSource,
@@ -174,6 +203,7 @@ fn emit(
     p.str("state_dict_metadata");
     p.empty_dict();
     p.mark();
+    let mut keys = Batches::new(true);
     for k in 0..src.keys() {
         p.str(src.fqn(k));
         match src.tensor(k) {
@@ -186,6 +216,7 @@ fn emit(
                 p.str("chunks");
                 p.empty_list();
                 p.mark();
+                let mut items = Batches::new(false);
                 for c in 0..chunks {
                     let (offsets, sizes) = src.chunk(k, c);
                     state_start(p, &mut slot.chunk_class, M, "ChunkStorageMetadata");
@@ -195,6 +226,7 @@ fn emit(
                     torch_size(p, &mut slot.size, sizes);
                     p.setitems();
                     p.build();
+                    items.item(p);
                     flush(p)?;
                 }
                 p.appends();
@@ -204,6 +236,7 @@ fn emit(
             // torch writes BytesStorageMetadata as GLOBAL, EMPTY_TUPLE, NEWOBJ with no BUILD.
             None => object_start(p, &mut None, M, "BytesStorageMetadata"),
         }
+        keys.item(p);
     }
     p.setitems();
 
@@ -212,11 +245,13 @@ fn emit(
     p.str("planner_data");
     p.empty_dict();
     p.mark();
+    let mut keys = Batches::new(true);
     for k in 0..src.keys() {
         let fqn = src.fqn(k);
         p.str(fqn);
         p.str(fqn);
         p.tuple(1);
+        keys.item(p);
     }
     p.setitems();
     flush(p)?;
@@ -224,6 +259,7 @@ fn emit(
     p.str("storage_data");
     p.empty_dict();
     p.mark();
+    let mut items = Batches::new(true);
     for k in 0..src.keys() {
         let fqn = src.fqn(k);
         let mut fqn_slot = None;
@@ -259,6 +295,7 @@ fn emit(
             p.int(length as i128);
             p.setitems();
             p.build();
+            items.item(p);
             flush(p)?;
         }
     }

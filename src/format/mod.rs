@@ -8,6 +8,7 @@ pub mod metadata;
 pub mod pickle;
 pub mod read_metadata;
 pub mod sidecar;
+pub mod split;
 pub mod unpickle;
 pub mod zip;
 

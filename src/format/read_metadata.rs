@@ -13,6 +13,13 @@
 //! strings, sizes) are handle copies. `storage_data` is joined to the chunks through
 //! `MetadataIndex.index`, the chunk's position that torch's planner records, checked against the
 //! offsets (a map by offsets only when the hint is wrong).
+//!
+//! A `.metadata` of 8 MiB or more is decoded in parts on all cores (`format::split`): its batches
+//! of 1,000 chunks or storage entries each get their own [`Dcp`] builder, the rest one more, and
+//! the parts' tables are then merged ([`Dcp::absorb`]: rows renumbered, each batch's items put
+//! where its container had them). A split decode that fails for any reason is redone
+//! sequentially, so results and errors are those of the sequential decode (the fuzz target
+//! compares the two).
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -21,7 +28,8 @@ use rayon::prelude::*;
 use crate::format::dtype::DType;
 use crate::format::metadata::{Chunk, Entry, StorageInfo};
 use crate::format::pickle::FxBuildHasher;
-use crate::format::unpickle::{decode, err, Build, UnpickleError};
+use crate::format::split::{self, Plan, Sizes};
+use crate::format::unpickle::{decode, decode_batch, decode_skipping, err, Build, UnpickleError};
 
 /// A decoding failure, with the path of the offending field.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -57,7 +65,7 @@ pub fn check_relative_path(rel: &str) -> Result<(), String> {
 }
 
 /// What `.metadata` describes.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct CheckpointMetadata {
     /// Keys in sorted order. A tensor chunk whose storage entry is missing from `storage_data` has
     /// `relative_path` empty (reported by `verify`); every other `relative_path` passed
@@ -171,6 +179,11 @@ enum V {
         rec: u32,
     },
     Other(Kind),
+    /// In the main part of a split decode, the items of batch `k` (decoded apart) go here; gone
+    /// once the parts are merged ([`Dcp::absorb`]).
+    Splice(u32),
+    /// In a split decode, memo key `k`, set by another part: resolved once the parts are merged.
+    Ref(u32),
 }
 
 /// Builds the tables of a DCP `.metadata` while the decoder runs (see the module doc).
@@ -196,6 +209,12 @@ struct Dcp<'a> {
     /// string that last named that field: torch memoizes its field names, so every object's state
     /// names its fields with the same few strings, and a position compare replaces a byte compare.
     field_at: [[(u64, u32); 4]; 4],
+    /// The lists and dicts that hold a [`V::Splice`].
+    spliced: Vec<V>,
+    /// In a split decode: how many [`V::Ref`]s this part made, and the values of its memo keys
+    /// that other parts may refer to (`unpickle::PartValue`).
+    refs: usize,
+    exports: Vec<(u32, V)>,
 }
 
 fn idx(n: usize) -> Result<u32, UnpickleError> {
@@ -219,6 +238,9 @@ impl<'a> Dcp<'a> {
             props: Vec::new(),
             tops: Vec::new(),
             field_at: [[(u64::MAX, 0); 4]; 4],
+            spliced: Vec::new(),
+            refs: 0,
+            exports: Vec::new(),
         }
     }
 
@@ -297,6 +319,8 @@ impl<'a> Dcp<'a> {
             V::Other(Kind::Call) => "call".into(),
             V::Other(Kind::Object) => "object".into(),
             V::Other(Kind::PersId) => "persistent id".into(),
+            V::Splice(_) => "batch decoded apart".into(),
+            V::Ref(_) => "value of another part".into(),
         }
     }
 
@@ -447,6 +471,38 @@ impl<'a> Dcp<'a> {
         })
     }
 
+    /// Sets the fields of object `rec` of `class` (one of the four with a row of fields) from its
+    /// state's `pairs` (the last pair naming a field wins, as in Python).
+    fn fill(&mut self, class: Class, rec: u32, pairs: &[(V, V)]) {
+        let fields = class.fields();
+        let slot = match class {
+            Class::Tensor => 0,
+            Class::Chunk => 1,
+            Class::Index => 2,
+            _ => 3,
+        };
+        let mut row = [V::Unset; 4];
+        for &(k, v) in pairs {
+            if let Some(f) = self.field_of(slot, fields, k) {
+                row[f] = v;
+            }
+        }
+        let r = rec as usize;
+        let set = |dst: &mut [V]| {
+            for (d, s) in dst.iter_mut().zip(row) {
+                if !matches!(s, V::Unset) {
+                    *d = s;
+                }
+            }
+        };
+        match class {
+            Class::Tensor => set(&mut self.tensors[r]),
+            Class::Chunk => set(&mut self.chunks[r]),
+            Class::Index => set(&mut self.indexes[r]),
+            _ => set(&mut self.storages[r]),
+        }
+    }
+
     /// Allocates an object's row in the table of its class.
     fn row(&mut self, class: Class) -> Result<u32, UnpickleError> {
         let (n, _) = match class {
@@ -489,6 +545,10 @@ impl<'a> Build<'a> for Dcp<'a> {
     }
     fn tuple(&mut self, items: std::vec::Drain<'_, V>) -> Result<V, UnpickleError> {
         let items = items.as_slice();
+        // A tuple's representation depends on its items (`Ints`, `Wrap`).
+        if self.refs > 0 && items.iter().any(|v| matches!(v, V::Ref(_))) {
+            return err("a tuple of a value of another part");
+        }
         if let [V::Ints { at, len }] = items {
             return Ok(V::Wrap { at: *at, len: *len });
         }
@@ -566,6 +626,9 @@ impl<'a> Build<'a> for Dcp<'a> {
         }
     }
     fn call(&mut self, func: V, args: V) -> Result<V, UnpickleError> {
+        if matches!(func, V::Ref(_)) || matches!(args, V::Ref(_)) {
+            return err("a call of a value of another part");
+        }
         Ok(match (func, args) {
             (V::Global(g), V::Wrap { at, len }) if self.globals[g as usize].2 == Class::Size => {
                 V::Size { at, len }
@@ -575,6 +638,7 @@ impl<'a> Build<'a> for Dcp<'a> {
     }
     fn new_obj(&mut self, class: V, _args: V) -> Result<V, UnpickleError> {
         match class {
+            V::Ref(_) => err("an object of a value of another part"),
             V::Global(g) => {
                 let rec = self.row(self.globals[g as usize].2)?;
                 Ok(V::Obj { class: g, rec })
@@ -583,6 +647,9 @@ impl<'a> Build<'a> for Dcp<'a> {
         }
     }
     fn build(&mut self, obj: V, state: V) -> Result<V, UnpickleError> {
+        if matches!(obj, V::Ref(_)) || matches!(state, V::Ref(_)) {
+            return err("BUILD with a value of another part");
+        }
         let V::Obj { rec, .. } = obj else {
             // BUILD on a call result (e.g. an object from copyreg): nothing DCP reads.
             return Ok(V::Other(Kind::Object));
@@ -599,33 +666,13 @@ impl<'a> Build<'a> for Dcp<'a> {
                 let Some(mut pairs) = self.dicts[d as usize].take() else {
                     return err("BUILD with a dict already taken as an object's state");
                 };
-                let fields = class.fields();
-                let slot = match class {
-                    Class::Tensor => 0,
-                    Class::Chunk => 1,
-                    Class::Index => 2,
-                    _ => 3,
-                };
-                let mut row = [V::Unset; 4];
-                for &(k, v) in &pairs {
-                    if let Some(f) = self.field_of(slot, fields, k) {
-                        row[f] = v;
-                    }
+                // `split::plan` never makes a batch of a dict that BUILD takes; this guards it
+                // (the split decode then fails, and the caller decodes sequentially).
+                if !self.spliced.is_empty() && pairs.iter().any(|(k, _)| matches!(k, V::Splice(_)))
+                {
+                    return err("BUILD with a state holding a batch decoded apart");
                 }
-                let r = rec as usize;
-                let set = |dst: &mut [V]| {
-                    for (d, s) in dst.iter_mut().zip(row) {
-                        if !matches!(s, V::Unset) {
-                            *d = s;
-                        }
-                    }
-                };
-                match class {
-                    Class::Tensor => set(&mut self.tensors[r]),
-                    Class::Chunk => set(&mut self.chunks[r]),
-                    Class::Index => set(&mut self.indexes[r]),
-                    _ => set(&mut self.storages[r]),
-                }
+                self.fill(class, rec, &pairs);
                 pairs.clear();
                 self.spare.push(pairs);
             }
@@ -636,15 +683,350 @@ impl<'a> Build<'a> for Dcp<'a> {
     fn pers_id(&mut self, _: V) -> Result<V, UnpickleError> {
         Ok(V::Other(Kind::PersId))
     }
+    fn memo_ref(&mut self, idx: u32) -> Result<V, UnpickleError> {
+        self.refs += 1;
+        Ok(V::Ref(idx))
+    }
+    fn splice(&mut self, container: &V, batch: u32, dict: bool) -> Result<(), UnpickleError> {
+        match (*container, dict) {
+            (V::List(l), false) => self.lists[l as usize].push(V::Splice(batch)),
+            (V::Dict(d), true) => match &mut self.dicts[d as usize] {
+                Some(pairs) => pairs.push((V::Splice(batch), V::Unset)),
+                None => return err("SETITEM(S) on a dict already taken as an object's state"),
+            },
+            (other, dict) => {
+                let op = if dict { "SETITEM(S)" } else { "APPEND(S)" };
+                return err(format!("{op} on a {}", self.kind(other)));
+            }
+        }
+        self.spliced.push(*container);
+        Ok(())
+    }
+}
+
+/// Where a part's rows go in the merged tables: the lengths of the tables before it.
+#[derive(Clone, Copy, Default)]
+struct Offsets {
+    ints: u32,
+    vals: u32,
+    lists: u32,
+    dicts: u32,
+    tensors: u32,
+    chunks: u32,
+    indexes: u32,
+    storages: u32,
+    props: u32,
+    tops: u32,
+}
+
+impl Offsets {
+    fn of(b: &Dcp) -> [usize; 10] {
+        [
+            b.ints.len(),
+            b.vals.len(),
+            b.lists.len(),
+            b.dicts.len(),
+            b.tensors.len(),
+            b.chunks.len(),
+            b.indexes.len(),
+            b.storages.len(),
+            b.props.len(),
+            b.tops.len(),
+        ]
+    }
+    fn from(n: [usize; 10]) -> Result<Offsets, UnpickleError> {
+        let [ints, vals, lists, dicts, tensors, chunks, indexes, storages, props, tops] =
+            n.map(idx);
+        Ok(Offsets {
+            ints: ints?,
+            vals: vals?,
+            lists: lists?,
+            dicts: dicts?,
+            tensors: tensors?,
+            chunks: chunks?,
+            indexes: indexes?,
+            storages: storages?,
+            props: props?,
+            tops: tops?,
+        })
+    }
+}
+
+impl<'a> Dcp<'a> {
+    /// Renumbers this part's values for the merged tables: rows after `o`, globals by `globals`
+    /// (this part's global -> the merged one).
+    fn renumber(&mut self, o: &Offsets, globals: &[u32]) {
+        let classes: Vec<Class> = self.globals.iter().map(|g| g.2).collect();
+        let re = |v: &mut V| {
+            *v = match *v {
+                V::Global(g) => V::Global(globals[g as usize]),
+                V::Ints { at, len } => V::Ints {
+                    at: at + o.ints,
+                    len,
+                },
+                V::Wrap { at, len } => V::Wrap {
+                    at: at + o.ints,
+                    len,
+                },
+                V::Size { at, len } => V::Size {
+                    at: at + o.ints,
+                    len,
+                },
+                V::Tuple { at, len } => V::Tuple {
+                    at: at + o.vals,
+                    len,
+                },
+                V::List(l) => V::List(l + o.lists),
+                V::Dict(d) => V::Dict(d + o.dicts),
+                V::Obj { class, rec } => V::Obj {
+                    class: globals[class as usize],
+                    rec: rec
+                        + match classes[class as usize] {
+                            Class::Tensor => o.tensors,
+                            Class::Chunk => o.chunks,
+                            Class::Index => o.indexes,
+                            Class::Storage => o.storages,
+                            Class::Props => o.props,
+                            Class::Top => o.tops,
+                            Class::Bytes | Class::Size | Class::Other => 0,
+                        },
+                },
+                other => other,
+            }
+        };
+        self.vals.iter_mut().for_each(re);
+        self.lists.iter_mut().flatten().for_each(re);
+        for (k, v) in self.dicts.iter_mut().flatten().flatten() {
+            re(k);
+            re(v);
+        }
+        self.tensors.iter_mut().flatten().for_each(re);
+        self.chunks.iter_mut().flatten().for_each(re);
+        self.indexes.iter_mut().flatten().for_each(re);
+        self.storages.iter_mut().flatten().for_each(re);
+        self.props.iter_mut().for_each(re);
+        self.tops.iter_mut().for_each(re);
+        self.exports.iter_mut().for_each(|(_, v)| re(v));
+    }
+
+    /// Replaces every [`V::Ref`] with the value its memo key holds (`exports`, sorted by key).
+    fn resolve(&mut self, exports: &[(u32, V)]) -> Result<(), UnpickleError> {
+        let missing = std::sync::atomic::AtomicBool::new(false);
+        let re = |v: &mut V| {
+            if let V::Ref(k) = *v {
+                match exports.binary_search_by_key(&k, |e| e.0) {
+                    Ok(i) if !matches!(exports[i].1, V::Ref(_)) => *v = exports[i].1,
+                    _ => missing.store(true, std::sync::atomic::Ordering::Relaxed),
+                }
+            }
+        };
+        self.vals.par_iter_mut().for_each(re);
+        self.lists.par_iter_mut().flatten().for_each(re);
+        self.dicts
+            .par_iter_mut()
+            .flatten()
+            .flatten()
+            .for_each(|(k, v)| {
+                re(k);
+                re(v);
+            });
+        self.tensors.par_iter_mut().flatten().for_each(re);
+        self.chunks.par_iter_mut().flatten().for_each(re);
+        self.indexes.par_iter_mut().flatten().for_each(re);
+        self.storages.par_iter_mut().flatten().for_each(re);
+        self.props.iter_mut().for_each(re);
+        self.tops.iter_mut().for_each(re);
+        if missing.into_inner() {
+            return err("a value of another part that no part hands over");
+        }
+        Ok(())
+    }
+
+    /// Merges the batches decoded apart (`parts[k]`: batch `k`'s builder and its container) into
+    /// this main part, then puts each batch's items where its [`V::Splice`] stands.
+    fn absorb(&mut self, mut parts: Vec<(Dcp<'a>, V)>) -> Result<(), UnpickleError> {
+        let mut offsets = Vec::with_capacity(parts.len());
+        let mut at = Offsets::of(self);
+        for (p, _) in &parts {
+            offsets.push(Offsets::from(at)?);
+            let n = Offsets::of(p);
+            for (a, n) in at.iter_mut().zip(n) {
+                *a += n;
+            }
+        }
+        Offsets::from(at)?; // every merged table still has 32-bit indices
+        let mut globals = Vec::with_capacity(parts.len());
+        for (p, _) in &parts {
+            let mut map = Vec::with_capacity(p.globals.len());
+            for &(m, n, _) in &p.globals {
+                match self.global(m, n) {
+                    V::Global(g) => map.push(g),
+                    _ => return err("too many globals"),
+                }
+            }
+            globals.push(map);
+        }
+        parts
+            .par_iter_mut()
+            .zip(&offsets)
+            .zip(&globals)
+            .for_each(|(((p, holder), o), map)| {
+                p.renumber(o, map);
+                let mut h = [*holder];
+                h.iter_mut().for_each(|v| {
+                    *v = match *v {
+                        V::List(l) => V::List(l + o.lists),
+                        V::Dict(d) => V::Dict(d + o.dicts),
+                        other => other,
+                    }
+                });
+                *holder = h[0];
+            });
+        let holders: Vec<V> = parts.iter().map(|(_, h)| *h).collect();
+        let [ints, vals, lists, dicts, tensors, chunks, indexes, storages, props, tops] = at;
+        self.ints.reserve_exact(ints - self.ints.len());
+        self.vals.reserve_exact(vals - self.vals.len());
+        self.lists.reserve_exact(lists - self.lists.len());
+        self.dicts.reserve_exact(dicts - self.dicts.len());
+        self.tensors.reserve_exact(tensors - self.tensors.len());
+        self.chunks.reserve_exact(chunks - self.chunks.len());
+        self.indexes.reserve_exact(indexes - self.indexes.len());
+        self.storages.reserve_exact(storages - self.storages.len());
+        self.props.reserve_exact(props - self.props.len());
+        self.tops.reserve_exact(tops - self.tops.len());
+        let mut refs = self.refs;
+        let mut exports = std::mem::take(&mut self.exports);
+        // Part by part, each freed once copied: the merged tables never coexist with all parts.
+        for (mut p, _) in parts {
+            refs += p.refs;
+            exports.append(&mut p.exports);
+            self.ints.append(&mut p.ints);
+            self.vals.append(&mut p.vals);
+            self.lists.append(&mut p.lists);
+            self.dicts.append(&mut p.dicts);
+            self.tensors.append(&mut p.tensors);
+            self.chunks.append(&mut p.chunks);
+            self.indexes.append(&mut p.indexes);
+            self.storages.append(&mut p.storages);
+            self.props.append(&mut p.props);
+            self.tops.append(&mut p.tops);
+        }
+        let mut spliced: Vec<(bool, u32)> = std::mem::take(&mut self.spliced)
+            .into_iter()
+            .filter_map(|c| match c {
+                V::List(l) => Some((false, l)),
+                V::Dict(d) => Some((true, d)),
+                _ => None,
+            })
+            .collect();
+        spliced.sort_unstable();
+        spliced.dedup();
+        for (dict, c) in spliced {
+            let c = c as usize;
+            if dict {
+                let Some(pairs) = self.dicts[c].take() else {
+                    return err("a dict decoded in parts was taken as an object's state");
+                };
+                let mut out = Vec::with_capacity(pairs.len());
+                for kv in pairs {
+                    match kv {
+                        (V::Splice(b), V::Unset) => match holders.get(b as usize) {
+                            Some(V::Dict(h)) => {
+                                out.extend(self.dicts[*h as usize].take().unwrap_or_default())
+                            }
+                            _ => return err("a batch's container is not a dict"),
+                        },
+                        kv => out.push(kv),
+                    }
+                }
+                self.dicts[c] = Some(out);
+            } else {
+                let items = std::mem::take(&mut self.lists[c]);
+                let mut out = Vec::with_capacity(items.len());
+                for v in items {
+                    match v {
+                        V::Splice(b) => match holders.get(b as usize) {
+                            Some(V::List(h)) => out.append(&mut self.lists[*h as usize]),
+                            _ => return err("a batch's container is not a list"),
+                        },
+                        v => out.push(v),
+                    }
+                }
+                self.lists[c] = out;
+            }
+        }
+        if refs > 0 {
+            exports.sort_unstable_by_key(|e| e.0);
+            self.resolve(&exports)?;
+        }
+        Ok(())
+    }
+}
+
+/// Inputs smaller than this are decoded sequentially: splitting pays only on large `.metadata`.
+const SPLIT_MIN_INPUT: usize = 8 << 20;
+
+/// Decodes `bytes` with the DCP builder: split into batches decoded in parallel ([`split`]) when
+/// `sizes` is given and the pickle splits, else (and whenever a split decode fails) sequentially,
+/// which gives every error.
+fn decode_dcp<'a>(bytes: &'a [u8], sizes: Option<Sizes>) -> Result<(Dcp<'a>, V), UnpickleError> {
+    if let Some(plan) = sizes.and_then(|s| split::plan(bytes, s)) {
+        if !plan.batches.is_empty() {
+            match decode_split(bytes, &plan) {
+                Ok(done) => return Ok(done),
+                Err(e) => tracing::debug!("metadata decoded sequentially: {e}"),
+            }
+        }
+    }
+    let mut b = Dcp::new(bytes);
+    let top = decode(bytes, &mut b)?;
+    Ok((b, top))
+}
+
+fn decode_split<'a>(bytes: &'a [u8], plan: &Plan<'a>) -> Result<(Dcp<'a>, V), UnpickleError> {
+    let (main, parts) = rayon::join(
+        || {
+            let mut b = Dcp::new(bytes);
+            let (top, exports) = decode_skipping(bytes, &mut b, plan)?;
+            b.exports = exports;
+            Ok((b, top))
+        },
+        || {
+            (0..plan.batches.len())
+                .into_par_iter()
+                .map(|k| {
+                    let mut b = Dcp::new(bytes);
+                    let (holder, exports) = decode_batch(bytes, &mut b, plan, k)?;
+                    b.exports = exports;
+                    b.spare = Vec::new();
+                    Ok((b, holder))
+                })
+                .collect::<Result<Vec<_>, UnpickleError>>()
+        },
+    );
+    let (mut main, top) = main?;
+    main.absorb(parts?)?;
+    if let V::Ref(_) = top {
+        return err("the pickle's value is a value of another part");
+    }
+    Ok((main, top))
 }
 
 /// Decodes `.metadata` bytes.
 ///
 /// Errors: [`MetadataError`] for a pickle that is malformed or whose structure is not DCP metadata.
 pub fn read_metadata(bytes: &[u8]) -> R<CheckpointMetadata> {
-    let mut b = Dcp::new(bytes);
-    let top =
-        decode(bytes, &mut b).map_err(|e| MetadataError(format!("not a readable pickle: {e}")))?;
+    read_metadata_split(
+        bytes,
+        (bytes.len() >= SPLIT_MIN_INPUT).then_some(Sizes::METADATA),
+    )
+}
+
+/// [`read_metadata`], split into batches of `sizes` (None: sequentially). The result does not
+/// depend on `sizes` (the fuzz target checks it).
+pub(crate) fn read_metadata_split(bytes: &[u8], sizes: Option<Sizes>) -> R<CheckpointMetadata> {
+    let (mut b, top) = decode_dcp(bytes, sizes)
+        .map_err(|e| MetadataError(format!("not a readable pickle: {e}")))?;
     // The parse's scratch goes before the entries are made: only the tables they come from stay.
     b.spare = Vec::new();
     let class = b.class_name(top).ok_or_else(|| {
@@ -1162,6 +1544,92 @@ mod tests {
 
     /// Truncated, bit-flipped and shuffled versions of real `.metadata` files are errors or
     /// decode, never a panic; messages name what is wrong.
+    #[test]
+    fn split_decode_equals_the_sequential_one() {
+        let tiny = Sizes {
+            min_bytes: 1,
+            max_bytes: 512,
+        };
+        let mut split_files = 0;
+        for dir in fixture_dirs() {
+            let bytes = std::fs::read(dir.join(".metadata")).unwrap();
+            let whole = read_metadata_split(&bytes, None).unwrap();
+            for sizes in [tiny, Sizes::METADATA] {
+                assert_eq!(
+                    read_metadata_split(&bytes, Some(sizes)).unwrap(),
+                    whole,
+                    "{}",
+                    dir.display()
+                );
+            }
+            // The split path itself, not its sequential fallback, decodes every fixture that
+            // has batches.
+            let plan = split::plan(&bytes, tiny).expect("torch's pickles split");
+            if !plan.batches.is_empty() {
+                decode_split(&bytes, &plan).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+                split_files += 1;
+            }
+        }
+        assert!(split_files >= 8, "only {split_files} fixtures have batches");
+        // Our own writer's pickle (protocol 2, BINPUT), 3 keys x 2,500 chunks: SETITEMS and
+        // APPENDS batches of 1,000.
+        let mut entries = BTreeMap::new();
+        for t in 0..3u64 {
+            let chunks = (0..2500u64)
+                .map(|i| Chunk {
+                    offsets: vec![i * 2, t],
+                    sizes: vec![2, 1],
+                    storage: StorageInfo {
+                        relative_path: format!("__{}_0.distcp", i % 7),
+                        offset: i * 100,
+                        length: 100,
+                    },
+                })
+                .collect();
+            entries.insert(
+                format!("layer.{t}.weight"),
+                Entry::Tensor {
+                    dtype: DType::F32,
+                    global_shape: vec![5000, 3],
+                    chunks,
+                },
+            );
+        }
+        let bytes = emit_metadata(&entries);
+        let plan = split::plan(&bytes, Sizes::METADATA).unwrap();
+        assert!(plan.batches.len() >= 10, "{:?}", plan.batches);
+        let (b, top) = decode_split(&bytes, &plan).unwrap();
+        assert!(matches!(top, V::Obj { .. }) && b.spliced.is_empty());
+        let md = read_metadata_split(&bytes, Some(Sizes::METADATA)).unwrap();
+        assert_eq!(md, read_metadata_split(&bytes, None).unwrap());
+        assert_eq!(md.entries, entries);
+    }
+
+    #[test]
+    fn a_split_decode_falls_back_on_what_it_cannot_share() {
+        // A list memoized outside a batch and appended to inside it: a part cannot change a
+        // container of another part, so the whole pickle decodes sequentially (same result).
+        let input = b"\x80\x02]q\x00]q\x01(h\x00(K\x01eK\x02K\x03K\x04e.";
+        let sizes = Sizes {
+            min_bytes: 1,
+            max_bytes: usize::MAX,
+        };
+        let plan = split::plan(input, sizes).unwrap();
+        assert_eq!(plan.batches.len(), 1);
+        let e = decode_split(input, &plan).err().unwrap();
+        assert!(
+            e.0.contains("APPEND(S) on a value of another part"),
+            "{}",
+            e.0
+        );
+        assert_eq!(
+            read_metadata_split(input, Some(sizes)),
+            read_metadata_split(input, None)
+        );
+        // Memo keys out of order: no plan.
+        assert!(split::plan(b"\x80\x02K\x01q\x05.", sizes).is_none());
+    }
+
     #[test]
     fn damaged_metadata_is_an_error_never_a_panic() {
         for dir in fixture_dirs().iter().take(5) {

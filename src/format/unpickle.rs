@@ -15,6 +15,8 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use std::rc::Rc;
 
+use crate::format::split::{Batch, LeafValue, Plan};
+
 /// A symbolic pickle value. Containers are shared (`Rc`) as in Python, so memo references and
 /// mutations through them behave as `pickle.load` would, without copying.
 #[derive(Clone, Debug)]
@@ -219,11 +221,71 @@ pub trait Build<'a> {
     fn build(&mut self, obj: Self::V, state: Self::V) -> R<Self::V>;
     /// A persistent id (`BINPERSID`, `PERSID`).
     fn pers_id(&mut self, pid: Self::V) -> R<Self::V>;
+    /// In a split decode ([`decode_skipping`]): batch `batch` of the plan, decoded apart, holds
+    /// the next items of `container` (a list, or a dict when `dict`). A builder that is never
+    /// used for split decodes keeps this default, an error.
+    fn splice(&mut self, container: &Self::V, batch: u32, dict: bool) -> R<()> {
+        let _ = (container, batch, dict);
+        err("this builder does not decode in parts")
+    }
+    /// In a split decode: memo key `idx`, set by another part and not a leaf. The builder returns
+    /// a placeholder it resolves after merging the parts (from the values each part hands over),
+    /// or an error.
+    fn memo_ref(&mut self, idx: u32) -> R<Self::V> {
+        err(format!("memo key {idx} is set by another part"))
+    }
 }
 
-struct Vm<'a, 'b, B: Build<'a>> {
+/// What a part of a split decode returns: its value (the main part's result, or a batch's
+/// container), and its memo keys that other parts may refer to ([`Plan::exported`]), with their
+/// values.
+pub type PartValue<V> = (V, Vec<(u32, V)>);
+
+/// A decoder's share of a split decode (`format::split`): the batches it skips (the main part
+/// skips all, a batch decoder none), and the memo keys it does not hold, which it takes from the
+/// plan's leaves.
+struct Part<'p, 'a> {
+    plan: &'p Plan<'a>,
+    skip: &'p [Batch],
+    /// The next batch to skip.
+    next: usize,
+    /// `prefix[k]`: memo keys set by `skip[..k]`.
+    prefix: Vec<u32>,
+    /// Memo keys below `base` are outside (a batch decoder's base is its batch's first key).
+    base: u32,
+    /// A batch decoder's end (the byte after its `APPENDS`/`SETITEMS`).
+    end: usize,
+}
+
+impl Part<'_, '_> {
+    /// The position of memo key `idx` in this decoder's own memo, or None when another part set it.
+    #[inline]
+    fn local(&self, idx: u32) -> Option<usize> {
+        if idx < self.base {
+            return None;
+        }
+        let k = self.skip.partition_point(|b| b.memo_base <= idx);
+        if k > 0 {
+            let b = &self.skip[k - 1];
+            if idx - b.memo_base < b.memo_len {
+                return None;
+            }
+        }
+        Some((idx - self.base - self.prefix[k]) as usize)
+    }
+    /// Where this decoder next stops: the next batch to skip, or its own end.
+    fn stop_at(&self) -> usize {
+        self.skip.get(self.next).map_or(self.end, |b| b.start)
+    }
+}
+
+struct Vm<'a, 'b, 'p, B: Build<'a>> {
     input: &'a [u8],
     pos: usize,
+    /// Where `run` hands over to `Part` (`usize::MAX` for a whole decode): checked before each
+    /// opcode.
+    stop_at: usize,
+    part: Option<Part<'p, 'a>>,
     b: &'b mut B,
     stack: Vec<B::V>,
     /// Stack positions of the open MARKs; values below the last one cannot be popped (`_pickle.c`'s
@@ -237,7 +299,7 @@ struct Vm<'a, 'b, B: Build<'a>> {
     memo_count: usize,
 }
 
-impl<'a, B: Build<'a>> Vm<'a, '_, B> {
+impl<'a, B: Build<'a>> Vm<'a, '_, '_, B> {
     #[inline]
     fn take(&mut self, n: usize) -> R<&'a [u8]> {
         if n > self.input.len() - self.pos {
@@ -317,6 +379,15 @@ impl<'a, B: Build<'a>> Vm<'a, '_, B> {
     #[inline]
     fn memo_put(&mut self, idx: u32) -> R<()> {
         let v = self.top()?.clone();
+        if self.part.is_some() {
+            // The plan admits only keys set in order, once: this part's keys are dense.
+            if idx as usize != self.memo_count {
+                return err(format!("memo key {idx} out of order"));
+            }
+            self.memo.push(Some(v));
+            self.memo_count += 1;
+            return Ok(());
+        }
         let i = idx as usize;
         if i < self.memo.len() {
             if self.memo[i].replace(v).is_none() {
@@ -332,7 +403,25 @@ impl<'a, B: Build<'a>> Vm<'a, '_, B> {
     }
     #[inline]
     fn memo_get(&mut self, idx: u32) -> R<()> {
-        let v = match self.memo.get(idx as usize) {
+        let mut i = idx as usize;
+        if let Some(part) = &self.part {
+            match part.local(idx) {
+                Some(local) => i = local,
+                None => {
+                    let v = match part.plan.leaf(idx) {
+                        Some(LeafValue::None) => self.b.none(),
+                        Some(LeafValue::Bool(x)) => self.b.bool(x),
+                        Some(LeafValue::Int(x)) => self.b.int(x as i128),
+                        Some(LeafValue::Str(s)) => self.b.str(s),
+                        Some(LeafValue::Global(m, n)) => self.b.global(m, n),
+                        None => self.b.memo_ref(idx)?,
+                    };
+                    self.push(v);
+                    return Ok(());
+                }
+            }
+        }
+        let v = match self.memo.get(i) {
             Some(Some(v)) => v.clone(),
             _ => self
                 .sparse
@@ -361,10 +450,73 @@ impl<'a, B: Build<'a>> Vm<'a, '_, B> {
         self.b.set_items(&dict, self.stack.drain(at..))
     }
 
+    /// At `stop_at` in a split decode: a batch decoder returns its container; the main part
+    /// hands the batch to the builder as a splice into the container below the batch's MARK
+    /// (where its `APPENDS`/`SETITEMS` would have put the items), and jumps over it.
+    fn hand_over(&mut self) -> R<Option<B::V>> {
+        let Some(part) = &mut self.part else {
+            return Ok(None);
+        };
+        let Some(&batch) = part.skip.get(part.next) else {
+            if self.stack.len() != 1 || !self.marks.is_empty() {
+                return err("a batch did not close where the plan says");
+            }
+            return self.pop().map(Some);
+        };
+        let k = part.next;
+        part.next += 1;
+        self.stop_at = part.stop_at();
+        // The main part skips every batch of the plan: `k` is the batch's index there.
+        let plan_index = u32::try_from(k).map_err(|_| UnpickleError("too many batches".into()))?;
+        if self.stack.len() <= self.fence() {
+            return err(if batch.dict {
+                "SETITEM(S) with no dict on the stack"
+            } else {
+                "APPEND(S) with no list on the stack"
+            });
+        }
+        let container = self.top()?.clone();
+        self.b.splice(&container, plan_index, batch.dict)?;
+        self.pos = batch.end;
+        self.memo_count += batch.memo_len as usize;
+        Ok(None)
+    }
+
+    /// After a split decode: this part's memo keys that other parts may refer to.
+    fn exports(&mut self) -> Vec<(u32, B::V)> {
+        let Some(part) = &self.part else {
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        let mut k = 0;
+        for (i, v) in std::mem::take(&mut self.memo).into_iter().enumerate() {
+            // Dense position `i` -> memo key: after the batches this part skipped below it.
+            let mut key = part.base as usize + i + part.prefix[k] as usize;
+            while part
+                .skip
+                .get(k)
+                .is_some_and(|b| b.memo_base as usize <= key)
+            {
+                k += 1;
+                key = part.base as usize + i + part.prefix[k] as usize;
+            }
+            if let Some(v) = v.filter(|_| part.plan.exported(key)) {
+                out.push((key as u32, v));
+            }
+        }
+        out
+    }
+
     fn run(&mut self) -> R<B::V> {
         // Every opcode consumes at least one byte and pushes at most one value: these bounds only
         // catch a builder or decoder bug, never a size the input could not pay for.
         loop {
+            if self.pos == self.stop_at {
+                if let Some(v) = self.hand_over()? {
+                    return Ok(v);
+                }
+                continue;
+            }
             let op = self.u8()?;
             match op {
                 0x80 => {
@@ -659,6 +811,8 @@ pub fn decode<'a, B: Build<'a>>(input: &'a [u8], b: &mut B) -> Result<B::V, Unpi
     let mut vm = Vm {
         input,
         pos: 0,
+        stop_at: usize::MAX,
+        part: None,
         b,
         stack: Vec::new(),
         marks: Vec::new(),
@@ -670,6 +824,91 @@ pub fn decode<'a, B: Build<'a>>(input: &'a [u8], b: &mut B) -> Result<B::V, Unpi
         memo_count: 0,
     };
     vm.run()
+}
+
+/// The main part of a split decode: decodes `input` like [`decode`], but hands each batch of
+/// `plan` to the builder ([`Build::splice`]) instead of decoding it; [`decode_batch`] decodes
+/// them. A memo reference into a batch is answered from the plan's leaves, or else by the
+/// builder's [`Build::memo_ref`]. Returns the pickle's value and this part's exported memo keys.
+///
+/// Errors: as [`decode`]; also those of `splice` and `memo_ref`.
+pub fn decode_skipping<'a, B: Build<'a>>(
+    input: &'a [u8],
+    b: &mut B,
+    plan: &Plan<'a>,
+) -> Result<PartValue<B::V>, UnpickleError> {
+    let mut prefix = Vec::with_capacity(plan.batches.len() + 1);
+    let mut n = 0u32;
+    prefix.push(0);
+    for batch in &plan.batches {
+        n = n
+            .checked_add(batch.memo_len)
+            .ok_or_else(|| UnpickleError("memo too large".into()))?;
+        prefix.push(n);
+    }
+    let part = Part {
+        plan,
+        skip: &plan.batches,
+        next: 0,
+        prefix,
+        base: 0,
+        end: usize::MAX,
+    };
+    let mut vm = Vm {
+        input,
+        pos: 0,
+        stop_at: part.stop_at(),
+        part: Some(part),
+        b,
+        stack: Vec::new(),
+        marks: Vec::new(),
+        memo: Vec::new(),
+        sparse: HashMap::new(),
+        memo_count: 0,
+    };
+    let v = vm.run()?;
+    Ok((v, vm.exports()))
+}
+
+/// Decodes batch `k` of `plan` on its own: an empty list (dict) stands in for its container, and
+/// is returned holding the batch's items, with the batch's exported memo keys. Memo references
+/// out of the batch are answered from the plan's leaves, or else by [`Build::memo_ref`].
+///
+/// Errors: as [`decode`]; also those of `memo_ref`.
+pub fn decode_batch<'a, B: Build<'a>>(
+    input: &'a [u8],
+    b: &mut B,
+    plan: &Plan<'a>,
+    k: usize,
+) -> Result<PartValue<B::V>, UnpickleError> {
+    let batch = plan.batches[k];
+    let container = if batch.dict {
+        b.empty_dict()?
+    } else {
+        b.empty_list()?
+    };
+    let part = Part {
+        plan,
+        skip: &[],
+        next: 0,
+        prefix: vec![0],
+        base: batch.memo_base,
+        end: batch.end,
+    };
+    let mut vm = Vm {
+        input,
+        pos: batch.start,
+        stop_at: batch.end,
+        part: Some(part),
+        b,
+        stack: vec![container],
+        marks: Vec::new(),
+        memo: Vec::with_capacity(batch.memo_len as usize),
+        sparse: HashMap::new(),
+        memo_count: batch.memo_base as usize,
+    };
+    let v = vm.run()?;
+    Ok((v, vm.exports()))
 }
 
 /// Builds the symbolic [`Value`] graph, and keeps every mutable container so that the cycles a
