@@ -972,7 +972,7 @@ const SPLIT_MIN_INPUT: usize = 8 << 20;
 fn decode_dcp<'a>(bytes: &'a [u8], sizes: Option<Sizes>) -> Result<(Dcp<'a>, V), UnpickleError> {
     if let Some(plan) = sizes.and_then(|s| split::plan(bytes, s)) {
         if !plan.batches.is_empty() {
-            match decode_split(bytes, &plan) {
+            match decode_split(bytes, plan) {
                 Ok(done) => return Ok(done),
                 Err(e) => tracing::debug!("metadata decoded sequentially: {e}"),
             }
@@ -983,27 +983,32 @@ fn decode_dcp<'a>(bytes: &'a [u8], sizes: Option<Sizes>) -> Result<(Dcp<'a>, V),
     Ok((b, top))
 }
 
-fn decode_split<'a>(bytes: &'a [u8], plan: &Plan<'a>) -> Result<(Dcp<'a>, V), UnpickleError> {
-    let (main, parts) = rayon::join(
-        || {
-            let mut b = Dcp::new(bytes);
-            let (top, exports) = decode_skipping(bytes, &mut b, plan)?;
-            b.exports = exports;
-            Ok((b, top))
-        },
-        || {
-            (0..plan.batches.len())
-                .into_par_iter()
-                .map(|k| {
-                    let mut b = Dcp::new(bytes);
-                    let (holder, exports) = decode_batch(bytes, &mut b, plan, k)?;
-                    b.exports = exports;
-                    b.spare = Vec::new();
-                    Ok((b, holder))
-                })
-                .collect::<Result<Vec<_>, UnpickleError>>()
-        },
-    );
+fn decode_split<'a>(bytes: &'a [u8], plan: Plan<'a>) -> Result<(Dcp<'a>, V), UnpickleError> {
+    let (main, parts) = {
+        let plan = &plan;
+        rayon::join(
+            || {
+                let mut b = Dcp::new(bytes);
+                let (top, exports) = decode_skipping(bytes, &mut b, plan)?;
+                b.exports = exports;
+                Ok((b, top))
+            },
+            || {
+                (0..plan.batches.len())
+                    .into_par_iter()
+                    .map(|k| {
+                        let mut b = Dcp::new(bytes);
+                        let (holder, exports) = decode_batch(bytes, &mut b, plan, k)?;
+                        b.exports = exports;
+                        b.spare = Vec::new();
+                        Ok((b, holder))
+                    })
+                    .collect::<Result<Vec<_>, UnpickleError>>()
+            },
+        )
+    };
+    // The plan (8 bytes per memo key) is gone before the merge, the peak of the parse's memory.
+    drop(plan);
     let (mut main, top) = main?;
     main.absorb(parts?)?;
     if let V::Ref(_) = top {
@@ -1566,7 +1571,7 @@ mod tests {
             // has batches.
             let plan = split::plan(&bytes, tiny).expect("torch's pickles split");
             if !plan.batches.is_empty() {
-                decode_split(&bytes, &plan).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+                decode_split(&bytes, plan).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
                 split_files += 1;
             }
         }
@@ -1598,7 +1603,7 @@ mod tests {
         let bytes = emit_metadata(&entries);
         let plan = split::plan(&bytes, Sizes::METADATA).unwrap();
         assert!(plan.batches.len() >= 10, "{:?}", plan.batches);
-        let (b, top) = decode_split(&bytes, &plan).unwrap();
+        let (b, top) = decode_split(&bytes, plan).unwrap();
         assert!(matches!(top, V::Obj { .. }) && b.spliced.is_empty());
         let md = read_metadata_split(&bytes, Some(Sizes::METADATA)).unwrap();
         assert_eq!(md, read_metadata_split(&bytes, None).unwrap());
@@ -1616,7 +1621,7 @@ mod tests {
         };
         let plan = split::plan(input, sizes).unwrap();
         assert_eq!(plan.batches.len(), 1);
-        let e = decode_split(input, &plan).err().unwrap();
+        let e = decode_split(input, plan).err().unwrap();
         assert!(
             e.0.contains("APPEND(S) on a value of another part"),
             "{}",
