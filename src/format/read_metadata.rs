@@ -209,11 +209,11 @@ struct Dcp<'a> {
     /// string that last named that field: torch memoizes its field names, so every object's state
     /// names its fields with the same few strings, and a position compare replaces a byte compare.
     field_at: [[(u64, u32); 4]; 4],
-    /// The lists and dicts that hold a [`V::Splice`].
-    spliced: Vec<V>,
-    /// In a split decode: how many [`V::Ref`]s this part made, and the values of its memo keys
-    /// that other parts may refer to (`unpickle::PartValue`).
-    refs: usize,
+    /// In a split decode: how many [`V::Splice`]s this part made, the memo keys of its
+    /// [`V::Ref`]s, and the values of its memo keys that other parts may refer to
+    /// (`unpickle::PartValue`).
+    splices: usize,
+    refs: Vec<u32>,
     exports: Vec<(u32, V)>,
 }
 
@@ -238,8 +238,8 @@ impl<'a> Dcp<'a> {
             props: Vec::new(),
             tops: Vec::new(),
             field_at: [[(u64::MAX, 0); 4]; 4],
-            spliced: Vec::new(),
-            refs: 0,
+            splices: 0,
+            refs: Vec::new(),
             exports: Vec::new(),
         }
     }
@@ -417,60 +417,6 @@ impl<'a> Dcp<'a> {
         }
     }
 
-    /// The [`Entry`] of key `fqn` from its `state_dict_metadata` value, storage not yet filled
-    /// (an empty `relative_path`).
-    fn entry(&self, fqn: &str, v: V) -> R<Entry> {
-        let missing = || StorageInfo {
-            relative_path: String::new(),
-            offset: 0,
-            length: 0,
-        };
-        let rec = match (self.class_of(v), v) {
-            (Class::Bytes, _) => return Ok(Entry::Bytes { storage: missing() }),
-            (Class::Tensor, V::Obj { rec, .. }) => rec,
-            _ => {
-                return bad(format!(
-                    "{fqn}: unknown storage metadata class {:?} ({})",
-                    self.class_name(v).unwrap_or_default(),
-                    self.kind(v)
-                ))
-            }
-        };
-        let [props, size, chunk_list] = self.tensors[rec as usize];
-        if matches!(props, V::Unset) {
-            return bad(format!("{fqn}: no properties"));
-        }
-        let dtype = self.dtype(props, fqn)?;
-        if matches!(size, V::Unset) {
-            return bad(format!("{fqn}: no size"));
-        }
-        let global_shape = self.shape(size, &|| format!("{fqn}: size"))?.to_vec();
-        let list = self
-            .items(chunk_list)
-            .ok_or_else(|| MetadataError(format!("{fqn}: chunks is not a list")))?;
-        let mut chunks = Vec::with_capacity(list.len());
-        for &c in list {
-            let [offsets, sizes] = match (self.class_of(c), c) {
-                (Class::Chunk, V::Obj { rec, .. }) => self.chunks[rec as usize],
-                _ => return bad(format!("{fqn}: chunk is {}", self.kind(c))),
-            };
-            chunks.push(Chunk {
-                offsets: self
-                    .shape(offsets, &|| format!("{fqn}: chunk offsets"))?
-                    .to_vec(),
-                sizes: self
-                    .shape(sizes, &|| format!("{fqn}: chunk sizes"))?
-                    .to_vec(),
-                storage: missing(),
-            });
-        }
-        Ok(Entry::Tensor {
-            dtype,
-            global_shape,
-            chunks,
-        })
-    }
-
     /// Sets the fields of object `rec` of `class` (one of the four with a row of fields) from its
     /// state's `pairs` (the last pair naming a field wins, as in Python).
     fn fill(&mut self, class: Class, rec: u32, pairs: &[(V, V)]) {
@@ -546,7 +492,7 @@ impl<'a> Build<'a> for Dcp<'a> {
     fn tuple(&mut self, items: std::vec::Drain<'_, V>) -> Result<V, UnpickleError> {
         let items = items.as_slice();
         // A tuple's representation depends on its items (`Ints`, `Wrap`).
-        if self.refs > 0 && items.iter().any(|v| matches!(v, V::Ref(_))) {
+        if !self.refs.is_empty() && items.iter().any(|v| matches!(v, V::Ref(_))) {
             return err("a tuple of a value of another part");
         }
         if let [V::Ints { at, len }] = items {
@@ -668,8 +614,7 @@ impl<'a> Build<'a> for Dcp<'a> {
                 };
                 // `split::plan` never makes a batch of a dict that BUILD takes; this guards it
                 // (the split decode then fails, and the caller decodes sequentially).
-                if !self.spliced.is_empty() && pairs.iter().any(|(k, _)| matches!(k, V::Splice(_)))
-                {
+                if self.splices > 0 && pairs.iter().any(|(k, _)| matches!(k, V::Splice(_))) {
                     return err("BUILD with a state holding a batch decoded apart");
                 }
                 self.fill(class, rec, &pairs);
@@ -684,7 +629,7 @@ impl<'a> Build<'a> for Dcp<'a> {
         Ok(V::Other(Kind::PersId))
     }
     fn memo_ref(&mut self, idx: u32) -> Result<V, UnpickleError> {
-        self.refs += 1;
+        self.refs.push(idx);
         Ok(V::Ref(idx))
     }
     fn splice(&mut self, container: &V, batch: u32, dict: bool) -> Result<(), UnpickleError> {
@@ -699,267 +644,206 @@ impl<'a> Build<'a> for Dcp<'a> {
                 return err(format!("{op} on a {}", self.kind(other)));
             }
         }
-        self.spliced.push(*container);
+        self.splices += 1;
         Ok(())
     }
 }
 
-/// Where a part's rows go in the merged tables: the lengths of the tables before it.
-#[derive(Clone, Copy, Default)]
-struct Offsets {
-    ints: u32,
-    vals: u32,
-    lists: u32,
-    dicts: u32,
-    tensors: u32,
-    chunks: u32,
-    indexes: u32,
-    storages: u32,
-    props: u32,
-    tops: u32,
+/// A value and the builder whose tables it indexes.
+type At<'p, 'a> = (&'p Dcp<'a>, V);
+
+/// The part that holds an exported value: a batch's index, or [`MAIN`].
+const MAIN: u32 = u32::MAX;
+
+/// What a decode made: the main part's builder and, in a split decode, each batch's (with the
+/// list or dict that stood in for its container). The parts are not merged: a list or dict of one
+/// part lists a batch's items where its [`V::Splice`] stands, and a [`V::Ref`] is followed to the
+/// value another part handed over; every read goes through [`Decoded::at`], [`Decoded::items`] or
+/// [`Decoded::pairs`], which do both.
+struct Decoded<'a> {
+    main: Dcp<'a>,
+    parts: Vec<(Dcp<'a>, V)>,
+    /// Memo key, part ([`MAIN`] or a batch) and value, sorted by key.
+    exports: Vec<(u32, u32, V)>,
 }
 
-impl Offsets {
-    fn of(b: &Dcp) -> [usize; 10] {
-        [
-            b.ints.len(),
-            b.vals.len(),
-            b.lists.len(),
-            b.dicts.len(),
-            b.tensors.len(),
-            b.chunks.len(),
-            b.indexes.len(),
-            b.storages.len(),
-            b.props.len(),
-            b.tops.len(),
-        ]
-    }
-    fn from(n: [usize; 10]) -> Result<Offsets, UnpickleError> {
-        let [ints, vals, lists, dicts, tensors, chunks, indexes, storages, props, tops] =
-            n.map(idx);
-        Ok(Offsets {
-            ints: ints?,
-            vals: vals?,
-            lists: lists?,
-            dicts: dicts?,
-            tensors: tensors?,
-            chunks: chunks?,
-            indexes: indexes?,
-            storages: storages?,
-            props: props?,
-            tops: tops?,
-        })
-    }
-}
-
-impl<'a> Dcp<'a> {
-    /// Renumbers this part's values for the merged tables: rows after `o`, globals by `globals`
-    /// (this part's global -> the merged one).
-    fn renumber(&mut self, o: &Offsets, globals: &[u32]) {
-        let classes: Vec<Class> = self.globals.iter().map(|g| g.2).collect();
-        let re = |v: &mut V| {
-            *v = match *v {
-                V::Global(g) => V::Global(globals[g as usize]),
-                V::Ints { at, len } => V::Ints {
-                    at: at + o.ints,
-                    len,
-                },
-                V::Wrap { at, len } => V::Wrap {
-                    at: at + o.ints,
-                    len,
-                },
-                V::Size { at, len } => V::Size {
-                    at: at + o.ints,
-                    len,
-                },
-                V::Tuple { at, len } => V::Tuple {
-                    at: at + o.vals,
-                    len,
-                },
-                V::List(l) => V::List(l + o.lists),
-                V::Dict(d) => V::Dict(d + o.dicts),
-                V::Obj { class, rec } => V::Obj {
-                    class: globals[class as usize],
-                    rec: rec
-                        + match classes[class as usize] {
-                            Class::Tensor => o.tensors,
-                            Class::Chunk => o.chunks,
-                            Class::Index => o.indexes,
-                            Class::Storage => o.storages,
-                            Class::Props => o.props,
-                            Class::Top => o.tops,
-                            Class::Bytes | Class::Size | Class::Other => 0,
-                        },
-                },
-                other => other,
-            }
-        };
-        self.vals.iter_mut().for_each(re);
-        self.lists.iter_mut().flatten().for_each(re);
-        for (k, v) in self.dicts.iter_mut().flatten().flatten() {
-            re(k);
-            re(v);
+impl<'a> Decoded<'a> {
+    /// A decode of one part only.
+    fn whole(main: Dcp<'a>) -> Decoded<'a> {
+        Decoded {
+            main,
+            parts: Vec::new(),
+            exports: Vec::new(),
         }
-        self.tensors.iter_mut().flatten().for_each(re);
-        self.chunks.iter_mut().flatten().for_each(re);
-        self.indexes.iter_mut().flatten().for_each(re);
-        self.storages.iter_mut().flatten().for_each(re);
-        self.props.iter_mut().for_each(re);
-        self.tops.iter_mut().for_each(re);
-        self.exports.iter_mut().for_each(|(_, v)| re(v));
     }
 
-    /// Replaces every [`V::Ref`] with the value its memo key holds (`exports`, sorted by key).
-    fn resolve(&mut self, exports: &[(u32, V)]) -> Result<(), UnpickleError> {
-        let missing = std::sync::atomic::AtomicBool::new(false);
-        let re = |v: &mut V| {
-            if let V::Ref(k) = *v {
-                match exports.binary_search_by_key(&k, |e| e.0) {
-                    Ok(i) if !matches!(exports[i].1, V::Ref(_)) => *v = exports[i].1,
-                    _ => missing.store(true, std::sync::atomic::Ordering::Relaxed),
-                }
-            }
+    /// Collects every part's exports, and checks that each [`V::Ref`] of every part finds one
+    /// that is not itself a reference.
+    fn link(main: Dcp<'a>, parts: Vec<(Dcp<'a>, V)>) -> Result<Decoded<'a>, UnpickleError> {
+        let mut d = Decoded {
+            main,
+            parts,
+            exports: Vec::new(),
         };
-        self.vals.par_iter_mut().for_each(re);
-        self.lists.par_iter_mut().flatten().for_each(re);
-        self.dicts
-            .par_iter_mut()
-            .flatten()
-            .flatten()
-            .for_each(|(k, v)| {
-                re(k);
-                re(v);
-            });
-        self.tensors.par_iter_mut().flatten().for_each(re);
-        self.chunks.par_iter_mut().flatten().for_each(re);
-        self.indexes.par_iter_mut().flatten().for_each(re);
-        self.storages.par_iter_mut().flatten().for_each(re);
-        self.props.iter_mut().for_each(re);
-        self.tops.iter_mut().for_each(re);
-        if missing.into_inner() {
+        let mut exports: Vec<(u32, u32, V)> = std::mem::take(&mut d.main.exports)
+            .into_iter()
+            .map(|(k, v)| (k, MAIN, v))
+            .collect();
+        for (i, (p, _)) in d.parts.iter_mut().enumerate() {
+            let i = u32::try_from(i).map_err(|_| UnpickleError("too many batches".into()))?;
+            exports.extend(
+                std::mem::take(&mut p.exports)
+                    .into_iter()
+                    .map(|(k, v)| (k, i, v)),
+            );
+        }
+        exports.sort_unstable_by_key(|e| e.0);
+        d.exports = exports;
+        let resolves = |k: &u32| {
+            d.exports
+                .binary_search_by_key(k, |e| e.0)
+                .is_ok_and(|i| !matches!(d.exports[i].2, V::Ref(_)))
+        };
+        let all = d
+            .main
+            .refs
+            .iter()
+            .chain(d.parts.iter().flat_map(|(p, _)| &p.refs));
+        if !all.clone().all(resolves) {
             return err("a value of another part that no part hands over");
         }
-        Ok(())
+        Ok(d)
     }
 
-    /// Merges the batches decoded apart (`parts[k]`: batch `k`'s builder and its container) into
-    /// this main part, then puts each batch's items where its [`V::Splice`] stands.
-    fn absorb(&mut self, mut parts: Vec<(Dcp<'a>, V)>) -> Result<(), UnpickleError> {
-        let mut offsets = Vec::with_capacity(parts.len());
-        let mut at = Offsets::of(self);
-        for (p, _) in &parts {
-            offsets.push(Offsets::from(at)?);
-            let n = Offsets::of(p);
-            for (a, n) in at.iter_mut().zip(n) {
-                *a += n;
-            }
+    fn part(&self, p: u32) -> &Dcp<'a> {
+        match p {
+            MAIN => &self.main,
+            p => &self.parts[p as usize].0,
         }
-        Offsets::from(at)?; // every merged table still has 32-bit indices
-        let mut globals = Vec::with_capacity(parts.len());
-        for (p, _) in &parts {
-            let mut map = Vec::with_capacity(p.globals.len());
-            for &(m, n, _) in &p.globals {
-                match self.global(m, n) {
-                    V::Global(g) => map.push(g),
-                    _ => return err("too many globals"),
+    }
+
+    /// `v`, a placeholder followed to the value it stands for ([`Decoded::link`] checked that
+    /// there is one).
+    fn at<'p>(&'p self, b: &'p Dcp<'a>, v: V) -> At<'p, 'a> {
+        match v {
+            V::Ref(k) => match self.exports.binary_search_by_key(&k, |e| e.0) {
+                Ok(i) => (self.part(self.exports[i].1), self.exports[i].2),
+                Err(_) => (b, V::Unset),
+            },
+            v => (b, v),
+        }
+    }
+
+    /// Items of a tuple or list, each batch's items where its splice stands (a tuple of ints has
+    /// none as values: see [`Dcp::shape`]).
+    fn items<'p>(&'p self, (b, v): At<'p, 'a>) -> Option<Vec<At<'p, 'a>>> {
+        let (b, v) = self.at(b, v);
+        let own = b.items(v)?;
+        let mut out = Vec::with_capacity(own.len());
+        for &x in own {
+            match x {
+                V::Splice(k) => {
+                    let (p, holder) = &self.parts[k as usize];
+                    out.extend(
+                        p.items(*holder)
+                            .unwrap_or(&[])
+                            .iter()
+                            .map(|&x| self.at(p, x)),
+                    );
                 }
+                x => out.push(self.at(b, x)),
             }
-            globals.push(map);
         }
-        parts
-            .par_iter_mut()
-            .zip(&offsets)
-            .zip(&globals)
-            .for_each(|(((p, holder), o), map)| {
-                p.renumber(o, map);
-                let mut h = [*holder];
-                h.iter_mut().for_each(|v| {
-                    *v = match *v {
-                        V::List(l) => V::List(l + o.lists),
-                        V::Dict(d) => V::Dict(d + o.dicts),
-                        other => other,
-                    }
-                });
-                *holder = h[0];
-            });
-        let holders: Vec<V> = parts.iter().map(|(_, h)| *h).collect();
-        let [ints, vals, lists, dicts, tensors, chunks, indexes, storages, props, tops] = at;
-        self.ints.reserve_exact(ints - self.ints.len());
-        self.vals.reserve_exact(vals - self.vals.len());
-        self.lists.reserve_exact(lists - self.lists.len());
-        self.dicts.reserve_exact(dicts - self.dicts.len());
-        self.tensors.reserve_exact(tensors - self.tensors.len());
-        self.chunks.reserve_exact(chunks - self.chunks.len());
-        self.indexes.reserve_exact(indexes - self.indexes.len());
-        self.storages.reserve_exact(storages - self.storages.len());
-        self.props.reserve_exact(props - self.props.len());
-        self.tops.reserve_exact(tops - self.tops.len());
-        let mut refs = self.refs;
-        let mut exports = std::mem::take(&mut self.exports);
-        // Part by part, each freed once copied: the merged tables never coexist with all parts.
-        for (mut p, _) in parts {
-            refs += p.refs;
-            exports.append(&mut p.exports);
-            self.ints.append(&mut p.ints);
-            self.vals.append(&mut p.vals);
-            self.lists.append(&mut p.lists);
-            self.dicts.append(&mut p.dicts);
-            self.tensors.append(&mut p.tensors);
-            self.chunks.append(&mut p.chunks);
-            self.indexes.append(&mut p.indexes);
-            self.storages.append(&mut p.storages);
-            self.props.append(&mut p.props);
-            self.tops.append(&mut p.tops);
+        Some(out)
+    }
+
+    /// The pairs of a dict (none for anything else), each batch's where its splice stands.
+    fn pairs<'p>(&'p self, (b, v): At<'p, 'a>) -> Vec<(&'p Dcp<'a>, V, V)> {
+        let (b, v) = self.at(b, v);
+        let own = b.pairs(v);
+        let mut out = Vec::with_capacity(own.len());
+        for &(k, x) in own {
+            match k {
+                V::Splice(s) => {
+                    let (p, holder) = &self.parts[s as usize];
+                    out.extend(p.pairs(*holder).iter().map(|&(k, x)| (p, k, x)));
+                }
+                k => out.push((b, k, x)),
+            }
         }
-        let mut spliced: Vec<(bool, u32)> = std::mem::take(&mut self.spliced)
+        out
+    }
+
+    /// [`Decoded::pairs`] of a value that must be a dict.
+    fn dict_pairs<'p>(&'p self, (b, v): At<'p, 'a>, what: &str) -> R<Vec<(&'p Dcp<'a>, V, V)>> {
+        let (b, v) = self.at(b, v);
+        b.dict_pairs(v, what)?;
+        Ok(self.pairs((b, v)))
+    }
+
+    /// `dict[key]` for a dict with string keys (the last pair wins, as in Python).
+    fn get<'p>(&'p self, dict: At<'p, 'a>, key: &str) -> Option<At<'p, 'a>> {
+        self.pairs(dict)
             .into_iter()
-            .filter_map(|c| match c {
-                V::List(l) => Some((false, l)),
-                V::Dict(d) => Some((true, d)),
-                _ => None,
-            })
-            .collect();
-        spliced.sort_unstable();
-        spliced.dedup();
-        for (dict, c) in spliced {
-            let c = c as usize;
-            if dict {
-                let Some(pairs) = self.dicts[c].take() else {
-                    return err("a dict decoded in parts was taken as an object's state");
-                };
-                let mut out = Vec::with_capacity(pairs.len());
-                for kv in pairs {
-                    match kv {
-                        (V::Splice(b), V::Unset) => match holders.get(b as usize) {
-                            Some(V::Dict(h)) => {
-                                out.extend(self.dicts[*h as usize].take().unwrap_or_default())
-                            }
-                            _ => return err("a batch's container is not a dict"),
-                        },
-                        kv => out.push(kv),
-                    }
-                }
-                self.dicts[c] = Some(out);
-            } else {
-                let items = std::mem::take(&mut self.lists[c]);
-                let mut out = Vec::with_capacity(items.len());
-                for v in items {
-                    match v {
-                        V::Splice(b) => match holders.get(b as usize) {
-                            Some(V::List(h)) => out.append(&mut self.lists[*h as usize]),
-                            _ => return err("a batch's container is not a list"),
-                        },
-                        v => out.push(v),
-                    }
-                }
-                self.lists[c] = out;
+            .rev()
+            .find(|(b, k, _)| b.key_is(*k, key.as_bytes()))
+            .map(|(b, _, v)| self.at(b, v))
+    }
+
+    /// The [`Entry`] of key `fqn` from its `state_dict_metadata` value, storage not yet filled
+    /// (an empty `relative_path`).
+    fn entry(&self, fqn: &str, v: At<'_, 'a>) -> R<Entry> {
+        let missing = || StorageInfo {
+            relative_path: String::new(),
+            offset: 0,
+            length: 0,
+        };
+        let (b, v) = self.at(v.0, v.1);
+        let rec = match (b.class_of(v), v) {
+            (Class::Bytes, _) => return Ok(Entry::Bytes { storage: missing() }),
+            (Class::Tensor, V::Obj { rec, .. }) => rec,
+            _ => {
+                return bad(format!(
+                    "{fqn}: unknown storage metadata class {:?} ({})",
+                    b.class_name(v).unwrap_or_default(),
+                    b.kind(v)
+                ))
             }
+        };
+        let [props, size, chunk_list] = b.tensors[rec as usize];
+        if matches!(props, V::Unset) {
+            return bad(format!("{fqn}: no properties"));
         }
-        if refs > 0 {
-            exports.sort_unstable_by_key(|e| e.0);
-            self.resolve(&exports)?;
+        let (pb, props) = self.at(b, props);
+        let dtype = pb.dtype(props, fqn)?;
+        if matches!(size, V::Unset) {
+            return bad(format!("{fqn}: no size"));
         }
-        Ok(())
+        let (sb, size) = self.at(b, size);
+        let global_shape = sb.shape(size, &|| format!("{fqn}: size"))?.to_vec();
+        let list = self
+            .items((b, chunk_list))
+            .ok_or_else(|| MetadataError(format!("{fqn}: chunks is not a list")))?;
+        let mut chunks = Vec::with_capacity(list.len());
+        for (cb, c) in list {
+            let [offsets, sizes] = match (cb.class_of(c), c) {
+                (Class::Chunk, V::Obj { rec, .. }) => cb.chunks[rec as usize],
+                _ => return bad(format!("{fqn}: chunk is {}", cb.kind(c))),
+            };
+            let ((ob, offsets), (zb, sizes)) = (self.at(cb, offsets), self.at(cb, sizes));
+            chunks.push(Chunk {
+                offsets: ob
+                    .shape(offsets, &|| format!("{fqn}: chunk offsets"))?
+                    .to_vec(),
+                sizes: zb.shape(sizes, &|| format!("{fqn}: chunk sizes"))?.to_vec(),
+                storage: missing(),
+            });
+        }
+        Ok(Entry::Tensor {
+            dtype,
+            global_shape,
+            chunks,
+        })
     }
 }
 
@@ -969,7 +853,10 @@ const SPLIT_MIN_INPUT: usize = 8 << 20;
 /// Decodes `bytes` with the DCP builder: split into batches decoded in parallel ([`split`]) when
 /// `sizes` is given and the pickle splits, else (and whenever a split decode fails) sequentially,
 /// which gives every error.
-fn decode_dcp<'a>(bytes: &'a [u8], sizes: Option<Sizes>) -> Result<(Dcp<'a>, V), UnpickleError> {
+fn decode_dcp<'a>(
+    bytes: &'a [u8],
+    sizes: Option<Sizes>,
+) -> Result<(Decoded<'a>, V), UnpickleError> {
     if let Some(plan) = sizes.and_then(|s| split::plan(bytes, s)) {
         if !plan.batches.is_empty() {
             match decode_split(bytes, plan) {
@@ -980,10 +867,10 @@ fn decode_dcp<'a>(bytes: &'a [u8], sizes: Option<Sizes>) -> Result<(Dcp<'a>, V),
     }
     let mut b = Dcp::new(bytes);
     let top = decode(bytes, &mut b)?;
-    Ok((b, top))
+    Ok((Decoded::whole(b), top))
 }
 
-fn decode_split<'a>(bytes: &'a [u8], plan: Plan<'a>) -> Result<(Dcp<'a>, V), UnpickleError> {
+fn decode_split<'a>(bytes: &'a [u8], plan: Plan<'a>) -> Result<(Decoded<'a>, V), UnpickleError> {
     let (main, parts) = {
         let plan = &plan;
         rayon::join(
@@ -991,6 +878,7 @@ fn decode_split<'a>(bytes: &'a [u8], plan: Plan<'a>) -> Result<(Dcp<'a>, V), Unp
                 let mut b = Dcp::new(bytes);
                 let (top, exports) = decode_skipping(bytes, &mut b, plan)?;
                 b.exports = exports;
+                b.spare = Vec::new();
                 Ok((b, top))
             },
             || {
@@ -1007,14 +895,14 @@ fn decode_split<'a>(bytes: &'a [u8], plan: Plan<'a>) -> Result<(Dcp<'a>, V), Unp
             },
         )
     };
-    // The plan (8 bytes per memo key) is gone before the merge, the peak of the parse's memory.
+    // The plan (8 bytes per memo key) goes before the entries are made.
     drop(plan);
-    let (mut main, top) = main?;
-    main.absorb(parts?)?;
+    let (main, top) = main?;
+    let d = Decoded::link(main, parts?)?;
     if let V::Ref(_) = top {
         return err("the pickle's value is a value of another part");
     }
-    Ok((main, top))
+    Ok((d, top))
 }
 
 /// Decodes `.metadata` bytes.
@@ -1030,10 +918,12 @@ pub fn read_metadata(bytes: &[u8]) -> R<CheckpointMetadata> {
 /// [`read_metadata`], split into batches of `sizes` (None: sequentially). The result does not
 /// depend on `sizes` (the fuzz target checks it).
 pub(crate) fn read_metadata_split(bytes: &[u8], sizes: Option<Sizes>) -> R<CheckpointMetadata> {
-    let (mut b, top) = decode_dcp(bytes, sizes)
+    let (mut d, top) = decode_dcp(bytes, sizes)
         .map_err(|e| MetadataError(format!("not a readable pickle: {e}")))?;
     // The parse's scratch goes before the entries are made: only the tables they come from stay.
-    b.spare = Vec::new();
+    d.main.spare = Vec::new();
+    let d = &d;
+    let b = &d.main;
     let class = b.class_name(top).ok_or_else(|| {
         MetadataError(format!(
             "top-level value is {}, not a Metadata object",
@@ -1048,11 +938,11 @@ pub(crate) fn read_metadata_split(bytes: &[u8], sizes: Option<Sizes>) -> R<Check
             "top-level class is {class}, not torch.distributed.checkpoint.metadata.Metadata"
         ));
     }
-    let st = match b.tops[rec as usize] {
-        V::Unset => return bad("Metadata without state"),
+    let st = match d.at(b, b.tops[rec as usize]) {
+        (_, V::Unset) => return bad("Metadata without state"),
         st => st,
     };
-    let sdm = b
+    let sdm = d
         .get(st, "state_dict_metadata")
         .ok_or_else(|| MetadataError("Metadata without state_dict_metadata".into()))?;
 
@@ -1060,14 +950,15 @@ pub(crate) fn read_metadata_split(bytes: &[u8], sizes: Option<Sizes>) -> R<Check
     let mut keys: Vec<(&str, Entry)> = Vec::new();
     let mut by_fqn: HashMap<&str, usize> = HashMap::new();
     // Keys are made in parallel; the first error in pickle order is reported.
-    let made: Vec<R<(&str, Entry)>> = b
+    let made: Vec<R<(&str, Entry)>> = d
         .dict_pairs(sdm, "state_dict_metadata")?
         .par_iter()
-        .map(|&(k, v)| {
-            let fqn = b.text(k).ok_or_else(|| {
-                MetadataError(format!("state_dict_metadata key is {}", b.kind(k)))
+        .map(|&(kb, k, v)| {
+            let (kb, k) = d.at(kb, k);
+            let fqn = kb.text(k).ok_or_else(|| {
+                MetadataError(format!("state_dict_metadata key is {}", kb.kind(k)))
             })?;
-            Ok((fqn, b.entry(fqn, v)?))
+            Ok((fqn, d.entry(fqn, (kb, v))?))
         })
         .collect();
     for m in made {
@@ -1082,17 +973,19 @@ pub(crate) fn read_metadata_split(bytes: &[u8], sizes: Option<Sizes>) -> R<Check
     }
 
     let mut transforms = HashMap::new();
-    if let Some(sd) = b.get(st, "storage_data") {
-        join_storage(&b, sd, &mut keys, &by_fqn, &mut transforms)?;
+    if let Some(sd) = d.get(st, "storage_data") {
+        join_storage(d, sd, &mut keys, &by_fqn, &mut transforms)?;
     }
 
     let mut nd_reformulated = BTreeMap::new();
-    if let Some(mcore) = b.get(st, "mcore_data") {
-        for &(k, v) in b.pairs(mcore) {
-            if let (Some(key), Some(shape)) =
-                (b.text(k), b.get(v, "nd_reformulated_orig_global_shape"))
-            {
-                if let Ok(s) = b.shape(shape, &|| key.to_string()) {
+    if let Some(mcore) = d.get(st, "mcore_data") {
+        for (b, k, v) in d.pairs(mcore) {
+            let (b, k) = d.at(b, k);
+            if let (Some(key), Some((sb, shape))) = (
+                b.text(k),
+                d.get((b, v), "nd_reformulated_orig_global_shape"),
+            ) {
+                if let Ok(s) = sb.shape(shape, &|| key.to_string()) {
                     nd_reformulated.insert(key.to_string(), s.to_vec());
                 }
             }
@@ -1113,8 +1006,8 @@ pub(crate) fn read_metadata_split(bytes: &[u8], sizes: Option<Sizes>) -> R<Check
 /// `state_dict_metadata` lacks; then each key's entries are matched to its chunks, keys in
 /// parallel (the chunk lists are visited in another order than `storage_data`'s: cache misses).
 fn join_storage<'a>(
-    b: &Dcp<'a>,
-    sd: V,
+    d: &'a Decoded<'a>,
+    sd: At<'a, 'a>,
     keys: &mut [(&'a str, Entry)],
     by_fqn: &HashMap<&'a str, usize>,
     transforms: &mut HashMap<(String, Option<Vec<u64>>), Vec<String>>,
@@ -1134,43 +1027,46 @@ fn join_storage<'a>(
     type Checked<'s> = (&'s str, Option<u32>, Item<'s>, V, Option<Vec<String>>);
     // The entries are checked in parallel (each alone), then taken in order: the first error in
     // pickle order is reported, and paths are interned in a sequential pass.
-    let checked: Vec<R<Checked>> = b
+    let checked: Vec<R<Checked>> = d
         .dict_pairs(sd, "storage_data")?
         .par_iter()
-        .map(|&(k, v)| {
-            let [fqn_v, offset_v, index_v] = match (b.class_of(k), k) {
-                (Class::Index, V::Obj { rec, .. }) => b.indexes[rec as usize],
-                _ => return bad(format!("storage_data key is {}", b.kind(k))),
+        .map(|&(b, k, v)| {
+            let (kb, k) = d.at(b, k);
+            let [fqn_v, offset_v, index_v] = match (kb.class_of(k), k) {
+                (Class::Index, V::Obj { rec, .. }) => kb.indexes[rec as usize],
+                _ => return bad(format!("storage_data key is {}", kb.kind(k))),
             };
             // A string value is valid UTF-8 (checked when decoded).
-            let Some(fqn) = b.text(fqn_v) else {
+            let Some(fqn) = kb.text(d.at(kb, fqn_v).1) else {
                 return bad("MetadataIndex without fqn");
             };
-            let offsets = match offset_v {
-                V::Unset | V::None => None,
-                o => Some(b.shape(o, &|| format!("{fqn}: MetadataIndex.offset"))?),
+            let offsets = match d.at(kb, offset_v) {
+                (_, V::Unset | V::None) => None,
+                (ob, o) => Some(ob.shape(o, &|| format!("{fqn}: MetadataIndex.offset"))?),
             };
-            let [path_v, off_v, len_v, tr_v] = match (b.class_of(v), v) {
-                (Class::Storage, V::Obj { rec, .. }) => b.storages[rec as usize],
-                _ => return bad(format!("{fqn}: storage info is {}", b.kind(v))),
+            let (vb, v) = d.at(b, v);
+            let [path_v, off_v, len_v, tr_v] = match (vb.class_of(v), v) {
+                (Class::Storage, V::Obj { rec, .. }) => vb.storages[rec as usize],
+                _ => return bad(format!("{fqn}: storage info is {}", vb.kind(v))),
             };
+            let path_v = d.at(vb, path_v).1;
             let V::Str { at: path, .. } = path_v else {
                 return bad(format!("{fqn}: relative_path is not a string"));
             };
             let num = |x: V, name: &str| {
-                b.uint(x).ok_or_else(|| {
+                vb.uint(d.at(vb, x).1).ok_or_else(|| {
                     MetadataError(format!("{fqn}: {name} is not a non-negative int"))
                 })
             };
             let (offset, length) = (num(off_v, "offset")?, num(len_v, "length")?);
-            let names = b.items(tr_v).map(|list| {
+            let names = d.items((vb, tr_v)).map(|list| {
                 list.iter()
-                    .filter_map(|d| b.text(*d).map(String::from))
+                    .filter_map(|&(tb, t)| tb.text(t).map(String::from))
                     .collect::<Vec<String>>()
             });
             let item = Item {
                 offsets,
-                hint: b.uint(index_v),
+                hint: kb.uint(d.at(kb, index_v).1),
                 path,
                 offset,
                 length,
@@ -1200,7 +1096,7 @@ fn join_storage<'a>(
             _ => match path_at.get(&item.path) {
                 Some(&p) => p,
                 None => {
-                    let text = b.text(path_v).unwrap_or_default();
+                    let text = d.main.text(path_v).unwrap_or_default();
                     check_relative_path(text)
                         .map_err(|why| MetadataError(format!("{fqn}: {why}")))?;
                     paths.push(text.to_string());
@@ -1603,8 +1499,9 @@ mod tests {
         let bytes = emit_metadata(&entries);
         let plan = split::plan(&bytes, Sizes::METADATA).unwrap();
         assert!(plan.batches.len() >= 10, "{:?}", plan.batches);
+        let plan_len = plan.batches.len();
         let (b, top) = decode_split(&bytes, plan).unwrap();
-        assert!(matches!(top, V::Obj { .. }) && b.spliced.is_empty());
+        assert!(matches!(top, V::Obj { .. }) && b.parts.len() == plan_len);
         let md = read_metadata_split(&bytes, Some(Sizes::METADATA)).unwrap();
         assert_eq!(md, read_metadata_split(&bytes, None).unwrap());
         assert_eq!(md.entries, entries);
