@@ -180,10 +180,9 @@ struct Scan<'a> {
     memo: Vec<u64>,
     read: Vec<u64>,
     globals: Vec<(&'a [u8], &'a [u8])>,
-    /// Every batch of a fitting size, as it closes (inner ones first), with its container.
-    found: Vec<(Batch, u64)>,
-    /// Positions of the dicts that `BUILD` took as a state.
-    states: Vec<u32>,
+    /// Every batch of a fitting size, as it closes (inner ones first), with its container and
+    /// whether `BUILD` then took that container as an object's state.
+    found: Vec<(Batch, u64, bool)>,
     sizes: Sizes,
 }
 
@@ -294,22 +293,19 @@ impl<'a> Scan<'a> {
                 memo_len: self.memo.len() as u32 - memo_base,
                 dict,
             };
-            self.found.push((batch, self.stack[height - 1]));
+            self.found.push((batch, self.stack[height - 1], false));
         }
         Some(())
     }
 
     /// The batches to decode apart (see [`Sizes`]).
-    fn choose(mut self) -> Vec<Batch> {
-        self.states.sort_unstable();
+    fn choose(self) -> Vec<Batch> {
         let mut out: Vec<Batch> = Vec::new();
         // `found` is in closing order, so a batch comes after the batches inside it, which are
         // the last ones chosen so far.
-        for (batch, container) in self.found {
-            if let Leaf::Dict(at) = Leaf::unpack(container) {
-                if self.states.binary_search(&at).is_ok() {
-                    continue;
-                }
+        for (batch, _, state) in self.found {
+            if state {
+                continue;
             }
             let inner = out.len()
                 - out
@@ -503,8 +499,15 @@ impl<'a> Scan<'a> {
                     self.stack.push(OPAQUE);
                 }
                 b'b' => {
-                    if let Leaf::Dict(d) = Leaf::unpack(self.pop()?) {
-                        self.states.push(d);
+                    let state = self.pop()?;
+                    // A state dict is built right before its BUILD (`MARK ... SETITEMS BUILD`), so
+                    // only the last batch found is looked at. One missed (a state of more than
+                    // one batch) fails the split decode (`Build` refuses a state holding a
+                    // splice), which then runs sequentially: slower, never different.
+                    if let Some(f) = self.found.last_mut() {
+                        if matches!(Leaf::unpack(state), Leaf::Dict(_)) && f.1 == state {
+                            f.2 = true;
+                        }
                     }
                     self.pop()?;
                     self.stack.push(OPAQUE);
@@ -541,12 +544,12 @@ pub fn plan(input: &[u8], sizes: Sizes) -> Option<Plan<'_>> {
         pos: 0,
         stack: Vec::new(),
         marks: Vec::new(),
-        // About one memo key per 16 input bytes in torch's pickles (see `unpickle::decode`).
-        memo: Vec::with_capacity(input.len() / 16),
+        // About one memo key per 12 input bytes in torch's pickles: reserved up front so that the
+        // memo is not copied as it grows (untouched pages of an over-estimate cost no memory).
+        memo: Vec::with_capacity(input.len() / 8),
         read: Vec::new(),
         globals: Vec::new(),
         found: Vec::new(),
-        states: Vec::new(),
         sizes,
     };
     s.run()?;
