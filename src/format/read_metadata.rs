@@ -850,6 +850,12 @@ impl<'a> Decoded<'a> {
 /// Inputs smaller than this are decoded sequentially: splitting pays only on large `.metadata`.
 const SPLIT_MIN_INPUT: usize = 8 << 20;
 
+/// Whether [`read_metadata`] splits `len` bytes: only a large pickle, and only where rayon has
+/// several threads (on one, the split's opcode walk is a fifth more work for nothing).
+fn splits(len: usize) -> bool {
+    len >= SPLIT_MIN_INPUT && rayon::current_num_threads() > 1
+}
+
 /// Decodes `bytes` with the DCP builder: split into batches decoded in parallel ([`split`]) when
 /// `sizes` is given and the pickle splits, else (and whenever a split decode fails) sequentially,
 /// which gives every error.
@@ -909,10 +915,7 @@ fn decode_split<'a>(bytes: &'a [u8], plan: Plan<'a>) -> Result<(Decoded<'a>, V),
 ///
 /// Errors: [`MetadataError`] for a pickle that is malformed or whose structure is not DCP metadata.
 pub fn read_metadata(bytes: &[u8]) -> R<CheckpointMetadata> {
-    read_metadata_split(
-        bytes,
-        (bytes.len() >= SPLIT_MIN_INPUT).then_some(Sizes::METADATA),
-    )
+    read_metadata_split(bytes, splits(bytes.len()).then_some(Sizes::METADATA))
 }
 
 /// [`read_metadata`], split into batches of `sizes` (None: sequentially). The result does not
