@@ -14,10 +14,11 @@
 //! `MetadataIndex.index`, the chunk's position that torch's planner records, checked against the
 //! offsets (a map by offsets only when the hint is wrong).
 //!
-//! A `.metadata` of 8 MiB or more is decoded in parts on all cores (`format::split`): its batches
-//! of 1,000 chunks or storage entries each get their own [`Dcp`] builder, the rest one more, and
-//! the parts' tables are then merged ([`Dcp::absorb`]: rows renumbered, each batch's items put
-//! where its container had them). A split decode that fails for any reason is redone
+//! A `.metadata` of 8 MiB or more is decoded in parts on all cores (`format::split`) where rayon
+//! has several threads: its batches of 1,000 chunks or storage entries each get their own [`Dcp`]
+//! builder, the rest one more. The parts keep their own tables, never merged: [`Decoded`] lists a
+//! batch's items where its splice stands in its container and follows a reference to the value
+//! that another part handed over. A split decode that fails for any reason is redone
 //! sequentially, so results and errors are those of the sequential decode (the fuzz target
 //! compares the two).
 
@@ -179,10 +180,11 @@ enum V {
         rec: u32,
     },
     Other(Kind),
-    /// In the main part of a split decode, the items of batch `k` (decoded apart) go here; gone
-    /// once the parts are merged ([`Dcp::absorb`]).
+    /// In the main part of a split decode, the items of batch `k` (decoded apart) stand here;
+    /// [`Decoded`] lists them in its place on read.
     Splice(u32),
-    /// In a split decode, memo key `k`, set by another part: resolved once the parts are merged.
+    /// In a split decode, memo key `k`, set by another part: [`Decoded`] follows it on read to the
+    /// value that part handed over.
     Ref(u32),
 }
 

@@ -11,8 +11,9 @@
 //! its container), and the rest of the pickle by one more decoder that skips the batches
 //! (`unpickle::decode_skipping`). A memo reference that crosses into another part is answered from
 //! the leaves; any other (a container, an object: Megatron's `all_local_plans` refers to the
-//! chunks of `state_dict_metadata`) becomes a placeholder that the builder resolves once the parts
-//! are merged, from the values each part hands over for its memo keys that are read anywhere. A
+//! chunks of `state_dict_metadata`) becomes a placeholder that is followed on read (the
+//! parts are never merged) to the value that the part setting it hands over (each part hands over
+//! its memo keys that are read anywhere). A
 //! builder refuses a placeholder wherever it would have to look inside it; the part then fails,
 //! and the caller decodes the whole pickle sequentially, which stays the reference for every
 //! result and every error.
