@@ -4,6 +4,7 @@ damaged copies of them (damage made with real torch: its own classes re-pickled)
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import shutil
 import subprocess
@@ -183,3 +184,30 @@ def test_status_names_missing_ranks_and_merge_races_commit_once(tmp_path):
     assert [r["keys"] for r in results if not r["already_committed"]] == [1]
     assert cli("merge", d).returncode == 0  # idempotent
     assert cli("verify", d).returncode == 0
+
+
+def test_a_large_torch_metadata_decoded_in_parts_equals_torchs_own_read(tmp_path):
+    """A `.metadata` of 8 MiB or more is decoded in parts on every core (issue 27): 60 keys x 1,000
+    chunks made with torch's own classes, each rank's plan items and write results through a pickle
+    round trip as `gather_object` gives them, pickled as `FileSystemWriter.finish` does
+    (python/benchmarks/metadata_parse.py). Every key's chunks and their storage (file, offset,
+    length) must equal what torch's `pickle.load` of the same file gives."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+    from metadata_parse import make
+
+    out = tmp_path / "md"
+    make("grid", str(out), 60, 1000)
+    assert (out / ".metadata").stat().st_size >= 8 << 20  # read_metadata's SPLIT_MIN_INPUT
+    with open(out / ".metadata", "rb") as f:
+        md = pickle.load(f)  # made just above by torch: trusted
+    storage = {(k.fqn, tuple(k.offset)): v for k, v in md.storage_data.items()}
+    ck = shardwise._native.open_checkpoint(str(out))
+    assert sorted(ck.keys()) == sorted(md.state_dict_metadata)
+    for fqn, tmd in md.state_dict_metadata.items():
+        got = ck.metadata(fqn)
+        assert got["global_shape"] == list(tmd.size)
+        want = []
+        for c in tmd.chunks:
+            s = storage[(fqn, tuple(c.offsets))]
+            want.append((list(c.offsets), list(c.sizes), s.relative_path, s.offset, s.length))
+        assert [(c["offsets"], c["sizes"], c["relative_path"], c["offset"], c["length"]) for c in got["chunks"]] == want, fqn
