@@ -1,5 +1,6 @@
 //! The `shardwise` command line: inspect, verify, status and merge checkpoints.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::ffi::OsString;
 use std::io::Write;
@@ -295,6 +296,22 @@ macro_rules! out {
     };
 }
 
+/// `key` as the text output prints it: control characters escaped (`\n`, `\u{1b}`), so a hostile
+/// checkpoint's keys cannot move the cursor, clear the screen or forge lines in a terminal or a
+/// log. Keys without control characters print as they are (`--json` output is JSON-escaped).
+fn shown(key: &str) -> Cow<'_, str> {
+    if !key.chars().any(char::is_control) {
+        return Cow::Borrowed(key);
+    }
+    key.chars()
+        .map(|c| match c.is_control() {
+            true => c.escape_default().to_string(),
+            false => c.to_string(),
+        })
+        .collect::<String>()
+        .into()
+}
+
 /// Exit code after Ctrl-C (SIGINT) stopped a wait: 128 + 2, as shells report it.
 pub const EXIT_INTERRUPTED: i32 = 130;
 
@@ -550,7 +567,12 @@ fn inspect(dir: &Location, json: bool) -> Outcome {
         })?;
         return Ok(0);
     }
-    let width = rows.iter().map(|r| r.key.len()).max().unwrap_or(3).max(3);
+    let width = rows
+        .iter()
+        .map(|r| shown(&r.key).len())
+        .max()
+        .unwrap_or(3)
+        .max(3);
     out!(
         "{:<width$}  {:<6}  {:<13}  {:<20}  {:>6}  {:>11}",
         "key",
@@ -568,7 +590,7 @@ fn inspect(dir: &Location, json: bool) -> Outcome {
             .unwrap_or_default();
         out!(
             "{:<width$}  {:<6}  {:<13}  {:<20}  {:>6}  {:>11}",
-            r.key,
+            shown(&r.key),
             r.kind,
             r.dtype.unwrap_or("-"),
             shape,
@@ -719,7 +741,7 @@ fn problem_lines(problems: &[crate::verify::Problem]) -> Vec<String> {
     let mut lines = Vec::new();
     for p in problems {
         let Some(file) = p.file.as_deref() else {
-            lines.push(format!("PROBLEM {}: {}", p.key, p.message));
+            lines.push(format!("PROBLEM {}: {}", shown(&p.key), p.message));
             continue;
         };
         let messages = by_file.entry(file).or_default();
@@ -731,10 +753,12 @@ fn problem_lines(problems: &[crate::verify::Problem]) -> Vec<String> {
     for (file, messages) in by_file {
         for (message, items) in messages {
             match items.as_slice() {
-                [(key, Some(o))] => lines.push(format!("PROBLEM {key} [{file} @ {o}]: {message}")),
-                [(key, None)] => lines.push(format!("PROBLEM {key} [{file}]: {message}")),
+                [(key, Some(o))] => {
+                    lines.push(format!("PROBLEM {} [{file} @ {o}]: {message}", shown(key)))
+                }
+                [(key, None)] => lines.push(format!("PROBLEM {} [{file}]: {message}", shown(key))),
                 many => {
-                    let mut keys: Vec<&str> = many.iter().map(|(k, _)| *k).collect();
+                    let mut keys: Vec<Cow<str>> = many.iter().map(|(k, _)| shown(k)).collect();
                     keys.dedup();
                     let shown = keys.len().min(3);
                     let more = match keys.len() - shown {
@@ -994,7 +1018,7 @@ fn status(dir: &Location, keys: bool, json: bool, repair: bool) -> Outcome {
             for k in &s.keys {
                 out!(
                     "  {}  {} {:?}: {} from {} [{}]",
-                    k.key,
+                    shown(&k.key),
                     k.dtype,
                     k.global_shape,
                     count(k.chunks, "chunk"),
@@ -1344,9 +1368,8 @@ fn diff(args: DiffArgs) -> Outcome {
                 "--atol and --rtol must be numbers >= 0".into(),
             ));
         }
-        let threads = args
-            .threads
-            .unwrap_or_else(|| std::thread::available_parallelism().map_or(4, |n| n.get().min(8)));
+        let threads =
+            crate::workers::count("--threads", args.threads, crate::diff::default_threads())?;
         let opts = crate::diff::DiffOptions {
             atol: args.atol,
             rtol: args.rtol,
@@ -1387,7 +1410,7 @@ fn diff(args: DiffArgs) -> Outcome {
             Status::OnlyInB => "ONLY IN B",
             Status::Unreadable => "UNREADABLE",
         };
-        let mut line = format!("{label} {}", k.key);
+        let mut line = format!("{label} {}", shown(&k.key));
         if let Some(m) = &k.message {
             line += &format!(": {m}");
         }

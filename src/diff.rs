@@ -27,6 +27,11 @@ use crate::load::{intersect, read_region};
 use crate::reader::Checkpoint;
 use crate::storage::Location;
 
+/// The default worker threads of a diff: the CPUs, at most 8 (each holds two 32 MiB slabs).
+pub fn default_threads() -> usize {
+    crate::workers::cpus().min(8)
+}
+
 /// What to compare and how.
 #[derive(Clone, Debug)]
 pub struct DiffOptions {
@@ -128,7 +133,8 @@ fn open_side(loc: &Location) -> Result<Side> {
 /// Compares checkpoint `a` with `b` (directories, object-store URLs, or one HF safetensors folder).
 ///
 /// Errors: when a side cannot be opened (no `.metadata`, not a safetensors folder), for two HF
-/// folders, and the `to-hf` mapping's errors in HF mode; per-key read failures are
+/// folders, a `--keys` pattern that selects no key ([`Error::InvalidArgument`]), and the `to-hf`
+/// mapping's errors in HF mode; per-key read failures are
 /// [`Status::Unreadable`] entries of the report instead.
 pub fn diff(a: &Location, b: &Location, opts: &DiffOptions) -> Result<DiffReport> {
     let pool = rayon::ThreadPoolBuilder::new()
@@ -162,6 +168,16 @@ pub fn diff(a: &Location, b: &Location, opts: &DiffOptions) -> Result<DiffReport
                 .into(),
         )),
     })?;
+    // A `--keys` pattern that selects nothing is a mistyped name, not "0 different".
+    if let Some(p) = opts
+        .keys
+        .iter()
+        .find(|p| !keys.iter().any(|k| glob(p, &k.key)))
+    {
+        return Err(Error::InvalidArgument(format!(
+            "--keys {p:?} matches no key of either side (after --exclude)"
+        )));
+    }
     for k in &keys {
         match k.status {
             Status::Equal => report.equal += 1,
@@ -833,7 +849,7 @@ impl HfFolder {
     fn open(dir: &Path) -> Result<HfFolder> {
         let mut tensors = BTreeMap::new();
         for path in Self::files(dir) {
-            let f = std::fs::File::open(&path).map_err(Error::io("open", &path))?;
+            let f = crate::storage::open_regular(&path).map_err(Error::io("open", &path))?;
             // SAFETY: read-only mapping of a file we do not write; a concurrent writer could only
             // produce wrong values, which the comparison reports.
             let map =

@@ -9,6 +9,7 @@ pub mod dcp_local;
 pub mod diff;
 pub mod error;
 pub mod format;
+pub mod fuzzing;
 pub mod gpu;
 pub mod hf;
 pub mod hints;
@@ -20,6 +21,7 @@ pub mod staging;
 pub mod storage;
 pub mod torch_compat;
 pub mod verify;
+pub mod workers;
 pub mod writer;
 
 #[cfg(feature = "python")]

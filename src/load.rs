@@ -268,6 +268,33 @@ pub fn plan_pieces(ck: &Checkpoint, reqs: &[Request]) -> Result<Vec<Piece>> {
     Ok(pieces)
 }
 
+/// Checks that the region `offsets`/`sizes` (elements) of tensor `key` can be read: inside the
+/// global shape and covered by the saved chunks, with no overlap. Pure planning, before the
+/// caller allocates the destination: a hostile `.metadata` claiming `[3, 4e11]` then gives this
+/// error, not an allocation of 1.2e12 elements.
+///
+/// Errors: as [`plan_pieces`] ([`Error::MissingKey`], [`Error::InvalidArgument`],
+/// [`Error::Validation`] for a region not covered).
+pub fn check_region(ck: &Checkpoint, key: &str, offsets: &[u64], sizes: &[u64]) -> Result<()> {
+    let itemsize = match ck.entry(key)? {
+        Entry::Tensor { dtype, .. } => dtype.itemsize(),
+        Entry::Bytes { .. } => 1, // plan_pieces names it a byte object
+    };
+    let request = Request {
+        key: key.to_string(),
+        offsets: offsets.to_vec(),
+        sizes: sizes.to_vec(),
+        // The size the destination would have, and a non-null address that planning never
+        // dereferences (it only computes which chunk boxes to copy).
+        nbytes: volume(sizes)
+            .and_then(|v| v.checked_mul(itemsize))
+            .unwrap_or(u64::MAX),
+        ptr: 1,
+        device: None,
+    };
+    plan_pieces(ck, std::slice::from_ref(&request)).map(|_| ())
+}
+
 /// Reads the region `offsets`/`sizes` (elements) of tensor `key` into `out` (C order,
 /// `prod(sizes) * itemsize` bytes), assembled from every chunk that overlaps it, through the
 /// reader's mapped files (each item checked once per open checkpoint): a one-request load on the

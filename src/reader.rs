@@ -245,11 +245,15 @@ impl Checkpoint {
 
     /// The entry of `key`.
     ///
-    /// Errors: [`Error::InvalidArgument`] when the checkpoint has no such key.
+    /// Errors: [`Error::MissingKey`] when the checkpoint has no such key.
     pub fn entry(&self, key: &str) -> Result<&Entry> {
-        self.metadata.entries.get(key).ok_or_else(|| {
-            Error::InvalidArgument(format!("no key {key:?} in {}", self.dir.display()))
-        })
+        self.metadata
+            .entries
+            .get(key)
+            .ok_or_else(|| Error::MissingKey {
+                key: key.to_owned(),
+                dir: self.dir.clone(),
+            })
     }
 
     /// Opens data file `rel` (a `relative_path` of `.metadata`, confined to the directory when

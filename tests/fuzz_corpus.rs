@@ -5,7 +5,7 @@
 
 use std::path::PathBuf;
 
-use shardwise::format::fuzzing;
+use shardwise::fuzzing;
 
 fn corpus(target: &str) -> Vec<Vec<u8>> {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -69,4 +69,19 @@ fn archive_corpus_never_panics() {
 #[test]
 fn metadata_corpus_never_panics() {
     replay("metadata", fuzzing::metadata);
+}
+
+#[test]
+fn safetensors_header_corpus_never_panics() {
+    replay("safetensors_header", fuzzing::safetensors_header);
+}
+
+#[test]
+fn hf_index_corpus_never_panics() {
+    replay("hf_index", fuzzing::hf_index);
+}
+
+#[test]
+fn hf_config_corpus_never_panics() {
+    replay("hf_config", fuzzing::hf_config);
 }

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Optional, Union
 
@@ -72,8 +71,10 @@ class Reader:
         dimension) into a new CPU ``torch.Tensor``, assembled from every chunk it overlaps.
 
         Only the chunks that overlap the request are read; memory is the size of the result.
-        Raises ``IndexError`` for an index outside the shape, ``ValidationError`` when the saved
-        chunks do not cover the request, ``CorruptFileError`` for damaged items. On checkpoints
+        Raises ``MissingKeyError`` for a key the checkpoint lacks, ``IndexError`` for an index
+        outside the shape, ``ValidationError`` when the saved chunks do not cover the request
+        (checked before the result is allocated), ``InvalidArgumentError`` when it does not fit in
+        memory, ``CorruptFileError`` for damaged items. On checkpoints
         shardwise wrote, every item read is checked against the CRC-32 recorded at save time
         (the whole item, even for a partial read; once per item per open checkpoint); a mismatch
         is a ``CorruptFileError`` naming the key, the file and the item's offset."""
@@ -84,9 +85,12 @@ class Reader:
             raise _native.InvalidArgumentError(f"{key} is a byte object; use read_bytes()")
         shape = md["global_shape"]
         offsets, sizes, keep = _region(shape, index)
-        if math.prod(sizes) >= 1 << 62:  # a hostile .metadata's shape; torch would fail obscurely
-            raise _native.InvalidArgumentError(f"{key}: region {sizes} is too large to read into memory")
-        out = torch.empty(sizes, dtype=getattr(torch, md["dtype"]))
+        # Coverage first: a hostile .metadata's [3, 4e11] is refused here, before any allocation.
+        self._ckpt.check_region(key, offsets, sizes)
+        try:
+            out = torch.empty(sizes, dtype=getattr(torch, md["dtype"]))
+        except (RuntimeError, MemoryError) as e:  # torch's allocation failure
+            raise _native.InvalidArgumentError(f"{key}: region {sizes} does not fit in memory: {e}") from None
         region = _native.Region(
             key=key, offsets=offsets, sizes=sizes, data_ptr=out.data_ptr(), nbytes=out.numel() * out.element_size()
         )

@@ -3,7 +3,6 @@
 //! holds beside its data files.
 pub mod archive;
 pub mod dtype;
-pub mod fuzzing;
 pub mod metadata;
 pub mod pickle;
 pub mod read_metadata;
@@ -22,3 +21,12 @@ pub const METADATA_JSON_FILE: &str = "metadata.json";
 /// Megatron's `metadata.json` in the 4-field form that megatron-core ≤0.18 requires and 0.19 accepts
 /// (megatron-torch-dist.md §1.3, `CheckpointingConfig` in `dist_checkpointing/core.py`).
 pub const MEGATRON_METADATA_JSON: &str = r#"{"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1}"#;
+
+/// An empty vector with room for `n` items if that much memory can be had, else with none (it
+/// grows as needed). For capacities estimated from an input's size: a sparse file of terabytes
+/// must give a decode error, not abort the process when the estimate cannot be allocated.
+pub(crate) fn reserved<T>(n: usize) -> Vec<T> {
+    let mut v = Vec::new();
+    let _ = v.try_reserve_exact(n);
+    v
+}

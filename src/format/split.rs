@@ -547,7 +547,7 @@ pub fn plan(input: &[u8], sizes: Sizes) -> Option<Plan<'_>> {
         marks: Vec::new(),
         // About one memo key per 12 input bytes in torch's pickles: reserved up front so that the
         // memo is not copied as it grows (untouched pages of an over-estimate cost no memory).
-        memo: Vec::with_capacity(input.len() / 8),
+        memo: super::reserved(input.len() / 8),
         read: Vec::new(),
         globals: Vec::new(),
         found: Vec::new(),

@@ -819,7 +819,7 @@ pub fn decode<'a, B: Build<'a>>(input: &'a [u8], b: &mut B) -> Result<B::V, Unpi
         // About one memo entry per 16 input bytes in torch's pickles (MEMOIZE after nearly every
         // value): reserved up front, so a large memo is not copied as it grows (untouched pages of
         // an over-estimate cost no memory).
-        memo: Vec::with_capacity(input.len() / 16),
+        memo: super::reserved(input.len() / 16),
         sparse: HashMap::new(),
         memo_count: 0,
     };

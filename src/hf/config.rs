@@ -6,7 +6,7 @@ use serde_json::{Map, Value as Json};
 
 use super::families;
 use super::layout::HybridPattern;
-use super::spec::{Dims, LayerPattern, Rel};
+use super::spec::{Dims, LayerPattern, Rel, MAX_COUNT};
 use crate::error::{Error, Result};
 use crate::format::archive::records;
 use crate::format::dtype::DType;
@@ -23,10 +23,12 @@ impl Dims {
                 "config.json is not a JSON object".into(),
             ));
         };
-        let spec = families::arch(
-            arch.or_else(|| cfg.get("model_type").and_then(|v| v.as_str()))
-                .unwrap_or(""),
-        )?;
+        let Some(name) = arch.or_else(|| cfg.get("model_type").and_then(|v| v.as_str())) else {
+            return Err(Error::InvalidArgument(
+                "config.json has no model_type: pass --arch (llama, qwen3_moe, ...)".into(),
+            ));
+        };
+        let spec = families::arch(name)?;
         // A multimodal config (Qwen3.5's) holds the text model's fields in `text_config`; the
         // names it implies (`model.language_model.*` beside a vision tower) are set by the caller,
         // which knows whether a vision tower comes with it (`--base-hf`) or `--text-only`.
@@ -423,11 +425,24 @@ pub(crate) fn megatron_args(ckpt: &Checkpoint) -> Result<Option<Args>> {
     let Some(Value::Dict(d)) = state.as_ref() else {
         return Ok(None);
     };
-    let out = d
+    let out: Map<String, Json> = d
         .borrow()
         .iter()
         .filter_map(|(k, v)| Some((k.as_str()?.to_string(), json_of(v, 0))))
         .collect();
+    // Per-layer tables are built from these (attention and MoE patterns): an absurd count is
+    // refused before any is.
+    for k in ["num_layers", "mtp_num_layers", "num_experts"] {
+        if let Some(n) = out
+            .get(k)
+            .and_then(|v| v.as_u64())
+            .filter(|&n| n > MAX_COUNT)
+        {
+            return Err(corrupt(format!(
+                "args.{k} = {n} is more than any model holds (at most {MAX_COUNT})"
+            )));
+        }
+    }
     Ok(Some(Args(out)))
 }
 
@@ -604,6 +619,34 @@ pub(crate) fn with_quantization(config: &[u8], q: Option<&Json>) -> Result<Vec<u
     };
     if out.get("quantization_config") == before.as_ref() {
         return Ok(config.to_vec());
+    }
+    let mut bytes = serde_json::to_vec_pretty(&Json::Object(out)).expect("serializable");
+    bytes.push(b'\n');
+    Ok(bytes)
+}
+
+/// `config` (config.json bytes) declaring `dtype`, the dtype the weights are written in, as its
+/// `dtype` (transformers 5's name) and `torch_dtype` (the older name) where the config has that
+/// field; the bytes as they are when that changes nothing. A config declaring float32 over bf16
+/// weights makes `from_pretrained` load them as float32.
+///
+/// Errors: [`Error::InvalidArgument`] when `config` is not a JSON object.
+pub(crate) fn with_dtype(config: &[u8], dtype: DType) -> Result<Vec<u8>> {
+    let Ok(Json::Object(mut out)) = serde_json::from_slice::<Json>(config) else {
+        return Err(Error::InvalidArgument(
+            "config.json is not a JSON object".into(),
+        ));
+    };
+    let name = Json::from(dtype.torch_name());
+    let stale: Vec<&str> = ["dtype", "torch_dtype"]
+        .into_iter()
+        .filter(|k| (*k == "dtype" || out.contains_key(*k)) && out.get(*k) != Some(&name))
+        .collect();
+    if stale.is_empty() {
+        return Ok(config.to_vec());
+    }
+    for k in stale {
+        out.insert(k.into(), name.clone());
     }
     let mut bytes = serde_json::to_vec_pretty(&Json::Object(out)).expect("serializable");
     bytes.push(b'\n');

@@ -44,6 +44,30 @@ pub(crate) use plan::{read_hf_tensor, HfTensor, Plan};
 pub(crate) use spec::Post;
 pub(crate) use write::dtype_of_st;
 
+/// The HF-side parsers of untrusted bytes, as [`crate::fuzzing`] drives them: each must return,
+/// never panic, hang or allocate by a number it has not checked.
+pub(crate) mod untrusted {
+    /// A safetensors file's header (from-hf's reader; the bytes are the whole file).
+    pub fn safetensors_header(data: &[u8]) {
+        super::from_hf::parse_untrusted(Some(data), None);
+    }
+
+    /// `model.safetensors.index.json`.
+    pub fn index(data: &[u8]) {
+        super::from_hf::parse_untrusted(None, Some(data));
+    }
+
+    /// config.json's dimensions, and their check against a folder of 64 tensors.
+    pub fn config(data: &[u8]) {
+        let Ok(v) = serde_json::from_slice::<serde_json::Value>(data) else {
+            return;
+        };
+        if let Ok(d) = super::spec::Dims::from_config(&v, None) {
+            let _ = d.check_held(64, "the fuzzed folder");
+        }
+    }
+}
+
 /// Options of a conversion.
 #[derive(Clone, Debug)]
 pub struct HfOptions {
@@ -93,11 +117,6 @@ impl HfOptions {
         threads: Option<usize>,
         allow_unmapped: bool,
     ) -> Result<HfOptions> {
-        if threads == Some(0) {
-            return Err(Error::InvalidArgument(
-                "--workers 0: at least one worker thread converts the tensors".into(),
-            ));
-        }
         let dtype = match dtype {
             None => None,
             Some("bf16" | "bfloat16") => Some(DType::BF16),
@@ -114,8 +133,7 @@ impl HfOptions {
             arch,
             dtype,
             max_shard_bytes: parse_size(max_shard_size)?,
-            threads: threads
-                .unwrap_or_else(|| std::thread::available_parallelism().map_or(4, |n| n.get())),
+            threads: crate::workers::count("--workers", threads, crate::workers::cpus())?,
             allow_unmapped,
             overwrite: false,
             part: None,
@@ -168,6 +186,21 @@ pub struct HfSummary {
     pub committed: bool,
 }
 
+/// The dtype most of `tensors`' elements are written in (`requested` or each one's stored dtype):
+/// what config.json declares. None for no tensor.
+fn written_dtype(tensors: &[plan::HfTensor], requested: Option<DType>) -> Option<DType> {
+    let mut by_dtype: Vec<(DType, u128)> = Vec::new();
+    for t in tensors {
+        let d = t.out_dtype(requested);
+        let n: u128 = t.shape.iter().map(|&x| x as u128).product();
+        match by_dtype.iter_mut().find(|(k, _)| *k == d) {
+            Some((_, total)) => *total += n,
+            None => by_dtype.push((d, n)),
+        }
+    }
+    by_dtype.into_iter().max_by_key(|&(_, n)| n).map(|(d, _)| d)
+}
+
 /// Converts the checkpoint at `ckpt` (a directory or an object-store prefix, read by ranged GETs)
 /// into HF safetensors in the local directory `out_dir`; `progress(bytes)` is called as tensors
 /// are written. See [`output`] for the folder rules and the commit.
@@ -198,6 +231,15 @@ pub fn to_hf(
     if let Location::Local(dir) = ckpt {
         output::check_outside(out_dir, dir, "checkpoint directory")?;
     }
+    if let Some(dir) = &opts.base_hf {
+        output::check_outside(out_dir, dir, "--base-hf folder")?;
+    }
+    if let Some(file) = &opts.config {
+        output::check_outside(out_dir, file, "--hf-config file")?;
+    }
+    if let Some(dir) = &opts.tokenizer {
+        output::check_outside(out_dir, dir, "--tokenizer folder")?;
+    }
     if opts.part.is_none() {
         output::check_folder(out_dir, opts.overwrite)?;
     }
@@ -216,14 +258,17 @@ pub fn to_hf(
         skipped,
     } = plan::plan(&ckpt, &d, opts.allow_unmapped)?;
     let vision_tensors = vision.len();
-    // Without --hf-config, the config.json built from the stored args, its `dtype` the weights'.
+    // Without --hf-config, the config.json built from the stored args; either way its `dtype` is
+    // the one most of the weights are written in.
+    let written = written_dtype(&tensors, opts.dtype);
     let config = match (config, from_args) {
         (Some(c), _) => Some(c),
-        (None, true) => {
-            let dtype = opts.dtype.or_else(|| tensors.first().map(|t| t.src_dtype));
-            dtype.map(|t| config::config_from_args(&d, rows, t))
-        }
+        (None, true) => written.map(|t| config::config_from_args(&d, rows, t)),
         (None, false) => None,
+    };
+    let config = match (config, written) {
+        (Some(c), Some(t)) => Some(config::with_dtype(&c, t)?),
+        (c, _) => c,
     };
     tensors.extend(vision);
     let quantization = match scheme {
@@ -492,7 +537,7 @@ fn mtp_in_checkpoint(ckpt: &Checkpoint) -> Result<u64> {
 fn setup(ckpt: &Checkpoint, opts: &HfOptions, compare: bool) -> Result<Setup> {
     let args = config::megatron_args(ckpt)?;
     let given = match &opts.config {
-        Some(p) => Some(std::fs::read(p).map_err(Error::io("read", p))?),
+        Some(p) => Some(crate::storage::read_regular(p).map_err(Error::io("read", p))?),
         None => None,
     };
     let json: Option<serde_json::Value> = match (&given, &opts.config) {
@@ -516,6 +561,11 @@ fn setup(ckpt: &Checkpoint, opts: &HfOptions, compare: bool) -> Result<Setup> {
         }
     };
     d.layout = layout;
+    let pieces = ckpt.metadata.entries.values().map(|e| match e {
+        crate::format::metadata::Entry::Tensor { chunks, .. } => chunks.len() as u64,
+        crate::format::metadata::Entry::Bytes { .. } => 1,
+    });
+    d.check_held(pieces.sum(), "the checkpoint")?;
     // A multimodal config declares a model whose vision tower the text checkpoint lacks: it comes
     // from --base-hf, or the config written is the text model's (--text-only); never a config
     // that loads with weights missing.

@@ -65,7 +65,7 @@ impl Part {
 /// name weight files), and config.json. Anything else is the user's and is never touched.
 fn earlier_conversion(dir: &Path) -> Result<Vec<PathBuf>> {
     let mut names = std::collections::BTreeSet::new();
-    if let Ok(bytes) = std::fs::read(dir.join(INDEX)) {
+    if let Ok(bytes) = crate::storage::read_regular(&dir.join(INDEX)) {
         if let Ok(v) = serde_json::from_slice::<serde_json::Value>(&bytes) {
             if let Some(m) = v.get("weight_map").and_then(|m| m.as_object()) {
                 // Only plain file names: an index never makes us delete outside `dir`.
@@ -148,15 +148,17 @@ pub(crate) fn check_folder(dir: &Path, overwrite: bool) -> Result<()> {
     Ok(())
 }
 
-/// Refuses an output folder that is the input's directory or lies inside it (`input_kind` names
-/// the input in the message): to-hf's shards would be written among the checkpoint's files (and
-/// `--overwrite` would remove files there), from-hf's checkpoint among the HF folder's. A folder
-/// that does not exist yet is judged by its nearest existing ancestor.
+/// Refuses an output folder that is the input's directory, lies inside it or contains it (an
+/// input file: contains it; `input_kind` names the input in the message): to-hf's shards would be written among the
+/// checkpoint's or `--base-hf`'s files (and `--overwrite` would remove the release's own
+/// `model.safetensors`), from-hf's checkpoint among the HF folder's. Inputs are never written,
+/// with or without `--overwrite`. A folder that does not exist yet is judged by its nearest
+/// existing ancestor, so symlinks and `..` are resolved on both sides.
 ///
 /// Errors: [`Error::InvalidArgument`] naming both.
 pub(crate) fn check_outside(out: &Path, input_dir: &Path, input_kind: &str) -> Result<()> {
-    let (Ok(ckpt), Ok(abs)) = (input_dir.canonicalize(), std::path::absolute(out)) else {
-        return Ok(()); // opening the checkpoint reports a missing one
+    let (Ok(input), Ok(abs)) = (input_dir.canonicalize(), std::path::absolute(out)) else {
+        return Ok(()); // opening the input reports a missing one
     };
     let mut existing = abs.as_path();
     let mut rest = Vec::new();
@@ -171,14 +173,20 @@ pub(crate) fn check_outside(out: &Path, input_dir: &Path, input_kind: &str) -> R
         .canonicalize()
         .map_err(Error::io("resolve", existing))?;
     resolved.extend(rest.iter().rev());
-    if resolved.starts_with(&ckpt) {
-        return Err(Error::InvalidArgument(format!(
-            "output folder {} is inside the {input_kind} {}: choose a folder outside it",
-            out.display(),
-            input_dir.display()
-        )));
-    }
-    Ok(())
+    let how = if resolved == input {
+        "is"
+    } else if resolved.starts_with(&input) {
+        "is inside"
+    } else if input.starts_with(&resolved) {
+        "contains"
+    } else {
+        return Ok(());
+    };
+    Err(Error::InvalidArgument(format!(
+        "output folder {} {how} the {input_kind} {}: inputs are never written; choose a folder apart from it",
+        out.display(),
+        input_dir.display()
+    )))
 }
 
 /// The staging folder of a one-process conversion in `dir`, created empty (a crashed run's is
@@ -272,7 +280,7 @@ pub(crate) fn prepare_part(dir: &Path, plan: &ShardPlan, index: &[u8]) -> Result
         (0..plan.shards.len()).map(|k| plan.file_name(k)).collect();
     let found = entries(dir)?;
     if found.iter().any(|n| n == INDEX)
-        && std::fs::read(dir.join(INDEX)).map_err(Error::io("read", dir))? == index
+        && crate::storage::read_regular(&dir.join(INDEX)).map_err(Error::io("read", dir))? == index
     {
         return Ok(true);
     }
@@ -346,7 +354,7 @@ pub(crate) fn commit_part(
     atomic_write(&marker(part.index), b"")?;
     let index_path = dir.join(INDEX);
     let same_index = || -> Result<bool> {
-        match std::fs::read(&index_path) {
+        match crate::storage::read_regular(&index_path) {
             Ok(b) if b == index => Ok(true),
             Ok(_) => Err(Error::Validation(format!(
                 "{} already holds a different conversion's index",
@@ -381,7 +389,7 @@ fn check_shard_files(dir: &Path, plan: &ShardPlan) -> Result<()> {
     use std::io::Read;
     for (k, s) in plan.shards.iter().enumerate() {
         let path = dir.join(plan.file_name(k));
-        let mut f = std::fs::File::open(&path).map_err(Error::io("open", &path))?;
+        let mut f = crate::storage::open_regular(&path).map_err(Error::io("open", &path))?;
         let len = f.metadata().map_err(Error::io("stat", &path))?.len();
         let mut head = vec![0u8; 8 + s.header.len()];
         let read = f.read_exact(&mut head);

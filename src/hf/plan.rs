@@ -606,7 +606,7 @@ pub(crate) fn plan(ckpt: &Checkpoint, d: &Dims, allow_unmapped: bool) -> Result<
 pub(crate) fn read_hf_tensor(ckpt: &Checkpoint, t: &HfTensor, buf: &mut [u8]) -> Result<()> {
     if let Some((path, at)) = &t.from_file {
         use std::os::unix::fs::FileExt;
-        let f = std::fs::File::open(path).map_err(Error::io("open", path))?;
+        let f = crate::storage::open_regular(path).map_err(Error::io("open", path))?;
         return f.read_exact_at(buf, *at).map_err(Error::io("read", path));
     }
     let item = t.src_dtype.itemsize();

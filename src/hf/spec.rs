@@ -359,6 +359,28 @@ impl ArchSpec {
     }
 }
 
+/// The largest layer or expert count a config may declare (no model has a million layers or
+/// experts): checked before any per-layer table is built, so an absurd count is an error, not an
+/// allocation of its size. [`Dims::check_held`] then holds counts to what the input stores.
+pub(crate) const MAX_COUNT: u64 = 1 << 20;
+
+/// Config fields that are counts or sizes: a negative or fractional value is named as such
+/// (rather than reported as missing).
+const COUNTS: &[&str] = &[
+    "num_hidden_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "num_experts",
+    "num_local_experts",
+    "n_routed_experts",
+    "num_experts_per_tok",
+];
+
 /// The model's hyperparameters, as the mapping uses them.
 pub(crate) struct Dims {
     pub spec: &'static ArchSpec,
@@ -409,9 +431,17 @@ impl Dims {
             mtp_layers: 0,
             layout: Layout::Gpt,
         };
+        for (k, v) in &d.cfg {
+            if v.is_number() && v.as_u64().is_none() && COUNTS.contains(&k.as_str()) {
+                return Err(Error::InvalidArgument(format!(
+                    "config.json: {k} is {v}, not a non-negative integer"
+                )));
+            }
+        }
         let need = |d: &Dims, k: &str| {
-            d.field(k)
-                .ok_or_else(|| Error::InvalidArgument(format!("config.json has no integer {k:?}")))
+            d.field(k).ok_or_else(|| {
+                Error::InvalidArgument(format!("config.json has no {k:?} (a non-negative integer)"))
+            })
         };
         d.num_layers = need(&d, "num_hidden_layers")?;
         d.hidden = need(&d, "hidden_size")?;
@@ -421,8 +451,42 @@ impl Dims {
         d.vocab_size = d.field("vocab_size");
         d.tied = d.flag("tie_word_embeddings").unwrap_or(false);
         d.num_experts = d.field("num_experts").unwrap_or(0);
+        // Checked before any per-layer or per-expert table is built from them.
+        for (k, n) in [
+            ("num_hidden_layers", d.num_layers),
+            ("num_experts", d.num_experts),
+        ] {
+            if n > MAX_COUNT {
+                return Err(Error::InvalidArgument(format!(
+                    "config.json: {k} = {n} is more than any model holds (at most {MAX_COUNT})"
+                )));
+            }
+        }
         d.moe_layers = (0..d.num_layers).map(|l| d.is_moe_layer(l)).collect();
         Ok(d)
+    }
+
+    /// Refuses counts the input cannot hold: every decoder layer, MTP layer and expert is at
+    /// least one stored piece of its own (an HF tensor, or a DCP chunk: Megatron shards stacked
+    /// layers and experts into one chunk each), so a config declaring more than the `pieces` the
+    /// input stores describes other files. Called before planning, so a config with 10^9 layers
+    /// fails at once instead of building 10^9 layers' rules.
+    ///
+    /// Errors: [`Error::InvalidArgument`] naming the field, its value and `pieces`.
+    pub(crate) fn check_held(&self, pieces: u64, what: &str) -> Result<()> {
+        let counts = [
+            ("num_hidden_layers", self.num_layers),
+            ("num_experts", self.num_experts),
+            ("MTP layers", self.declared_mtp()),
+        ];
+        for (k, n) in counts {
+            if n > pieces {
+                return Err(Error::InvalidArgument(format!(
+                    "config.json: {k} = {n}, but {what} holds only {pieces} tensors; it is not this model's config"
+                )));
+            }
+        }
+        Ok(())
     }
 
     /// An integer config field, with transformers' defaults and aliases: `num_key_value_heads`
@@ -440,11 +504,13 @@ impl Dims {
         if let Some(v) = raw(k) {
             return Some(v);
         }
+        // Checked: a sum or product of absurd fields is no size (None, so the shape check that
+        // asked refuses it), never a wrapped one that could match a stored shape.
         if let Some((a, b)) = k.split_once('+') {
-            return Some(self.field(a)? + self.field(b)?);
+            return self.field(a)?.checked_add(self.field(b)?);
         }
         if let Some((a, b)) = k.split_once('*') {
-            return Some(self.field(a)? * self.field(b)?);
+            return self.field(a)?.checked_mul(self.field(b)?);
         }
         match k {
             "num_key_value_heads" => raw(k).or_else(|| raw("num_attention_heads")),

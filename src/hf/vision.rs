@@ -30,7 +30,7 @@ struct Stored {
 fn stored_tensors(dir: &Path, prefix: &str) -> Result<BTreeMap<String, Stored>> {
     let bad = |why: String| Error::InvalidArgument(format!("--base-hf {}: {why}", dir.display()));
     let index = dir.join(INDEX);
-    let files: Vec<String> = match std::fs::read(&index) {
+    let files: Vec<String> = match crate::storage::read_regular(&index) {
         Ok(bytes) => {
             let v: Json = serde_json::from_slice(&bytes)
                 .map_err(|e| bad(format!("{INDEX} is not JSON: {e}")))?;
@@ -58,7 +58,7 @@ fn stored_tensors(dir: &Path, prefix: &str) -> Result<BTreeMap<String, Stored>> 
             )));
         }
         let file = dir.join(&name);
-        let f = std::fs::File::open(&file).map_err(Error::io("open", &file))?;
+        let f = crate::storage::open_regular(&file).map_err(Error::io("open", &file))?;
         // SAFETY: a read-only mapping of a file we do not write (as `diff` maps HF folders),
         // dropped once its header is read.
         let map = unsafe { memmap2::Mmap::map(&f) }.map_err(Error::io("map", &file))?;

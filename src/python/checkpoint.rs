@@ -229,6 +229,14 @@ impl PyCheckpoint {
         .map_err(to_py)
     }
 
+    /// Checks, before the caller allocates its destination, that the region `offsets`/`sizes`
+    /// (elements) of tensor `key` lies inside its shape and is covered by saved chunks. Raises
+    /// `MissingKeyError`, `InvalidArgumentError` (outside the shape, a byte object),
+    /// `ValidationError` (not covered).
+    fn check_region(&self, key: &str, offsets: Vec<u64>, sizes: Vec<u64>) -> PyResult<()> {
+        crate::load::check_region(&self.inner, key, &offsets, &sizes).map_err(to_py)
+    }
+
     /// Loads many regions at once, straight into the caller's memory (`crate::load`).
     ///
     /// `regions`: a list of `Region`, each in the checkpoint's dtype; CUDA regions are filled

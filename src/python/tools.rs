@@ -149,8 +149,12 @@ pub(super) fn diff<'py>(
             "atol and rtol must be numbers >= 0",
         ));
     }
-    let threads = opt_positive("threads", threads)?
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(4, |n| n.get().min(8)));
+    let threads = crate::workers::count(
+        "threads",
+        opt_positive("threads", threads)?,
+        crate::diff::default_threads(),
+    )
+    .map_err(to_py)?;
     let opts = crate::diff::DiffOptions {
         atol,
         rtol,

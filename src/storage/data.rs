@@ -6,14 +6,14 @@
 //! diff use these and never ask which backend they are on.
 
 use std::fs::File;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 
-use super::local::DataFile;
+use super::local::{open_regular, DataFile};
 use super::remote::{Remote, Upload};
 use super::Location;
 use crate::error::{Error, Result};
@@ -79,18 +79,12 @@ impl Location {
                         "{rel:?} resolves outside the checkpoint directory"
                     )));
                 }
-                // O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer
-                // forever; the flag changes nothing for a regular file's reads.
-                let file = std::fs::OpenOptions::new()
-                    .read(true)
-                    .custom_flags(libc::O_NONBLOCK)
-                    .open(&real)
-                    .map_err(Error::io("open", &path))?;
-                let meta = file.metadata().map_err(Error::io("stat", &path))?;
-                if !meta.is_file() {
-                    return Err(corrupt(format!("{rel:?} is not a regular file")));
-                }
-                (meta.len(), Kind::Local { file, path })
+                let file = open_regular(&real).map_err(|e| match e.kind() {
+                    std::io::ErrorKind::InvalidInput => corrupt(format!("{rel:?} is {e}")),
+                    _ => Error::io("open", &path)(e),
+                })?;
+                let len = file.metadata().map_err(Error::io("stat", &path))?.len();
+                (len, Kind::Local { file, path })
             }
             Location::Remote(r) => {
                 let len = r.size(rel)?.ok_or_else(|| Error::Io {
@@ -225,7 +219,7 @@ impl Location {
             return Ok(self.read(rel)?.map(Held::Read));
         };
         let path = dir.join(rel);
-        let file = match File::open(&path) {
+        let file = match open_regular(&path) {
             Ok(f) => f,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(Error::io("read", &path)(e)),

@@ -104,6 +104,68 @@ pub fn sweep_temp_files(dir: &Path) -> usize {
         .count()
 }
 
+/// Opens `path` for reading, only if it is a regular file (after symlinks). A FIFO, device,
+/// socket or directory given as `.metadata`, `config.json`, an index, a tokenizer file or data
+/// is refused at once: opening a FIFO for reading waits for a writer forever, and a device never
+/// ends. `O_NONBLOCK` makes the open itself return at once; it changes nothing for a regular
+/// file's reads.
+///
+/// Errors: the open's `io::Error` (kind `NotFound` for a missing file); kind `InvalidInput`,
+/// "not a regular file (...)", for anything else.
+pub fn open_regular(path: &Path) -> std::io::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)?;
+    let kind = file.metadata()?.file_type();
+    if kind.is_file() {
+        return Ok(file);
+    }
+    Err(std::io::Error::new(
+        std::io::ErrorKind::InvalidInput,
+        format!("not a regular file (a {})", file_kind(&kind)),
+    ))
+}
+
+/// What a non-regular file is, for messages.
+fn file_kind(t: &std::fs::FileType) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    if t.is_dir() {
+        "directory"
+    } else if t.is_fifo() {
+        "FIFO"
+    } else if t.is_socket() {
+        "socket"
+    } else if t.is_block_device() || t.is_char_device() {
+        "device"
+    } else {
+        "special file"
+    }
+}
+
+/// The whole regular file `path` ([`open_regular`]), its buffer reserved fallibly: a file larger
+/// than the memory that can be had (a sparse file of terabytes) is an error, not an abort.
+///
+/// Errors: [`open_regular`]'s; kind `OutOfMemory` when the buffer cannot be had; read errors.
+pub fn read_regular(path: &Path) -> std::io::Result<Vec<u8>> {
+    use std::io::Read;
+    let mut file = open_regular(path)?;
+    let len = file.metadata()?.len();
+    let mut out = Vec::new();
+    usize::try_from(len)
+        .ok()
+        .and_then(|n| out.try_reserve_exact(n).ok())
+        .ok_or_else(|| {
+            std::io::Error::new(
+                std::io::ErrorKind::OutOfMemory,
+                format!("{len} bytes do not fit in memory"),
+            )
+        })?;
+    file.read_to_end(&mut out)?;
+    Ok(out)
+}
+
 /// Creates the directory and its parents.
 pub fn create_dir_all(dir: &Path) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(Error::io("create directory", dir))

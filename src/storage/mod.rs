@@ -13,7 +13,8 @@ use std::sync::Arc;
 
 pub use data::{DataSink, DataSource, Held};
 pub use local::{
-    atomic_create, atomic_write, create_dir_all, fsync_dir, sweep_temp_files, DataFile,
+    atomic_create, atomic_write, create_dir_all, fsync_dir, open_regular, read_regular,
+    sweep_temp_files, DataFile,
 };
 pub use stream::{Mode, Staged, StreamSink};
 
@@ -217,7 +218,7 @@ impl Location {
         match self {
             Location::Local(p) => {
                 let path = p.join(rel);
-                match std::fs::read(&path) {
+                match read_regular(&path) {
                     Ok(b) => Ok(Some(b)),
                     Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
                     Err(e) => Err(Error::Io {

@@ -38,6 +38,7 @@ use crate::storage::Location;
 use crate::writer::{ByteObject, Payload, TensorChunk};
 
 pub use plan::Impl;
+pub(crate) use source::parse_untrusted;
 
 /// Options of a conversion.
 #[derive(Clone, Debug)]
@@ -102,13 +103,7 @@ impl FromHfOptions {
                 )))
             }
         };
-        let threads =
-            threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(4, |n| n.get()));
-        if threads == 0 {
-            return Err(Error::InvalidArgument(
-                "--workers must be at least 1".into(),
-            ));
-        }
+        let threads = crate::workers::count("--workers", threads, crate::workers::cpus())?;
         Ok(FromHfOptions {
             arch: None,
             dtype,
@@ -166,10 +161,40 @@ pub fn parse_max_file_size(s: &str) -> Result<u64> {
 }
 
 /// Megatron-LM's padded vocabulary: `vocab` rounded up to a multiple of `divisible_by x tp`
-/// (`megatron/training/tokenizer` `_vocab_size_with_padding`).
-pub(crate) fn padded_vocab(vocab: u64, divisible_by: u64, tp: u64) -> u64 {
-    let m = (divisible_by * tp).max(1);
-    vocab.div_ceil(m) * m
+/// (`megatron/training/tokenizer` `_vocab_size_with_padding`). The padding rows are written (each
+/// a copy of the last row), so they are bounded: at most as many as the vocabulary itself (real
+/// runs pad 128 x TP rows onto tens of thousands); more is a mistyped flag, not a model.
+///
+/// Errors: [`Error::InvalidArgument`] for a padding larger than the vocabulary (or one that
+/// overflows).
+pub(crate) fn padded_vocab(vocab: u64, divisible_by: u64, tp: u64) -> Result<u64> {
+    let padded = divisible_by
+        .checked_mul(tp)
+        .filter(|&m| m > 0)
+        .and_then(|m| vocab.div_ceil(m).checked_mul(m))
+        .filter(|&p| p - vocab <= vocab);
+    padded.ok_or_else(|| {
+        Error::InvalidArgument(match divisible_by {
+            0 => "--make-vocab-size-divisible-by 0: it must be at least 1".into(),
+            _ => format!(
+                "--make-vocab-size-divisible-by {divisible_by} x --tensor-model-parallel-size {tp} pads the vocabulary of {vocab} with more rows than it has"
+            ),
+        })
+    })
+}
+
+/// `--tensor-model-parallel-size` as Megatron accepts it: at least 1, and dividing the attention
+/// heads (megatron-core `TransformerConfig.__post_init__`: "num_attention_heads must be a
+/// multiple of tensor_model_parallel_size"), so never more than the heads.
+///
+/// Errors: [`Error::InvalidArgument`] naming both numbers.
+fn check_tensor_parallel(tp: u64, heads: u64) -> Result<()> {
+    if tp == 0 || heads % tp != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "--tensor-model-parallel-size {tp}: Megatron needs a size of at least 1 that divides num_attention_heads ({heads})"
+        )));
+    }
+    Ok(())
 }
 
 /// The entries of `dir` other than the save machinery's own (`.shardwise`) and data files no
@@ -269,11 +294,13 @@ pub fn from_hf(
             hf_dir.display()
         ))
     })?;
+    d.check_held(src.tensors.len() as u64, "the HF folder")?;
+    check_tensor_parallel(opts.tensor_model_parallel_size, d.heads)?;
     let padded = padded_vocab(
         vocab,
         opts.make_vocab_size_divisible_by,
         opts.tensor_model_parallel_size,
-    );
+    )?;
     let shapes: plan::HfShapes = src
         .tensors
         .iter()
@@ -551,10 +578,14 @@ mod tests {
 
     #[test]
     fn vocab_padding_and_tracker_names() {
-        assert_eq!(padded_vocab(250, 128, 1), 256);
-        assert_eq!(padded_vocab(250, 128, 2), 256);
-        assert_eq!(padded_vocab(257, 128, 2), 512);
-        assert_eq!(padded_vocab(151936, 128, 8), 152576);
+        assert_eq!(padded_vocab(250, 128, 1).unwrap(), 256);
+        assert_eq!(padded_vocab(250, 128, 2).unwrap(), 256);
+        assert_eq!(padded_vocab(257, 128, 2).unwrap(), 512);
+        assert_eq!(padded_vocab(151936, 128, 8).unwrap(), 152576);
+        // Zero, overflow and a padding larger than the vocabulary are refused.
+        for (d, tp) in [(0, 1), (128, 0), (1 << 40, 1 << 30), (128, 4)] {
+            assert!(padded_vocab(250, d, tp).is_err(), "{d} x {tp}");
+        }
         assert_eq!(tracker_entry(0), ("release".into(), "release".into()));
         assert_eq!(tracker_entry(42), ("42".into(), "iter_0000042".into()));
     }

@@ -104,16 +104,24 @@ fn check_file_name(dir: &Path, name: &str) -> Result<()> {
 
 /// The header of safetensors file `path`: every tensor's dtype, shape and byte span.
 fn read_header(path: &Path, file: &File, index: usize) -> Result<BTreeMap<String, Stored>> {
-    let corrupt = |reason: String| Error::Corrupt {
-        path: path.to_path_buf(),
-        reason,
-    };
     // Mapped, not read: only the header's pages are touched, and the crate checks the header's
     // offsets against the file's length.
     // SAFETY: read-only map of a file we do not write; a concurrent writer would be a misuse the
     // crate's own readers share.
     let map = unsafe { memmap2::Mmap::map(file) }.map_err(Error::io("map", path))?;
-    let (n, meta) = safetensors::SafeTensors::read_metadata(&map[..])
+    parse_header(path, &map, index)
+}
+
+/// [`read_header`] of the bytes of safetensors file `path` (the whole file: the crate checks the
+/// header's offsets against its length). Untrusted input: fuzzed ([`crate::fuzzing`]).
+///
+/// Errors: [`Error::Corrupt`] for a malformed header; [`Error::UnsupportedDtype`].
+fn parse_header(path: &Path, bytes: &[u8], index: usize) -> Result<BTreeMap<String, Stored>> {
+    let corrupt = |reason: String| Error::Corrupt {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let (n, meta) = safetensors::SafeTensors::read_metadata(bytes)
         .map_err(|e| corrupt(format!("not a safetensors file: {e}")))?;
     let data_start = 8 + n as u64;
     let mut out = BTreeMap::new();
@@ -172,7 +180,7 @@ impl HfSource {
     /// [`Error::Corrupt`] for a damaged header; [`Error::Io`].
     pub(crate) fn open(dir: &Path) -> Result<HfSource> {
         let cfg_path = dir.join("config.json");
-        let config_bytes = std::fs::read(&cfg_path).map_err(|e| {
+        let config_bytes = crate::storage::read_regular(&cfg_path).map_err(|e| {
             Error::InvalidArgument(format!(
                 "{}: cannot read the HF config ({e}); from-hf needs the folder of a Hugging Face model (config.json and safetensors files)",
                 cfg_path.display()
@@ -187,7 +195,7 @@ impl HfSource {
         let mut stored: BTreeMap<String, Stored> = BTreeMap::new();
         for (i, f) in files.iter().enumerate() {
             let path = dir.join(f);
-            let file = File::open(&path).map_err(Error::io("open", &path))?;
+            let file = crate::storage::open_regular(&path).map_err(Error::io("open", &path))?;
             for (name, t) in read_header(&path, &file, i)? {
                 if let Some(prev) = stored.get(&name) {
                     return Err(Error::Validation(format!(
@@ -397,16 +405,24 @@ fn weight_files(dir: &Path) -> Result<Vec<String>> {
 /// The index's `weight_map` (tensor name -> file name), None without an index.
 fn index_map(dir: &Path) -> Result<Option<BTreeMap<String, String>>> {
     let path = dir.join(INDEX);
-    let bytes = match std::fs::read(&path) {
+    let bytes = match crate::storage::read_regular(&path) {
         Ok(b) => b,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(Error::io("read", &path)(e)),
     };
+    parse_index(&path, &bytes).map(Some)
+}
+
+/// The `weight_map` of index file `path` from its bytes. Untrusted input: fuzzed
+/// ([`crate::fuzzing`]).
+///
+/// Errors: [`Error::Corrupt`] for JSON without a `weight_map` of file names.
+pub(crate) fn parse_index(path: &Path, bytes: &[u8]) -> Result<BTreeMap<String, String>> {
     let bad = |r: &str| Error::Corrupt {
-        path: path.clone(),
+        path: path.to_path_buf(),
         reason: r.to_string(),
     };
-    let v: Json = serde_json::from_slice(&bytes).map_err(|e| bad(&format!("not JSON: {e}")))?;
+    let v: Json = serde_json::from_slice(bytes).map_err(|e| bad(&format!("not JSON: {e}")))?;
     let map = v
         .get("weight_map")
         .and_then(|m| m.as_object())
@@ -418,7 +434,18 @@ fn index_map(dir: &Path) -> Result<Option<BTreeMap<String, String>>> {
             .ok_or_else(|| bad(&format!("weight_map[{k}] is not a file name")))?;
         out.insert(k.clone(), f.to_string());
     }
-    Ok(Some(out))
+    Ok(out)
+}
+
+/// [`parse_header`] (of a whole file's bytes) and [`parse_index`] of untrusted bytes, results
+/// dropped: the entry point of [`crate::fuzzing`].
+pub(crate) fn parse_untrusted(header: Option<&[u8]>, index: Option<&[u8]>) {
+    if let Some(b) = header {
+        let _ = parse_header(Path::new("fuzz.safetensors"), b, 0);
+    }
+    if let Some(b) = index {
+        let _ = parse_index(Path::new("fuzz.index.json"), b);
+    }
 }
 
 /// Pairs stored tensors into logical ones (see the module docs).
