@@ -184,7 +184,7 @@ def test_output_folder_is_refused_unless_overwrite_which_leaves_nothing_stale(sa
     # Never into the checkpoint, even with --overwrite, nor into a folder inside it (new or not).
     before = sorted(os.listdir(ck))
     for inside, overwrite in ((ck, True), (os.path.join(ck, "hf", "sub"), False), (ck + "/.shardwise", True)):
-        with pytest.raises(shardwise.InvalidArgumentError, match="inside the checkpoint directory"):
+        with pytest.raises(shardwise.InvalidArgumentError, match="(is|is inside) the checkpoint directory"):
             shardwise.to_hf(ck, inside, hf_config=cfg, overwrite=overwrite)
     assert sorted(os.listdir(ck)) == before
     out = tmp_path / "hf"

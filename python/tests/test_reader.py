@@ -68,7 +68,7 @@ def test_reader_objects_and_errors(ckpt):
     assert raw[:2] == b"PK" and torch.load(__import__("io").BytesIO(raw), weights_only=False) == [{"lr": 0.5}]
     with pytest.raises(IndexError):
         r.read("w", (8,))
-    with pytest.raises(shardwise.InvalidArgumentError):
+    with pytest.raises(shardwise.MissingKeyError, match='no key "nope"'):
         r.read("nope")
     with pytest.raises(shardwise.ShardwiseError):
         shardwise.open(ckpt / "missing")
