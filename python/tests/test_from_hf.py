@@ -405,6 +405,30 @@ def test_a_non_empty_output_folder_is_refused(tmp_path):
     assert shardwise.from_hf(str(hf), str(ckpt), transformer_impl="local", overwrite=True)["committed"]
 
 
+@pytest.mark.parametrize("family,mtp_names", [
+    # DeepSeek-V3's release layout: the MTP layer is layer num_hidden_layers (3 here).
+    ("deepseek_v3", {"model.layers.3.enorm.weight": "model.layers.2.input_layernorm.weight",
+                     "model.layers.3.hnorm.weight": "model.layers.2.input_layernorm.weight",
+                     "model.layers.3.self_attn.o_proj.weight": "model.layers.2.self_attn.o_proj.weight"}),
+    # Qwen3.5's: one `mtp.` module.
+    ("qwen3_5_moe", {"mtp.fc.weight": "model.layers.0.mlp.gate.weight",
+                     "mtp.layers.0.input_layernorm.weight": "model.layers.0.input_layernorm.weight"}),
+])
+def test_a_folder_with_mtp_layers_is_never_converted_without_them(converted, tmp_path, family, mtp_names):
+    """from-hf does not convert MTP layers yet: a folder holding them is refused, naming them, even
+    with --allow-unmapped (which would leave a checkpoint that silently lost them); nothing is written."""
+    base, _ = converted
+    hf = base / family / "hf"
+    tensors = _hf_tensors(hf)
+    tensors.update({k: tensors[v].clone() for k, v in mtp_names.items()})
+    folder = _folder(tmp_path / "mtp", json.loads((hf / "config.json").read_text()), tensors)
+    ckpt = tmp_path / "ckpt"
+    first = sorted(mtp_names)[0]
+    with pytest.raises(shardwise.ValidationError, match=rf"holds {len(mtp_names)} tensors of MTP layers \({first}.*does not convert yet"):
+        _from_hf(family, folder, ckpt, allow_unmapped=True)
+    assert not ckpt.exists() or not any(ckpt.iterdir())
+
+
 # --- parallel and split conversions ------------------------------------------------------------------
 
 
