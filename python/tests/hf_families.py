@@ -568,6 +568,23 @@ def random_hf_model(cfg, out_dir: str):
         return model(TOKENS).logits[0].clone()
 
 
+# Config fields that no Megatron args hold (token ids) or that transformers uses only to initialise
+# or train a model (initialisation, dropout, auxiliary loss, cache), and the config class's own
+# bookkeeping: a config.json built from the args keeps transformers' defaults for them.
+NOT_FROM_ARGS = {"self", "kwargs", "transformers_version", "architectures", "dtype", "output_hidden_states",
+                 "return_dict", "chunk_size_feed_forward", "is_encoder_decoder", "id2label", "label2id",
+                 "problem_type", "initializer_range", "use_cache", "output_router_logits", "router_aux_loss_coef",
+                 "router_jitter_noise", "attention_dropout", "bos_token_id", "eos_token_id", "pad_token_id"}
+
+
+def model_fields(config) -> set:
+    """The fields of ``config``'s class that the model reads: its constructor's parameters (transformers
+    5 configs are dataclasses), less ``NOT_FROM_ARGS``."""
+    import inspect
+
+    return set(inspect.signature(type(config).__init__).parameters) - NOT_FROM_ARGS
+
+
 def checkpoint_key_mismatch(model, ckpt_dir: str) -> tuple[list, list]:
     """What megatron-core's ``strict=raise_all`` compares, over all ranks: the keys of the
     checkpoint no rank asks for, and the keys some rank asks for that the checkpoint lacks

@@ -114,6 +114,120 @@ def test_to_hf_of_the_result_gives_the_input_back_bitwise(converted, family, tmp
         assert got[k].dtype == t.dtype and got[k].shape == t.shape and torch.equal(_bits(got[k]), _bits(t)), k
 
 
+# The MTP layer count: transformers' models build no MTP layers, so these folders hold none and the
+# checkpoint none (the config.json written from the args says so, 0); MTP folders are tested below.
+MTP_FIELDS = ("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_layers")
+
+
+def _effective(config, field):
+    """``config``'s value of ``field`` as its model reads it: ``head_dim`` None is
+    ``hidden_size // num_attention_heads`` (transformers' qwen2 attention), ``indexer_types`` None is
+    every layer ``full`` (transformers' deepseek_v32 runs every layer's indexer)."""
+    v = getattr(config, field, None)
+    if v is None and field == "head_dim":
+        return config.hidden_size // config.num_attention_heads
+    if v is None and field == "indexer_types":
+        return ["full"] * config.num_hidden_layers
+    return v
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_to_hf_arch_of_the_result_writes_the_original_config(converted, family, tmp_path):
+    """Without --hf-config, a config.json built from the args from-hf stored equals the original on
+    every field the model reads (router top-k and normalisation, RoPE base, grouped routing, ...)."""
+    import transformers
+
+    base, _ = converted
+    hf_dir = base / family / "hf"
+    want = transformers.AutoConfig.from_pretrained(str(hf_dir))
+    out = tmp_path / "back"
+    summary = shardwise.to_hf(str(base / family / "ckpt"), str(out), arch=want.model_type)
+    assert summary["config_written"], summary
+    written = transformers.AutoConfig.from_pretrained(str(out))
+    assert type(written) is type(want)
+    fields = hf_families.model_fields(want) - set(MTP_FIELDS)
+    assert len(fields) >= 10, fields
+    diff = {f: (_effective(written, f), _effective(want, f)) for f in sorted(fields)
+            if _effective(written, f) != _effective(want, f)}
+    assert not diff, diff
+    assert not any(getattr(written, f, None) for f in MTP_FIELDS)
+
+
+def _args_without(ckpt: Path, out: Path, field: str) -> Path:
+    """A copy of the checkpoint ``ckpt`` whose stored args lack ``field``."""
+    import argparse
+    import shutil
+
+    shutil.copytree(ckpt, out)
+    common = torch.load(out / "common.pt", weights_only=False)  # written by from-hf in this test run
+    assert isinstance(common["args"], argparse.Namespace) and hasattr(common["args"], field)
+    delattr(common["args"], field)
+    torch.save(common, out / "common.pt")
+    return out
+
+
+@pytest.mark.parametrize("field,config_field", [("rotary_base", "rope_theta"),
+                                                ("moe_router_topk", "num_experts_per_tok")])
+def test_to_hf_arch_refuses_args_that_do_not_say_a_config_field(converted, tmp_path, field, config_field):
+    """A config built from args without the field would hold transformers' default (another model):
+    to-hf --arch refuses, naming the args field and the config field, and writes nothing."""
+    base, _ = converted
+    ckpt = _args_without(base / "qwen3_moe" / "ckpt", tmp_path / "ckpt", field)
+    out = tmp_path / "out"
+    with pytest.raises(shardwise.InvalidArgumentError, match=rf"args do not say {field} \({config_field}\).*pass --hf-config"):
+        shardwise.to_hf(str(ckpt), str(out), arch="qwen3_moe")
+    assert not out.exists() or not any(out.iterdir())
+    # With the config given, nothing is taken from the args' missing field.
+    s = shardwise.to_hf(str(ckpt), str(out), hf_config=str(base / "qwen3_moe" / "hf" / "config.json"))
+    assert s["args_check"] == "passed", s
+
+
+# Every field Megatron-LM's ``load_args_from_checkpoint`` copies from a checkpoint's args
+# (megatron/training/checkpointing.py at core_r0.19.0, f8837c04: its ``_set_arg`` calls, in order; the
+# tokenizer's two only with --use-tokenizer-model-from-checkpoint-args, the parallel sizes only with
+# --use-mp-args-from-checkpoint-args). megatron-core on PyPI ships no megatron/training to import.
+LOAD_ARGS_FIELDS = (
+    "num_layers", "hidden_size", "ffn_hidden_size", "seq_length", "num_attention_heads", "num_query_groups",
+    "group_query_attention", "kv_channels", "max_position_embeddings", "position_embedding_type",
+    "add_position_embedding", "use_rotary_position_embeddings", "rotary_base", "rotary_percent",
+    "rotary_interleaved", "add_bias_linear", "add_qkv_bias", "squared_relu", "swiglu",
+    "untie_embeddings_and_output_weights", "apply_layernorm_1p", "normalization", "apply_query_key_layer_scaling",
+    "attention_dropout", "hidden_dropout", "mtp_hybrid_override_pattern", "mtp_num_layers", "mtp_use_repeated_layer",
+    "spec", "num_experts", "moe_layer_freq", "moe_ffn_hidden_size", "moe_router_topk", "moe_token_dispatcher_type",
+    "moe_router_pre_softmax", "moe_grouped_gemm", "moe_single_grouped_weight", "moe_single_grouped_bias",
+    "moe_shared_expert_intermediate_size", "moe_router_score_function", "moe_router_enable_expert_bias",
+    "moe_router_topk_scaling_factor", "mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads",
+    "hybrid_layer_pattern", "heterogeneous_layers_config_path", "heterogeneous_layers_config_encoded_json",
+    "moe_latent_size", "tokenizer_model", "tokenizer_type", "tiktoken_pattern", "padded_vocab_size", "ckpt_format",
+    "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+    "num_layers_per_virtual_pipeline_stage", "expert_model_parallel_size",
+)
+
+
+def test_args_hold_every_field_megatron_lm_loads(converted):
+    """Every family's args hold each field ``load_args_from_checkpoint`` copies, and an MoE model's
+    router as its HF config says (top-k, scoring, renormalisation, expert bias, grouped routing)."""
+    from megatron.core.dist_checkpointing import load_common_state_dict
+
+    base, _ = converted
+    for family in FAMILIES:
+        args = load_common_state_dict(str(base / family / "ckpt"))["args"]
+        missing = [f for f in LOAD_ARGS_FIELDS if not hasattr(args, f)]
+        assert not missing, (family, missing)
+        cfg = json.loads((base / family / "hf" / "config.json").read_text())
+        cfg = {**cfg, **cfg.get("rope_parameters", {})}
+        assert args.rotary_base == cfg["rope_theta"] and args.rotary_percent == cfg.get("partial_rotary_factor", 1.0)
+        if not args.num_experts:
+            continue
+        sigmoid = "deepseek" in family or "glm" in family or family == "minimax_m2"
+        assert args.moe_router_topk == cfg["num_experts_per_tok"], family
+        assert args.moe_router_score_function == ("sigmoid" if sigmoid else "softmax"), family
+        assert args.moe_router_enable_expert_bias == sigmoid, family
+        assert args.moe_router_pre_softmax == (not sigmoid and not cfg.get("norm_topk_prob", True)), family
+        assert args.moe_router_topk_scaling_factor == cfg.get("routed_scaling_factor"), family
+        assert getattr(args, "moe_router_num_groups", None) == cfg.get("n_group"), family
+
+
 def test_common_state_is_megatrons(converted):
     """common.pt loads with megatron-core's own loader (weights_only, its safe globals): args with the
     model fields, checkpoint_version 3.0, the iteration."""
@@ -289,6 +403,30 @@ def test_a_non_empty_output_folder_is_refused(tmp_path):
     with pytest.raises(shardwise.InvalidArgumentError, match="not empty"):
         shardwise.from_hf(str(hf), str(ckpt), transformer_impl="local")
     assert shardwise.from_hf(str(hf), str(ckpt), transformer_impl="local", overwrite=True)["committed"]
+
+
+@pytest.mark.parametrize("family,mtp_names", [
+    # DeepSeek-V3's release layout: the MTP layer is layer num_hidden_layers (3 here).
+    ("deepseek_v3", {"model.layers.3.enorm.weight": "model.layers.2.input_layernorm.weight",
+                     "model.layers.3.hnorm.weight": "model.layers.2.input_layernorm.weight",
+                     "model.layers.3.self_attn.o_proj.weight": "model.layers.2.self_attn.o_proj.weight"}),
+    # Qwen3.5's: one `mtp.` module.
+    ("qwen3_5_moe", {"mtp.fc.weight": "model.layers.0.mlp.gate.weight",
+                     "mtp.layers.0.input_layernorm.weight": "model.layers.0.input_layernorm.weight"}),
+])
+def test_a_folder_with_mtp_layers_is_never_converted_without_them(converted, tmp_path, family, mtp_names):
+    """from-hf does not convert MTP layers yet: a folder holding them is refused, naming them, even
+    with --allow-unmapped (which would leave a checkpoint that silently lost them); nothing is written."""
+    base, _ = converted
+    hf = base / family / "hf"
+    tensors = _hf_tensors(hf)
+    tensors.update({k: tensors[v].clone() for k, v in mtp_names.items()})
+    folder = _folder(tmp_path / "mtp", json.loads((hf / "config.json").read_text()), tensors)
+    ckpt = tmp_path / "ckpt"
+    first = sorted(mtp_names)[0]
+    with pytest.raises(shardwise.ValidationError, match=rf"holds {len(mtp_names)} tensors of MTP layers \({first}.*does not convert yet"):
+        _from_hf(family, folder, ckpt, allow_unmapped=True)
+    assert not ckpt.exists() or not any(ckpt.iterdir())
 
 
 # --- parallel and split conversions ------------------------------------------------------------------

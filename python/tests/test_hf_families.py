@@ -338,23 +338,6 @@ def test_args_flags_the_architecture_implies_are_checked(saved, tmp_path):
         assert flag in str(e.value)
 
 
-# Config fields that no Megatron args hold (token ids) or that transformers uses only to initialise
-# or train a model (initialisation, dropout, auxiliary loss, cache), and the config class's own
-# bookkeeping: a config.json built from the args keeps transformers' defaults for them.
-NOT_FROM_ARGS = {"self", "kwargs", "transformers_version", "architectures", "dtype", "output_hidden_states",
-                 "return_dict", "chunk_size_feed_forward", "is_encoder_decoder", "id2label", "label2id",
-                 "problem_type", "initializer_range", "use_cache", "output_router_logits", "router_aux_loss_coef",
-                 "router_jitter_noise", "attention_dropout", "bos_token_id", "eos_token_id", "pad_token_id"}
-
-
-def _model_fields(config) -> set:
-    """The fields of ``config``'s class that the model reads: its constructor's parameters (transformers
-    5 configs are dataclasses), less ``NOT_FROM_ARGS``."""
-    import inspect
-
-    return set(inspect.signature(type(config).__init__).parameters) - NOT_FROM_ARGS
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_args_alone_give_a_self_contained_folder(saved, tmp_path, family):
     """Without config.json, the sizes and the layer patterns (GDN, MoE, DSA indexer, hybrid numbering)
@@ -380,7 +363,7 @@ def test_args_alone_give_a_self_contained_folder(saved, tmp_path, family):
     written = transformers.AutoConfig.from_pretrained(str(out))
     want = transformers.AutoConfig.from_pretrained(str(given.parent))
     assert type(written) is type(want)
-    fields = _model_fields(want)
+    fields = hf_families.model_fields(want)
     assert len(fields) >= 10, fields
     diff = {f: (getattr(written, f, None), getattr(want, f, None)) for f in sorted(fields)
             if getattr(written, f, None) != getattr(want, f, None)}

@@ -164,6 +164,21 @@ impl Dims {
                 }
             }
         }
+        // Megatron's RoPE scaling (`--use-rope-scaling`, llama3's; `--rope-type yarn`), as the
+        // config's rope type: a config built from the args describes plain RoPE only, so
+        // `config_from_args` refuses it rather than drop the scaling.
+        let scaling = match args.raw("rope_type").and_then(|v| v.as_str()) {
+            Some("yarn") => Some("yarn (args.rope_type)"),
+            _ if args.flag("use_rope_scaling") == Some(true) => {
+                Some("llama3 (args.use_rope_scaling)")
+            }
+            _ => None,
+        };
+        if let Some(t) = scaling {
+            let mut rope = Map::new();
+            rope.insert("rope_type".into(), t.into());
+            cfg.insert("rope_parameters".into(), rope.into());
+        }
         let need = ["num_hidden_layers", "hidden_size", "num_attention_heads"];
         if let Some(missing) = need.iter().find(|k| !cfg.contains_key(**k)) {
             let arg = spec
@@ -667,7 +682,27 @@ const ROPE_FIELDS: &[&str] = &["rope_theta", "partial_rotary_factor"];
 /// `architectures` of the text model, and `dtype`, the weights' dtype as `save_pretrained`
 /// writes it. Fields the args do not hold (token ids, `hidden_act`: SwiGLU's `silu` is every
 /// family's default) keep transformers' defaults. Keys sorted, as transformers writes them.
-pub(crate) fn config_from_args(d: &Dims, rows: Option<u64>, dtype: DType) -> Vec<u8> {
+///
+/// Errors: [`Error::InvalidArgument`] naming every args field (and its config field) that a row
+/// needs and the args do not say (absent or None): a config.json would otherwise hold
+/// transformers' default for it, another model than the checkpoint's ([`unsaid`]).
+pub(crate) fn config_from_args(d: &Dims, rows: Option<u64>, dtype: DType) -> Result<Vec<u8>> {
+    let rope_type = d
+        .cfg
+        .get("rope_parameters")
+        .and_then(|r| r.get("rope_type")?.as_str());
+    if let Some(t) = rope_type.filter(|t| *t != "default") {
+        return Err(Error::InvalidArgument(format!(
+            "the checkpoint's args say RoPE scaling {t}, which a config.json built from the args does not describe (only plain RoPE); pass --hf-config (the model's config.json)"
+        )));
+    }
+    let unsaid = unsaid(d);
+    if !unsaid.is_empty() {
+        return Err(Error::InvalidArgument(format!(
+            "the checkpoint's args do not say {}: a config.json built from them would hold transformers' defaults instead; pass --hf-config (the model's config.json)",
+            unsaid.join(", ")
+        )));
+    }
     let spec = d.spec;
     let mut out = Map::new();
     for (k, v) in &d.cfg {
@@ -714,7 +749,43 @@ pub(crate) fn config_from_args(d: &Dims, rows: Option<u64>, dtype: DType) -> Vec
     out.insert("dtype".into(), dtype.torch_name().into());
     let mut bytes = serde_json::to_vec_pretty(&Json::Object(out)).expect("serializable");
     bytes.push(b'\n');
-    bytes
+    Ok(bytes)
+}
+
+/// The rows of a config built from the args ([`Dims::from_args`]) whose config field the args did
+/// not give, as `args field (config field)`: a value row (sizes the mapping uses, numbers, the
+/// tie, the router's top-k, scoring, groups and shared experts of a model with experts, the GDN
+/// layer pattern, the attention window) absent from `d.cfg`. Not listed: rows whose absence means
+/// the same on both sides (Megatron's and transformers' defaults agree: glm4_moe's boolean flags,
+/// the layer patterns, the DSA schedule), sizes no required rule of this model uses (an optional
+/// tensor's size is checked against the tensor), and the vocabulary
+/// (the embedding's rows stand in for it, see [`Rel::Vocab`]).
+fn unsaid(d: &Dims) -> Vec<String> {
+    let moe = d.num_experts > 0;
+    d.spec
+        .checks()
+        .filter(|c| match c.rel {
+            Rel::Eq => d.required_field(c.hf),
+            Rel::Float | Rel::Not | Rel::AttnLayers | Rel::SlidingWindow => true,
+            Rel::Derived => moe || !c.args.starts_with("moe_"),
+            Rel::TopkNorm | Rel::SharedExperts => moe,
+            _ => false,
+        })
+        .filter(|c| {
+            let key = match c.rel {
+                Rel::AttnLayers | Rel::SlidingWindow => "layer_types",
+                _ => c.hf,
+            };
+            // A product row (`n_shared_experts*moe_intermediate_size`) is said by its factors'
+            // rows (`n_shared_experts` is the SharedExperts one).
+            !key.contains('*') && !d.cfg.contains_key(key)
+        })
+        .map(|c| match c.rel {
+            Rel::TopkNorm => format!("{} / moe_router_pre_softmax ({})", c.args, c.hf),
+            Rel::AttnLayers => format!("{} (layer_types)", c.args),
+            _ => format!("{} ({})", c.args, c.hf),
+        })
+        .collect()
 }
 
 /// The outcome of checking the config against the args.
@@ -1261,6 +1332,21 @@ mod tests {
     #[test]
     fn a_config_built_from_the_args_uses_transformers_names() {
         let mut a = args();
+        // Args that do not say the router's top-k, its scoring, the RoPE base and the context
+        // length: refused, each named, rather than a config with transformers' defaults.
+        let d = Dims::from_args(&a, Some("qwen3_moe")).unwrap();
+        let e = config_from_args(&d, Some(256), DType::BF16)
+            .unwrap_err()
+            .to_string();
+        for field in [
+            "max_position_embeddings (max_position_embeddings)",
+            "rotary_base (rope_theta)",
+            "moe_router_topk (num_experts_per_tok)",
+            "moe_router_score_function / moe_router_pre_softmax (norm_topk_prob)",
+        ] {
+            assert!(e.contains(field), "{field}: {e}");
+        }
+        assert!(e.contains("pass --hf-config"), "{e}");
         for (k, v) in [
             ("max_position_embeddings", json!(4096)),
             ("moe_router_topk", json!(2)),
@@ -1272,7 +1358,7 @@ mod tests {
         }
         let d = Dims::from_args(&a, Some("qwen3_moe")).unwrap();
         let cfg: Json =
-            serde_json::from_slice(&config_from_args(&d, Some(256), DType::BF16)).unwrap();
+            serde_json::from_slice(&config_from_args(&d, Some(256), DType::BF16).unwrap()).unwrap();
         assert_eq!(
             cfg,
             json!({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
@@ -1286,13 +1372,19 @@ mod tests {
         // deepseek_v3's names: the expert count, the shared experts, an MTP field saying 0.
         let Json::Object(m) = json!({"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
             "num_experts": 8, "moe_ffn_hidden_size": 16, "moe_shared_expert_intermediate_size": 32,
-            "moe_router_score_function": "sigmoid", "moe_layer_freq": [0, 1]})
+            "moe_router_score_function": "sigmoid", "moe_layer_freq": [0, 1],
+            "ffn_hidden_size": 96, "q_lora_rank": 24, "kv_lora_rank": 16, "qk_head_dim": 16,
+            "qk_pos_emb_head_dim": 8, "v_head_dim": 12, "untie_embeddings_and_output_weights": true,
+            "norm_epsilon": 1e-6, "rotary_percent": 1.0, "rotary_base": 10000,
+            "max_position_embeddings": 64, "moe_router_topk": 4, "moe_router_num_groups": 4,
+            "moe_router_group_topk": 2, "moe_router_topk_scaling_factor": 2.5})
         else {
             unreachable!()
         };
-        let d = Dims::from_args(&Args(m), Some("deepseek_v3")).unwrap();
+        let mut a = Args(m);
+        let d = Dims::from_args(&a, Some("deepseek_v3")).unwrap();
         let cfg: Json =
-            serde_json::from_slice(&config_from_args(&d, Some(256), DType::F32)).unwrap();
+            serde_json::from_slice(&config_from_args(&d, Some(256), DType::F32).unwrap()).unwrap();
         assert_eq!(
             (
                 &cfg["n_routed_experts"],
@@ -1315,6 +1407,31 @@ mod tests {
         );
         assert!(cfg.get("num_experts").is_none() && cfg.get("head_dim").is_none());
         assert!(!cfg.as_object().unwrap().keys().any(|k| k.contains('*')));
+        // RoPE scaling the config built from the args cannot describe: refused.
+        let mut y = Args(a.0.clone());
+        y.0.insert("rope_type".into(), json!("yarn"));
+        let e = config_from_args(
+            &Dims::from_args(&y, Some("deepseek_v3")).unwrap(),
+            None,
+            DType::F32,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("args say RoPE scaling yarn (args.rope_type)"),
+            "{e}"
+        );
+        // None is Megatron's "not set": the grouped router's scaling then is not said either.
+        a.0.insert("moe_router_topk_scaling_factor".into(), json!(null));
+        a.0.remove("moe_shared_expert_intermediate_size");
+        let d = Dims::from_args(&a, Some("deepseek_v3")).unwrap();
+        let e = config_from_args(&d, Some(256), DType::F32)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("moe_router_topk_scaling_factor (routed_scaling_factor), moe_shared_expert_intermediate_size (n_shared_experts)"),
+            "{e}"
+        );
     }
 
     #[test]

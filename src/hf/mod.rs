@@ -263,7 +263,9 @@ pub fn to_hf(
     let written = written_dtype(&tensors, opts.dtype);
     let config = match (config, from_args) {
         (Some(c), _) => Some(c),
-        (None, true) => written.map(|t| config::config_from_args(&d, rows, t)),
+        (None, true) => written
+            .map(|t| config::config_from_args(&d, rows, t))
+            .transpose()?,
         (None, false) => None,
     };
     let config = match (config, written) {

@@ -625,6 +625,17 @@ impl Dims {
     /// when some layer is dense). A check row of an unused field is not checked (a MoE model's
     /// args may hold any dense `ffn_hidden_size`).
     pub fn uses(&self, k: &str) -> bool {
+        self.used_by(k, true)
+    }
+
+    /// Whether a rule that the config requires ([`When::Optional`] ones left out) uses field `k`
+    /// (see [`Dims::uses`]): a field whose absence would leave transformers' default shaping a
+    /// tensor the model has (Qwen MoE's optional shared expert's size is not one).
+    pub fn required_field(&self, k: &str) -> bool {
+        self.used_by(k, false)
+    }
+
+    fn used_by(&self, k: &str, optional: bool) -> bool {
         let (moe, dense) = (
             self.moe_layers.iter().any(|&m| m),
             self.moe_layers.iter().any(|&m| !m),
@@ -632,6 +643,7 @@ impl Dims {
         let applies = |r: &Rule| match r.when {
             When::MoeLayer => moe,
             When::DenseLayer => dense,
+            When::Optional => optional,
             _ => true,
         };
         k == "num_hidden_layers"

@@ -8,7 +8,9 @@
 //!
 //! `args` holds the model fields: each row of the architecture's check table written back from
 //! the config (the inverse of [`super::super::config`]'s reading of stored args, so `to-hf`
-//! checks the config against them), Megatron's vocabulary padding (`padded_vocab_size`,
+//! checks the config against them, and `to-hf --arch` builds the same config from them: the
+//! router's top-k, scoring and groups, the RoPE base, the context length), every other field
+//! Megatron-LM's `load_args_from_checkpoint` copies ([`fixed_args`]), Megatron's vocabulary padding (`padded_vocab_size`,
 //! `make_vocab_size_divisible_by`, `tensor_model_parallel_size`), the layout flags
 //! (`transformer_impl`, `moe_grouped_gemm`) and what the tensors show (`add_qkv_bias`,
 //! `qk_layernorm`, `multi_latent_attention`). `no_save_optim` and `no_save_rng` say that there is
@@ -18,7 +20,7 @@
 
 use std::collections::BTreeMap;
 
-use super::super::spec::{Dims, LayerPattern, Rel};
+use super::super::spec::{Dims, LayerPattern, Rel, When};
 use crate::error::{Error, Result};
 use crate::format::pickle::Pickler;
 use crate::format::zip::object_archive;
@@ -133,15 +135,11 @@ pub(crate) fn megatron_args(d: &Dims, lay: &Layout) -> Result<BTreeMap<String, A
                     a.insert("vocab_size".into(), int(v));
                 }
             }
-            Rel::Float => {
-                if let Some(v) = d.float(c.hf) {
-                    // Megatron-LM's --rotary-base is an int.
-                    let arg = if c.args == "rotary_base" && v.fract() == 0.0 {
-                        Arg::Int(v as i64)
-                    } else {
-                        Arg::Float(v)
-                    };
-                    a.insert(c.args.into(), arg);
+            // As the config states it (an integer stays one: DSA's `index_topk` is Megatron's int
+            // `--dsa-indexer-topk`); a config built from the args copies it back as stored.
+            Rel::Float | Rel::Derived => {
+                if let Some(v) = number(d, c.hf, c.args) {
+                    a.insert(c.args.into(), v);
                 }
             }
             Rel::ArgsTrue | Rel::ArgsFalse => {
@@ -160,9 +158,10 @@ pub(crate) fn megatron_args(d: &Dims, lay: &Layout) -> Result<BTreeMap<String, A
             }
             // A warning of to-hf only; norm_epsilon itself is the Float row's.
             Rel::MlaNormEps => {}
-            // The fields a config built from to-hf's args takes (context length, router
-            // settings): no tensor depends on them, and from-hf's args describe the tensors.
-            Rel::Derived | Rel::TopkNorm | Rel::SharedExperts => {}
+            // The router's scoring: [`router`], written for every MoE family below.
+            Rel::TopkNorm => {}
+            // The shared experts' size is the Eq row of `moe_shared_expert_intermediate_size`.
+            Rel::SharedExperts => {}
             Rel::MoeLayers => {
                 if d.num_experts > 0 {
                     let all = d.moe_layers.iter().all(|&m| m);
@@ -254,13 +253,205 @@ pub(crate) fn megatron_args(d: &Dims, lay: &Layout) -> Result<BTreeMap<String, A
     ] {
         a.entry(k.into()).or_insert(v);
     }
-    if let Some(eps) = d.float("rms_norm_eps") {
-        a.insert("norm_epsilon".into(), Arg::Float(eps));
+    if d.num_experts > 0 {
+        a.extend(router(d)?);
+    } else {
+        // What a dense run stores: Megatron's defaults (TransformerConfig, core_r0.19.0), unused
+        // without experts. Never for an MoE model, whose top-k must come from its config.
+        for (k, v) in [
+            ("moe_layer_freq", Arg::Int(1)),
+            ("moe_router_topk", Arg::Int(2)),
+            ("moe_router_score_function", Arg::Str("softmax".into())),
+            ("moe_router_pre_softmax", Arg::Bool(false)),
+            ("moe_router_enable_expert_bias", Arg::Bool(false)),
+        ] {
+            a.insert(k.into(), v);
+        }
     }
-    if let Some(m) = d.field("max_position_embeddings") {
-        a.insert("max_position_embeddings".into(), int(m));
+    a.extend(rope_scaling(d)?);
+    for (k, v) in fixed_args(d) {
+        a.entry(k.into()).or_insert(v);
     }
     Ok(a)
+}
+
+/// A number of the config for args field `args` (top level or `rope_parameters`), as the config
+/// states it: an integer stays one, and so does an integral RoPE base (Megatron-LM's
+/// `--rotary-base` is an int); a boolean stays one. None when absent or null.
+fn number(d: &Dims, hf: &str, args: &str) -> Option<Arg> {
+    let rope = d.cfg.get("rope_parameters").and_then(|r| r.get(hf));
+    match d.cfg.get(hf).or(rope)? {
+        serde_json::Value::Bool(b) => Some(Arg::Bool(*b)),
+        v => match (v.as_i64(), v.as_f64()) {
+            (Some(i), _) => Some(Arg::Int(i)),
+            (None, Some(f)) if args == "rotary_base" && f.fract() == 0.0 => {
+                Some(Arg::Int(f as i64))
+            }
+            (None, Some(f)) => Some(Arg::Float(f)),
+            _ => None,
+        },
+    }
+}
+
+/// The router's scoring in Megatron's terms (MC 0.19 `moe_utils.py`
+/// `topk_routing_with_score_function`): a family whose rule table requires an expert bias on
+/// every MoE layer (`mlp.router.expert_bias`, HF `e_score_correction_bias`: deepseek_v3,
+/// glm4_moe, the DSA families, minimax_m2) routes by sigmoid scores with that bias, which Megatron always
+/// renormalises over the top-k; the others by softmax. A softmax router renormalises its top-k
+/// unless `moe_router_pre_softmax` (softmax over all experts, then top-k): HF's `norm_topk_prob`
+/// where the family's config has it (the `TopkNorm` row), else always (mixtral, gpt_oss,
+/// qwen3_5_moe renormalise unconditionally). The inverse of [`super::super::config`]'s reading.
+///
+/// Errors: [`Error::Validation`] when the config lacks `norm_topk_prob` where the family has it,
+/// or a sigmoid router's `norm_topk_prob` is false (no Megatron router computes that).
+fn router(d: &Dims) -> Result<Vec<(String, Arg)>> {
+    // Qwen's rule maps an expert bias only when a checkpoint has one (`When::Optional`): its HF
+    // router is softmax whatever Megatron trained.
+    let sigmoid = d
+        .spec
+        .layer_rule("mlp.router.expert_bias")
+        .is_some_and(|r| r.when == When::MoeLayer);
+    let norm = match d.spec.checks().find(|c| c.rel == Rel::TopkNorm) {
+        Some(c) => d.flag(c.hf).ok_or_else(|| {
+            Error::Validation(format!(
+                "config.json has no boolean {}: whether the router renormalises its top-k decides Megatron's moe_router_pre_softmax",
+                c.hf
+            ))
+        })?,
+        None => true,
+    };
+    if sigmoid && !norm && d.field("num_experts_per_tok") != Some(1) {
+        return Err(Error::Validation(
+            "norm_topk_prob is false, but Megatron's sigmoid router always renormalises its top-k (megatron-core 0.19 moe_utils.py topk_routing_with_score_function): no Megatron model computes this routing".into(),
+        ));
+    }
+    Ok(vec![
+        (
+            "moe_router_score_function".into(),
+            Arg::Str(if sigmoid { "sigmoid" } else { "softmax" }.into()),
+        ),
+        (
+            "moe_router_pre_softmax".into(),
+            Arg::Bool(!sigmoid && !norm),
+        ),
+        ("moe_router_enable_expert_bias".into(), Arg::Bool(sigmoid)),
+    ])
+}
+
+/// The config's RoPE scaling (`rope_parameters`, or transformers 4's `rope_scaling`, `rope_type`
+/// or `type`) in Megatron-LM's arguments (`arguments.py`, core_r0.19.0): none is `--rope-type
+/// rope` (an MLA model's default is yarn), llama3's is `--use-rope-scaling` with
+/// `--rope-scaling-factor` (megatron-core's llama3 scaling fixes low_freq_factor 1,
+/// high_freq_factor 4 and original_max_position_embeddings 8192), yarn's `--rope-type yarn` with
+/// its factor, `--yarn-original-max-position-embeddings`, `--yarn-beta-fast`, `--yarn-beta-slow`,
+/// `--mscale` and `--mscale-all-dim`. (`load_args_from_checkpoint` copies none of them: they are
+/// for to-hf, whose `--arch` refuses a scaling its config cannot describe.)
+///
+/// Errors: [`Error::Validation`] for a scaling Megatron has no arguments for (another type, or
+/// llama3's with other fixed factors).
+fn rope_scaling(d: &Dims) -> Result<Vec<(String, Arg)>> {
+    let params = ["rope_parameters", "rope_scaling"]
+        .iter()
+        .find_map(|k| d.cfg.get(*k).filter(|v| v.is_object()));
+    let get = |k: &str| params.and_then(|p| p.get(k));
+    let kind = get("rope_type")
+        .or_else(|| get("type"))
+        .and_then(|v| v.as_str())
+        .unwrap_or("default");
+    let num = |k: &str| get(k).and_then(|v| v.as_f64());
+    let float = |k: &str| num(k).map_or(Arg::None, Arg::Float);
+    let mut a = vec![("use_rope_scaling".to_string(), Arg::Bool(false))];
+    match kind {
+        "default" => a.push(("rope_type".into(), Arg::Str("rope".into()))),
+        "llama3"
+            if num("low_freq_factor") == Some(1.0)
+                && num("high_freq_factor") == Some(4.0)
+                && num("original_max_position_embeddings") == Some(8192.0) =>
+        {
+            a = vec![
+                ("use_rope_scaling".into(), Arg::Bool(true)),
+                ("rope_scaling_factor".into(), float("factor")),
+                ("rope_type".into(), Arg::Str("rope".into())),
+            ];
+        }
+        "yarn" => {
+            a.push(("rope_type".into(), Arg::Str("yarn".into())));
+            a.push(("rotary_scaling_factor".into(), float("factor")));
+            for (hf, args) in [
+                ("original_max_position_embeddings", "yarn_original_max_position_embeddings"),
+                ("beta_fast", "yarn_beta_fast"),
+                ("beta_slow", "yarn_beta_slow"),
+                ("mscale", "mscale"),
+                ("mscale_all_dim", "mscale_all_dim"),
+            ] {
+                let v = match get(hf).and_then(|v| v.as_i64()) {
+                    Some(i) if hf.starts_with("original") => Arg::Int(i),
+                    _ => float(hf),
+                };
+                a.push((args.into(), v));
+            }
+        }
+        other => {
+            return Err(Error::Validation(format!(
+                "rope_type {other:?}: Megatron-LM has no arguments for this RoPE scaling (--rope-type rope or yarn, --use-rope-scaling for llama3's with low_freq_factor 1, high_freq_factor 4, original_max_position_embeddings 8192)"
+            )))
+        }
+    }
+    Ok(a)
+}
+
+/// The fields of Megatron-LM's `load_args_from_checkpoint` (`megatron/training/checkpointing.py`,
+/// core_r0.19.0 f8837c0) that the config and the tensors do not already give (those are written
+/// by the check rows above), with the value a training run of this model stores: what every
+/// family here is (SwiGLU, RMSNorm, RoPE applied in halves, no dropout in transformers'
+/// models but the attention's), and Megatron's own "not set" (None) for what has no HF source:
+/// the training sequence length, the tokenizer, Mamba, heterogeneous layers, virtual pipeline
+/// stages. The parallel sizes are a single rank's but for `--tensor-model-parallel-size`, whose
+/// vocabulary padding the embedding has. MTP layers are not read (`mtp_num_layers` None).
+fn fixed_args(d: &Dims) -> Vec<(&'static str, Arg)> {
+    let dropout = number(d, "attention_dropout", "attention_dropout").unwrap_or(Arg::Float(0.0));
+    vec![
+        ("seq_length", Arg::None),
+        // A model without dense layers states no dense FFN size (qwen3_5_moe): Megatron's "not
+        // set" (`validate_args` then takes 4 x hidden_size, which no layer uses).
+        ("ffn_hidden_size", Arg::None),
+        // MLA's head sizes are its own rows; Megatron's kv_channels is unused by MLA.
+        ("kv_channels", Arg::None),
+        // transformers' default `partial_rotary_factor` (every family here), when the config
+        // states none; Megatron's default too.
+        ("rotary_percent", Arg::Float(1.0)),
+        ("rotary_interleaved", Arg::Bool(false)),
+        ("squared_relu", Arg::Bool(false)),
+        ("apply_layernorm_1p", Arg::Bool(false)),
+        ("apply_query_key_layer_scaling", Arg::Bool(false)),
+        ("attention_dropout", dropout),
+        ("hidden_dropout", Arg::Float(0.0)),
+        ("mtp_hybrid_override_pattern", Arg::None),
+        ("mtp_num_layers", Arg::None),
+        ("mtp_use_repeated_layer", Arg::Bool(false)),
+        ("spec", Arg::None),
+        ("moe_ffn_hidden_size", Arg::None),
+        ("moe_token_dispatcher_type", Arg::Str("allgather".into())),
+        ("moe_single_grouped_weight", Arg::Bool(false)),
+        ("moe_single_grouped_bias", Arg::Bool(false)),
+        ("moe_shared_expert_intermediate_size", Arg::None),
+        ("moe_router_topk_scaling_factor", Arg::None),
+        ("mamba_state_dim", Arg::None),
+        ("mamba_head_dim", Arg::None),
+        ("mamba_num_groups", Arg::None),
+        ("mamba_num_heads", Arg::None),
+        ("hybrid_layer_pattern", Arg::None),
+        ("heterogeneous_layers_config_path", Arg::None),
+        ("heterogeneous_layers_config_encoded_json", Arg::None),
+        ("moe_latent_size", Arg::None),
+        ("tokenizer_model", Arg::None),
+        ("tokenizer_type", Arg::None),
+        ("tiktoken_pattern", Arg::None),
+        ("ckpt_format", Arg::Str("torch_dist".into())),
+        ("virtual_pipeline_model_parallel_size", Arg::None),
+        ("num_layers_per_virtual_pipeline_stage", Arg::None),
+        ("expert_model_parallel_size", Arg::Int(1)),
+    ]
 }
 
 /// The bytes of `common.pt`: `torch.save({'args': Namespace(**args), 'checkpoint_version': 3.0,
@@ -321,6 +512,80 @@ mod tests {
         let (f, o) = indexer_schedule(&on).unwrap();
         assert_eq!((f, o), (3, 2));
         assert_eq!(indexer_schedule(&[false, true]), None);
+    }
+
+    fn dims(extra: serde_json::Value) -> Dims {
+        let mut cfg = serde_json::json!({"model_type": "deepseek_v3", "num_hidden_layers": 2,
+            "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 250});
+        cfg.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        Dims::from_config(&cfg, None).unwrap()
+    }
+
+    #[test]
+    fn rope_scaling_is_megatrons() {
+        let get = |extra| {
+            let a: BTreeMap<String, Arg> = rope_scaling(&dims(extra))
+                .map_err(|e| e.to_string())?
+                .into_iter()
+                .collect();
+            Ok::<_, String>(a)
+        };
+        // Plain RoPE is Megatron's `rope` (MLA would default to yarn).
+        let a = get(serde_json::json!({})).unwrap();
+        assert_eq!(a["rope_type"], Arg::Str("rope".into()));
+        assert_eq!(a["use_rope_scaling"], Arg::Bool(false));
+        // DeepSeek-V3's release: yarn, factor 40 from 4096 positions.
+        let a = get(
+            serde_json::json!({"rope_scaling": {"type": "yarn", "factor": 40,
+            "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
+            "mscale": 1.0, "mscale_all_dim": 1.0}}),
+        )
+        .unwrap();
+        assert_eq!(a["rope_type"], Arg::Str("yarn".into()));
+        assert_eq!(a["rotary_scaling_factor"], Arg::Float(40.0));
+        assert_eq!(a["yarn_original_max_position_embeddings"], Arg::Int(4096));
+        assert_eq!(a["yarn_beta_fast"], Arg::Float(32.0));
+        assert_eq!(a["mscale_all_dim"], Arg::Float(1.0));
+        // Llama 3.1's: megatron-core's fixed factors, or refused.
+        let l3 = serde_json::json!({"rope_parameters": {"rope_type": "llama3", "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}});
+        let a = get(l3.clone()).unwrap();
+        assert_eq!(
+            (&a["use_rope_scaling"], &a["rope_scaling_factor"]),
+            (&Arg::Bool(true), &Arg::Float(8.0))
+        );
+        let mut other = l3;
+        other["rope_parameters"]["high_freq_factor"] = serde_json::json!(2.0);
+        assert!(get(other)
+            .unwrap_err()
+            .contains("rope_type \"llama3\": Megatron-LM has no arguments"));
+        let e = get(serde_json::json!({"rope_parameters": {"rope_type": "dynamic"}})).unwrap_err();
+        assert!(e.contains("rope_type \"dynamic\""), "{e}");
+    }
+
+    #[test]
+    fn the_router_is_megatrons() {
+        let moe = serde_json::json!({"n_routed_experts": 8, "num_experts_per_tok": 2,
+            "first_k_dense_replace": 0});
+        let mut cfg = moe.clone();
+        cfg["norm_topk_prob"] = serde_json::json!(true);
+        let r: BTreeMap<String, Arg> = router(&dims(cfg)).unwrap().into_iter().collect();
+        assert_eq!(r["moe_router_score_function"], Arg::Str("sigmoid".into()));
+        assert_eq!(r["moe_router_enable_expert_bias"], Arg::Bool(true));
+        assert_eq!(r["moe_router_pre_softmax"], Arg::Bool(false));
+        // A sigmoid router that does not renormalise: no Megatron router computes it.
+        let mut cfg = moe.clone();
+        cfg["norm_topk_prob"] = serde_json::json!(false);
+        let e = router(&dims(cfg)).err().unwrap().to_string();
+        assert!(e.contains("always renormalises"), "{e}");
+        // Absent: refused, not guessed.
+        let e = router(&dims(moe)).err().unwrap().to_string();
+        assert!(
+            e.contains("config.json has no boolean norm_topk_prob"),
+            "{e}"
+        );
     }
 
     #[test]

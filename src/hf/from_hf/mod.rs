@@ -230,6 +230,34 @@ fn tracker_entry(iteration: u64) -> (String, String) {
     }
 }
 
+/// The HF tensors among `names` that belong to multi-token prediction layers: under the family's
+/// MTP layout ([`super::spec::MtpSpec`]: its layers' prefix and its module's own names, for each
+/// layer the config declares, at least one), under `mtp.` (Qwen's layout, and vLLM's), or, when
+/// the config declares MTP layers under any family's field, on the layers after the last decoder
+/// layer (where DeepSeek-V3's, GLM's and the DSA families' releases put them).
+fn mtp_tensors(d: &Dims, names: &[String]) -> Vec<String> {
+    let declared = ["num_nextn_predict_layers", "mtp_num_hidden_layers"]
+        .iter()
+        .filter_map(|f| d.field(f))
+        .fold(d.declared_mtp(), u64::max);
+    let n = declared.max(1);
+    let mut prefixes = vec!["mtp.".to_string()];
+    prefixes
+        .extend((0..declared).map(|k| format!("{}layers.{}.", d.text_prefix, d.num_layers + k)));
+    if let Some(m) = d.spec.mtp {
+        for k in 0..n {
+            prefixes.push(d.mtp_name(m.layer, k));
+            let own = m.rules.iter().flat_map(|r| r.outs);
+            prefixes.extend(own.map(|o| d.mtp_name(o.name, k)));
+        }
+    }
+    names
+        .iter()
+        .filter(|x| prefixes.iter().any(|p| x.starts_with(p.as_str())))
+        .cloned()
+        .collect()
+}
+
 /// Converts the HF folder `hf_dir` into a torch_dist checkpoint in the local folder `ckpt_dir`;
 /// `progress(bytes)` is called as chunks are converted.
 ///
@@ -307,6 +335,16 @@ pub fn from_hf(
         .map(|(k, t)| (k.clone(), t.shape.clone()))
         .collect();
     let p = plan::plan(&d, &shapes, opts.transformer_impl, padded)?;
+    let mtp = mtp_tensors(&d, &p.unmapped);
+    if !mtp.is_empty() {
+        let shown: Vec<&str> = mtp.iter().take(5).map(|s| s.as_str()).collect();
+        return Err(Error::Validation(format!(
+            "the folder holds {} tensors of MTP layers ({}{}), which from-hf does not convert yet: a checkpoint without them would lose the model's MTP layers (--allow-unmapped does not skip them)",
+            mtp.len(),
+            shown.join(", "),
+            if mtp.len() > 5 { ", ..." } else { "" }
+        )));
+    }
     if !p.unmapped.is_empty() && !opts.allow_unmapped {
         let shown: Vec<&str> = p.unmapped.iter().take(20).map(|s| s.as_str()).collect();
         return Err(Error::Validation(format!(
