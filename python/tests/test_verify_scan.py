@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -229,3 +230,27 @@ def test_what_torch_and_megatron_allow_in_a_torch_save_verifies_clean(tmp_path):
     assert v.returncode == 0, v.stdout + v.stderr
     v = cli("verify", common_with(names | {"torch.load"}))
     assert v.returncode == 1 and "torch.load" in v.stdout + v.stderr, v.stdout + v.stderr
+
+
+def test_status_recommends_merging_the_save_an_overwrite_crash_left_half_committed(committed, tmp_path):
+    """`overwrite=True` renames its staged common.pt into place, then its .metadata: a crash between
+    the two leaves the old commit damaged and its parts unable to rebuild it (common.pt changed),
+    while the new save's parts are whole. status names `merge --save-id NEW`, which commits it."""
+    import shardwise.megatron as swm
+
+    c = tmp_path / "ckpt"
+    shutil.copytree(committed, c)
+    new = uuid.uuid4().hex
+    for r in (1, 0):
+        state = {"w": row_shard("w", r, 2), **({"iteration": 8} if r == 0 else {})}
+        swm.save(state, str(c), rank=r, world_size=2, save_id=new, overwrite=True, merge_rank=None, wait_for_commit=False)
+    os.rename(c / ".shardwise" / new / "common.pt", c / "common.pt")  # the crash window
+
+    first = cli("status", c).stdout.splitlines()[0]
+    assert "DAMAGED" in first and f"`shardwise merge --save-id {new}`" in first and "--repair" not in first, first
+    assert cli("verify", c).returncode == 1
+    before = checkpoint_digest(c)
+    assert cli("merge", "--repair", c).returncode == 1 and checkpoint_digest(c) == before
+    assert cli("merge", "--save-id", new, c).returncode == 0
+    assert json.loads(cli("status", c, "--json").stdout)["checkpoint"] == "committed"
+    assert cli("verify", c).returncode == 0

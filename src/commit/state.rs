@@ -61,18 +61,33 @@ pub fn checkpoint_state(loc: &Location) -> Result<CheckpointState> {
     } = commit_records(loc, &ids);
     if !records.is_empty() {
         let damaged = |reason: String, save: &CommitRecord| -> Result<CheckpointState> {
-            Ok(match unmergeable(loc, &save.save_id)? {
-                None => CheckpointState::Damaged {
+            let Some(why) = unmergeable(loc, &save.save_id)? else {
+                return Ok(CheckpointState::Damaged {
                     reason,
                     repairable: Some(save.save_id.clone()),
-                },
-                Some(why) => CheckpointState::Damaged {
-                    reason: format!(
-                        "{reason}; save {}'s parts cannot rebuild it ({why}): save again",
-                        save.save_id
-                    ),
-                    repairable: None,
-                },
+                });
+            };
+            // A later save that stopped mid-commit (`overwrite`: its common.pt renamed into
+            // place, its .metadata not yet) may still commit.
+            let uncommitted: Vec<&String> = ids
+                .iter()
+                .filter(|id| !records.iter().any(|r| &r.save_id == *id))
+                .collect();
+            let (mergeable, _) = mergeable_saves(loc, &uncommitted)?;
+            let instead = match mergeable.as_slice() {
+                [] => "save again".to_string(),
+                [one] => format!("`shardwise merge --save-id {one}` commits that save instead"),
+                many => format!(
+                    "`shardwise merge --save-id ID` commits one of {} instead",
+                    many.join(", ")
+                ),
+            };
+            Ok(CheckpointState::Damaged {
+                reason: format!(
+                    "{reason}; save {}'s parts cannot rebuild it ({why}): {instead}",
+                    save.save_id
+                ),
+                repairable: None,
             })
         };
         let r = match metadata_record(loc, &records, None)? {
@@ -112,14 +127,7 @@ pub fn checkpoint_state(loc: &Location) -> Result<CheckpointState> {
     if !ids.is_empty() && !legacy_marker {
         // `merge` takes the one uncommitted save by itself, else the one named by --save-id;
         // recommended only for a save whose parts it would take.
-        let mut mergeable = Vec::new();
-        let mut why_not = Vec::new();
-        for id in &ids {
-            match unmergeable(loc, id)? {
-                None => mergeable.push(id.as_str()),
-                Some(why) => why_not.push(format!("save {id}: {why}")),
-            }
-        }
+        let (mergeable, why_not) = mergeable_saves(loc, &ids.iter().collect::<Vec<_>>())?;
         let advice = match (ids.len(), mergeable.as_slice()) {
             (1, [_]) => "`shardwise merge` finishes it".to_string(),
             (_, [one]) => format!("`shardwise merge --save-id {one}` finishes it"),
@@ -495,6 +503,21 @@ pub fn unmergeable(loc: &Location, save_id: &str) -> Result<Option<String>> {
         why.push(format!("no part from ranks [{}]", missing.join(", ")));
     }
     Ok((!why.is_empty()).then(|| why.join("; ")))
+}
+
+/// Of saves `ids`, those whose parts would merge, and why each other would not.
+///
+/// Errors: as [`unmergeable`].
+fn mergeable_saves<'i>(loc: &Location, ids: &[&'i String]) -> Result<(Vec<&'i str>, Vec<String>)> {
+    let mut mergeable = Vec::new();
+    let mut why_not = Vec::new();
+    for id in ids {
+        match unmergeable(loc, id)? {
+            None => mergeable.push(id.as_str()),
+            Some(why) => why_not.push(format!("save {id}: {why}")),
+        }
+    }
+    Ok((mergeable, why_not))
 }
 
 /// Data files (`__<rank>_<n>.distcp`) in `loc` that no committed record and no part names: what
