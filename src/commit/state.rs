@@ -444,16 +444,15 @@ pub fn save_state(loc: &Location, save_id: &str, world_size: u32) -> Result<Save
     Ok(SaveState::Incomplete { stale })
 }
 
+/// Per rank, whether it has a part a merge takes; and each listed part it would not take, with why.
+type PartStates = (Vec<bool>, Vec<(u32, String)>);
+
 /// Per rank of `0..world_size`: whether save `save_id` has a part that a merge would take (readable,
 /// its files unchanged since it was published: [`stale_reason`], the check `merge` makes), and
 /// why each other listed part would not be taken.
 ///
 /// Errors: storage errors when the save cannot be listed or a file cannot be checked.
-fn part_states(
-    loc: &Location,
-    save_id: &str,
-    world_size: u32,
-) -> Result<(Vec<bool>, Vec<(u32, String)>)> {
+fn part_states(loc: &Location, save_id: &str, world_size: u32) -> Result<PartStates> {
     let any = Freshness {
         since_ns: None,
         failed_since_ns: 0,
