@@ -1143,6 +1143,18 @@ fn merge(
     let summary = crate::commit::merge(dir, &save_id, world_size, timeout, &Freshness::any_part());
     bar.finish_and_clear();
     let summary = summary?;
+    // A save committed earlier whose checkpoint was damaged since: "nothing to do" would be false.
+    if summary.already_committed {
+        if let CheckpointState::Damaged { reason, repairable } = checkpoint_state(dir)? {
+            let fix = repairable.map_or(String::new(), |_| {
+                format!("; `shardwise merge --repair {dir}` rebuilds it")
+            });
+            return Err(Error::InvalidArgument(format!(
+                "save {save_id} committed {dir}, which is damaged since: {reason}{fix}"
+            ))
+            .into());
+        }
+    }
     if json {
         print_json(&summary)?;
     } else if summary.already_committed {

@@ -696,7 +696,7 @@ fn check_common(bytes: &[u8]) -> std::result::Result<(), String> {
     }
     let pkl = recs
         .iter()
-        .find(|r| r.name.ends_with("data.pkl"))
+        .find(|r| r.is_data_pkl())
         .ok_or("no data.pkl record")?;
     unpickle(&bytes[pkl.start..pkl.start + pkl.len])
         .map(|_| ())

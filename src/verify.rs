@@ -13,18 +13,24 @@
 //!   holds (a changed byte that no zip record's CRC covers is found too);
 //! - a torch DCP `use_collectives=False` directory: no rank-local `__{rank}.metadata` newer than
 //!   `.metadata` (a stale merge, [`crate::dcp_local::stale_metadata`]);
+//! - every pickle a load unpickles: `.metadata` (torch's `pickle.load`), each item's `data.pkl`
+//!   (`torch.load`; megatron-core 0.19's `common_state` object among the byte objects) and
+//!   `common.pt`'s: every global it would import must be one a checkpoint of that kind holds
+//!   ([`crate::format::globals`]); any other (`posix.system`, ...) is a problem naming it, found
+//!   without unpickling anything;
 //! - `metadata.json`: a JSON object whose `sharded_backend` is `torch_dist` and with no field
 //!   megatron-core ≤ 0.18's `CheckpointingConfig(**config)` would refuse (§1.3).
 //!
-//! The quick mode reads no item: layout, file sizes, sidecar placement, `metadata.json`, and
-//! that the common state exists.
+//! The quick mode reads no item: layout, file sizes, sidecar placement, `metadata.json`, the
+//! globals of `.metadata`, and that the common state exists.
 
 use rayon::prelude::*;
 use serde::Serialize;
 
 use crate::commit::record::Digest;
 use crate::error::{Error, Result};
-use crate::format::archive::{bad_record_crcs, records};
+use crate::format::archive::{bad_record_crcs, records, Record};
+use crate::format::globals::{scan, Pickle};
 use crate::format::metadata::{check_layout, Chunk, Entry, StorageInfo};
 use crate::format::{COMMON_FILE, METADATA_JSON_FILE};
 use crate::reader::{Checkpoint, COMMON_STATE_PREFIX};
@@ -71,8 +77,9 @@ const METADATA_JSON_FIELDS: [&str; 4] = [
 /// Verifies the checkpoint at `loc` (directory or object-store prefix), reading every item;
 /// `progress(n)` is called as items complete.
 ///
-/// Errors: only when `.metadata` itself (or the checksum sidecar) cannot be read or decoded;
-/// every other finding is a [`Problem`] in the report.
+/// Errors: only when `.metadata` itself (or the checksum sidecar) cannot be read or decoded
+/// (naming the globals outside the allow-list that `.metadata` holds, if any); every other
+/// finding is a [`Problem`] in the report.
 pub fn verify(loc: &Location, progress: &(dyn Fn(u64) + Sync)) -> Result<Report> {
     run(loc, false, progress)
 }
@@ -86,10 +93,24 @@ pub fn verify_quick(loc: &Location) -> Result<Report> {
 }
 
 fn run(loc: &Location, quick: bool, progress: &(dyn Fn(u64) + Sync)) -> Result<Report> {
-    let ckpt = Checkpoint::open(loc)?;
+    let ckpt = match Checkpoint::open(loc) {
+        Ok(c) => c,
+        // A `.metadata` that is no DCP metadata may still be one that pickle.load runs: the
+        // error then says what it would import.
+        Err(Error::Corrupt { path, reason }) => {
+            let named = metadata_globals(loc).ok().flatten();
+            return Err(Error::Corrupt {
+                path,
+                reason: named.map_or(reason.clone(), |p| format!("{}; {reason}", p.message)),
+            });
+        }
+        Err(e) => return Err(e),
+    };
+    let hostile = metadata_globals(ckpt.location())?;
     let mut report = Report {
         keys: ckpt.metadata.entries.len(),
         quick,
+        problems: hostile.into_iter().collect(),
         ..Default::default()
     };
     let mut items = Vec::new();
@@ -169,6 +190,28 @@ fn run(loc: &Location, quick: bool, progress: &(dyn Fn(u64) + Sync)) -> Result<R
         report.sidecar_checked += checked as usize;
     }
     Ok(report)
+}
+
+/// The problem with the globals of `.metadata`, if any (`.metadata` missing: none, `open` says so).
+fn metadata_globals(loc: &Location) -> Result<Option<Problem>> {
+    let Some(bytes) = loc.read_held(".metadata")? else {
+        return Ok(None);
+    };
+    Ok(scan(Pickle::Metadata, &bytes)
+        .message()
+        .map(|message| Problem {
+            key: ".metadata".into(),
+            file: Some(".metadata".into()),
+            offset: None,
+            message,
+        }))
+}
+
+/// The problem with the globals of the `data.pkl` of a torch.save archive, if any.
+fn data_pkl_globals(blob: &[u8], recs: &[Record]) -> Option<String> {
+    recs.iter()
+        .filter(|r| r.is_data_pkl())
+        .find_map(|r| scan(Pickle::TorchSave, &blob[r.start..r.start + r.len]).message())
 }
 
 fn item_problem(it: &Item, message: String) -> Problem {
@@ -260,6 +303,7 @@ fn check_item(ckpt: &Checkpoint, it: &Item) -> (Vec<Problem>, bool) {
         Ok(recs) => problems.extend(
             bad_record_crcs(&blob, &recs)
                 .into_iter()
+                .chain(data_pkl_globals(&blob, &recs))
                 .map(|m| item_problem(it, m)),
         ),
         Err(e) => problems.push(item_problem(
@@ -343,21 +387,31 @@ fn check_megatron_files(ckpt: &Checkpoint, quick: bool) -> Vec<Problem> {
         }
     }
     if !quick && (has_common_pt || has_common_state) {
-        if let Err(e) = ckpt.read_common() {
-            let (key, file) = match (&e, has_common_pt) {
-                (_, true) => (COMMON_FILE.to_string(), Some(COMMON_FILE.to_string())),
-                (Error::Corrupt { path, .. }, false) => (
-                    COMMON_STATE_PREFIX.to_string(),
-                    path.file_name().map(|f| f.to_string_lossy().into_owned()),
-                ),
-                _ => (COMMON_STATE_PREFIX.to_string(), None),
-            };
-            problems.push(Problem {
-                key,
-                file,
-                offset: None,
-                message: strip(e),
-            });
+        match ckpt.read_common() {
+            // The common_state object is an item: its data.pkl was scanned with the items.
+            Ok(Some(common)) if common.source == COMMON_FILE => {
+                let recs = records(&common.bytes).unwrap_or_default(); // read_common checked it
+                if let Some(m) = data_pkl_globals(&common.bytes, &recs) {
+                    problems.push(file_problem(COMMON_FILE, m));
+                }
+            }
+            Ok(_) => {}
+            Err(e) => {
+                let (key, file) = match (&e, has_common_pt) {
+                    (_, true) => (COMMON_FILE.to_string(), Some(COMMON_FILE.to_string())),
+                    (Error::Corrupt { path, .. }, false) => (
+                        COMMON_STATE_PREFIX.to_string(),
+                        path.file_name().map(|f| f.to_string_lossy().into_owned()),
+                    ),
+                    _ => (COMMON_STATE_PREFIX.to_string(), None),
+                };
+                problems.push(Problem {
+                    key,
+                    file,
+                    offset: None,
+                    message: strip(e),
+                });
+            }
         }
     }
     if let Some(p) = whole.filter(|_| !problems.iter().any(|q| q.key == COMMON_FILE)) {

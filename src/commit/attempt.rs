@@ -54,9 +54,13 @@ pub fn begin(loc: &Location, save_id: &str, rank: u32, overwrite: bool) -> Resul
                 )));
             }
         }
-        CheckpointState::Damaged { reason, .. } if !overwrite => {
+        CheckpointState::Damaged { reason, repairable } if !overwrite => {
+            let repair = match repairable {
+                Some(_) => format!("`shardwise merge --repair {loc}` rebuilds it, "),
+                None => String::new(),
+            };
             return Err(Error::InvalidArgument(format!(
-                "{loc} holds a damaged checkpoint ({reason}); `shardwise merge --repair {loc}` rebuilds it, overwrite=True replaces it"
+                "{loc} holds a damaged checkpoint ({reason}); {repair}overwrite=True replaces it"
             )));
         }
         CheckpointState::Damaged { .. } => {}

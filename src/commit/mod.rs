@@ -195,8 +195,9 @@ pub fn merge(
 /// the save that committed it, which are kept after a commit: its `.metadata`, `common.pt` name
 /// and `COMMITTED` record are written again once every part checks out against its data files.
 ///
-/// Errors: [`Error::InvalidArgument`] when `loc` is not damaged or no save can rebuild it; the
-/// errors of [`merge`] (a data file that changed since its part was published is named).
+/// Errors: [`Error::InvalidArgument`], with nothing changed, when `loc` is not damaged or no save's
+/// parts can rebuild it (`state::unmergeable`: a data file changed since its part was published
+/// is named); the errors of [`merge`].
 pub fn repair(loc: &Location, timeout: Duration) -> Result<(String, CommitSummary)> {
     let save_id = match state::checkpoint_state(loc)? {
         CheckpointState::Damaged {
@@ -205,7 +206,8 @@ pub fn repair(loc: &Location, timeout: Duration) -> Result<(String, CommitSummar
         } => id,
         CheckpointState::Damaged { reason, .. } => {
             return Err(Error::InvalidArgument(format!(
-                "{loc} is damaged ({reason}) and holds no shardwise save to rebuild it from"
+                "{loc} is damaged ({reason}); `merge --repair` rebuilds only from a shardwise \
+                 save whose parts are all current: nothing changed"
             )))
         }
         CheckpointState::Committed { .. } => {
@@ -215,7 +217,7 @@ pub fn repair(loc: &Location, timeout: Duration) -> Result<(String, CommitSummar
         }
         CheckpointState::NotCommitted { reason } => {
             return Err(Error::InvalidArgument(format!(
-                "{loc} holds no committed checkpoint to repair ({reason}); use `shardwise merge`"
+                "{loc} holds no committed checkpoint to repair ({reason})"
             )))
         }
     };

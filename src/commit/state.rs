@@ -5,7 +5,7 @@
 //! A directory is **committed** when its `.metadata` is the one a commit wrote and every file that
 //! commit names is there:
 //! - written by shardwise: a save's `COMMITTED` record ([`CommitRecord`]) whose `.metadata` size
-//!   and CRC-32 equal the file's, whose data files all have their recorded sizes, whose
+//!   and CRC-32 equal the file's, whose data files all have at least their recorded sizes, whose
 //!   `common.pt` has its recorded size and CRC-32, and whose `metadata.json` is there for Megatron
 //!   saves;
 //! - written by torch or Megatron (no `COMMITTED` record): `.metadata` parses as DCP metadata (as
@@ -60,9 +60,35 @@ pub fn checkpoint_state(loc: &Location) -> Result<CheckpointState> {
         legacy_marker,
     } = commit_records(loc, &ids);
     if !records.is_empty() {
-        let damaged = |reason: String, save: &CommitRecord| CheckpointState::Damaged {
-            reason,
-            repairable: Some(save.save_id.clone()),
+        let damaged = |reason: String, save: &CommitRecord| -> Result<CheckpointState> {
+            let Some(why) = unmergeable(loc, &save.save_id)? else {
+                return Ok(CheckpointState::Damaged {
+                    reason,
+                    repairable: Some(save.save_id.clone()),
+                });
+            };
+            // A later save that stopped mid-commit (`overwrite`: its common.pt renamed into
+            // place, its .metadata not yet) may still commit.
+            let uncommitted: Vec<&String> = ids
+                .iter()
+                .filter(|id| !records.iter().any(|r| &r.save_id == *id))
+                .collect();
+            let (mergeable, _) = mergeable_saves(loc, &uncommitted)?;
+            let instead = match mergeable.as_slice() {
+                [] => "save again".to_string(),
+                [one] => format!("`shardwise merge --save-id {one}` commits that save instead"),
+                many => format!(
+                    "`shardwise merge --save-id ID` commits one of {} instead",
+                    many.join(", ")
+                ),
+            };
+            Ok(CheckpointState::Damaged {
+                reason: format!(
+                    "{reason}; save {}'s parts cannot rebuild it ({why}): {instead}",
+                    save.save_id
+                ),
+                repairable: None,
+            })
         };
         let r = match metadata_record(loc, &records, None)? {
             Ok(r) => r,
@@ -72,22 +98,22 @@ pub fn checkpoint_state(loc: &Location) -> Result<CheckpointState> {
                     ".metadata is missing, although save {} committed it",
                     r.save_id
                 );
-                return Ok(damaged(why, r));
+                return damaged(why, r);
             }
             Err(Some(digest)) => {
                 let r = &records[0];
-                return Ok(damaged(
+                return damaged(
                     format!(
                         ".metadata ({} bytes, CRC-32 {:08x}) is not the one save {} committed ({} \
                          bytes, CRC-32 {:08x}): replaced or damaged",
                         digest.size, digest.crc32, r.save_id, r.metadata.size, r.metadata.crc32
                     ),
                     r,
-                ));
+                );
             }
         };
         if let Some(problem) = missing_committed_file(loc, r)? {
-            return Ok(damaged(problem, r));
+            return damaged(problem, r);
         }
         return Ok(CheckpointState::Committed {
             record: Some(r.clone()),
@@ -99,11 +125,23 @@ pub fn checkpoint_state(loc: &Location) -> Result<CheckpointState> {
         });
     };
     if !ids.is_empty() && !legacy_marker {
+        // `merge` takes the one uncommitted save by itself, else the one named by --save-id;
+        // recommended only for a save whose parts it would take.
+        let (mergeable, why_not) = mergeable_saves(loc, &ids.iter().collect::<Vec<_>>())?;
+        let advice = match (ids.len(), mergeable.as_slice()) {
+            (1, [_]) => "`shardwise merge` finishes it".to_string(),
+            (_, [one]) => format!("`shardwise merge --save-id {one}` finishes it"),
+            (_, []) => format!("no save's parts can finish it ({})", why_not.join("; ")),
+            (_, many) => format!(
+                "`shardwise merge --save-id ID` finishes it, ID one of {}",
+                many.join(", ")
+            ),
+        };
         return Ok(CheckpointState::NotCommitted {
-            reason:
+            reason: format!(
                 ".metadata was written by a merger that did not finish the commit (no COMMITTED \
-                     record); `shardwise merge` finishes it"
-                    .into(),
+                 record); {advice}"
+            ),
         });
     }
     Ok(match foreign_problem(loc, &meta)? {
@@ -213,10 +251,16 @@ pub fn is_committed(loc: &Location) -> bool {
 }
 
 /// The first file a shardwise commit needs that is missing or has changed.
+///
+/// A data file is needed up to its committed size, as a torch or Megatron `.metadata` needs its
+/// files up to their last item ([`foreign_problem`]): a loader reads every item at its recorded
+/// offset and length and never past them, so bytes appended after the commit change nothing it
+/// reads, and `verify` (which reads every item, against its save-time CRC-32) finds the
+/// checkpoint whole. Shorter is damage: an item is cut.
 fn missing_committed_file(loc: &Location, r: &CommitRecord) -> Result<Option<String>> {
     for (name, size) in &r.files {
         let found = loc.size(name)?;
-        if found != Some(*size) {
+        if found.is_none_or(|f| f < *size) {
             let found = found.map_or("is missing".into(), |s| format!("has {s} bytes"));
             return Ok(Some(format!(
                 "data file {name} {found}, save {} committed {size} bytes",
@@ -389,6 +433,26 @@ pub fn save_state(loc: &Location, save_id: &str, world_size: u32) -> Result<Save
     if loc.exists(&Marker::Committing.rel(save_id)) {
         return Ok(SaveState::Merging);
     }
+    let (present, stale) = part_states(loc, save_id, world_size)?;
+    let complete = world_size > 0 && present.iter().all(|&p| p);
+    if let Some(f) = read_failed(loc, save_id) {
+        return Ok(SaveState::Failed {
+            reason: f.reason,
+            mergeable: complete,
+        });
+    }
+    Ok(SaveState::Incomplete { stale })
+}
+
+/// Per rank, whether it has a part a merge takes; and each listed part it would not take, with why.
+type PartStates = (Vec<bool>, Vec<(u32, String)>);
+
+/// Per rank of `0..world_size`: whether save `save_id` has a part that a merge would take (readable,
+/// its files unchanged since it was published: [`stale_reason`], the check `merge` makes), and
+/// why each other listed part would not be taken.
+///
+/// Errors: storage errors when the save cannot be listed or a file cannot be checked.
+fn part_states(loc: &Location, save_id: &str, world_size: u32) -> Result<PartStates> {
     let any = Freshness {
         since_ns: None,
         failed_since_ns: 0,
@@ -408,14 +472,51 @@ pub fn save_state(loc: &Location, save_id: &str, world_size: u32) -> Result<Save
             Some(why) => stale.push((r, why)),
         }
     }
-    let complete = world_size > 0 && present.iter().all(|&p| p);
-    if let Some(f) = read_failed(loc, save_id) {
-        return Ok(SaveState::Failed {
-            reason: f.reason,
-            mergeable: complete,
-        });
+    Ok((present, stale))
+}
+
+/// Why the parts of save `save_id` would not merge now (`merge`, `merge --repair`), or None when
+/// they would: every rank of the `world_size` they record has a part [`part_states`] takes. What
+/// `status` checks before it recommends either command, and `repair` before it changes anything.
+///
+/// Errors: storage errors when the save cannot be listed or a file cannot be checked.
+pub fn unmergeable(loc: &Location, save_id: &str) -> Result<Option<String>> {
+    let listed = listed_parts(loc, save_id)?;
+    let Some(world_size) = listed
+        .iter()
+        .find_map(|(r, _)| read_part(loc, &super::part::part_rel(save_id, *r)).ok())
+        .map(|p| p.world_size)
+    else {
+        return Ok(Some("no readable part".into()));
+    };
+    let (present, stale) = part_states(loc, save_id, world_size)?;
+    let missing: Vec<String> = (0..world_size)
+        .filter(|&r| !present[r as usize] && !stale.iter().any(|(s, _)| *s == r))
+        .map(|r| r.to_string())
+        .collect();
+    let mut why: Vec<String> = stale
+        .into_iter()
+        .map(|(r, w)| format!("rank {r}: {w}"))
+        .collect();
+    if !missing.is_empty() {
+        why.push(format!("no part from ranks [{}]", missing.join(", ")));
     }
-    Ok(SaveState::Incomplete { stale })
+    Ok((!why.is_empty()).then(|| why.join("; ")))
+}
+
+/// Of saves `ids`, those whose parts would merge, and why each other would not.
+///
+/// Errors: as [`unmergeable`].
+fn mergeable_saves<'i>(loc: &Location, ids: &[&'i String]) -> Result<(Vec<&'i str>, Vec<String>)> {
+    let mut mergeable = Vec::new();
+    let mut why_not = Vec::new();
+    for id in ids {
+        match unmergeable(loc, id)? {
+            None => mergeable.push(id.as_str()),
+            Some(why) => why_not.push(format!("save {id}: {why}")),
+        }
+    }
+    Ok((mergeable, why_not))
 }
 
 /// Data files (`__<rank>_<n>.distcp`) in `loc` that no committed record and no part names: what
@@ -535,7 +636,7 @@ mod tests {
         }
         use Want::*;
         type Damage = fn(&std::path::Path);
-        let cases: [(&str, Damage, Want); 11] = [
+        let cases: [(&str, Damage, Want); 13] = [
             ("whole", |_| {}, Committed { recorded: true }),
             (
                 ".metadata removed",
@@ -557,15 +658,17 @@ mod tests {
                 "data file truncated",
                 |d| std::fs::write(d.join("__1_0.distcp"), [0u8; 3]).unwrap(),
                 Damaged {
-                    repairable: true,
-                    reason: "data file __1_0.distcp has 3 bytes, save s committed 80 bytes",
+                    repairable: false,
+                    reason: "data file __1_0.distcp has 3 bytes, save s committed 80 bytes; save \
+                             s's parts cannot rebuild it (rank 1: its data file __1_0.distcp was \
+                             replaced or changed since the part was published): save again",
                 },
             ),
             (
                 "data file removed",
                 |d| std::fs::remove_file(d.join("__0_0.distcp")).unwrap(),
                 Damaged {
-                    repairable: true,
+                    repairable: false,
                     reason: "data file __0_0.distcp is missing",
                 },
             ),
@@ -573,7 +676,7 @@ mod tests {
                 "common.pt changed",
                 |d| std::fs::write(d.join("common.pt"), b"PK commoN").unwrap(),
                 Damaged {
-                    repairable: true,
+                    repairable: false,
                     reason: "common.pt is 9 bytes, CRC-32",
                 },
             ),
@@ -586,9 +689,30 @@ mod tests {
                 },
             ),
             (
+                // Bytes past every item: nothing a loader reads changed.
+                "data file grown",
+                |d| {
+                    use std::io::Write;
+                    let mut f = std::fs::OpenOptions::new()
+                        .append(true)
+                        .open(d.join("__1_0.distcp"))
+                        .unwrap();
+                    f.write_all(b"appended").unwrap()
+                },
+                Committed { recorded: true },
+            ),
+            (
                 "merger died before COMMITTED",
                 |d| std::fs::remove_file(d.join(".shardwise/s/COMMITTED")).unwrap(),
-                NotCommitted("merger that did not finish the commit"),
+                NotCommitted("merger that did not finish the commit (no COMMITTED record); `shardwise merge` finishes it"),
+            ),
+            (
+                "merger died before COMMITTED, a data file changed since",
+                |d| {
+                    std::fs::remove_file(d.join(".shardwise/s/COMMITTED")).unwrap();
+                    std::fs::write(d.join("__1_0.distcp"), [0u8; 3]).unwrap()
+                },
+                NotCommitted("no save's parts can finish it (save s: rank 1: its data file"),
             ),
             (
                 "empty directory",

@@ -26,6 +26,14 @@ pub struct Record {
     pub crc: u32,
 }
 
+impl Record {
+    /// Whether this is the archive's pickle, `<archive name>/data.pkl`, which `torch.load`
+    /// unpickles (torch/serialization.py `_load`, 2.3–2.15).
+    pub fn is_data_pkl(&self) -> bool {
+        self.name.ends_with("/data.pkl") || self.name == "data.pkl"
+    }
+}
+
 /// An item's bytes, whole or in part: the loader decodes an item from its first and last bytes
 /// alone (the zip structures torch writes sit there) to find where its tensor data lies before
 /// reading it. Offsets are those of the whole item; a range that is not held reads as `None`,
@@ -253,7 +261,7 @@ pub fn stored_tensor_in(blob: &(impl Blob + ?Sized)) -> R<StoredTensor> {
     let recs = records_in(blob)?;
     let pkl = recs
         .iter()
-        .find(|r| r.name.ends_with("/data.pkl") || r.name == "data.pkl")
+        .find(|r| r.is_data_pkl())
         .ok_or_else(|| ArchiveError("no data.pkl record".into()))?;
     let prefix = &pkl.name[..pkl.name.len() - "data.pkl".len()];
     let pkl_bytes = blob

@@ -3,6 +3,7 @@
 //! holds beside its data files.
 pub mod archive;
 pub mod dtype;
+pub mod globals;
 pub mod metadata;
 pub mod pickle;
 pub mod read_metadata;
