@@ -580,11 +580,10 @@ pub(crate) fn plan(ckpt: &Checkpoint, d: &Dims, allow_unmapped: bool) -> Result<
         .filter(|n| !produced.contains(n.as_str()))
         .collect();
     if !missing.is_empty() {
-        let shown: Vec<&str> = missing.iter().take(20).map(|s| s.as_str()).collect();
         return Err(Error::Validation(format!(
             "{} HF tensors the config requires were not produced: {}",
             missing.len(),
-            shown.join(", ")
+            super::output::first_names(&missing, 20)
         )));
     }
     // Deterministic order: the `mtp.*` module last, by layer, then name.

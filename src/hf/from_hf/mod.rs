@@ -26,7 +26,7 @@ use rayon::prelude::*;
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 
-use super::output::{check_outside, Part};
+use super::output::{check_outside, first_names, not_empty, Part};
 use super::spec::Dims;
 use crate::commit::part::ObjectShard;
 use crate::commit::wait::{missing_ranks, Freshness};
@@ -284,13 +284,11 @@ pub fn from_hf(
     check_outside(ckpt_dir, hf_dir, "HF folder")?;
     let found = foreign_entries(ckpt_dir)?;
     if !found.is_empty() && !opts.overwrite {
-        let shown: Vec<&str> = found.iter().take(5).map(|s| s.as_str()).collect();
-        return Err(Error::InvalidArgument(format!(
-            "output folder {} is not empty ({}{}): pass --overwrite to replace a checkpoint there, or choose an empty folder",
-            ckpt_dir.display(),
-            shown.join(", "),
-            if found.len() > 5 { ", ..." } else { "" }
-        )));
+        return Err(not_empty(
+            ckpt_dir,
+            &found,
+            "pass --overwrite to replace a checkpoint there, or choose an empty folder",
+        ));
     }
     let tracker_path = if opts.tracker {
         let abs = std::path::absolute(ckpt_dir).map_err(Error::io("resolve", ckpt_dir))?;
@@ -337,20 +335,16 @@ pub fn from_hf(
     let p = plan::plan(&d, &shapes, opts.transformer_impl, padded)?;
     let mtp = mtp_tensors(&d, &p.unmapped);
     if !mtp.is_empty() {
-        let shown: Vec<&str> = mtp.iter().take(5).map(|s| s.as_str()).collect();
         return Err(Error::Validation(format!(
-            "the folder holds {} tensors of MTP layers ({}{}), which from-hf does not convert yet: a checkpoint without them would lose the model's MTP layers (--allow-unmapped does not skip them)",
+            "the folder holds {} tensors of MTP layers ({}), which from-hf does not convert yet: a checkpoint without them would lose the model's MTP layers (--allow-unmapped does not skip them)",
             mtp.len(),
-            shown.join(", "),
-            if mtp.len() > 5 { ", ..." } else { "" }
+            first_names(&mtp, 5)
         )));
     }
     if !p.unmapped.is_empty() && !opts.allow_unmapped {
-        let shown: Vec<&str> = p.unmapped.iter().take(20).map(|s| s.as_str()).collect();
         return Err(Error::Validation(format!(
-            "no rule reads these HF tensors (pass --allow-unmapped to skip them): {}{}",
-            shown.join(", "),
-            if p.unmapped.len() > 20 { ", ..." } else { "" }
+            "no rule reads these HF tensors (pass --allow-unmapped to skip them): {}",
+            first_names(&p.unmapped, 20)
         )));
     }
     for j in &p.jobs {
