@@ -296,9 +296,10 @@ macro_rules! out {
     };
 }
 
-/// `key` as the text output prints it: control characters escaped (`\n`, `\u{1b}`), so a hostile
-/// checkpoint's keys cannot move the cursor, clear the screen or forge lines in a terminal or a
-/// log. Keys without control characters print as they are (`--json` output is JSON-escaped).
+/// `key` (or an error message naming keys) as the text output prints it: control characters
+/// escaped (`\n`, `\u{1b}`), so a hostile checkpoint's or HF folder's names cannot move the
+/// cursor, clear the screen or forge lines in a terminal or a log, and an error stays one line.
+/// Text without control characters prints as it is (`--json` output is JSON-escaped).
 fn shown(key: &str) -> Cow<'_, str> {
     if !key.chars().any(char::is_control) {
         return Cow::Borrowed(key);
@@ -341,9 +342,21 @@ where
 {
     let cli = match Cli::try_parse_from(args) {
         Ok(c) => c,
+        Err(e) if !e.use_stderr() => {
+            let _ = e.print(); // --help, --version
+            return 0;
+        }
         Err(e) => {
-            let _ = e.print();
-            return if e.use_stderr() { 2 } else { 0 };
+            // One line, as every other error: clap's first line (its usage and tip lines dropped).
+            let text = e.render().to_string();
+            let first = text.lines().next().unwrap_or_default();
+            let message = first.strip_prefix("error: ").unwrap_or(first);
+            let _ = writeln!(
+                std::io::stderr(),
+                "shardwise: error: {} (see --help)",
+                shown(message)
+            );
+            return 2;
         }
     };
     let result = (|| match cli.command {
@@ -469,7 +482,11 @@ where
         }
         Err(Stop::Fail(e)) => {
             // stderr may be closed too; nothing is left to tell then.
-            let _ = writeln!(std::io::stderr(), "shardwise: error: {e}");
+            let _ = writeln!(
+                std::io::stderr(),
+                "shardwise: error: {}",
+                shown(&e.to_string())
+            );
             1
         }
     }
@@ -1403,7 +1420,11 @@ fn diff(args: DiffArgs) -> Outcome {
     let report = match report {
         Ok(r) => r,
         Err(e) => {
-            let _ = writeln!(std::io::stderr(), "shardwise: error: {e}");
+            let _ = writeln!(
+                std::io::stderr(),
+                "shardwise: error: {}",
+                shown(&e.to_string())
+            );
             return Ok(2);
         }
     };

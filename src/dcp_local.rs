@@ -177,11 +177,7 @@ struct RankItems {
 /// errors.
 pub fn merge(loc: &Location, world_size: Option<u32>, timeout: Duration) -> Result<Summary> {
     if let Some(w) = world_size {
-        if w == 0 {
-            return Err(Error::InvalidArgument(
-                "world_size must be at least 1".into(),
-            ));
-        }
+        crate::commit::check_world_size(w)?;
         wait_for_ranks(loc, w, timeout)?;
     }
     let (files, _) = loc.list("")?;

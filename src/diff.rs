@@ -133,7 +133,8 @@ fn open_side(loc: &Location) -> Result<Side> {
 /// Compares checkpoint `a` with `b` (directories, object-store URLs, or one HF safetensors folder).
 ///
 /// Errors: when a side cannot be opened (no `.metadata`, not a safetensors folder), for two HF
-/// folders, a `--keys` pattern that selects no key ([`Error::InvalidArgument`]), and the `to-hf`
+/// folders, a `--keys` pattern that selects no key or an `--exclude` that leaves none
+/// ([`Error::InvalidArgument`]), and the `to-hf`
 /// mapping's errors in HF mode; per-key read failures are
 /// [`Status::Unreadable`] entries of the report instead.
 pub fn diff(a: &Location, b: &Location, opts: &DiffOptions) -> Result<DiffReport> {
@@ -177,6 +178,11 @@ pub fn diff(a: &Location, b: &Location, opts: &DiffOptions) -> Result<DiffReport
         return Err(Error::InvalidArgument(format!(
             "--keys {p:?} matches no key of either side (after --exclude)"
         )));
+    }
+    if keys.is_empty() && !opts.exclude.is_empty() {
+        return Err(Error::InvalidArgument(
+            "--exclude leaves no key of either side to compare".into(),
+        ));
     }
     for k in &keys {
         match k.status {

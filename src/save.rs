@@ -119,7 +119,8 @@ fn check(opts: &SaveOptions, tensors: &[TensorChunk]) -> Result<()> {
 ///
 /// Errors: [`Error::InvalidArgument`].
 pub fn check_options(opts: &SaveOptions) -> Result<()> {
-    if opts.world_size == 0 || opts.rank >= opts.world_size {
+    crate::commit::check_world_size(opts.world_size)?;
+    if opts.rank >= opts.world_size {
         return Err(Error::InvalidArgument(format!(
             "rank {} is not in 0..world_size ({})",
             opts.rank, opts.world_size

@@ -64,12 +64,18 @@ def test_the_slurm_array_recipe_writes_the_one_process_output(small, tmp_path):
     one, arr = tmp_path / "one", tmp_path / "array"
     shardwise.to_hf(str(ckpt), str(one), hf_config=str(hf / "config.json"), max_shard_size="40KB")
     bin_dir = str(Path(sys.executable).parent)  # the venv's `shardwise` command, as a job's PATH has it
-    for i in (2, 0, 3, 1):  # array tasks start in any order
+
+    def task(i: int, count: int):  # Slurm's variables for array task i of an array of `count` tasks
         env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ["PATH"], "SLURM_ARRAY_TASK_ID": str(i),
-               "SLURM_ARRAY_TASK_COUNT": "4", "SLURM_CPUS_PER_TASK": "1"}
-        r = subprocess.run(["bash", str(SBATCH), ckpt, arr, hf / "config.json", "--max-shard-size", "40KB"],
+               "SLURM_ARRAY_TASK_COUNT": str(count), "SLURM_CPUS_PER_TASK": "1"}
+        r = subprocess.run(["bash", str(SBATCH), ckpt, arr, hf / "config.json", "4", "--max-shard-size", "40KB"],
                            env=env, capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr
+
+    for i in (2, 0, 3):  # `--array=0-3`: tasks start in any order; task 1 is lost
+        task(i, 4)
+    assert not (arr / "model.safetensors.index.json").exists()
+    task(1, 1)  # resubmitted alone (`--array=1`): Slurm says 1 task, the part count is still 4
     assert len(_files(one)) > 4 and _files(arr) == _files(one)
 
 

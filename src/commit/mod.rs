@@ -113,6 +113,23 @@ fn current_commit(loc: &Location, save_id: &str, fresh: &Freshness) -> Option<Co
         })
 }
 
+/// The most ranks a save may declare. Per-rank tables (the parts waited for, their states) are
+/// sized by `world_size` before any part is read, so an absurd one (10^9 from a typo, a hostile
+/// argument) must be an error, not an allocation of 224 GB; no job has a million ranks.
+pub const MAX_WORLD_SIZE: u32 = 1 << 20;
+
+/// `world_size` is at least 1 and at most [`MAX_WORLD_SIZE`].
+///
+/// Errors: [`Error::InvalidArgument`] naming it.
+pub fn check_world_size(world_size: u32) -> Result<()> {
+    if world_size == 0 || world_size > MAX_WORLD_SIZE {
+        return Err(Error::InvalidArgument(format!(
+            "world_size {world_size} is not in 1..={MAX_WORLD_SIZE}"
+        )));
+    }
+    Ok(())
+}
+
 /// Merges the parts of `save_id` in `loc` and commits (see the module docs for the order).
 ///
 /// Idempotent and safe to race, so exactly one merger commits and all report success:
@@ -137,11 +154,7 @@ pub fn merge(
     fresh: &Freshness,
 ) -> Result<CommitSummary> {
     check_save_id(save_id)?;
-    if world_size == 0 {
-        return Err(Error::InvalidArgument(
-            "world_size must be at least 1".into(),
-        ));
-    }
+    check_world_size(world_size)?;
     if let Some(done) = current_commit(loc, save_id, fresh) {
         return Ok(done);
     }

@@ -313,6 +313,15 @@ pub fn from_hf(
     };
     // Phase 2: the HF folder, the config and the plan; every check before any write.
     let src = source::HfSource::open(hf_dir)?;
+    // A weight file may be a symlink out of the folder (the HF cache's snapshots point into its
+    // blobs folder): the output must not hold any of them either.
+    for f in src
+        .files
+        .iter()
+        .chain(std::iter::once(&"config.json".to_string()))
+    {
+        check_outside(ckpt_dir, &hf_dir.join(f), "HF file")?;
+    }
     let d = Dims::from_config(&src.config, opts.arch.as_deref())?;
     let vocab = d.vocab_size.ok_or_else(|| {
         Error::InvalidArgument(format!(
