@@ -22,11 +22,14 @@ from dcp_util import row_shard
 
 def save_rank(ckpt: str, rank: int, world: int, save_id, rows: int, timeout_s: float, result_path: str,
               merge_rank=0, wait_for_commit=True, trap_sigint=False, offset: float = 0.0, start_after=None,
-              **save_kw) -> None:
+              retry_timeout_s=None, **save_kw) -> None:
     """One rank of a save: ``rows`` x 1024 float32 rows of ``w`` (4 KiB a row, plus ``offset``, so two
     attempts can save different values), plus a small ``b``. ``save_id=None`` derives the id as a
     launch would; ``save_kw`` go to ``shardwise.megatron.save``. With ``start_after`` (a path), the
     process exists at once but saves only once that file exists (a rank that is slow to reach its save).
+    With ``retry_timeout_s``, a save that raises a shardwise error is retried once in the same process,
+    as a training loop retries after a transient fault, with that timeout; the first error is
+    recorded as ``first`` (``{"type", "error"}``).
 
     Writes ``{"ok", "type", "error", "report", "elapsed_s"}`` to ``result_path``. With
     ``trap_sigint``, SIGINT is recorded instead of raising KeyboardInterrupt (which could otherwise
@@ -46,9 +49,18 @@ def save_rank(ckpt: str, rank: int, world: int, save_id, rows: int, timeout_s: f
         # A training process's own disposition, whatever this test run inherited (a shell runs
         # background jobs with SIGINT ignored).
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    def save(timeout: float):
+        return swm.save(state, ckpt, rank=rank, world_size=world, save_id=save_id, timeout_s=timeout,
+                        merge_rank=merge_rank, wait_for_commit=wait_for_commit, **save_kw)
+
     try:
-        out["report"] = swm.save(state, ckpt, rank=rank, world_size=world, save_id=save_id, timeout_s=timeout_s,
-                                 merge_rank=merge_rank, wait_for_commit=wait_for_commit, **save_kw)
+        try:
+            out["report"] = save(timeout_s)
+        except shardwise.ShardwiseError as e:
+            if retry_timeout_s is None:
+                raise
+            out["first"] = {"type": type(e).__name__, "error": str(e)}
+            out["report"] = save(retry_timeout_s)
         out["ok"] = True
     except BaseException as e:  # noqa: BLE001 - reported to the test as data
         out.update(ok=False, type=type(e).__name__, error=str(e), shardwise_error=isinstance(e, shardwise.ShardwiseError))

@@ -213,6 +213,59 @@ def test_status_says_a_failed_save_would_now_commit_and_names_orphaned_files(ctx
     assert json.loads(cli("status", orphaned, "--json").stdout)["orphaned_data_files"] == ["__1_0.distcp"]
 
 
+def failed_markers(ckpt: Path) -> list:
+    return list((ckpt / ".shardwise").glob("*/FAILED"))
+
+
+def one_retry_id(results: dict) -> str:
+    """The save id every rank's report names: the second attempt of the derived id."""
+    ids = {r["report"]["save_id"] for r in results.values()}
+    assert len(ids) == 1 and ids.pop().endswith(".2"), results
+    return next(iter(results.values()))["report"]["save_id"]
+
+
+def test_a_retry_by_processes_started_before_the_failure_commits(ctx, tmp_path):
+    """Case 14 (issue 37). The retry's rank processes exist before attempt 1 fails (a pool of
+    workers, a launcher that starts the next ranks early). Attempt 1: rank 2 is SIGKILLed before it
+    publishes, the merger times out and writes FAILED after the retry's processes started. The
+    retry must not take that FAILED for its own: every rank begins attempt 2 and it commits."""
+    ckpt, out, go = tmp_path / "c", tmp_path / "out", tmp_path / "go"
+    retry = start_ranks(ctx, ckpt, None, out / "a2", timeout_s=30.0, offset=2.0, start_after=str(go))
+    kill_all(start_ranks(ctx, ckpt, None, out / "dead", ranks=[2], start_after=str(tmp_path / "never")))
+    first = finish(start_ranks(ctx, ckpt, None, out / "a1", ranks=[0, 1], timeout_s=1.0, offset=1.0), out / "a1", "None")
+    assert first[0]["type"] == "MissingRanksError" and first[1]["type"] == "NotCommittedError", first
+    go.touch()
+    results = finish(retry, out / "a2", "None")
+    assert all(r["ok"] for r in results.values()), results
+    assert_holds(ckpt, [2.0, 2.0, 2.0])
+    one_retry_id(results)
+
+
+def test_a_rank_that_missed_the_failed_attempt_saves_once_into_the_retry(ctx, tmp_path):
+    """Case 15 (issue 37). Rank 1 is busy and makes no call in attempt 1; the merger times out
+    (FAILED), rank 2 learns it, and ranks 0 and 2 retry in their processes. Rank 1 then makes its
+    first call, with the same iteration's state: it joins the retry instead of taking attempt 1's
+    failure, and the retry commits. (Rank 2 waits longer than the merger, so that its attempt ends
+    by the merger's FAILED: a rank that gives up first and retries at once joins the same attempt,
+    which has not ended.)"""
+    ckpt, out, go = tmp_path / "c", tmp_path / "out", tmp_path / "go"
+    busy = start_ranks(ctx, ckpt, None, out / "late", ranks=[1], timeout_s=30.0, offset=1.0, start_after=str(go))
+    retrying = {**start_ranks(ctx, ckpt, None, out / "a", ranks=[0], timeout_s=1.0, offset=1.0, retry_timeout_s=30.0),
+                **start_ranks(ctx, ckpt, None, out / "a", ranks=[2], timeout_s=30.0, offset=1.0, retry_timeout_s=30.0)}
+    deadline = time.monotonic() + 60
+    while not failed_markers(ckpt):
+        assert time.monotonic() < deadline, "attempt 1 never failed"
+        time.sleep(0.01)
+    go.touch()
+    results = {**finish(retrying, out / "a", "None"), **finish(busy, out / "late", "None")}
+    assert all(r["ok"] for r in results.values()), results
+    assert results[0]["first"]["type"] == "MissingRanksError" and "ranks [1" in results[0]["first"]["error"], results
+    assert results[2]["first"]["type"] == "NotCommittedError" and "first" not in results[1], results
+    assert_holds(ckpt, [1.0, 1.0, 1.0])
+    one_retry_id(results)
+
+
+
 # ---------------------------------------------------------------------------------------------
 # One definition of "committed" (case 6), in-process saves
 # ---------------------------------------------------------------------------------------------
