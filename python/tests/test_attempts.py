@@ -34,9 +34,11 @@ def expected_w(offsets) -> torch.Tensor:
     return torch.cat([row_shard("w", r, WORLD, rows=ROWS, cols=1024).data + offsets[r] for r in range(WORLD)])
 
 
-def wait_for_parts(ckpt: Path, ranks) -> None:
+def wait_for_parts(ckpt: Path, ranks, attempt=None) -> None:
+    """Until each of ``ranks`` published a part (of attempt ``n`` of the derived id, when given)."""
     deadline = time.monotonic() + 60
-    while not all(list((ckpt / ".shardwise").glob(f"*/{r}.part")) for r in ranks):
+    saves = "*" if attempt is None else f"*.{attempt}"
+    while not all(list((ckpt / ".shardwise").glob(f"{saves}/{r}.part")) for r in ranks):
         assert time.monotonic() < deadline, f"parts of ranks {list(ranks)} never appeared"
         time.sleep(0.01)
 
@@ -264,6 +266,32 @@ def test_a_rank_that_missed_the_failed_attempt_saves_once_into_the_retry(ctx, tm
     assert_holds(ckpt, [1.0, 1.0, 1.0])
     one_retry_id(results)
 
+
+def test_a_retry_while_a_straggler_of_the_failed_attempt_still_publishes(ctx, tmp_path):
+    """Case 16 (issue 37). Rank 2 of attempt 1 is stopped (SIGSTOP) in the middle of its save;
+    attempt 1 fails (rank 1 never comes). The retry's processes, started before the failure, save
+    and rank 2's retry publishes; only then does the straggler go on (SIGCONT): it writes the rest
+    of its data file and publishes its part. The retry commits its own data only: the straggler's
+    part lies under attempt 1's id, and its writes go to the file the retry unlinked, not to the
+    retry's. The straggler gets attempt 1's error."""
+    ckpt, out, go = tmp_path / "c", tmp_path / "out", tmp_path / "go"
+    retry = start_ranks(ctx, ckpt, None, out / "a2", timeout_s=30.0, offset=2.0, start_after=str(go))
+    straggler = start_ranks(ctx, ckpt, None, out / "s", ranks=[2], timeout_s=5.0, offset=1.0)
+    wait_for(ckpt / "__2_0.distcp")
+    os.kill(straggler[2].pid, signal.SIGSTOP)
+    try:
+        first = finish(start_ranks(ctx, ckpt, None, out / "a1", ranks=[0], timeout_s=1.0, offset=1.0), out / "a1", "None")
+        assert first[0]["type"] == "MissingRanksError" and "ranks [1" in first[0]["error"], first
+        go.touch()
+        wait_for_parts(ckpt, [2], attempt=2)
+    finally:
+        os.kill(straggler[2].pid, signal.SIGCONT)
+    late = finish(straggler, out / "s", "None")
+    results = finish(retry, out / "a2", "None")
+    assert all(r["ok"] for r in results.values()), results
+    assert late[2]["type"] == "NotCommittedError" and ".1 " in late[2]["error"], late
+    assert_holds(ckpt, [2.0, 2.0, 2.0])
+    one_retry_id(results)
 
 
 # ---------------------------------------------------------------------------------------------
