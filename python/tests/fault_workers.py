@@ -26,7 +26,9 @@ def save_rank(ckpt: str, rank: int, world: int, save_id, rows: int, timeout_s: f
     """One rank of a save: ``rows`` x 1024 float32 rows of ``w`` (4 KiB a row, plus ``offset``, so two
     attempts can save different values), plus a small ``b``. ``save_id=None`` derives the id as a
     launch would; ``save_kw`` go to ``shardwise.megatron.save``. With ``start_after`` (a path), the
-    process exists at once but saves only once that file exists (a rank that is slow to reach its save).
+    process exists at once but saves only once that file exists (a rank that is slow to reach its save),
+    and never saves if it does not appear within 10 minutes (the test has ended or failed by then; on a
+    loaded machine a shorter wait could let the rank save before the step it must follow).
     With ``retry_timeout_s``, a save that raises a shardwise error is retried once in the same process,
     as a training loop retries after a transient fault, with that timeout; the first error is
     recorded as ``first`` (``{"type", "error"}``).
@@ -36,8 +38,11 @@ def save_rank(ckpt: str, rank: int, world: int, save_id, rows: int, timeout_s: f
     fire inside the ``except`` below and lose the record): ``sigint_s`` is when Python ran the
     handler and ``returned_s`` when the save call returned, both seconds after the save began.
     """
-    deadline = time.monotonic() + 60
-    while start_after is not None and not os.path.exists(start_after) and time.monotonic() < deadline:
+    deadline = time.monotonic() + 600
+    while start_after is not None and not os.path.exists(start_after):
+        if time.monotonic() > deadline:
+            _write_result(result_path, {"rank": rank, "ok": False, "type": "NeverStarted", "error": start_after})
+            return
         time.sleep(0.005)
     state = {"w": row_shard("w", rank, world, rows=rows, cols=1024), "b": row_shard("b", rank, world, rows=2, cols=4)}
     state["w"].data.add_(offset)
@@ -65,6 +70,10 @@ def save_rank(ckpt: str, rank: int, world: int, save_id, rows: int, timeout_s: f
     except BaseException as e:  # noqa: BLE001 - reported to the test as data
         out.update(ok=False, type=type(e).__name__, error=str(e), shardwise_error=isinstance(e, shardwise.ShardwiseError))
     out["returned_s"] = out["elapsed_s"] = time.monotonic() - t0
+    _write_result(result_path, out)
+
+
+def _write_result(result_path: str, out: dict) -> None:
     tmp = result_path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(out, f)

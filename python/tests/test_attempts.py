@@ -234,7 +234,8 @@ def test_a_retry_by_processes_started_before_the_failure_commits(ctx, tmp_path):
     ckpt, out, go = tmp_path / "c", tmp_path / "out", tmp_path / "go"
     retry = start_ranks(ctx, ckpt, None, out / "a2", timeout_s=30.0, offset=2.0, start_after=str(go))
     kill_all(start_ranks(ctx, ckpt, None, out / "dead", ranks=[2], start_after=str(tmp_path / "never")))
-    first = finish(start_ranks(ctx, ckpt, None, out / "a1", ranks=[0, 1], timeout_s=1.0, offset=1.0), out / "a1", "None")
+    # 3 s: on a loaded machine rank 1 must still join attempt 1 before the merger gives up on it.
+    first = finish(start_ranks(ctx, ckpt, None, out / "a1", ranks=[0, 1], timeout_s=3.0, offset=1.0), out / "a1", "None")
     assert first[0]["type"] == "MissingRanksError" and first[1]["type"] == "NotCommittedError", first
     go.touch()
     results = finish(retry, out / "a2", "None")
@@ -252,7 +253,8 @@ def test_a_rank_that_missed_the_failed_attempt_saves_once_into_the_retry(ctx, tm
     which has not ended.)"""
     ckpt, out, go = tmp_path / "c", tmp_path / "out", tmp_path / "go"
     busy = start_ranks(ctx, ckpt, None, out / "late", ranks=[1], timeout_s=30.0, offset=1.0, start_after=str(go))
-    retrying = {**start_ranks(ctx, ckpt, None, out / "a", ranks=[0], timeout_s=1.0, offset=1.0, retry_timeout_s=30.0),
+    # 3 s: on a loaded machine rank 2 must still join attempt 1 before the merger gives up on it.
+    retrying = {**start_ranks(ctx, ckpt, None, out / "a", ranks=[0], timeout_s=3.0, offset=1.0, retry_timeout_s=30.0),
                 **start_ranks(ctx, ckpt, None, out / "a", ranks=[2], timeout_s=30.0, offset=1.0, retry_timeout_s=30.0)}
     deadline = time.monotonic() + 60
     while not failed_markers(ckpt):
