@@ -12,6 +12,7 @@ use indicatif::HumanBytes;
 use serde::Serialize;
 
 use crate::commit::part::{listed_parts, read_part, save_rel, Marker, RankPart, STATE_DIR};
+use crate::commit::record::{read_commit_record, SaveLayout};
 use crate::commit::state::{checkpoint_state, orphaned_data_files, save_state, CheckpointState};
 use crate::commit::wait::{missing_ranks, timeout_from_secs, Freshness};
 use crate::error::{fmt_ranks, Error, Result};
@@ -66,7 +67,8 @@ enum Command {
     Status {
         /// Checkpoint directory or URL.
         dir: PathBuf,
-        /// Also list every key with its dtype, global shape, chunk count and the ranks that saved it.
+        /// Also list every key with its dtype, global shape, chunk count and the ranks that saved it
+        /// (reads every rank's part; without it a committed save costs a read of its record only).
         #[arg(long)]
         keys: bool,
         #[arg(long, help = JSON_HELP)]
@@ -839,6 +841,10 @@ struct SaveStatus {
     present: usize,
     missing: Vec<u32>,
     ranks: Vec<RankStatus>,
+    /// Tensor keys of the save.
+    key_count: usize,
+    /// Each tensor key's layout; only when asked (`--keys`): on a committed save it costs a read
+    /// of every part.
     keys: Vec<KeyLayout>,
 }
 
@@ -854,61 +860,46 @@ struct KeyLayout {
     ranks: Vec<u32>,
 }
 
-/// The state of `dir` and of each save in it: what `shardwise status` shows.
+/// The state of `dir` and of each save in it: what `shardwise status` shows; with `keys`, each
+/// save's tensor keys too. A committed save's ranks come from its `COMMITTED` record (a few KiB,
+/// whatever the number of chunks); its parts, whose item records grow with the chunks, are read
+/// only for `keys`, for a save not committed, or for a record without a layout (older shardwise).
 ///
 /// Errors: storage errors when `dir` or its state directory cannot be read.
-pub(crate) fn status_report(dir: &Location) -> Result<(CheckpointState, StatusReport)> {
+pub(crate) fn status_report(dir: &Location, keys: bool) -> Result<(CheckpointState, StatusReport)> {
     let checkpoint = checkpoint_state(dir)?;
     let orphans = orphaned_data_files(dir)?;
     let mut saves = Vec::new();
     for id in save_ids(dir)? {
-        let parts = read_parts(dir, &id);
-        let world_size = parts
-            .iter()
-            .find_map(|(_, p, _)| p.as_ref().ok().map(|p| p.world_size))
-            .unwrap_or(0);
-        let state = save_state(dir, &id, world_size)?;
-        let mut layout: BTreeMap<&str, KeyLayout> = BTreeMap::new();
-        let mut ranks = Vec::new();
-        for (rank, p, age_s) in &parts {
-            match p {
-                Err(e) => ranks.push(RankStatus {
-                    rank: *rank,
-                    age_s: *age_s,
-                    tensor_chunks: 0,
-                    byte_objects: 0,
-                    bytes: 0,
-                    files: Vec::new(),
-                    common: false,
-                    error: Some(e.to_string()),
-                }),
-                Ok(p) => {
-                    for t in &p.tensors {
-                        let e = layout.entry(&t.fqn).or_insert_with(|| KeyLayout {
-                            key: t.fqn.clone(),
-                            dtype: t.dtype.clone(),
-                            global_shape: t.global_shape.clone(),
-                            chunks: 0,
-                            ranks: Vec::new(),
-                        });
-                        e.chunks += 1;
-                        if e.ranks.last() != Some(rank) {
-                            e.ranks.push(*rank);
-                        }
-                    }
-                    ranks.push(RankStatus {
-                        rank: *rank,
-                        age_s: *age_s,
-                        tensor_chunks: p.tensors.len(),
-                        byte_objects: p.objects.len(),
-                        bytes: p.files.iter().map(|f| f.size).sum(),
-                        files: p.files.iter().map(|f| f.name.clone()).collect(),
-                        common: p.common.is_some(),
-                        error: None,
-                    })
-                }
+        let recorded = if keys {
+            None
+        } else {
+            read_commit_record(dir, &id).and_then(|r| r.layout)
+        };
+        let (world_size, present, ranks, key_count, layout) = match recorded {
+            Some(l) => {
+                let (present, ranks) = ranks_of_record(dir, &id, &l)?;
+                (
+                    l.ranks.len() as u32,
+                    present,
+                    ranks,
+                    l.tensor_keys,
+                    Vec::new(),
+                )
             }
-        }
+            None => {
+                let parts = read_parts(dir, &id);
+                let world_size = parts
+                    .iter()
+                    .find_map(|(_, p, _)| p.as_ref().ok().map(|p| p.world_size))
+                    .unwrap_or(0);
+                let (ranks, layout) = ranks_of_parts(&parts);
+                let key_count = layout.len();
+                let layout = if keys { layout } else { Vec::new() };
+                (world_size, parts.len(), ranks, key_count, layout)
+            }
+        };
+        let state = save_state(dir, &id, world_size)?;
         let missing = if world_size > 0 {
             missing_ranks(dir, &id, world_size)?
         } else {
@@ -919,10 +910,11 @@ pub(crate) fn status_report(dir: &Location) -> Result<(CheckpointState, StatusRe
             state: state.name(),
             detail: state.describe(),
             world_size,
-            present: parts.len(),
+            present,
             missing,
             ranks,
-            keys: layout.into_values().collect(),
+            key_count,
+            keys: layout,
         });
     }
     let (state, reason) = match &checkpoint {
@@ -938,6 +930,84 @@ pub(crate) fn status_report(dir: &Location) -> Result<(CheckpointState, StatusRe
         saves,
     };
     Ok((checkpoint, report))
+}
+
+/// The parts present (listed, not read) of committed save `id` and each one's rank as its commit
+/// `layout` recorded it, with the part's age.
+///
+/// Errors: storage errors when the save's directory cannot be listed.
+fn ranks_of_record(
+    dir: &Location,
+    id: &str,
+    layout: &SaveLayout,
+) -> Result<(usize, Vec<RankStatus>)> {
+    let ages: BTreeMap<u32, f64> = listed_parts(dir, id)?
+        .into_iter()
+        .map(|(r, f)| (r, f.age_s))
+        .collect();
+    let ranks = layout
+        .ranks
+        .iter()
+        .filter_map(|r| {
+            Some(RankStatus {
+                rank: r.rank,
+                age_s: *ages.get(&r.rank)?,
+                tensor_chunks: r.tensor_chunks,
+                byte_objects: r.byte_objects,
+                bytes: r.bytes,
+                files: r.files.clone(),
+                common: r.common,
+                error: None,
+            })
+        })
+        .collect();
+    Ok((ages.len(), ranks))
+}
+
+/// Each part's rank status, and the tensor keys the parts describe (in key order).
+fn ranks_of_parts(parts: &[(u32, Result<RankPart>, f64)]) -> (Vec<RankStatus>, Vec<KeyLayout>) {
+    let mut layout: BTreeMap<&str, KeyLayout> = BTreeMap::new();
+    let mut ranks = Vec::new();
+    for (rank, p, age_s) in parts {
+        match p {
+            Err(e) => ranks.push(RankStatus {
+                rank: *rank,
+                age_s: *age_s,
+                tensor_chunks: 0,
+                byte_objects: 0,
+                bytes: 0,
+                files: Vec::new(),
+                common: false,
+                error: Some(e.to_string()),
+            }),
+            Ok(p) => {
+                for t in &p.tensors {
+                    let e = layout.entry(&t.fqn).or_insert_with(|| KeyLayout {
+                        key: t.fqn.clone(),
+                        dtype: t.dtype.clone(),
+                        global_shape: t.global_shape.clone(),
+                        chunks: 0,
+                        ranks: Vec::new(),
+                    });
+                    e.chunks += 1;
+                    if e.ranks.last() != Some(rank) {
+                        e.ranks.push(*rank);
+                    }
+                }
+                ranks.push(RankStatus {
+                    rank: *rank,
+                    age_s: *age_s,
+                    tensor_chunks: p.tensors.len(),
+                    byte_objects: p.objects.len(),
+                    bytes: p.files.iter().map(|f| f.size).sum(),
+                    files: p.files.iter().map(|f| f.name.clone()).collect(),
+                    common: p.common.is_some(),
+                    error: None,
+                })
+            }
+        }
+    }
+    (ranks, layout.into_values().collect())
 }
 
 /// What `shardwise status --json` prints (README, "JSON output"), and `shardwise.status` returns.
@@ -957,7 +1027,7 @@ fn status(dir: &Location, keys: bool, json: bool, repair: bool) -> Outcome {
     if repair {
         repair_checkpoint(dir, Duration::ZERO, false, json)?;
     }
-    let (checkpoint, report) = status_report(dir)?;
+    let (checkpoint, report) = status_report(dir, keys)?;
     if json {
         print_json(&report)?;
         return Ok(0);
@@ -1030,7 +1100,7 @@ fn status(dir: &Location, keys: bool, json: bool, repair: bool) -> Outcome {
                 ),
             }
         }
-        out!("  {}", count(s.keys.len(), "tensor key"));
+        out!("  {}", count(s.key_count, "tensor key"));
         if keys {
             for k in &s.keys {
                 out!(

@@ -1147,7 +1147,6 @@ unsafe fn upload(copier: &DeviceCopier, c: &BoxCopy, src: *const u8, dst: u64) -
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::commit::wait::Freshness;
     use crate::format::dtype::DType;
     use crate::save::{save_rank, SaveOptions};
     use crate::storage::Location;
@@ -1184,7 +1183,7 @@ mod tests {
                 timeout: Duration::from_secs(20),
                 wait_for_commit: false,
                 overwrite: false,
-                freshness: Freshness::any_part(),
+                derived_save_id: false,
                 integrity: false,
             };
             save_rank(&opts, &[chunk], &[], None, None).unwrap();

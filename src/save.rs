@@ -29,7 +29,8 @@ pub struct SaveOptions {
     pub location: Location,
     pub rank: u32,
     pub world_size: u32,
-    /// Identifies this save attempt; identical on every rank, different for every attempt.
+    /// Identifies this save attempt; identical on every rank, different for every attempt (or the
+    /// base of such ids, see `derived_save_id`).
     pub save_id: String,
     /// Write Megatron's `metadata.json` on commit.
     pub megatron: bool,
@@ -42,10 +43,12 @@ pub struct SaveOptions {
     /// Replace a committed checkpoint already in `dir` (local directories only). The old
     /// checkpoint stays loadable until the new `.metadata` replaces it.
     pub overwrite: bool,
-    /// Which parts and markers in the directory belong to this attempt:
-    /// [`Freshness::this_launch`] for a save id that every launch derives alike,
-    /// [`Freshness::any_part`] for an explicit one.
-    pub freshness: Freshness,
+    /// `save_id` is a base that every rank of a launch derives alike (`default_save_id`), not an
+    /// attempt's id: the rank joins an attempt of it ([`attempt::join`]), and parts and markers
+    /// written before this process started belong to an earlier launch
+    /// ([`Freshness::this_launch`]). False: `save_id` is the attempt's, and any part of it counts
+    /// ([`Freshness::any_part`]).
+    pub derived_save_id: bool,
     /// Record the SHA-256 of every file this rank writes, so that the commit writes megatron-core
     /// 0.19's `integrity.json` ([`crate::commit::manifest`]); every rank of a save must agree.
     pub integrity: bool,
@@ -90,6 +93,8 @@ pub fn save_rank(
     // one process (tests, tools) cannot block each other.
     let ticket = SaveTicket::acquire();
     let t0 = Instant::now();
+    let joined = this_attempt(opts).map_err(|e| rank_error(opts.rank, e))?;
+    let opts = &joined;
     let published = write_and_publish(opts, tensors, objects, common, staging);
     drop(ticket);
     let mut report = published.inspect_err(|e| {
@@ -105,6 +110,30 @@ pub fn save_rank(
     merge_or_wait(opts, &mut report)?;
     report.rendezvous_s = t1.elapsed().as_secs_f64();
     Ok(report)
+}
+
+impl SaveOptions {
+    /// Which parts and markers in the directory belong to this attempt (see `derived_save_id`).
+    pub fn freshness(&self) -> Freshness {
+        if self.derived_save_id {
+            Freshness::this_launch()
+        } else {
+            Freshness::any_part()
+        }
+    }
+}
+
+/// The options of the attempt this rank saves in: for a derived save id, the attempt it joins
+/// ([`attempt::join`], looked up as late as possible, right before it writes), with the
+/// freshness of a derived id; otherwise `opts` as given.
+///
+/// Errors: storage errors when the directory's saves cannot be listed.
+fn this_attempt(opts: &SaveOptions) -> Result<SaveOptions> {
+    let mut joined = opts.clone();
+    if opts.derived_save_id {
+        joined.save_id = attempt::join(&opts.location, &opts.save_id)?;
+    }
+    Ok(joined)
 }
 
 /// Checks the options and chunks, before any side effect, so bad input changes nothing on disk.
@@ -132,7 +161,12 @@ pub fn check_options(opts: &SaveOptions) -> Result<()> {
             opts.world_size
         )));
     }
-    part::check_save_id(&opts.save_id)
+    if opts.derived_save_id {
+        // The longest attempt id must be a valid save id too.
+        part::check_save_id(&attempt::attempt_id(&opts.save_id, u32::MAX))
+    } else {
+        part::check_save_id(&opts.save_id)
+    }
 }
 
 /// Names the rank in an I/O error of its own writes, so a full disk on one node is found at once.
@@ -341,7 +375,7 @@ fn merge_or_wait(opts: &SaveOptions, report: &mut SaveReport) -> Result<()> {
             &opts.save_id,
             opts.world_size,
             opts.timeout,
-            &opts.freshness,
+            &opts.freshness(),
         )?;
         report.commit = Some(summary);
         report.committed = true;
@@ -351,7 +385,7 @@ fn merge_or_wait(opts: &SaveOptions, report: &mut SaveReport) -> Result<()> {
             &opts.save_id,
             opts.world_size,
             opts.timeout,
-            &opts.freshness,
+            &opts.freshness(),
         )
         .map_err(|e| match e {
             Error::NotCommitted {
@@ -387,7 +421,7 @@ mod tests {
             timeout: Duration::from_secs(20),
             wait_for_commit: true,
             overwrite: false,
-            freshness: Freshness::any_part(),
+            derived_save_id: false,
             integrity: false,
         }
     }

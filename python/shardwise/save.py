@@ -27,10 +27,11 @@ from ._native import InvalidArgumentError
 from .megatron_errors import megatron_compatible
 
 
-# Per-process count of saves (and of strict *_all loads) of each directory. All ranks of an SPMD job
-# make the same calls the same number of times, so the count is part of an id every rank derives
-# alike, and a retry into the same directory gets a new id, which keeps parts of a crashed attempt
-# out of the merge.
+# Per-process count of strict *_all loads of each directory. All ranks of an SPMD job make the same
+# calls the same number of times, so the count is part of an id every rank derives alike. Saves
+# are not counted: a rank that missed a failed attempt, or a process started before it, would count
+# differently; the save numbers its attempts from what the directory holds instead (Rust:
+# commit::attempt::join).
 _ATTEMPTS: dict[tuple[str, str], int] = defaultdict(int)
 
 # Environment values that are equal on every rank of one launch and differ between launches.
@@ -48,28 +49,29 @@ _LAUNCH_ENV = (
 def default_save_id(checkpoint_dir: str) -> str:
     """Save id that every rank of one launch derives alike, without communication.
 
-    It hashes the absolute checkpoint directory, the launch identity found in the environment
-    (``TORCHELASTIC_RUN_ID``, ``SLURM_JOB_ID``, ``MASTER_ADDR``/``MASTER_PORT``, restart counts) and
-    how many times this process has saved into that directory. Pass ``save_id`` explicitly when
-    ranks may call :func:`save` a different number of times for the same directory.
+    It hashes the absolute checkpoint directory and the launch identity found in the environment
+    (``TORCHELASTIC_RUN_ID``, ``SLURM_JOB_ID``, ``MASTER_ADDR``/``MASTER_PORT``, restart counts). It
+    is the base of the attempts' ids: a save with it joins the newest attempt ``<base>.<n>`` in the
+    directory, or begins the next one when that attempt failed or committed (docs/guarantees.md,
+    "Attempts"), so a retry after a failure needs no id, whichever ranks saw the failure.
     """
     return derived_id(checkpoint_dir, "save")
 
 
 def derived_id(checkpoint_dir, purpose: str, group: str = "") -> str:
     """An id of the ``purpose`` operation on ``checkpoint_dir`` that every rank of one launch derives
-    alike (see :func:`default_save_id`): the directory, the launch environment, how many times this
-    process did ``purpose`` on that directory, and ``group`` (the ranks taking part, when not all).
-    ``"save"`` ids are the save ids; each purpose counts its own calls."""
+    alike (see :func:`default_save_id`): the directory, the launch environment, and, except for
+    ``"save"`` (whose attempts are numbered from the directory), how many times this process did
+    ``purpose`` on that directory and ``group`` (the ranks taking part, when not all)."""
     path = os.fsdecode(checkpoint_dir)
     if not is_url(path):
         path = os.path.abspath(path)
-    _ATTEMPTS[purpose, path] += 1
     h = hashlib.sha256(os.fsencode(path))  # the path's own bytes: it need not be UTF-8
     for name in _LAUNCH_ENV:
         h.update(f"\0{name}={os.environ.get(name, '')}".encode())
-    h.update(f"\0attempt={_ATTEMPTS[purpose, path]}".encode())
-    if purpose != "save":  # save ids stay what earlier releases derived
+    if purpose != "save":
+        _ATTEMPTS[purpose, path] += 1
+        h.update(f"\0attempt={_ATTEMPTS[purpose, path]}".encode())
         h.update(f"\0purpose={purpose}\0group={group}".encode())
     return h.hexdigest()[:24]
 
@@ -234,10 +236,12 @@ def save(
             ``KeyboardInterrupt``; a merging rank then publishes the failure so the others stop too.
         content_metadata: stored in ``common.pt`` under ``content_metadata``, as Megatron does.
         save_id: identifies this save attempt; must be equal on every rank. Default: derived from the
-            directory, the launch environment and the attempt count (:func:`default_save_id`); a
-            relaunch with the same environment derives the same id again, and parts and markers
-            written before this process started are then ignored as an earlier attempt's
-            (``docs/guarantees.md``, "Attempts").
+            directory and the launch environment (:func:`default_save_id`), and the attempt numbered
+            from the directory: a retry after a failed attempt, by any process, begins the next
+            one; a relaunch with the same environment joins an attempt that did not end, and parts
+            and markers written before this process started are then ignored as an earlier
+            launch's (``docs/guarantees.md``, "Attempts"). The report's ``save_id`` is the
+            attempt's.
         merge_rank: the rank that merges the parts and commits ``.metadata``; ``None`` leaves the
             commit to ``shardwise merge``.
         wait_for_commit: other ranks return only once the save is committed.

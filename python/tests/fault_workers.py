@@ -22,19 +22,27 @@ from dcp_util import row_shard
 
 def save_rank(ckpt: str, rank: int, world: int, save_id, rows: int, timeout_s: float, result_path: str,
               merge_rank=0, wait_for_commit=True, trap_sigint=False, offset: float = 0.0, start_after=None,
-              **save_kw) -> None:
+              retry_timeout_s=None, **save_kw) -> None:
     """One rank of a save: ``rows`` x 1024 float32 rows of ``w`` (4 KiB a row, plus ``offset``, so two
     attempts can save different values), plus a small ``b``. ``save_id=None`` derives the id as a
     launch would; ``save_kw`` go to ``shardwise.megatron.save``. With ``start_after`` (a path), the
-    process exists at once but saves only once that file exists (a rank that is slow to reach its save).
+    process exists at once but saves only once that file exists (a rank that is slow to reach its save),
+    and never saves if it does not appear within 10 minutes (the test has ended or failed by then; on a
+    loaded machine a shorter wait could let the rank save before the step it must follow).
+    With ``retry_timeout_s``, a save that raises a shardwise error is retried once in the same process,
+    as a training loop retries after a transient fault, with that timeout; the first error is
+    recorded as ``first`` (``{"type", "error"}``).
 
     Writes ``{"ok", "type", "error", "report", "elapsed_s"}`` to ``result_path``. With
     ``trap_sigint``, SIGINT is recorded instead of raising KeyboardInterrupt (which could otherwise
     fire inside the ``except`` below and lose the record): ``sigint_s`` is when Python ran the
     handler and ``returned_s`` when the save call returned, both seconds after the save began.
     """
-    deadline = time.monotonic() + 60
-    while start_after is not None and not os.path.exists(start_after) and time.monotonic() < deadline:
+    deadline = time.monotonic() + 600
+    while start_after is not None and not os.path.exists(start_after):
+        if time.monotonic() > deadline:
+            _write_result(result_path, {"rank": rank, "ok": False, "type": "NeverStarted", "error": start_after})
+            return
         time.sleep(0.005)
     state = {"w": row_shard("w", rank, world, rows=rows, cols=1024), "b": row_shard("b", rank, world, rows=2, cols=4)}
     state["w"].data.add_(offset)
@@ -46,13 +54,26 @@ def save_rank(ckpt: str, rank: int, world: int, save_id, rows: int, timeout_s: f
         # A training process's own disposition, whatever this test run inherited (a shell runs
         # background jobs with SIGINT ignored).
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    def save(timeout: float):
+        return swm.save(state, ckpt, rank=rank, world_size=world, save_id=save_id, timeout_s=timeout,
+                        merge_rank=merge_rank, wait_for_commit=wait_for_commit, **save_kw)
+
     try:
-        out["report"] = swm.save(state, ckpt, rank=rank, world_size=world, save_id=save_id, timeout_s=timeout_s,
-                                 merge_rank=merge_rank, wait_for_commit=wait_for_commit, **save_kw)
+        try:
+            out["report"] = save(timeout_s)
+        except shardwise.ShardwiseError as e:
+            if retry_timeout_s is None:
+                raise
+            out["first"] = {"type": type(e).__name__, "error": str(e)}
+            out["report"] = save(retry_timeout_s)
         out["ok"] = True
     except BaseException as e:  # noqa: BLE001 - reported to the test as data
         out.update(ok=False, type=type(e).__name__, error=str(e), shardwise_error=isinstance(e, shardwise.ShardwiseError))
     out["returned_s"] = out["elapsed_s"] = time.monotonic() - t0
+    _write_result(result_path, out)
+
+
+def _write_result(result_path: str, out: dict) -> None:
     tmp = result_path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(out, f)

@@ -34,9 +34,11 @@ def expected_w(offsets) -> torch.Tensor:
     return torch.cat([row_shard("w", r, WORLD, rows=ROWS, cols=1024).data + offsets[r] for r in range(WORLD)])
 
 
-def wait_for_parts(ckpt: Path, ranks) -> None:
+def wait_for_parts(ckpt: Path, ranks, attempt=None) -> None:
+    """Until each of ``ranks`` published a part (of attempt ``n`` of the derived id, when given)."""
     deadline = time.monotonic() + 60
-    while not all(list((ckpt / ".shardwise").glob(f"*/{r}.part")) for r in ranks):
+    saves = "*" if attempt is None else f"*.{attempt}"
+    while not all(list((ckpt / ".shardwise").glob(f"{saves}/{r}.part")) for r in ranks):
         assert time.monotonic() < deadline, f"parts of ranks {list(ranks)} never appeared"
         time.sleep(0.01)
 
@@ -211,6 +213,87 @@ def test_status_says_a_failed_save_would_now_commit_and_names_orphaned_files(ctx
     st = cli("status", orphaned)
     assert st.returncode == 0 and "1 data file that no part names" in st.stdout and "__1_0.distcp" in st.stdout, st.stdout
     assert json.loads(cli("status", orphaned, "--json").stdout)["orphaned_data_files"] == ["__1_0.distcp"]
+
+
+def failed_markers(ckpt: Path) -> list:
+    return list((ckpt / ".shardwise").glob("*/FAILED"))
+
+
+def one_retry_id(results: dict) -> str:
+    """The save id every rank's report names: the second attempt of the derived id."""
+    ids = {r["report"]["save_id"] for r in results.values()}
+    assert len(ids) == 1 and ids.pop().endswith(".2"), results
+    return next(iter(results.values()))["report"]["save_id"]
+
+
+def test_a_retry_by_processes_started_before_the_failure_commits(ctx, tmp_path):
+    """Case 14 (issue 37). The retry's rank processes exist before attempt 1 fails (a pool of
+    workers, a launcher that starts the next ranks early). Attempt 1: rank 2 is SIGKILLed before it
+    publishes, the merger times out and writes FAILED after the retry's processes started. The
+    retry must not take that FAILED for its own: every rank begins attempt 2 and it commits."""
+    ckpt, out, go = tmp_path / "c", tmp_path / "out", tmp_path / "go"
+    retry = start_ranks(ctx, ckpt, None, out / "a2", timeout_s=30.0, offset=2.0, start_after=str(go))
+    kill_all(start_ranks(ctx, ckpt, None, out / "dead", ranks=[2], start_after=str(tmp_path / "never")))
+    # 3 s: on a loaded machine rank 1 must still join attempt 1 before the merger gives up on it.
+    first = finish(start_ranks(ctx, ckpt, None, out / "a1", ranks=[0, 1], timeout_s=3.0, offset=1.0), out / "a1", "None")
+    assert first[0]["type"] == "MissingRanksError" and first[1]["type"] == "NotCommittedError", first
+    go.touch()
+    results = finish(retry, out / "a2", "None")
+    assert all(r["ok"] for r in results.values()), results
+    assert_holds(ckpt, [2.0, 2.0, 2.0])
+    one_retry_id(results)
+
+
+def test_a_rank_that_missed_the_failed_attempt_saves_once_into_the_retry(ctx, tmp_path):
+    """Case 15 (issue 37). Rank 1 is busy and makes no call in attempt 1; the merger times out
+    (FAILED), rank 2 learns it, and ranks 0 and 2 retry in their processes. Rank 1 then makes its
+    first call, with the same iteration's state: it joins the retry instead of taking attempt 1's
+    failure, and the retry commits. (Rank 2 waits longer than the merger, so that its attempt ends
+    by the merger's FAILED: a rank that gives up first and retries at once joins the same attempt,
+    which has not ended.)"""
+    ckpt, out, go = tmp_path / "c", tmp_path / "out", tmp_path / "go"
+    busy = start_ranks(ctx, ckpt, None, out / "late", ranks=[1], timeout_s=30.0, offset=1.0, start_after=str(go))
+    # 3 s: on a loaded machine rank 2 must still join attempt 1 before the merger gives up on it.
+    retrying = {**start_ranks(ctx, ckpt, None, out / "a", ranks=[0], timeout_s=3.0, offset=1.0, retry_timeout_s=30.0),
+                **start_ranks(ctx, ckpt, None, out / "a", ranks=[2], timeout_s=30.0, offset=1.0, retry_timeout_s=30.0)}
+    deadline = time.monotonic() + 60
+    while not failed_markers(ckpt):
+        assert time.monotonic() < deadline, "attempt 1 never failed"
+        time.sleep(0.01)
+    go.touch()
+    results = {**finish(retrying, out / "a", "None"), **finish(busy, out / "late", "None")}
+    assert all(r["ok"] for r in results.values()), results
+    assert results[0]["first"]["type"] == "MissingRanksError" and "ranks [1" in results[0]["first"]["error"], results
+    assert results[2]["first"]["type"] == "NotCommittedError" and "first" not in results[1], results
+    assert_holds(ckpt, [1.0, 1.0, 1.0])
+    one_retry_id(results)
+
+
+def test_a_retry_while_a_straggler_of_the_failed_attempt_still_publishes(ctx, tmp_path):
+    """Case 16 (issue 37). Rank 2 of attempt 1 is stopped (SIGSTOP) in the middle of its save;
+    attempt 1 fails (rank 1 never comes). The retry's processes, started before the failure, save
+    and rank 2's retry publishes; only then does the straggler go on (SIGCONT): it writes the rest
+    of its data file and publishes its part. The retry commits its own data only: the straggler's
+    part lies under attempt 1's id, and its writes go to the file the retry unlinked, not to the
+    retry's. The straggler gets attempt 1's error."""
+    ckpt, out, go = tmp_path / "c", tmp_path / "out", tmp_path / "go"
+    retry = start_ranks(ctx, ckpt, None, out / "a2", timeout_s=30.0, offset=2.0, start_after=str(go))
+    straggler = start_ranks(ctx, ckpt, None, out / "s", ranks=[2], timeout_s=5.0, offset=1.0)
+    wait_for(ckpt / "__2_0.distcp")
+    os.kill(straggler[2].pid, signal.SIGSTOP)
+    try:
+        first = finish(start_ranks(ctx, ckpt, None, out / "a1", ranks=[0], timeout_s=1.0, offset=1.0), out / "a1", "None")
+        assert first[0]["type"] == "MissingRanksError" and "ranks [1" in first[0]["error"], first
+        go.touch()
+        wait_for_parts(ckpt, [2], attempt=2)
+    finally:
+        os.kill(straggler[2].pid, signal.SIGCONT)
+    late = finish(straggler, out / "s", "None")
+    results = finish(retry, out / "a2", "None")
+    assert all(r["ok"] for r in results.values()), results
+    assert late[2]["type"] == "NotCommittedError" and ".1 " in late[2]["error"], late
+    assert_holds(ckpt, [2.0, 2.0, 2.0])
+    one_retry_id(results)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -386,6 +386,36 @@ def test_commit_state_reads_no_metadata_bytes(tmp_path):
     assert _bytes_read() - before >= metas[-1].stat().st_size
 
 
+def test_status_of_a_committed_save_reads_its_record_not_its_parts(tmp_path):
+    """Issue 37 item 3: status (Python and CLI, one function) of a committed save reads what it
+    prints from the COMMITTED record: under 1 % of .metadata's bytes, where reading the parts (as
+    `--keys` does, and as status did) costs about a fifth of it. What the record says equals what
+    the parts say."""
+    d = tmp_path / "c"
+    keys = 15_000  # x 2 ranks = 30,000 chunks
+    save_ranks(str(d), [{f"layer{i}.w": row_shard(f"layer{i}.w", r, 2, rows=1, cols=1) for i in range(keys)}
+                        for r in range(2)])
+    meta_bytes = (d / ".metadata").stat().st_size
+    part_bytes = sum(p.stat().st_size for p in (d / ".shardwise").glob("*/*.part"))
+    shardwise.status(str(d))  # imports and first-use costs
+    before = _bytes_read()
+    st = shardwise.status(str(d))
+    read = _bytes_read() - before
+    assert read < meta_bytes / 100, (read, meta_bytes)
+
+    before = _bytes_read()
+    full = shardwise.status(str(d), keys=True)
+    assert _bytes_read() - before >= part_bytes, "the measure sees the parts being read"
+    assert st["checkpoint"] == full["checkpoint"] == "committed"
+    (s,), (f,) = st["saves"], full["saves"]
+    assert s["keys"] == [] and len(f["keys"]) == s["key_count"] == f["key_count"] == keys
+    assert [{k: v for k, v in r.items() if k != "age_s"} for r in s["ranks"]] == \
+        [{k: v for k, v in r.items() if k != "age_s"} for r in f["ranks"]]
+    assert [r["tensor_chunks"] for r in s["ranks"]] == [keys, keys] and s["present"] == s["world_size"] == 2
+    text = cli("status", d).stdout
+    assert f"rank 1: {keys} tensor chunks" in text and f"  {keys} tensor keys" in text, text
+
+
 @pytest.mark.parametrize("finish_with", ["merge", "rerun"])
 def test_metadata_without_committed_marker_is_not_a_checkpoint(tmp_path, finish_with):
     """A merger killed between `.metadata` and COMMITTED leaves `.metadata` without the marker: status

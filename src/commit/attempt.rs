@@ -1,5 +1,16 @@
-//! Whether one rank's save attempt may start in a checkpoint directory, and under which names it
-//! writes ([`begin`]); then its part's publication ([`Attempt::publish`]).
+//! Which attempt of a derived save id a rank joins ([`join`]), whether one rank's save attempt may
+//! start in a checkpoint directory, and under which names it writes ([`begin`]); then its part's
+//! publication ([`Attempt::publish`]).
+//!
+//! A derived save id (`shardwise.save.default_save_id`) is a base every rank of a launch computes
+//! alike; the attempt is `<base>.<n>`, numbered from what the directory holds, so that ranks agree
+//! on it whatever they did before (how often their process saved, when it started):
+//! - no attempt of the base yet: `n` = 1;
+//! - the newest attempt ended (its `FAILED` or `COMMITTED` marker is there): `n` + 1. A failure
+//!   belongs to the attempt that wrote it; a rank that comes after it never takes it for its own;
+//! - otherwise the newest attempt is still open (its ranks save, or its merger died without a
+//!   word) and the rank joins it; [`super::wait::Freshness`] and the storage stamps keep an earlier
+//!   launch's parts of it out of the merge, as for any repeated id.
 //!
 //! The rules, checked before the rank writes anything:
 //! - a committed checkpoint is replaced only with `overwrite`, only where a commit can replace it
@@ -16,8 +27,8 @@
 //!   (the old checkpoint's stays until then), and is written in place on object stores.
 
 use super::liveness::{process_start_ns, publisher, publisher_alive, publisher_on_this_host};
-use super::part::{marker_rel, part_rel, read_part, write_part, RankPart};
-use super::state::{checkpoint_state, files_in_use, CheckpointState};
+use super::part::{marker_rel, part_rel, read_part, write_part, Marker, RankPart};
+use super::state::{checkpoint_state, files_in_use, save_ids, CheckpointState};
 use crate::error::{Error, Result};
 use crate::format::{COMMON_FILE, METADATA_JSON_FILE};
 use crate::storage::Location;
@@ -31,6 +42,49 @@ pub struct Attempt {
     /// Where this rank writes `common.pt` when it has the common state (path inside the
     /// checkpoint).
     pub common_file: String,
+}
+
+/// The save id of attempt `n` of the derived save id `base`.
+pub fn attempt_id(base: &str, n: u32) -> String {
+    format!("{base}.{n}")
+}
+
+/// The save id of the attempt of derived save id `base` that this rank joins in `loc` (see the
+/// module docs for the rule): one listing of `.shardwise/`, then a look for the newest attempt's
+/// markers. Ranks that call it after an attempt ended all get the next one; a rank that calls it
+/// while the merger is writing `FAILED` may still join the failing attempt, and gets its error.
+///
+/// Errors: storage errors when `loc` cannot be created as a directory or `.shardwise/` cannot be
+/// listed.
+pub fn join(loc: &Location, base: &str) -> Result<String> {
+    // As `begin` does first: a path that cannot be a directory is reported as such, not as a state
+    // directory that cannot be listed.
+    loc.create_dir()?;
+    let newest = save_ids(loc)?
+        .iter()
+        .filter_map(|id| attempt_number(base, id))
+        .max();
+    let ended = |n: u32| {
+        let id = attempt_id(base, n);
+        loc.exists(&Marker::Failed.rel(&id)) || loc.exists(&Marker::Committed.rel(&id))
+    };
+    Ok(attempt_id(base, attempt_to_join(newest, ended)))
+}
+
+/// The attempt to join, given the `newest` attempt number in the directory (if any) and whether
+/// an attempt has `ended`. Pure.
+fn attempt_to_join(newest: Option<u32>, ended: impl Fn(u32) -> bool) -> u32 {
+    match newest {
+        None => 1,
+        Some(n) if ended(n) => n.saturating_add(1),
+        Some(n) => n,
+    }
+}
+
+/// `n` when `id` is `attempt_id(base, n)` exactly (no leading zeros, no sign).
+fn attempt_number(base: &str, id: &str) -> Option<u32> {
+    let n: u32 = id.strip_prefix(base)?.strip_prefix('.')?.parse().ok()?;
+    (attempt_id(base, n) == id).then_some(n)
 }
 
 /// Checks what `loc` holds before this rank writes anything, clears what an earlier attempt of
@@ -130,6 +184,41 @@ mod tests {
     use super::*;
     use crate::commit::liveness::{host_id, now_ns};
     use crate::commit::testing::{committed, memory, publish};
+
+    /// The attempt rule, one case each: none yet, the newest open, the newest ended (failed or
+    /// committed, whatever older attempts did).
+    #[test]
+    fn a_rank_joins_the_newest_open_attempt_or_begins_the_next() {
+        assert_eq!(attempt_to_join(None, |_| panic!("nothing to look at")), 1);
+        assert_eq!(attempt_to_join(Some(1), |_| false), 1);
+        assert_eq!(attempt_to_join(Some(1), |_| true), 2);
+        assert_eq!(attempt_to_join(Some(3), |n| n < 3), 3);
+        assert_eq!(attempt_to_join(Some(3), |n| n == 3), 4);
+        assert_eq!(attempt_number("b", "b.12"), Some(12));
+        for other in ["b", "b.", "b.012", "b.+1", "b.-1", "bb.1", "b.1.2", "c.1"] {
+            assert_eq!(attempt_number("b", other), None, "{other}");
+        }
+    }
+
+    /// [`join`] on real state directories: a failed attempt's ranks and a rank that never saw it
+    /// all get the next one; an open one is joined; a committed one is followed by the next.
+    #[test]
+    fn join_reads_the_newest_attempts_markers() {
+        let dir = tempfile::tempdir().unwrap();
+        let loc = Location::local(dir.path());
+        assert_eq!(join(&loc, "b").unwrap(), "b.1");
+        publish(&loc, "b.1", 0, 2, false);
+        publish(&loc, "other.7", 0, 2, false);
+        assert_eq!(join(&loc, "b").unwrap(), "b.1", "open: joined");
+        crate::commit::part::publish_failed(&loc, "b.1", "timed out");
+        assert_eq!(join(&loc, "b").unwrap(), "b.2", "failed: the next");
+        publish(&loc, "b.2", 1, 2, false);
+        assert_eq!(join(&loc, "b").unwrap(), "b.2", "the retry is open: joined");
+        publish(&loc, "b.2", 0, 2, false);
+        let any = crate::commit::wait::Freshness::any_part();
+        crate::commit::merge(&loc, "b.2", 2, std::time::Duration::from_secs(10), &any).unwrap();
+        assert_eq!(join(&loc, "b").unwrap(), "b.3", "committed: the next");
+    }
 
     #[test]
     fn the_data_file_is_the_first_name_the_checkpoint_does_not_read() {

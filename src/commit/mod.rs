@@ -289,11 +289,19 @@ fn commit_unguarded(
 ) -> Result<CommitSummary> {
     use rayon::prelude::*;
 
-    // Each part is folded into the index as it is read, then dropped.
+    // Each part is folded into the index as it is read, then dropped; its item counts are kept
+    // for the record's layout.
     let fold = validate::Fold::default();
+    let counts = std::sync::Mutex::new(std::collections::BTreeMap::new());
     let parts = collect_parts(loc, save_id, world_size, timeout, fresh, &|p, items| {
+        let n = (items.0.len(), items.1.len());
+        counts
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(p.rank, n);
         fold.add_part(p, items)
     })?;
+    let counts = counts.into_inner().unwrap_or_else(|e| e.into_inner());
     let global = fold.finish(&parts)?;
     // A data file may have been rewritten while the merger waited for the last part.
     let any = Freshness {
@@ -357,6 +365,7 @@ fn commit_unguarded(
     let mut record = commit_record(
         save_id,
         &parts,
+        &counts,
         &global,
         meta_digest,
         common_digest,
@@ -433,9 +442,11 @@ fn write_integrity(loc: &Location, bytes: Option<Vec<u8>>) -> Result<()> {
     }
 }
 
+/// The record of this commit; `counts` is each rank's (tensor chunks, byte objects).
 fn commit_record(
     save_id: &str,
     parts: &[RankPart],
+    counts: &std::collections::BTreeMap<u32, (usize, usize)>,
     global: &validate::Global,
     meta: Digest,
     common: Option<Digest>,
@@ -455,6 +466,20 @@ fn commit_record(
         .map(|f| (f.name.clone(), f.size))
         .collect();
     summary.data_bytes = files.iter().map(|(_, s)| s).sum();
+    let ranks = parts
+        .iter()
+        .map(|p| {
+            let (tensor_chunks, byte_objects) = counts.get(&p.rank).copied().unwrap_or_default();
+            record::RankLayout {
+                rank: p.rank,
+                tensor_chunks,
+                byte_objects,
+                bytes: p.files.iter().map(|f| f.size).sum(),
+                files: p.files.iter().map(|f| f.name.clone()).collect(),
+                common: p.common.is_some(),
+            }
+        })
+        .collect();
     CommitRecord {
         save_id: save_id.to_string(),
         committed_at_ns: now_ns(),
@@ -466,6 +491,10 @@ fn commit_record(
         // Set once the files are written (`stamp_files`).
         metadata_stamp: None,
         common_stamp: None,
+        layout: Some(record::SaveLayout {
+            tensor_keys: global.tensor_keys(),
+            ranks,
+        }),
     }
 }
 
@@ -592,6 +621,18 @@ mod tests {
         let record = read_commit_record(&loc, "s").unwrap();
         assert_eq!(record.files.len(), 2);
         assert!(record.megatron && record.common.is_some());
+        // The layout `status` reads instead of the parts: per rank, as the parts held it.
+        let layout = record.layout.unwrap();
+        assert_eq!(layout.tensor_keys, 1);
+        let rank = |r: u32| record::RankLayout {
+            rank: r,
+            tensor_chunks: 1,
+            byte_objects: 0,
+            bytes: testing::DATA_BYTES as u64,
+            files: vec![format!("__{r}_0.distcp")],
+            common: r == 0,
+        };
+        assert_eq!(layout.ranks, vec![rank(0), rank(1)]);
         let again = merge(&loc, "s", 2, Duration::from_secs(1), &Freshness::any_part()).unwrap();
         assert!(again.already_committed);
         assert_eq!((again.keys, again.tensor_chunks), (1, 2));

@@ -528,7 +528,10 @@ pub fn orphaned_data_files(loc: &Location) -> Result<Vec<String>> {
     let mut named = std::collections::HashSet::new();
     for id in save_ids(loc)? {
         if let Some(r) = read_commit_record(loc, &id) {
+            // The record names the files of every part of its save: the parts (whose item
+            // records grow with the chunks) need not be read.
             named.extend(r.files.into_iter().map(|(n, _)| n));
+            continue;
         }
         for (rank, _) in listed_parts(loc, &id)? {
             if let Ok(p) = read_part(loc, &super::part::part_rel(&id, rank)) {

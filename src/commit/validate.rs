@@ -290,6 +290,14 @@ impl Global {
         })
     }
 
+    /// Number of keys saved as tensors.
+    pub fn tensor_keys(&self) -> usize {
+        self.keys
+            .iter()
+            .filter(|k| matches!(k.kind, Kind::Tensor { .. }))
+            .count()
+    }
+
     fn item(&self, key: usize, chunk: usize) -> &Item {
         match &self.keys[key].kind {
             Kind::Tensor { items, .. } => &items[chunk],

@@ -18,7 +18,6 @@ use super::args::{opt_positive, opt_seconds, opt_whole, positive, seconds, whole
 use super::report::to_dict;
 use super::{location, to_py, InvalidArgumentError, NotCommittedError, ShardwiseError};
 use crate::commit::part::ObjectShard;
-use crate::commit::wait::Freshness;
 use crate::format::dtype::DType;
 use crate::save::{save_rank as rust_save_rank, SaveReport};
 use crate::staging::{self, DEFAULT_BUFFER_BYTES};
@@ -260,8 +259,9 @@ impl ObjectItem {
 /// every rank; `timeout_s` the bound in seconds of every wait; `merge_rank` the rank that commits
 /// (None: nobody, `shardwise merge` does); `staging_budget_bytes` host staging memory in bytes
 /// (None: sized to this rank's bytes); `integrity` writes megatron-core 0.19's `integrity.json`;
-/// `derived_save_id` says the id was derived alike by every launch (`default_save_id`), so parts
-/// written before this process started are an earlier launch's; `megatron` writes Megatron's
+/// `derived_save_id` says the id was derived alike by every launch (`default_save_id`): the save
+/// joins an attempt of it numbered from what the directory holds, and parts written before this
+/// process started are an earlier launch's; `megatron` writes Megatron's
 /// `metadata.json`. See `shardwise.megatron.save`.
 ///
 /// Raises `InvalidArgumentError`: rank, world_size, merge_rank or save_id out of range, a
@@ -311,11 +311,7 @@ impl SaveOptions {
             wait_for_commit,
             overwrite,
             integrity,
-            freshness: if derived_save_id {
-                Freshness::this_launch()
-            } else {
-                Freshness::any_part()
-            },
+            derived_save_id,
         };
         crate::save::check_options(&inner).map_err(to_py)?;
         let staging_budget_bytes = opt_positive("staging_budget_bytes", staging_budget_bytes)?;

@@ -293,12 +293,18 @@ pub(super) fn same_tensor_crcs(py: Python<'_>, a: PathBuf, b: PathBuf) -> PyResu
 
 /// The state of checkpoint `checkpoint_dir` and of each save in it, as `shardwise status --json`
 /// prints it: `dir`, `checkpoint` (`committed`, `not_committed` or `damaged`), `reason`,
-/// `orphaned_data_files`, `saves` (README, "JSON output", lists every field). Reads only; raises
-/// `StorageError` when the directory cannot be read.
+/// `orphaned_data_files`, `saves` (README, "JSON output", lists every field); each save's `keys`
+/// only with `keys=True` (as `--keys`: on a committed save that reads every part). Reads only;
+/// raises `StorageError` when the directory cannot be read.
 #[pyfunction]
-pub(super) fn status(py: Python<'_>, checkpoint_dir: PathBuf) -> PyResult<Bound<'_, PyAny>> {
+#[pyo3(signature = (checkpoint_dir, keys=false))]
+pub(super) fn status(
+    py: Python<'_>,
+    checkpoint_dir: PathBuf,
+    keys: bool,
+) -> PyResult<Bound<'_, PyAny>> {
     let (_, report) = py
-        .detach(|| crate::cli::status_report(&location(&checkpoint_dir)?))
+        .detach(|| crate::cli::status_report(&location(&checkpoint_dir)?, keys))
         .map_err(to_py)?;
     to_dict(py, &report)
 }

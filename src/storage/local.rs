@@ -178,15 +178,23 @@ pub struct DataFile {
 }
 
 impl DataFile {
-    /// Creates (truncating) `path` and reserves `len` bytes ([`DataFile::reserve`]).
+    /// Creates `path` anew ([`DataFile::create_empty`]) and reserves `len` bytes
+    /// ([`DataFile::reserve`]).
     pub fn create(path: &Path, len: u64) -> Result<DataFile> {
         let file = DataFile::create_empty(path)?;
         file.reserve(len)?;
         Ok(file)
     }
 
-    /// Creates (truncating) `path`, empty.
+    /// Creates `path` as a new, empty file: one left there (a failed attempt's) is unlinked first,
+    /// not truncated. A process of that attempt may still be writing it (a straggler the retry did
+    /// not wait for): its late writes then land in the unlinked file, never in this one, so they
+    /// can neither corrupt this attempt's data nor its commit. A hard link to the old file keeps
+    /// its bytes too.
     pub fn create_empty(path: &Path) -> Result<DataFile> {
+        // Best effort: if the unlink fails (no such file, a directory in the way), the open below
+        // reports what matters.
+        let _ = std::fs::remove_file(path);
         let file = OpenOptions::new()
             .create(true)
             .write(true)

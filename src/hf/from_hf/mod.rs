@@ -438,7 +438,7 @@ pub fn from_hf(
         timeout: Duration::from_secs(600),
         wait_for_commit: false,
         overwrite: opts.overwrite,
-        freshness: Freshness::any_part(),
+        derived_save_id: false,
         integrity: false,
     };
     // The workers convert one group at a time each (its jobs in turn) and hand it to one writer
