@@ -272,3 +272,41 @@ def test_keys_with_control_bytes_are_printed_escaped(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "\x1b" not in r.stdout and "\x07" not in r.stdout and "\\u{1b}[2J\\u{7}\\nforged line" in r.stdout
     assert not any(line.startswith("forged line") for line in r.stdout.splitlines())
+
+
+# --- found by a hostile pass after the first fixes -----------------------------------------------
+
+
+def test_an_absurd_world_size_is_refused_not_an_abort(shared, tmp_path):
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    with pytest.raises(shardwise.InvalidArgumentError, match="world_size 1000000000 is not in"):
+        shardwise.megatron.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(3, 4))}, str(tmp_path / "c"),
+                                rank=0, world_size=10**9, timeout_s=1)
+    saved = shared[2]
+    refused(["merge", saved, "--world-size", "1000000000", "--timeout", "1"], [saved], "world_size 1000000000")
+
+
+def test_an_output_folder_holding_a_symlinked_weight_file_is_refused(shared, tmp_path):
+    hf = shared[0]
+    blobs, snap = tmp_path / "blobs", tmp_path / "snap"  # the HF cache's layout
+    blobs.mkdir()
+    snap.mkdir()
+    shutil.copy(hf / "model.safetensors", blobs / "__0_0.distcp")
+    (snap / "model.safetensors").symlink_to(blobs / "__0_0.distcp")
+    shutil.copy(hf / "config.json", snap / "config.json")
+    refused(["from-hf", snap, blobs, "--overwrite"], [blobs, snap], "contains the HF file")
+
+
+def test_command_line_errors_and_hostile_names_stay_one_line(shared, tmp_path):
+    hf, ckpt, saved = shared
+    refused(["to-hf", ckpt, tmp_path / "o", "--workers", "-1"], [ckpt], "(see --help)", code=2)
+    refused(["diff", saved, saved, "--exclude", "*"], [saved], "--exclude leaves no key", code=2)
+    bad = tmp_path / "bad"
+    shutil.copytree(hf, bad)
+    from safetensors.torch import load_file
+    tensors = load_file(str(bad / "model.safetensors"))
+    tensors["evil\x1b[2J\x07\nshardwise: ok"] = torch.zeros(2)
+    save_file(tensors, str(bad / "model.safetensors"))
+    line = refused(["from-hf", bad, tmp_path / "o2"], [bad], "no rule reads these HF tensors")
+    assert "\x1b" not in line and "\\u{1b}[2J" in line
