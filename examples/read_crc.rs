@@ -8,7 +8,6 @@
 
 use std::time::{Duration, Instant};
 
-use shardwise::commit::wait::Freshness;
 use shardwise::format::dtype::DType;
 use shardwise::load::read_region;
 use shardwise::reader::Checkpoint;
@@ -89,7 +88,7 @@ fn main() {
         timeout: Duration::from_secs(60),
         wait_for_commit: true,
         overwrite: false,
-        freshness: Freshness::any_part(),
+        derived_save_id: false,
         integrity: false,
     };
     save_rank(&opts, &tensors, &objects, None, None).expect("save");

@@ -5,7 +5,6 @@
 
 use std::time::Duration;
 
-use shardwise::commit::wait::Freshness;
 use shardwise::format::dtype::DType;
 use shardwise::reader::Checkpoint;
 use shardwise::save::{save_rank, SaveOptions};
@@ -55,7 +54,7 @@ fn save(location: Location) -> shardwise::Result<()> {
         wait_for_commit: true,
         overwrite: false,
         integrity: false,
-        freshness: Freshness::any_part(),
+        derived_save_id: false,
     };
     let report = save_rank(&opts, &chunks(&data), &[], None, None)?;
     assert!(report.committed);
