@@ -577,7 +577,10 @@ mod tests {
         };
         bad(&|o| o.rank = 2, "rank 2 is not in 0..world_size (2)");
         bad(&|o| o.world_size = 0, "world_size 0 is not in 1..=");
-        bad(&|o| o.world_size = 1_000_000_000, "world_size 1000000000 is not in 1..=");
+        bad(
+            &|o| o.world_size = 1_000_000_000,
+            "world_size 1000000000 is not in 1..=",
+        );
         bad(&|o| o.merge_rank = Some(5), "merge_rank 5 is not in 0..2");
         bad(&|o| o.save_id = "../up".into(), "save_id");
         let data = [0u8; 3];

@@ -640,9 +640,9 @@ pub(crate) fn with_quantization(config: &[u8], q: Option<&Json>) -> Result<Vec<u
     Ok(bytes)
 }
 
-/// `config` (config.json bytes) declaring `dtype`, the dtype the weights are written in, as its
-/// `dtype` (transformers 5's name) and `torch_dtype` (the older name) where the config has that
-/// field; the bytes as they are when that changes nothing. A config declaring float32 over bf16
+/// `config` (config.json bytes) declaring `dtype`, the dtype the weights are written in, in its
+/// `dtype` (transformers 5's name) and `torch_dtype` (the older name), each where the config has
+/// that field; the bytes as they are when that changes nothing. A config declaring float32 over bf16
 /// weights makes `from_pretrained` load them as float32.
 ///
 /// Errors: [`Error::InvalidArgument`] when `config` is not a JSON object.
@@ -653,9 +653,10 @@ pub(crate) fn with_dtype(config: &[u8], dtype: DType) -> Result<Vec<u8>> {
         ));
     };
     let name = Json::from(dtype.torch_name());
+    // Only the fields the config has: a given config without one is written back as it is.
     let stale: Vec<&str> = ["dtype", "torch_dtype"]
         .into_iter()
-        .filter(|k| (*k == "dtype" || out.contains_key(*k)) && out.get(*k) != Some(&name))
+        .filter(|k| out.contains_key(*k) && out.get(*k) != Some(&name))
         .collect();
     if stale.is_empty() {
         return Ok(config.to_vec());
