@@ -130,6 +130,14 @@ fn fmt_stale(stale: &[(u32, String)]) -> String {
         .collect()
 }
 
+/// The first `max` of `names`, comma-separated, and ", ..." when there are more: how a message
+/// names what it refuses.
+pub fn first_names(names: &[String], max: usize) -> String {
+    let shown: Vec<&str> = names.iter().take(max).map(|s| s.as_str()).collect();
+    let more = if names.len() > max { ", ..." } else { "" };
+    format!("{}{more}", shown.join(", "))
+}
+
 pub fn fmt_ranks(ranks: &[u32]) -> String {
     let mut out: Vec<String> = Vec::new();
     let mut i = 0;
@@ -154,5 +162,8 @@ mod tests {
     fn rank_ranges() {
         assert_eq!(super::fmt_ranks(&[0, 2, 3, 4, 7]), "0, 2-4, 7");
         assert_eq!(super::fmt_ranks(&[]), "");
+        let names: Vec<String> = ["a", "b", "c"].map(String::from).into();
+        assert_eq!(super::first_names(&names, 2), "a, b, ...");
+        assert_eq!(super::first_names(&names, 3), "a, b, c");
     }
 }

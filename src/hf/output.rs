@@ -121,20 +121,12 @@ fn entries(dir: &Path) -> Result<Vec<String>> {
     }
 }
 
-/// The first `max` of `names`, comma-separated, and ", ..." when there are more: how a message
-/// names what it refuses.
-pub(crate) fn first_names(names: &[String], max: usize) -> String {
-    let shown: Vec<&str> = names.iter().take(max).map(|s| s.as_str()).collect();
-    let more = if names.len() > max { ", ..." } else { "" };
-    format!("{}{more}", shown.join(", "))
-}
-
 /// A non-empty output folder refused, naming a few of its entries and what to do (`hint`).
 pub(crate) fn not_empty(dir: &Path, found: &[String], hint: &str) -> Error {
     Error::InvalidArgument(format!(
         "output folder {} is not empty ({}): {hint}",
         dir.display(),
-        first_names(found, 5)
+        crate::error::first_names(found, 5)
     ))
 }
 

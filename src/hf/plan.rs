@@ -583,7 +583,7 @@ pub(crate) fn plan(ckpt: &Checkpoint, d: &Dims, allow_unmapped: bool) -> Result<
         return Err(Error::Validation(format!(
             "{} HF tensors the config requires were not produced: {}",
             missing.len(),
-            super::output::first_names(&missing, 20)
+            crate::error::first_names(&missing, 20)
         )));
     }
     // Deterministic order: the `mtp.*` module last, by layer, then name.

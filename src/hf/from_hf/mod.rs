@@ -26,11 +26,11 @@ use rayon::prelude::*;
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 
-use super::output::{check_outside, first_names, not_empty, Part};
+use super::output::{check_outside, not_empty, Part};
 use super::spec::Dims;
 use crate::commit::part::ObjectShard;
 use crate::commit::wait::{missing_ranks, Freshness};
-use crate::error::{Error, Result, Stopped};
+use crate::error::{first_names, Error, Result, Stopped};
 use crate::format::dtype::DType;
 use crate::interrupt::interrupted;
 use crate::save::{save_rank, ObjectItem, SaveOptions};
