@@ -211,6 +211,11 @@ enum Command {
         /// Skip HF tensors that no rule reads instead of failing.
         #[arg(long)]
         allow_unmapped: bool,
+        /// Convert without the folder's MTP layers (the checkpoint's args then say
+        /// mtp_num_layers None). Without it, a folder holding MTP layers converts them all or
+        /// fails.
+        #[arg(long)]
+        drop_mtp: bool,
         #[arg(long, help = JSON_HELP)]
         json: bool,
     },
@@ -423,6 +428,7 @@ where
             part,
             overwrite,
             allow_unmapped,
+            drop_mtp,
             json,
         } => {
             let mut opts = crate::hf::FromHfOptions::from_user(&dtype, &transformer_impl, workers)?;
@@ -436,6 +442,7 @@ where
             opts.part = part.as_deref().map(crate::hf::Part::parse).transpose()?;
             opts.overwrite = overwrite;
             opts.allow_unmapped = allow_unmapped;
+            opts.drop_mtp = drop_mtp;
             from_hf(&hf_dir, &ckpt_dir, &opts, json)
         }
         Command::ToHf {
@@ -1318,6 +1325,16 @@ fn from_hf(hf: &Path, out: &Path, opts: &crate::hf::FromHfOptions, json: bool) -
             summary.skipped.join(", ")
         );
     }
+    for w in &summary.warnings {
+        let _ = writeln!(err, "shardwise: warning: {}", shown(w));
+    }
+    if let (n @ 1.., Some(prefix)) = (summary.vision_tensors, &summary.vision_prefix) {
+        let _ = writeln!(
+            err,
+            "shardwise: note: the vision tower ({n} tensors, {prefix}*) is left out: a Megatron text model has none; to-hf --base-hf {} copies it back",
+            shown(&hf.display().to_string())
+        );
+    }
     if !summary.committed {
         let _ = writeln!(
             err,
@@ -1329,7 +1346,7 @@ fn from_hf(hf: &Path, out: &Path, opts: &crate::hf::FromHfOptions, json: bool) -
         print_json(&summary)?;
     } else {
         out!(
-            "wrote {} of {}, {} in {} to {} in {:.2}s ({:.2} GB/s){}{}{}",
+            "wrote {} of {}, {} in {} to {} in {:.2}s ({:.2} GB/s){}{}{}{}",
             count(summary.chunks, "tensor chunk"),
             count(summary.keys, "key"),
             size(summary.bytes),
@@ -1341,6 +1358,10 @@ fn from_hf(hf: &Path, out: &Path, opts: &crate::hf::FromHfOptions, json: bool) -
                 format!("; {} dequantized", count(summary.dequantized, "tensor"))
             } else {
                 String::new()
+            },
+            match summary.mtp_layers {
+                0 => String::new(),
+                n => format!("; {} converted", count(n as usize, "MTP layer")),
             },
             if summary.committed { "; committed" } else { "" },
             match &summary.tracker {

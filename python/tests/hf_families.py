@@ -658,6 +658,66 @@ def load_and_forward(rank, world, port, base, families):
     return {"mismatch": mismatch, "errors": errors}
 
 
+def mtp_round_trip(rank, world, port, jobs):
+    """Worker (2 ranks): for each ``(name, family, ckpt, original, out)``, builds the family's model with its MTP
+    layers in the resharded layout (TP=2, EP=2 for MoE) and fills it with megatron-core's own
+    ``dist_checkpointing.load`` from ``ckpt`` (a from-hf output), then a second one from
+    ``original`` (the Megatron checkpoint that to-hf exported). Returns, per family, the key
+    mismatches ``strict=raise_all`` would report and the state-dict keys whose local shards differ between the two (the vocabulary rows past ``vocab_size``
+    excluded: Megatron pads them with random rows, from-hf with copies of the last row); rank 0 saves
+    the first model's logits and MTP logits as ``out/logits.pt`` and ``out/mtp_logits.pt``. Results
+    by ``name``."""
+    init_gloo(rank, world, port)
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    _cpu_common_patches()
+    out = {}
+    for name, family, ckpt, original, out_dir in jobs:
+        fam = FAMILIES[family]
+        for patch in fam.cpu_patches:
+            patch()
+        cfg = fam.hf_config()
+        ps.initialize_model_parallel(tensor_model_parallel_size=2, expert_model_parallel_size=2 if fam.moe else 1,
+                                     expert_tensor_parallel_size=1 if fam.moe else None)
+        try:
+            states, result = [], {"mismatch": None}
+            for i, path in enumerate((ckpt, original)):
+                model, _ = fam.build(cfg)
+                if i == 0:
+                    result["mismatch"] = checkpoint_key_mismatch(model, path)
+                loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, path)
+                model.load_state_dict(loaded["model"])
+                if i == 0:
+                    logits, mtp_logits = _megatron_forward(model, cfg.vocab_size)  # on every rank: TP
+                    if rank == 0:
+                        torch.save(logits, os.path.join(out_dir, "logits.pt"))
+                        torch.save(mtp_logits, os.path.join(out_dir, "mtp_logits.pt"))
+                states.append({k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)
+                               and not k.endswith("_extra_state")})
+            ours, theirs = states
+            rows = cfg.vocab_size - ps.get_tensor_model_parallel_rank() * ours["embedding.word_embeddings.weight"].shape[0]
+            vocab = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+            def expected(k, t):
+                """The original tensor as the round trip must give it back: the vocabulary rows
+                only; the GDN output norm through HF's ``w + 1`` and back (``RMSNormGated`` scales
+                by w, Megatron's by 1 + w), exact only where ``w + 1`` is in float32."""
+                if k in vocab:
+                    return t[:max(rows, 0)]
+                return (t + 1) - 1 if k.endswith("self_attention.out_norm.weight") else t
+
+            result["differ"] = sorted(
+                k for k in set(ours) | set(theirs)
+                if k not in ours or k not in theirs
+                or not torch.equal(expected(k, ours[k]) if k in vocab else ours[k], expected(k, theirs[k])))
+            result["tensors"] = len(ours)
+        finally:
+            ps.destroy_model_parallel()
+        out[name] = result
+    return out
+
+
 def hf_reference_tensors(config_dir: str, out_dir: str) -> dict:
     """Name -> (dtype, shape) of what transformers' own ``save_pretrained`` writes for the config: a
     randomly initialised model of the config, saved."""

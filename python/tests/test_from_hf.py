@@ -405,28 +405,58 @@ def test_a_non_empty_output_folder_is_refused(tmp_path):
     assert shardwise.from_hf(str(hf), str(ckpt), transformer_impl="local", overwrite=True)["committed"]
 
 
-@pytest.mark.parametrize("family,mtp_names", [
+@pytest.mark.parametrize("family,field,mtp_names", [
     # DeepSeek-V3's release layout: the MTP layer is layer num_hidden_layers (3 here).
-    ("deepseek_v3", {"model.layers.3.enorm.weight": "model.layers.2.input_layernorm.weight",
-                     "model.layers.3.hnorm.weight": "model.layers.2.input_layernorm.weight",
-                     "model.layers.3.self_attn.o_proj.weight": "model.layers.2.self_attn.o_proj.weight"}),
+    ("deepseek_v3", "num_nextn_predict_layers",
+     {"model.layers.3.enorm.weight": "model.layers.2.input_layernorm.weight",
+      "model.layers.3.hnorm.weight": "model.layers.2.input_layernorm.weight",
+      "model.layers.3.self_attn.o_proj.weight": "model.layers.2.self_attn.o_proj.weight"}),
     # Qwen3.5's: one `mtp.` module.
-    ("qwen3_5_moe", {"mtp.fc.weight": "model.layers.0.mlp.gate.weight",
-                     "mtp.layers.0.input_layernorm.weight": "model.layers.0.input_layernorm.weight"}),
+    ("qwen3_5_moe", "mtp_num_hidden_layers",
+     {"mtp.fc.weight": "model.layers.0.mlp.gate.weight",
+      "mtp.layers.0.input_layernorm.weight": "model.layers.0.input_layernorm.weight"}),
+    # A family without an MTP layout.
+    ("llama", None, {"mtp.fc.weight": "model.layers.0.mlp.up_proj.weight"}),
 ])
-def test_a_folder_with_mtp_layers_is_never_converted_without_them(converted, tmp_path, family, mtp_names):
-    """from-hf does not convert MTP layers yet: a folder holding them is refused, naming them, even
-    with --allow-unmapped (which would leave a checkpoint that silently lost them); nothing is written."""
+def test_a_folder_with_mtp_layers_is_never_converted_without_them(converted, tmp_path, family, field, mtp_names):
+    """A folder holding MTP tensors converts them all or fails before writing anything, even with
+    --allow-unmapped (which would leave a checkpoint that silently lost them): here the MTP layer is
+    incomplete, or config.json declares none, or the family has no MTP layout. --drop-mtp converts
+    without them, and says so."""
     base, _ = converted
     hf = base / family / "hf"
     tensors = _hf_tensors(hf)
     tensors.update({k: tensors[v].clone() for k, v in mtp_names.items()})
-    folder = _folder(tmp_path / "mtp", json.loads((hf / "config.json").read_text()), tensors)
+    config = json.loads((hf / "config.json").read_text())
     ckpt = tmp_path / "ckpt"
     first = sorted(mtp_names)[0]
-    with pytest.raises(shardwise.ValidationError, match=rf"holds {len(mtp_names)} tensors of MTP layers \({first}.*does not convert yet"):
-        _from_hf(family, folder, ckpt, allow_unmapped=True)
-    assert not ckpt.exists() or not any(ckpt.iterdir())
+    if field is None:
+        cases = [(config, rf"holds {len(mtp_names)} tensors of MTP layers \({first}.*, but shardwise knows no HF "
+                          rf"layout of MTP layers for {family}; pass --drop-mtp")]
+    else:
+        cases = [({**config, field: 1}, r"HF tensors the config requires are not in the folder: |the config implies"),
+                 ({**config, field: 0}, rf"holds {len(mtp_names)} tensors of MTP layers \({first}.*, but config\.json's "
+                                        rf"{field} says 0; pass --drop-mtp")]
+    for i, (cfg, message) in enumerate(cases):
+        folder = _folder(tmp_path / f"mtp{i}", cfg, tensors)
+        with pytest.raises(shardwise.ValidationError, match=message):
+            _from_hf(family, folder, ckpt, allow_unmapped=True)
+        assert not ckpt.exists() or not any(ckpt.iterdir())
+    s = _from_hf(family, folder, ckpt, drop_mtp=True)
+    assert s["committed"] and s["mtp_layers"] == 0 and s["dropped_mtp"] == len(mtp_names), s
+    assert any(w.startswith(f"--drop-mtp: the folder holds {len(mtp_names)} tensors of MTP layers") for w in s["warnings"]), s
+
+
+def test_a_config_declaring_mtp_layers_the_folder_lacks_converts_with_a_warning(converted):
+    """transformers' save_pretrained leaves MTP layers out (its models ignore them): a folder whose
+    config.json declares one but holds none converts without, and the summary says so."""
+    _, summaries = converted
+    cfg = hf_families.FAMILIES["deepseek_v3"].hf_config()
+    assert cfg.num_nextn_predict_layers == 1
+    s = summaries["deepseek_v3"]
+    assert s["mtp_layers"] == 0 and s["warnings"] == [
+        "config.json's num_nextn_predict_layers says 1, but the folder holds no MTP tensors (transformers' "
+        "save_pretrained leaves them out): the checkpoint has no MTP layers (args.mtp_num_layers None)"], s
 
 
 # --- parallel and split conversions ------------------------------------------------------------------

@@ -802,3 +802,78 @@ def test_mxfp4_export_is_gpt_oss_layout_and_loads_in_transformers(saved, tmp_pat
     with pytest.raises(shardwise.InvalidArgumentError, match="--quantize \"int4\": use fp8-block or mxfp4"):
         shardwise.to_hf(str(ckpt), str(tmp_path / "no"), hf_config=str(config), quantize="int4")
     assert not (tmp_path / "no").exists()
+
+
+# --- from-hf of MTP layers and of a multimodal folder, and the round trip both ways ------------------
+MTP_FAMILIES = [f for f in FAMILIES if f in hf_families.MTP_LAYOUT]
+
+
+@pytest.fixture(scope="session")
+def mtp_round_trip(saved, tmp_path_factory):
+    """For each family with an MTP layout: to-hf of its TP=1 shardwise checkpoint (one MTP layer) into
+    ``<family>/hf``, then from-hf of that (fp32, TP=2) into ``<family>/ckpt``; for qwen3_5_moe also
+    the multimodal release layout (``multimodal/hf``: vision tower from ``--base-hf``, text model
+    under model.language_model.*) through from-hf into ``multimodal/ckpt``. One 2-process run then
+    loads each checkpoint into a megatron-core model with its MTP layer (``hf_families.mtp_round_trip``)."""
+    base = tmp_path_factory.mktemp("mtp_round_trip")
+    jobs, summaries = [], {}
+
+    def convert(name, family, hf, original):
+        fam = hf_families.FAMILIES[family]
+        summaries[name] = shardwise.from_hf(str(hf), str(base / name / "ckpt"), dtype="fp32",
+                                            transformer_impl=fam.transformer_impl, tensor_model_parallel_size=2)
+        jobs.append((name, family, str(base / name / "ckpt"), str(original), str(base / name)))
+
+    for family in MTP_FAMILIES:
+        fam_base, _ = saved(family)
+        shardwise.to_hf(str(fam_base / "tp1" / "shardwise"), str(base / family / "hf"),
+                        hf_config=str(fam_base / "hf_config" / "config.json"))
+        convert(family, family, base / family / "hf", fam_base / "tp1" / "megatron")
+    fam_base, _ = saved("qwen3_5_moe")
+    config, release = _multimodal(fam_base, base / "multimodal")
+    shardwise.to_hf(str(fam_base / "tp1" / "shardwise"), str(base / "multimodal" / "hf"), hf_config=str(config),
+                    base_hf=str(release))
+    convert("multimodal", "qwen3_5_moe", base / "multimodal" / "hf", fam_base / "tp1" / "megatron")
+    results = spawn(hf_families.mtp_round_trip, 2, str(base / "out"), jobs, timeout_s=900)
+    failed = [r for r in results if not r.get("ok")]
+    assert not failed, "\n".join(f"rank {r['rank']}: {r.get('error')}\n{r.get('traceback', '')}" for r in failed)
+    return base, summaries, results, release
+
+
+@pytest.mark.parametrize("name", [*MTP_FAMILIES, "multimodal"])
+def test_from_hf_reads_mtp_layers_and_megatron_loads_them_bitwise(saved, mtp_round_trip, name):
+    """Megatron -> HF -> Megatron: megatron-core 0.19.2 loads from-hf's output with its MTP layer
+    (``mtp_num_layers=1``) at TP=2 (x EP=2) with no key mismatch, every tensor equal to the original
+    checkpoint's (the vocabulary padding rows aside), and the logits and MTP logits equal Megatron's."""
+    base, summaries, results, _ = mtp_round_trip
+    family = "qwen3_5_moe" if name == "multimodal" else name
+    fam_base, _ = saved(family)
+    s = summaries[name]
+    assert s["mtp_layers"] == 1 and s["dropped_mtp"] == 0 and not s["skipped"] and not s["warnings"], s
+    assert (s["vision_tensors"] > 0) == (name == "multimodal"), s
+    for r in results:
+        res = r[name]
+        assert res["mismatch"] == [[], []], (r["rank"], res["mismatch"])
+        assert res["differ"] == [] and res["tensors"] > 0, (r["rank"], res["differ"])
+    torch.testing.assert_close(torch.load(base / name / "logits.pt"), torch.load(fam_base / "tp1" / "logits.pt"),
+                               rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(torch.load(base / name / "mtp_logits.pt"),
+                               torch.load(fam_base / "tp1" / "mtp_logits.pt"), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", [*MTP_FAMILIES, "multimodal"])
+def test_hf_megatron_hf_gives_back_every_tensor_bitwise(mtp_round_trip, name, tmp_path):
+    """HF -> Megatron -> HF: to-hf of from-hf's output, with the folder's own config.json (and for the
+    multimodal folder ``--base-hf``, which puts the vision tower back), gives back every tensor of the
+    folder bitwise, under the same names and dtypes: MTP layer and vision tower included."""
+    base, summaries, _, release = mtp_round_trip
+    hf = base / name / "hf"
+    kw = {"base_hf": str(release)} if name == "multimodal" else {}
+    summary = shardwise.to_hf(str(base / name / "ckpt"), str(tmp_path / "back"), hf_config=str(hf / "config.json"), **kw)
+    assert summary["args_check"] == "passed" and summary["mtp_layers"] == 1 and not summary["warnings"], summary
+    want, got = hf_families._folder_tensors(str(hf)), hf_families._folder_tensors(str(tmp_path / "back"))
+    assert sorted(got) == sorted(want)
+    assert any(k.startswith("model.visual.") for k in want) == (name == "multimodal")
+    for k, t in want.items():
+        assert got[k].dtype == t.dtype and got[k].shape == t.shape, k
+        assert torch.equal(got[k].contiguous().view(torch.uint8), t.contiguous().view(torch.uint8)), k

@@ -78,12 +78,6 @@ fn skip_key(key: &str) -> bool {
         || key.starts_with("content_metadata")
 }
 
-/// The HF name prefix of a text model's layer `l` (from-hf reads the plain layout; to-hf names
-/// layers through [`Dims::layer_prefix`], which adds the multimodal and MTP layouts).
-pub(crate) fn layer_prefix(l: u64) -> String {
-    format!("model.layers.{l}.")
-}
-
 /// The HF tensors rule `r` makes of checkpoint tensor `key` (shape `shape`); `lead`: the layer
 /// index when the key stacks layers on its first axis; `name_of`: the HF name of an output name
 /// of the rule (its `{e}` already the expert index). `joined`: for a rule whose source joins

@@ -79,9 +79,10 @@ pub(super) fn to_hf(
 /// `shardwise from-hf`. `dtype` bf16, fp16 or fp32; `transformer_impl` transformer_engine or
 /// local; `workers` threads; `max_file_size` like "1GB" or "auto" (the largest tensor); `part` like "0/2". Returns the summary as a dict (chunks, keys,
 /// bytes, files, seconds, gb_per_s, hf_tensors, dequantized, skipped, stacked_layers,
-/// padded_vocab_size, iteration, part, committed, tracker).
+/// padded_vocab_size, iteration, part, committed, tracker, mtp_layers, dropped_mtp,
+/// vision_tensors, vision_prefix, warnings). `drop_mtp`: convert without the folder's MTP layers.
 #[pyfunction]
-#[pyo3(signature = (hf_dir, ckpt_dir, *, arch=None, dtype="bf16", transformer_impl="transformer_engine", moe_grouped_gemm=false, make_vocab_size_divisible_by=128, tensor_model_parallel_size=1, iteration=0, tracker=false, workers=None, max_file_size="auto", part=None, overwrite=false, allow_unmapped=false))]
+#[pyo3(signature = (hf_dir, ckpt_dir, *, arch=None, dtype="bf16", transformer_impl="transformer_engine", moe_grouped_gemm=false, make_vocab_size_divisible_by=128, tensor_model_parallel_size=1, iteration=0, tracker=false, workers=None, max_file_size="auto", part=None, overwrite=false, allow_unmapped=false, drop_mtp=false))]
 #[allow(clippy::too_many_arguments)]
 pub(super) fn from_hf(
     py: Python<'_>,
@@ -100,6 +101,7 @@ pub(super) fn from_hf(
     part: Option<String>,
     overwrite: bool,
     allow_unmapped: bool,
+    drop_mtp: bool,
 ) -> PyResult<Py<PyAny>> {
     let mut opts =
         crate::hf::FromHfOptions::from_user(dtype, transformer_impl, workers).map_err(to_py)?;
@@ -117,6 +119,7 @@ pub(super) fn from_hf(
         .map_err(to_py)?;
     opts.overwrite = overwrite;
     opts.allow_unmapped = allow_unmapped;
+    opts.drop_mtp = drop_mtp;
     let s = py
         .detach(|| crate::hf::from_hf(&hf_dir, &ckpt_dir, &opts, &|_| {}))
         .map_err(to_py)?;

@@ -407,7 +407,8 @@ fn rope_scaling(d: &Dims) -> Result<Vec<(String, Arg)>> {
 /// models but the attention's), and Megatron's own "not set" (None) for what has no HF source:
 /// the training sequence length, the tokenizer, Mamba, heterogeneous layers, virtual pipeline
 /// stages. The parallel sizes are a single rank's but for `--tensor-model-parallel-size`, whose
-/// vocabulary padding the embedding has. MTP layers are not read (`mtp_num_layers` None).
+/// vocabulary padding the embedding has. `mtp_num_layers`: the MTP layers converted (None for
+/// none, Megatron-LM's default).
 fn fixed_args(d: &Dims) -> Vec<(&'static str, Arg)> {
     let dropout = number(d, "attention_dropout", "attention_dropout").unwrap_or(Arg::Float(0.0));
     vec![
@@ -427,7 +428,13 @@ fn fixed_args(d: &Dims) -> Vec<(&'static str, Arg)> {
         ("attention_dropout", dropout),
         ("hidden_dropout", Arg::Float(0.0)),
         ("mtp_hybrid_override_pattern", Arg::None),
-        ("mtp_num_layers", Arg::None),
+        (
+            "mtp_num_layers",
+            match d.mtp_layers {
+                0 => Arg::None,
+                n => Arg::Int(n as i64),
+            },
+        ),
         ("mtp_use_repeated_layer", Arg::Bool(false)),
         ("spec", Arg::None),
         ("moe_ffn_hidden_size", Arg::None),

@@ -68,6 +68,8 @@ pub struct FromHfOptions {
     pub max_file_bytes: u64,
     /// Skip HF tensors no rule reads instead of failing.
     pub allow_unmapped: bool,
+    /// Convert without the folder's MTP layers (`args.mtp_num_layers` then None).
+    pub drop_mtp: bool,
     /// Replace a checkpoint in a non-empty output folder.
     pub overwrite: bool,
     /// Write only this part's groups.
@@ -116,6 +118,7 @@ impl FromHfOptions {
             threads,
             max_file_bytes: 0,
             allow_unmapped: false,
+            drop_mtp: false,
             overwrite: false,
             part: None,
         })
@@ -139,6 +142,16 @@ pub struct FromHfSummary {
     pub dequantized: usize,
     /// HF tensors no rule reads, skipped with `allow_unmapped`.
     pub skipped: Vec<String>,
+    /// MTP layers converted (`mtp.layers.<k>.*`, `args.mtp_num_layers`).
+    pub mtp_layers: u64,
+    /// HF tensors of MTP layers left out with `drop_mtp`.
+    pub dropped_mtp: usize,
+    /// The vision tower's tensors a multimodal folder holds, left out (a Megatron text model has
+    /// no vision tower; `to-hf --base-hf` copies it back), and their prefix.
+    pub vision_tensors: usize,
+    pub vision_prefix: Option<String>,
+    /// What was converted otherwise than the folder or config.json suggests.
+    pub warnings: Vec<String>,
     pub stacked_layers: bool,
     pub padded_vocab_size: u64,
     pub iteration: u64,
@@ -258,6 +271,92 @@ fn mtp_tensors(d: &Dims, names: &[String]) -> Vec<String> {
         .collect()
 }
 
+/// The MTP layers to convert from a folder whose tensors are `names`, and what to warn about:
+/// the count config.json declares when the folder holds MTP tensors ([`mtp_tensors`]); none, with a
+/// warning, when it declares some and the folder holds none (transformers' `save_pretrained` leaves
+/// them out: its models ignore them on load) or when `drop` (`--drop-mtp`).
+///
+/// Errors: [`Error::Validation`] when the folder holds MTP tensors that cannot all be converted:
+/// the family has no MTP layout, config.json declares none, or the family's layout holds one MTP
+/// module and config.json declares more.
+fn mtp_layers(d: &Dims, names: &[String], drop: bool) -> Result<(u64, Vec<String>)> {
+    let found = mtp_tensors(d, names);
+    let declared = d.declared_mtp();
+    let field = d.spec.mtp.map_or("num_nextn_predict_layers", |m| m.field);
+    let model_type = d.spec.model_types[0];
+    if found.is_empty() {
+        let w = (declared > 0).then(|| format!(
+            "config.json's {field} says {declared}, but the folder holds no MTP tensors (transformers' save_pretrained leaves them out): the checkpoint has no MTP layers (args.mtp_num_layers None)"
+        ));
+        return Ok((0, w.into_iter().collect()));
+    }
+    let held = format!(
+        "the folder holds {} tensors of MTP layers ({})",
+        found.len(),
+        first_names(&found, 5)
+    );
+    if drop {
+        return Ok((0, vec![format!("--drop-mtp: {held}, not converted (args.mtp_num_layers None)")]));
+    }
+    let why = match d.spec.mtp {
+        None => format!(", but shardwise knows no HF layout of MTP layers for {model_type}"),
+        Some(_) if declared == 0 => format!(", but config.json's {field} says 0"),
+        Some(m) if declared > 1 && !m.per_layer_names() => format!(
+            ", config.json's {field} says {declared}, but {model_type}'s HF layout holds one MTP module"
+        ),
+        Some(_) => return Ok((declared, Vec::new())),
+    };
+    Err(Error::Validation(format!(
+        "{held}{why}; pass --drop-mtp to convert without them (--allow-unmapped does not skip them)"
+    )))
+}
+
+/// The HF tensors no job reads, sorted by why: a multimodal folder's vision tower (left out: a
+/// Megatron text model has none), MTP tensors `--drop-mtp` leaves out, and the rest (`skipped`
+/// with `--allow-unmapped`).
+struct LeftOut {
+    vision: usize,
+    dropped_mtp: usize,
+    skipped: Vec<String>,
+}
+
+/// Sorts `unmapped` into [`LeftOut`].
+///
+/// Errors: [`Error::Validation`] for MTP tensors left unread without `--drop-mtp` (more MTP
+/// layers than config.json declares), and for other tensors no rule reads without
+/// `--allow-unmapped`.
+fn left_out(
+    d: &Dims,
+    multimodal: Option<&super::spec::Multimodal>,
+    unmapped: &[String],
+    opts: &FromHfOptions,
+) -> Result<LeftOut> {
+    let (vision, rest): (Vec<String>, Vec<String>) = unmapped
+        .iter()
+        .cloned()
+        .partition(|n| multimodal.is_some_and(|m| n.starts_with(m.vision_prefix)));
+    let mtp = mtp_tensors(d, &rest);
+    if !mtp.is_empty() && !opts.drop_mtp {
+        return Err(Error::Validation(format!(
+            "the folder holds {} tensors of MTP layers that no rule reads ({}): more MTP layers than config.json declares, or names of no MTP layout shardwise knows; fix config.json or pass --drop-mtp (--allow-unmapped does not skip them)",
+            mtp.len(),
+            first_names(&mtp, 5)
+        )));
+    }
+    let skipped: Vec<String> = rest.into_iter().filter(|n| !mtp.contains(n)).collect();
+    if !skipped.is_empty() && !opts.allow_unmapped {
+        return Err(Error::Validation(format!(
+            "no rule reads these HF tensors (pass --allow-unmapped to skip them): {}",
+            first_names(&skipped, 20)
+        )));
+    }
+    Ok(LeftOut {
+        vision: vision.len(),
+        dropped_mtp: mtp.len(),
+        skipped,
+    })
+}
+
 /// Converts the HF folder `hf_dir` into a torch_dist checkpoint in the local folder `ckpt_dir`;
 /// `progress(bytes)` is called as chunks are converted.
 ///
@@ -322,7 +421,12 @@ pub fn from_hf(
     {
         check_outside(ckpt_dir, &hf_dir.join(f), "HF file")?;
     }
-    let d = Dims::from_config(&src.config, opts.arch.as_deref())?;
+    let mut d = Dims::from_config(&src.config, opts.arch.as_deref())?;
+    // A multimodal folder: the text model under its own prefix, beside the vision tower.
+    let multimodal = d.spec.multimodal.filter(|_| d.multimodal);
+    if let Some(mm) = multimodal {
+        d.text_prefix = mm.text_prefix;
+    }
     let vocab = d.vocab_size.ok_or_else(|| {
         Error::InvalidArgument(format!(
             "{}/config.json has no vocab_size",
@@ -341,20 +445,17 @@ pub fn from_hf(
         .iter()
         .map(|(k, t)| (k.clone(), t.shape.clone()))
         .collect();
+    let names: Vec<String> = shapes.keys().cloned().collect();
+    let (mtp, warnings) = mtp_layers(&d, &names, opts.drop_mtp)?;
+    d.mtp_layers = mtp;
     let p = plan::plan(&d, &shapes, opts.transformer_impl, padded)?;
-    let mtp = mtp_tensors(&d, &p.unmapped);
-    if !mtp.is_empty() {
-        return Err(Error::Validation(format!(
-            "the folder holds {} tensors of MTP layers ({}), which from-hf does not convert yet: a checkpoint without them would lose the model's MTP layers (--allow-unmapped does not skip them)",
-            mtp.len(),
-            first_names(&mtp, 5)
-        )));
-    }
-    if !p.unmapped.is_empty() && !opts.allow_unmapped {
-        return Err(Error::Validation(format!(
-            "no rule reads these HF tensors (pass --allow-unmapped to skip them): {}",
-            first_names(&p.unmapped, 20)
-        )));
+    let left = left_out(&d, multimodal, &p.unmapped, opts)?;
+    for (copy, shared) in &p.copies {
+        if !src.same_values(copy, shared)? {
+            return Err(Error::Validation(format!(
+                "{copy} differs from {shared}: Megatron's MTP layers share the model's tensor, so a different copy cannot be converted (pass --drop-mtp to convert without the MTP layers)"
+            )));
+        }
     }
     for j in &p.jobs {
         for i in &j.inputs {
@@ -564,14 +665,19 @@ pub fn from_hf(
         files,
         seconds,
         gb_per_s: bytes as f64 / seconds.max(1e-9) / 1e9,
-        hf_tensors: src.tensors.len() - p.unmapped.len(),
+        hf_tensors: src.tensors.len() - p.unmapped.len() + p.copies.len(),
         dequantized: p
             .jobs
             .iter()
             .flat_map(|j| &j.inputs)
             .filter(|i| src.tensors[&i.name].quantized())
             .count(),
-        skipped: p.unmapped.clone(),
+        skipped: left.skipped,
+        mtp_layers: d.mtp_layers,
+        dropped_mtp: left.dropped_mtp,
+        vision_tensors: left.vision,
+        vision_prefix: multimodal.map(|m| m.vision_prefix.to_string()),
+        warnings,
         stacked_layers: p.stacked,
         padded_vocab_size: padded,
         iteration: opts.iteration,
@@ -589,7 +695,7 @@ fn save_id(src: &source::HfSource, opts: &FromHfOptions, d: &Dims) -> Result<Str
     h.update(src.identity()?);
     h.update(
         format!(
-            "\0{:?}\0{:?}\0{}\0{}\0{}\0{}\0{}\0{}",
+            "\0{:?}\0{:?}\0{}\0{}\0{}\0{}\0{}\0{}\0{}",
             opts.dtype,
             opts.transformer_impl,
             opts.moe_grouped_gemm,
@@ -599,6 +705,7 @@ fn save_id(src: &source::HfSource, opts: &FromHfOptions, d: &Dims) -> Result<Str
             d.spec.model_types[0],
             // The data files' grouping: parts split with different sizes must not mix.
             opts.max_file_bytes,
+            opts.drop_mtp,
         )
         .as_bytes(),
     );

@@ -24,7 +24,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use super::super::plan::{implied_shape, layer_prefix};
+use super::super::plan::implied_shape;
 use super::super::spec::{Dims, Experts, Post, Rule, When};
 use crate::error::{Error, Result};
 
@@ -84,6 +84,9 @@ pub(crate) struct Plan {
     pub unmapped: Vec<String>,
     /// Whether layers are stacked on a leading axis.
     pub stacked: bool,
+    /// The whole-model tensors MTP layers repeat, each with the model's tensor it must equal
+    /// (HF names; see [`plan`]).
+    pub copies: Vec<(String, String)>,
 }
 
 /// The HF tensors a plan reads: name -> shape.
@@ -189,27 +192,92 @@ fn layer_rules(d: &Dims, l: u64, imp: Impl) -> Vec<(&'static Rule, &'static str)
     chosen
 }
 
-/// The HF name of rule output `name` on layer `l` (None: a model rule) for expert `e`.
-fn hf_name(name: &str, l: Option<u64>, e: Option<u64>) -> String {
+/// Where a rule's outputs are named in the HF folder: a whole-model tensor (under the text
+/// model's prefix, [`Dims::text_name`]), layer `l`'s (a decoder layer, or for `l >= num_layers`
+/// MTP layer `l - num_layers`'s transformer layer: [`Dims::layer_prefix`]), or MTP layer `k`'s own
+/// module ([`Dims::mtp_name`]): the names to-hf writes, from the same Dims.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Site {
+    Model,
+    Layer(u64),
+    MtpModule(u64),
+}
+
+/// The HF name of rule output `name` at `site` for expert `e`.
+fn hf_name(d: &Dims, site: Site, name: &str, e: Option<u64>) -> String {
     let n = match e {
         Some(e) => name.replace("{e}", &e.to_string()),
         None => name.to_string(),
     };
-    match l {
-        Some(l) => format!("{}{n}", layer_prefix(l)),
-        None => n,
+    match site {
+        Site::Model => d.text_name(&n),
+        Site::Layer(l) => format!("{}{n}", d.layer_prefix(l)),
+        Site::MtpModule(k) => d.mtp_name(&n, k),
     }
 }
 
 /// Where a rule's source sits: the Megatron key prefix and the axes before the source's own.
 struct Place {
-    /// `decoder.layers.` (stacked), `decoder.layers.<l>.`, or empty (model rules).
+    /// `decoder.layers.` (stacked), `decoder.layers.<l>.`, `mtp.layers.<k>.transformer_layer.`,
+    /// `mtp.layers.<k>.`, or empty (model rules).
     prefix: String,
     /// (global size, offset) of each leading axis: the layer when stacked.
     lead: Vec<(u64, u64)>,
+    site: Site,
 }
 
-/// Builds the reverse plan of `d` over the HF tensors `hf`.
+/// What planning gathers: the jobs, the HF tensors they read, the required ones absent.
+#[derive(Default)]
+struct Acc {
+    jobs: Vec<Job>,
+    read: BTreeSet<String>,
+    missing: Vec<String>,
+}
+
+/// Whether any output of `r` at `site` is in the folder.
+fn present(d: &Dims, hf: &HfShapes, r: &Rule, site: Site) -> bool {
+    r.outs.iter().any(|o| {
+        let e = (r.experts == Experts::PerExpert).then_some(0);
+        hf.contains_key(&hf_name(d, site, o.name, e))
+    })
+}
+
+/// An optional rule (a QKV bias the config does not require) is present on every decoder layer
+/// it applies to or on none: Megatron holds it on all or none.
+///
+/// Errors: [`Error::Validation`] naming the layers that lack it.
+fn check_optional(d: &Dims, used: &[Vec<(&'static Rule, &'static str)>]) -> Result<()> {
+    for r in d.spec.layer_rules().filter(|r| r.when == When::Optional) {
+        let on: Vec<u64> = (0..used.len() as u64)
+            .filter(|&l| used[l as usize].iter().any(|(x, _)| std::ptr::eq(*x, r)))
+            .collect();
+        let applies: Vec<u64> = (0..used.len() as u64)
+            .filter(|&l| d.may_produce(r, l))
+            .collect();
+        if !on.is_empty() && on != applies {
+            let off: Vec<String> = applies
+                .iter()
+                .filter(|l| !on.contains(l))
+                .map(|l| hf_name(d, Site::Layer(*l), r.outs[0].name, Some(0)))
+                .collect();
+            return Err(Error::Validation(format!(
+                "{} is present on some layers only: missing {} (Megatron holds it on every layer or none)",
+                r.outs[0].name,
+                off.join(", ")
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Builds the reverse plan of `d` over the HF tensors `hf`: the whole-model rules, the
+/// `num_layers` decoder layers, then the `d.mtp_layers` MTP layers (their transformer layer by the
+/// layer rules, as layer `num_layers + k`, under megatron-core's GPTModel keys
+/// `mtp.layers.<k>.transformer_layer.<sub>`, and their own module by the family's
+/// [`super::super::spec::MtpSpec`] under `mtp.layers.<k>.<sub>`: megatron-core 0.19.2
+/// `multi_token_prediction.py` `MultiTokenPredictionLayer`). The whole-model tensors an MTP layer
+/// repeats (`MtpSpec::copies`) are read by no job: they are returned as [`Plan::copies`], each
+/// beside the tensor Megatron shares for it.
 ///
 /// `padded_vocab`: Megatron's vocabulary rows (`make_vocab_size_divisible_by x
 /// tensor_model_parallel_size` padding of `vocab_size`). Rules for tied embeddings' `lm_head` are
@@ -219,158 +287,136 @@ struct Place {
 /// (a config with more layers than the weights), shapes that contradict the config, outputs of
 /// one rule present in part, and an optional tensor present on some layers only.
 pub(crate) fn plan(d: &Dims, hf: &HfShapes, imp: Impl, padded_vocab: u64) -> Result<Plan> {
-    let per_layer: Vec<Vec<(&'static Rule, &'static str)>> =
-        (0..d.num_layers).map(|l| layer_rules(d, l, imp)).collect();
-    // Optional rules (a QKV bias the config does not require): present on all layers or none.
-    let present = |r: &Rule, l: Option<u64>| {
-        r.outs.iter().any(|o| {
-            let e = (r.experts == Experts::PerExpert).then_some(0);
-            hf.contains_key(&hf_name(o.name, l, e))
+    let used: Vec<Vec<(&'static Rule, &'static str)>> = (0..d.num_layers + d.mtp_layers)
+        .map(|l| {
+            layer_rules(d, l, imp)
+                .into_iter()
+                .filter(|(r, _)| d.requires(r, Some(l)) || present(d, hf, r, Site::Layer(l)))
+                .collect()
         })
-    };
-    let mut missing = Vec::new();
-    let mut layers_used: Vec<Vec<(&'static Rule, &'static str)>> = Vec::new();
-    for (l, rules) in per_layer.iter().enumerate() {
-        let l = l as u64;
-        let mut used = Vec::new();
-        for &(r, a) in rules {
-            if d.requires(r, Some(l)) || present(r, Some(l)) {
-                used.push((r, a));
-            }
-        }
-        layers_used.push(used);
-    }
-    for r in d.spec.layer_rules().filter(|r| r.when == When::Optional) {
-        let on: Vec<u64> = (0..d.num_layers)
-            .filter(|&l| {
-                layers_used[l as usize]
-                    .iter()
-                    .any(|(x, _)| std::ptr::eq(*x, r))
-            })
-            .collect();
-        let applies: Vec<u64> = (0..d.num_layers).filter(|&l| d.may_produce(r, l)).collect();
-        if !on.is_empty() && on != applies {
-            let off: Vec<String> = applies
-                .iter()
-                .filter(|l| !on.contains(l))
-                .map(|l| hf_name(r.outs[0].name, Some(*l), Some(0)))
-                .collect();
-            return Err(Error::Validation(format!(
-                "{} is present on some layers only: missing {} (Megatron holds it on every layer or none)",
-                r.outs[0].name,
-                off.join(", ")
-            )));
-        }
-    }
-    let key_sets: BTreeSet<Vec<&str>> = layers_used
+        .collect();
+    let decoder = &used[..d.num_layers as usize];
+    check_optional(d, decoder)?;
+    let key_sets: BTreeSet<Vec<&str>> = decoder
         .iter()
         .map(|u| u.iter().map(|(_, a)| *a).collect())
         .collect();
     let stacked = key_sets.len() <= 1;
 
-    let mut jobs = Vec::new();
-    let mut read: BTreeSet<String> = BTreeSet::new();
+    let mut acc = Acc::default();
+    let model = Place {
+        prefix: String::new(),
+        lead: Vec::new(),
+        site: Site::Model,
+    };
     for r in d.spec.model.iter() {
-        if r.when == When::Untied && d.tied {
-            continue;
+        let untied = r.when == When::Untied && d.tied;
+        if !untied && (d.requires(r, None) || present(d, hf, r, Site::Model)) {
+            rule_jobs(d, r, r.src[0], &model, hf, padded_vocab, &mut acc)?;
         }
-        if !d.requires(r, None) && !present(r, None) {
-            continue;
-        }
-        let key = r.src[0];
-        let place = Place {
-            prefix: String::new(),
-            lead: Vec::new(),
-        };
-        rule_jobs(
-            d,
-            r,
-            key,
-            None,
-            &place,
-            hf,
-            padded_vocab,
-            &mut jobs,
-            &mut read,
-            &mut missing,
-        )?;
     }
-    for (l, used) in layers_used.iter().enumerate() {
+    for (l, rules) in used.iter().enumerate() {
         let l = l as u64;
-        let place = if stacked {
-            Place {
-                prefix: "decoder.layers.".into(),
-                lead: vec![(d.num_layers, l)],
-            }
-        } else {
-            Place {
-                prefix: format!("decoder.layers.{l}."),
-                lead: Vec::new(),
-            }
+        let (prefix, lead) = match l.checked_sub(d.num_layers) {
+            Some(k) => (format!("mtp.layers.{k}.transformer_layer."), Vec::new()),
+            None if stacked => ("decoder.layers.".into(), vec![(d.num_layers, l)]),
+            None => (format!("decoder.layers.{l}."), Vec::new()),
         };
-        for &(r, a) in used {
-            rule_jobs(
-                d,
-                r,
-                a,
-                Some(l),
-                &place,
-                hf,
-                padded_vocab,
-                &mut jobs,
-                &mut read,
-                &mut missing,
-            )?;
+        let place = Place {
+            prefix,
+            lead,
+            site: Site::Layer(l),
+        };
+        for &(r, a) in rules {
+            rule_jobs(d, r, a, &place, hf, padded_vocab, &mut acc)?;
         }
     }
-    if !missing.is_empty() {
-        let shown: Vec<&str> = missing
-            .iter()
-            .take(20)
-            .map(|s: &String| s.as_str())
-            .collect();
+    let copies = mtp_modules(d, hf, padded_vocab, &mut acc)?;
+    if !acc.missing.is_empty() {
         return Err(Error::Validation(format!(
-            "{} HF tensors the config requires are not in the folder: {}{}",
-            missing.len(),
-            shown.join(", "),
-            if missing.len() > 20 { ", ..." } else { "" }
+            "{} HF tensors the config requires are not in the folder: {}",
+            acc.missing.len(),
+            crate::error::first_names(&acc.missing, 20)
         )));
     }
-    let unmapped = hf.keys().filter(|k| !read.contains(*k)).cloned().collect();
+    let unmapped = hf.keys().filter(|k| !acc.read.contains(*k)).cloned().collect();
     Ok(Plan {
-        jobs,
+        jobs: acc.jobs,
         unmapped,
         stacked,
+        copies,
     })
 }
 
-/// The jobs of rule `r` (Megatron sub-key `key`) on layer `l` (None: a model rule).
-#[allow(clippy::too_many_arguments)]
+/// The jobs of each MTP layer's own module (`mtp.layers.<k>.<sub>`), and the whole-model tensors
+/// the HF layout repeats in it, each paired with the model's tensor whose bytes it must equal: the
+/// first of the copy rule's sources that a whole-model rule writes and the folder holds (DeepSeek-
+/// V3's `model.layers.61.embed_tokens.weight` with `model.embed_tokens.weight`, its
+/// `shared_head.head.weight` with `lm_head.weight`). A copy the folder lacks is no error: Megatron
+/// shares the model's tensor anyway.
+fn mtp_modules(
+    d: &Dims,
+    hf: &HfShapes,
+    padded_vocab: u64,
+    acc: &mut Acc,
+) -> Result<Vec<(String, String)>> {
+    let mut copies = Vec::new();
+    let Some(m) = d.spec.mtp else {
+        return Ok(copies);
+    };
+    for k in 0..d.mtp_layers {
+        let place = Place {
+            prefix: format!("mtp.layers.{k}."),
+            lead: Vec::new(),
+            site: Site::MtpModule(k),
+        };
+        for r in m.rules {
+            rule_jobs(d, r, r.src[0], &place, hf, padded_vocab, acc)?;
+        }
+        for r in m.copies {
+            let name = hf_name(d, Site::MtpModule(k), r.outs[0].name, None);
+            let shared = r.src.iter().find_map(|s| {
+                let model = d.spec.model_rule(s)?;
+                let n = hf_name(d, Site::Model, model.outs[0].name, None);
+                hf.contains_key(&n).then_some(n)
+            });
+            if let (true, Some(shared)) = (hf.contains_key(&name), shared) {
+                acc.read.insert(name.clone());
+                copies.push((name, shared));
+            }
+        }
+    }
+    Ok(copies)
+}
+
+/// The jobs of rule `r` (Megatron sub-key `key`) at `place`.
 fn rule_jobs(
     d: &Dims,
     r: &'static Rule,
     key: &str,
-    l: Option<u64>,
     place: &Place,
     hf: &HfShapes,
     padded_vocab: u64,
-    jobs: &mut Vec<Job>,
-    read: &mut BTreeSet<String>,
-    missing: &mut Vec<String>,
+    acc: &mut Acc,
 ) -> Result<()> {
     let units: Vec<Option<u64>> = match r.experts {
         Experts::PerExpert => (0..d.num_experts).map(Some).collect(),
         _ => vec![None],
     };
     for e in units {
-        let names: Vec<String> = r.outs.iter().map(|o| hf_name(o.name, l, e)).collect();
+        let names: Vec<String> = r
+            .outs
+            .iter()
+            .map(|o| hf_name(d, place.site, o.name, e))
+            .collect();
         let absent: Vec<&String> = names.iter().filter(|n| !hf.contains_key(*n)).collect();
         if !absent.is_empty() {
-            missing.extend(absent.into_iter().cloned());
+            acc.missing.extend(absent.into_iter().cloned());
             continue;
         }
-        read.extend(names.iter().cloned());
-        jobs.push(job(d, r, key, e, place, &names, hf, padded_vocab)?);
+        acc.read.extend(names.iter().cloned());
+        acc.jobs
+            .push(job(d, r, key, e, place, &names, hf, padded_vocab)?);
     }
     Ok(())
 }
@@ -545,7 +591,8 @@ fn job(
 pub(crate) type ObjectPos = (String, Vec<u64>, Vec<u64>);
 
 /// The `_extra_state` ShardedObjects megatron-core asks for beside the linears the plan writes:
-/// every linear of a decoder layer (`linear_*`, GDN's `in_proj` / `out_proj`; the local
+/// every linear of a decoder or MTP layer (`linear_*`, GDN's `in_proj` / `out_proj`, MTP's
+/// `eh_proj`; the local
 /// `ColumnParallelLinear` / `RowParallelLinear` as well as Transformer Engine's) has an
 /// `_extra_state` entry in its state dict, which `sharded_state_dict` turns into a ShardedObject
 /// whose shape and offset are the layer and expert axes of its weight, `(1,)` / `(0,)` without
@@ -563,8 +610,9 @@ pub(crate) fn extra_states(jobs: &[Job]) -> Vec<ObjectPos> {
             continue;
         };
         let last = module.rsplit('.').next().unwrap_or(module);
-        let linear = last.starts_with("linear_") || last == "in_proj" || last == "out_proj";
-        if !c.key.starts_with("decoder.layers.") || !linear || c.global_shape.len() < 2 {
+        let linear = last.starts_with("linear_") || ["in_proj", "out_proj", "eh_proj"].contains(&last);
+        let layer = c.key.starts_with("decoder.layers.") || c.key.starts_with("mtp.layers.");
+        if !layer || !linear || c.global_shape.len() < 2 {
             continue;
         }
         let lead = c.global_shape.len() - 2;

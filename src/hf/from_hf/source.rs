@@ -31,6 +31,17 @@ struct Span {
     len: u64,
 }
 
+impl Span {
+    /// Bytes `[at, at + len)` of the span.
+    fn slice(&self, at: u64, len: u64) -> Span {
+        Span {
+            file: self.file,
+            offset: self.offset + at,
+            len,
+        }
+    }
+}
+
 /// One stored safetensors tensor.
 #[derive(Clone, Debug)]
 struct Stored {
@@ -312,6 +323,42 @@ impl HfSource {
                 Ok(())
             }
         }
+    }
+}
+
+impl HfSource {
+    /// Whether tensors `a` and `b` hold the same values: the same dtype, shape and stored bytes
+    /// (compared 16 MiB at a time), or for a quantized one the same values as read in float32.
+    ///
+    /// Errors: [`Error::Io`], and [`HfSource::read`]'s.
+    pub(crate) fn same_values(&self, a: &str, b: &str) -> Result<bool> {
+        let (ta, tb) = (&self.tensors[a], &self.tensors[b]);
+        if ta.shape != tb.shape {
+            return Ok(false);
+        }
+        if let (Storage::Plain(sa), Storage::Plain(sb), true) =
+            (&ta.storage, &tb.storage, ta.dtype == tb.dtype)
+        {
+            const STEP: u64 = 16 << 20;
+            let (mut x, mut y) = (Vec::new(), Vec::new());
+            for at in (0..sa.len).step_by(STEP as usize) {
+                let n = STEP.min(sa.len - at);
+                let (pa, pb) = (sa.slice(at, n), sb.slice(at, n));
+                x.resize(n as usize, 0);
+                y.resize(n as usize, 0);
+                self.read_span(&pa, &mut x)?;
+                self.read_span(&pb, &mut y)?;
+                if x != y {
+                    return Ok(false);
+                }
+            }
+            return Ok(true);
+        }
+        let n = ta.shape.iter().product::<u64>() as usize * 4;
+        let (mut x, mut y) = (vec![0u8; n], vec![0u8; n]);
+        self.read(a, DType::F32, &mut x)?;
+        self.read(b, DType::F32, &mut y)?;
+        Ok(x == y)
     }
 }
 
