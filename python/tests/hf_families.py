@@ -658,7 +658,7 @@ def load_and_forward(rank, world, port, base, families):
     return {"mismatch": mismatch, "errors": errors}
 
 
-def mtp_round_trip(rank, world, port, jobs):
+def round_trip_load(rank, world, port, jobs):
     """Worker (2 ranks): for each ``(name, family, ckpt, original, out)``, builds the family's model with its MTP
     layers in the resharded layout (TP=2, EP=2 for MoE) and fills it with megatron-core's own
     ``dist_checkpointing.load`` from ``ckpt`` (a from-hf output), then a second one from

@@ -114,6 +114,27 @@ def test_to_hf_of_the_result_gives_the_input_back_bitwise(converted, family, tmp
         assert got[k].dtype == t.dtype and got[k].shape == t.shape and torch.equal(_bits(got[k]), _bits(t)), k
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_bf16_folder_round_trips_bitwise_in_bf16(converted, family, tmp_path):
+    """HF -> Megatron -> HF in bfloat16, ``--dtype`` equal to the input's: every tensor comes back
+    bitwise (the GDN output norm's ``w - 1`` and ``+ 1`` are exact for the folder's norms, which lie in
+    [0.6, 1.6): Sterbenz)."""
+    base, _ = converted
+    hf = base / family / "hf"
+    config = json.loads((hf / "config.json").read_text())
+    tensors = {k: v.to(torch.bfloat16) for k, v in _hf_tensors(hf).items()}
+    folder = _folder(tmp_path / "hf", {**config, "torch_dtype": "bfloat16"}, tensors)
+    fam = hf_families.FAMILIES[family]
+    s = shardwise.from_hf(str(folder), str(tmp_path / "ckpt"), dtype="bf16", transformer_impl=fam.transformer_impl,
+                          tensor_model_parallel_size=2)
+    assert s["committed"], s
+    shardwise.to_hf(str(tmp_path / "ckpt"), str(tmp_path / "back"), hf_config=str(folder / "config.json"), dtype="bf16")
+    got = _hf_tensors(tmp_path / "back")
+    assert sorted(got) == sorted(tensors)
+    for k, t in tensors.items():
+        assert got[k].dtype == torch.bfloat16 and got[k].shape == t.shape and torch.equal(_bits(got[k]), _bits(t)), k
+
+
 # The MTP layer count: transformers' models build no MTP layers, so these folders hold none and the
 # checkpoint none (the config.json written from the args says so, 0); MTP folders are tested below.
 MTP_FIELDS = ("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_layers")

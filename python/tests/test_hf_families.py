@@ -9,7 +9,10 @@ Megatron's. Each config field the mapping checks against the stored args is refu
 ``shardwise.megatron.load`` fills the resharded model from the TP=1 checkpoints (and a HybridModel from
 a GPTModel's checkpoint through megatron-core's own key translation) with the same logits.
 
-One 2-process run per family, on first use; the families of ``hf_families.GROUP`` share one run."""
+One 2-process run per family, on first use; the families of each of ``GROUPS`` share one run.
+
+from-hf of each family's export, and to-hf of that, give back the Megatron checkpoint and the HF
+folder bitwise (MTP layers and a multimodal folder's vision tower included)."""
 
 from __future__ import annotations
 
@@ -29,6 +32,9 @@ LOADED = [f for f in FAMILIES if hf_families.FAMILIES[f].load_check]
 MULTIMODAL = [("qwen3_5_moe", "Qwen3_5MoeConfig"), ("qwen3_5", "Qwen3_5Config")]
 # max |HF - Megatron| / max |Megatron| over the logits of the fixed tokens.
 MAX_REL_DIFF = 1e-4
+# Families saved in one 2-process run each: hf_families.GROUP, and the dense/MoE families test_hf.py
+# converts (only the round trip below saves them here).
+GROUPS = [hf_families.GROUP, ("llama", "qwen3", "qwen3_moe")]
 
 
 @pytest.fixture(scope="session")
@@ -40,11 +46,12 @@ def saved(tmp_path_factory):
 
     def get(family):
         if family not in done:
-            if family in hf_families.GROUP:
+            group = next((g for g in GROUPS if family in g), None)
+            if group is not None:
                 base = tmp_path_factory.mktemp("group")
                 results = spawn(hf_families.save_and_forward_group, 2, str(base / "out"), str(base),
-                                list(hf_families.GROUP), timeout_s=1800)
-                bases = {f: base / f for f in hf_families.GROUP}
+                                list(group), timeout_s=1800)
+                bases = {f: base / f for f in group}
             else:
                 base = tmp_path_factory.mktemp(family)
                 results = spawn(hf_families.save_and_forward, 2, str(base / "out"), str(base), family, timeout_s=600)
@@ -804,18 +811,20 @@ def test_mxfp4_export_is_gpt_oss_layout_and_loads_in_transformers(saved, tmp_pat
     assert not (tmp_path / "no").exists()
 
 
-# --- from-hf of MTP layers and of a multimodal folder, and the round trip both ways ------------------
-MTP_FAMILIES = [f for f in FAMILIES if f in hf_families.MTP_LAYOUT]
+# --- from-hf of every family's export, MTP layers and a multimodal folder included: the round trip -----
+# Every family from-hf writes (a GPTModel's keys: the HybridModel variants are the same HF families).
+ROUND_TRIP = [f for f in hf_families.FAMILIES if f not in HYBRID]
 
 
 @pytest.fixture(scope="session")
-def mtp_round_trip(saved, tmp_path_factory):
-    """For each family with an MTP layout: to-hf of its TP=1 shardwise checkpoint (one MTP layer) into
-    ``<family>/hf``, then from-hf of that (fp32, TP=2) into ``<family>/ckpt``; for qwen3_5_moe also
-    the multimodal release layout (``multimodal/hf``: vision tower from ``--base-hf``, text model
+def round_trip(saved, tmp_path_factory):
+    """For each family: to-hf of its TP=1 shardwise checkpoint (with its MTP layer where the family has
+    one) into ``<family>/hf``, then from-hf of that (fp32, TP=2) into ``<family>/ckpt``; for qwen3_5_moe
+    also the multimodal release layout (``multimodal/hf``: vision tower from ``--base-hf``, text model
     under model.language_model.*) through from-hf into ``multimodal/ckpt``. One 2-process run then
-    loads each checkpoint into a megatron-core model with its MTP layer (``hf_families.mtp_round_trip``)."""
-    base = tmp_path_factory.mktemp("mtp_round_trip")
+    loads each checkpoint into a megatron-core model (with its MTP layers) beside the original
+    (``hf_families.round_trip_load``)."""
+    base = tmp_path_factory.mktemp("round_trip")
     jobs, summaries = [], {}
 
     def convert(name, family, hf, original):
@@ -824,7 +833,7 @@ def mtp_round_trip(saved, tmp_path_factory):
                                             transformer_impl=fam.transformer_impl, tensor_model_parallel_size=2)
         jobs.append((name, family, str(base / name / "ckpt"), str(original), str(base / name)))
 
-    for family in MTP_FAMILIES:
+    for family in ROUND_TRIP:
         fam_base, _ = saved(family)
         shardwise.to_hf(str(fam_base / "tp1" / "shardwise"), str(base / family / "hf"),
                         hf_config=str(fam_base / "hf_config" / "config.json"))
@@ -834,22 +843,24 @@ def mtp_round_trip(saved, tmp_path_factory):
     shardwise.to_hf(str(fam_base / "tp1" / "shardwise"), str(base / "multimodal" / "hf"), hf_config=str(config),
                     base_hf=str(release))
     convert("multimodal", "qwen3_5_moe", base / "multimodal" / "hf", fam_base / "tp1" / "megatron")
-    results = spawn(hf_families.mtp_round_trip, 2, str(base / "out"), jobs, timeout_s=900)
+    results = spawn(hf_families.round_trip_load, 2, str(base / "out"), jobs, timeout_s=1200)
     failed = [r for r in results if not r.get("ok")]
     assert not failed, "\n".join(f"rank {r['rank']}: {r.get('error')}\n{r.get('traceback', '')}" for r in failed)
     return base, summaries, results, release
 
 
-@pytest.mark.parametrize("name", [*MTP_FAMILIES, "multimodal"])
-def test_from_hf_reads_mtp_layers_and_megatron_loads_them_bitwise(saved, mtp_round_trip, name):
-    """Megatron -> HF -> Megatron: megatron-core 0.19.2 loads from-hf's output with its MTP layer
-    (``mtp_num_layers=1``) at TP=2 (x EP=2) with no key mismatch, every tensor equal to the original
-    checkpoint's (the vocabulary padding rows aside), and the logits and MTP logits equal Megatron's."""
-    base, summaries, results, _ = mtp_round_trip
+@pytest.mark.parametrize("name", [*ROUND_TRIP, "multimodal"])
+def test_megatron_hf_megatron_gives_back_every_tensor_bitwise(saved, round_trip, name):
+    """Megatron -> HF -> Megatron: megatron-core 0.19.2 loads from-hf's output (with its MTP layer,
+    ``mtp_num_layers=1``, where the family has one) at TP=2 (x EP=2) with no key mismatch, every
+    tensor equal to the original checkpoint's (the vocabulary padding rows aside; the GDN output
+    norm through HF's ``w + 1``), and the logits (and MTP logits) equal Megatron's."""
+    base, summaries, results, _ = round_trip
     family = "qwen3_5_moe" if name == "multimodal" else name
     fam_base, _ = saved(family)
+    mtp = family in hf_families.MTP_LAYOUT
     s = summaries[name]
-    assert s["mtp_layers"] == 1 and s["dropped_mtp"] == 0 and not s["skipped"] and not s["warnings"], s
+    assert s["mtp_layers"] == mtp and s["dropped_mtp"] == 0 and not s["skipped"] and not s["warnings"], s
     assert (s["vision_tensors"] > 0) == (name == "multimodal"), s
     for r in results:
         res = r[name]
@@ -857,20 +868,23 @@ def test_from_hf_reads_mtp_layers_and_megatron_loads_them_bitwise(saved, mtp_rou
         assert res["differ"] == [] and res["tensors"] > 0, (r["rank"], res["differ"])
     torch.testing.assert_close(torch.load(base / name / "logits.pt"), torch.load(fam_base / "tp1" / "logits.pt"),
                                rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(torch.load(base / name / "mtp_logits.pt"),
-                               torch.load(fam_base / "tp1" / "mtp_logits.pt"), rtol=1e-4, atol=1e-5)
+    if mtp:
+        torch.testing.assert_close(torch.load(base / name / "mtp_logits.pt"),
+                                   torch.load(fam_base / "tp1" / "mtp_logits.pt"), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", [*MTP_FAMILIES, "multimodal"])
-def test_hf_megatron_hf_gives_back_every_tensor_bitwise(mtp_round_trip, name, tmp_path):
+@pytest.mark.parametrize("name", [*ROUND_TRIP, "multimodal"])
+def test_hf_megatron_hf_gives_back_every_tensor_bitwise(round_trip, name, tmp_path):
     """HF -> Megatron -> HF: to-hf of from-hf's output, with the folder's own config.json (and for the
     multimodal folder ``--base-hf``, which puts the vision tower back), gives back every tensor of the
     folder bitwise, under the same names and dtypes: MTP layer and vision tower included."""
-    base, summaries, _, release = mtp_round_trip
+    base, summaries, _, release = round_trip
     hf = base / name / "hf"
     kw = {"base_hf": str(release)} if name == "multimodal" else {}
     summary = shardwise.to_hf(str(base / name / "ckpt"), str(tmp_path / "back"), hf_config=str(hf / "config.json"), **kw)
-    assert summary["args_check"] == "passed" and summary["mtp_layers"] == 1 and not summary["warnings"], summary
+    family = "qwen3_5_moe" if name == "multimodal" else name
+    assert summary["args_check"] == "passed" and not summary["warnings"], summary
+    assert summary["mtp_layers"] == (family in hf_families.MTP_LAYOUT), summary
     want, got = hf_families._folder_tensors(str(hf)), hf_families._folder_tensors(str(tmp_path / "back"))
     assert sorted(got) == sorted(want)
     assert any(k.startswith("model.visual.") for k in want) == (name == "multimodal")
