@@ -911,3 +911,69 @@ def hf_mtp_logits(out_dir: str, family: str):
         out = layer(x, attention_mask=None, position_ids=pos, position_embeddings=decoder.rotary_emb(x, pos))
         x = out[0] if isinstance(out, tuple) else out
         return (norm(x, t[lay["norm"]]) @ t[lay["head"]].T)[0]
+
+
+def train_and_save(rank, world, port, family, ckpt, base, steps):
+    """Worker (4 ranks), the slime #1908 job scaled down: the family's model (with its MTP layer where
+    it has one) at TP=2 (x EP=2 for MoE), DP=2, starts from ``ckpt`` (from-hf's output, loaded by
+    megatron-core), trains
+    ``steps`` SGD steps (language-model and MTP loss; gradients averaged over the DP and expert-DP
+    groups as Megatron's DDP does), and saves after each step with
+    ``shardwise.megatron.save(async_save=True)`` into ``base/iter_<step>``. While a save runs, the
+    ranks' process groups disagree: ranks 0 and 1 sync "rollout weights" over their own group, ranks
+    2 and 3 over theirs, and rank 3 calls save 2 s late, so no collective spanning all ranks could
+    complete (Megatron's save gathers its plan on all ranks). Rank 0 saves the trained model's logits
+    and MTP logits as ``base/logits.pt`` and ``base/mtp_logits.pt``. Returns each save's report."""
+    import time
+
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    import shardwise.megatron as swm
+
+    init_gloo(rank, world, port)
+    _cpu_common_patches()
+    fam = FAMILIES[family]
+    for patch in fam.cpu_patches:
+        patch()
+    cfg = fam.hf_config()
+    pair_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    ps.initialize_model_parallel(tensor_model_parallel_size=2, expert_model_parallel_size=2 if fam.moe else 1,
+                                 expert_tensor_parallel_size=1 if fam.moe else None)
+    model, args = fam.build(cfg)
+    model.load_state_dict(dist_checkpointing.load({"model": model.sharded_state_dict()}, ckpt)["model"])
+    seq = TOKENS.shape[1]
+    mask = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool), diagonal=1)
+    labels = torch.roll(TOKENS, -1, dims=1)
+    reports = []
+    for step in range(1, steps + 1):
+        # eval mode: Megatron refuses MoE with TP in training mode without sequence parallelism,
+        # which the CPU forward does not run; dropout is 0 and the MTP loss still reaches its
+        # gradients (``process_mtp_loss`` only logs by ``is_training``).
+        model.zero_grad()
+        loss = model(TOKENS, torch.arange(seq).unsqueeze(0), mask, labels=labels).float().mean()
+        loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.grad is None:
+                    continue
+                group = (ps.get_data_parallel_group() if getattr(p, "allreduce", True)
+                         else ps.get_expert_data_parallel_group())
+                dist.all_reduce(p.grad, group=group)
+                p -= 1e-2 * p.grad / dist.get_world_size(group)
+        sd = model.sharded_state_dict()
+        sd["args"] = argparse.Namespace(**args)
+        sd["iteration"] = step
+        if rank == 3:
+            time.sleep(2.0)
+        handle = swm.save(sd, os.path.join(base, f"iter_{step:07d}"), async_save=True, timeout_s=120)
+        pair = pair_groups[rank // 2]
+        for _ in range(3):
+            dist.all_reduce(torch.ones(4), group=pair)
+        reports.append(handle.wait(120))
+    logits, mtp_logits = _megatron_forward(model, cfg.vocab_size)
+    if rank == 0:
+        torch.save(logits, os.path.join(base, "logits.pt"))
+        torch.save(mtp_logits, os.path.join(base, "mtp_logits.pt"))
+    return {"reports": [{k: r[k] for k in ("committed", "save_id")} for r in reports]}

@@ -891,3 +891,38 @@ def test_hf_megatron_hf_gives_back_every_tensor_bitwise(round_trip, name, tmp_pa
     for k, t in want.items():
         assert got[k].dtype == t.dtype and got[k].shape == t.shape, k
         assert torch.equal(got[k].contiguous().view(torch.uint8), t.contiguous().view(torch.uint8)), k
+
+
+def test_slime_1908_job_hf_release_to_training_to_hf_release(round_trip, tmp_path):
+    """The job of slime #1908 (Qwen3.5-35B-A3B at TP=2 x EP=8 with async saves, whose Megatron save hung
+    in ``gather_object``), scaled down, end to end: (1) a Qwen3.5-MoE multimodal release with a vision
+    tower and an MTP layer goes through from-hf (the ``round_trip`` fixture); (2) 4 gloo ranks at TP=2 x
+    EP=2 load it with megatron-core, train 2 steps, and save each with
+    ``shardwise.megatron.save(async_save=True)`` while their process groups disagree and one rank is
+    late (``hf_families.train_and_save``); every save commits; (3) to-hf --base-hf of the last save;
+    (4) ``Qwen3_5MoeForConditionalGeneration`` loads it with no missing, unexpected or mismatched
+    weight, its logits equal the trained Megatron model's, the MTP layer's (by its formula) equal
+    Megatron's MTP logits, and the vision tower is the release's, byte for byte."""
+    base, _, _, release = round_trip
+    results = spawn(hf_families.train_and_save, 4, str(tmp_path / "out"), "qwen3_5_moe",
+                    str(base / "multimodal" / "ckpt"), str(tmp_path), 2, timeout_s=900)
+    failed = [r for r in results if not r.get("ok")]
+    assert not failed, "\n".join(f"rank {r['rank']}: {r.get('error')}\n{r.get('traceback', '')}" for r in failed)
+    for r in results:
+        assert [s["committed"] for s in r["reports"]] == [True, True], r
+    out = tmp_path / "hf"
+    summary = shardwise.to_hf(str(tmp_path / "iter_0000002"), str(out),
+                              hf_config=str(base / "multimodal" / "hf" / "config.json"), base_hf=str(release))
+    assert summary["args_check"] == "passed" and summary["mtp_layers"] == 1 and not summary["warnings"], summary
+    logits, info = hf_families.hf_load_and_logits(str(out))
+    assert type(info).__name__ == "dict" and not any(info[k] for k in ("missing_keys", "unexpected_keys",
+                                                                          "mismatched_keys")), info
+    assert hf_families.declared_class(str(out)).__name__ == "Qwen3_5MoeForConditionalGeneration"
+    torch.testing.assert_close(logits, torch.load(tmp_path / "logits.pt"), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(hf_families.hf_mtp_logits(str(out), "qwen3_5_moe"),
+                               torch.load(tmp_path / "mtp_logits.pt")[0], rtol=1e-4, atol=1e-5)
+    start, trained = (hf_families._folder_tensors(str(d)) for d in (base / "multimodal" / "hf", out))
+    assert sorted(start) == sorted(trained)
+    changed = [k for k in start if not torch.equal(start[k], trained[k])]
+    assert any(k.startswith("mtp.") for k in changed) and any(".mlp.experts." in k for k in changed), changed
+    assert not any(k.startswith("model.visual.") for k in changed)
