@@ -1,7 +1,10 @@
 """Demo: 4 CPU ranks (TP=2 x DP=2, gloo) save a real megatron-core GPT with shardwise, the
 `shardwise` CLI shows the layout (`status --keys`, `inspect`) and checks it (`verify`), and
-unmodified Megatron loads it back into a freshly initialised model and reports equality. The
-checkpoint is kept; the last lines say where it is and what to try on it.
+unmodified Megatron loads it back into a freshly initialised model and reports equality. Then the
+round trip users live in: an HF release (a small random Qwen3 from transformers) goes through
+`shardwise from-hf`, 4 Megatron ranks load it, train 2 steps and save each with shardwise (async),
+`shardwise to-hf` exports the last save, and transformers' logits on it equal the trained Megatron
+model's. The checkpoint is kept; the last lines say where it is and what to try on it.
 
 Run: make demo   (or: python python/examples/demo_megatron.py [CHECKPOINT_DIR])
 """
@@ -45,6 +48,39 @@ def load_rank(rank, world, port, ckpt):
     loaded = model_tensors(fresh)
     equal = sum(torch.equal(original[k], loaded[k]) for k in original)
     return {"tensors": len(original), "equal": equal, "differed_before": differed}
+
+
+def hf_round_trip(work) -> bool:
+    """HF release -> from-hf -> Megatron training (4 ranks, shardwise async saves) -> to-hf ->
+    transformers; True when transformers' logits equal the trained Megatron model's."""
+    import torch
+
+    import hf_families
+
+    fam = hf_families.FAMILIES["qwen3"]
+    release, ckpt, run, out = (os.path.join(work, d) for d in ("hf_release", "from_hf", "run", "hf_trained"))
+    print(f"== 6. An HF release (a random Qwen3 from transformers' save_pretrained) into a Megatron checkpoint: "
+          f"shardwise from-hf {release} {ckpt}")
+    hf_families.random_hf_model(fam.hf_config(), release)
+    shardwise_cli("from-hf", release, ckpt, "--dtype", "fp32", "--transformer-impl", fam.transformer_impl,
+                  "--tensor-model-parallel-size", "2")
+    print("== 7. 4 ranks (TP=2 x DP=2) load it with megatron-core, train 2 steps, save each with "
+          "shardwise.megatron.save(async_save=True)")
+    results = spawn(hf_families.train_and_save, 4, os.path.join(work, "train"), "qwen3", ckpt, run, 2, timeout_s=600)
+    for r in results:
+        if not r.get("ok"):
+            sys.exit(f"rank {r['rank']} failed: {r.get('error')}\n{r.get('traceback', '')}")
+    print(f"   saves committed: {[s['committed'] for s in results[0]['reports']]}")
+    last = os.path.join(run, "iter_0000002")
+    print(f"== 8. shardwise to-hf {last} {out} --hf-config {release}/config.json")
+    shardwise_cli("to-hf", last, out, "--hf-config", os.path.join(release, "config.json"))
+    print("== 9. transformers loads the export; its logits against the trained Megatron model's")
+    logits, info = hf_families.hf_load_and_logits(out)
+    want = torch.load(os.path.join(run, "logits.pt"))
+    diff = ((logits - want).abs().max() / want.abs().max()).item()
+    missing = len(info["missing_keys"]) + len(info["mismatched_keys"])
+    print(f"   missing or mismatched weights: {missing}; max relative logit difference {diff:.1e}")
+    return missing == 0 and diff <= 1e-4
 
 
 def shardwise_cli(*args):
@@ -92,7 +128,10 @@ def main():
         ok &= same and r["differed_before"] > 0
         print(f"   rank {r['rank']}: {r['equal']}/{r['tensors']} tensors bitwise equal after load "
               f"({r['differed_before']} differed before loading)")
-    print("RESULT:", "all tensors equal" if ok else "MISMATCH")
+    hf_ok = hf_round_trip(work)
+    print("RESULT:", "all tensors equal" if ok else "MISMATCH", "|",
+          "HF -> Megatron -> trained -> HF logits equal" if hf_ok else "HF ROUND TRIP MISMATCH")
+    ok &= hf_ok
     print(f"""
 The checkpoint is in {ckpt}. Try:
   .venv/bin/shardwise inspect --json {ckpt} | head -30

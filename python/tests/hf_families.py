@@ -941,8 +941,10 @@ def train_and_save(rank, world, port, family, ckpt, base, steps):
     pair_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     ps.initialize_model_parallel(tensor_model_parallel_size=2, expert_model_parallel_size=2 if fam.moe else 1,
                                  expert_tensor_parallel_size=1 if fam.moe else None)
-    model, args = fam.build(cfg)
+    model, _ = fam.build(cfg)
     model.load_state_dict(dist_checkpointing.load({"model": model.sharded_state_dict()}, ckpt)["model"])
+    # The run's args are the ones from-hf stored (what --use-checkpoint-args would start from).
+    args = dist_checkpointing.load_common_state_dict(ckpt)["args"]
     seq = TOKENS.shape[1]
     mask = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool), diagonal=1)
     labels = torch.roll(TOKENS, -1, dims=1)
@@ -958,12 +960,19 @@ def train_and_save(rank, world, port, family, ckpt, base, steps):
             for p in model.parameters():
                 if p.grad is None:
                     continue
-                group = (ps.get_data_parallel_group() if getattr(p, "allreduce", True)
-                         else ps.get_expert_data_parallel_group())
-                dist.all_reduce(p.grad, group=group)
-                p -= 1e-2 * p.grad / dist.get_world_size(group)
+                # Expert weights over the expert-DP group; the others over DP, and those that every
+                # TP rank holds whole (norms, the per-head q/k norms whose gradient each TP rank
+                # computes from its own heads) over TP too, so that every replica stays equal.
+                groups = ([ps.get_expert_data_parallel_group()] if not getattr(p, "allreduce", True)
+                          else [ps.get_data_parallel_group()]
+                          + ([] if getattr(p, "tensor_model_parallel", False)
+                             else [ps.get_tensor_model_parallel_group()]))
+                for group in groups:
+                    dist.all_reduce(p.grad, group=group)
+                    p.grad /= dist.get_world_size(group)
+                p -= 1e-2 * p.grad
         sd = model.sharded_state_dict()
-        sd["args"] = argparse.Namespace(**args)
+        sd["args"] = args
         sd["iteration"] = step
         if rank == 3:
             time.sleep(2.0)

@@ -296,7 +296,12 @@ fn mtp_layers(d: &Dims, names: &[String], drop: bool) -> Result<(u64, Vec<String
         first_names(&found, 5)
     );
     if drop {
-        return Ok((0, vec![format!("--drop-mtp: {held}, not converted (args.mtp_num_layers None)")]));
+        return Ok((
+            0,
+            vec![format!(
+                "--drop-mtp: {held}, not converted (args.mtp_num_layers None)"
+            )],
+        ));
     }
     let why = match d.spec.mtp {
         None => format!(", but shardwise knows no HF layout of MTP layers for {model_type}"),

@@ -339,7 +339,11 @@ pub(crate) fn plan(d: &Dims, hf: &HfShapes, imp: Impl, padded_vocab: u64) -> Res
             crate::error::first_names(&acc.missing, 20)
         )));
     }
-    let unmapped = hf.keys().filter(|k| !acc.read.contains(*k)).cloned().collect();
+    let unmapped = hf
+        .keys()
+        .filter(|k| !acc.read.contains(*k))
+        .cloned()
+        .collect();
     Ok(Plan {
         jobs: acc.jobs,
         unmapped,
@@ -610,7 +614,8 @@ pub(crate) fn extra_states(jobs: &[Job]) -> Vec<ObjectPos> {
             continue;
         };
         let last = module.rsplit('.').next().unwrap_or(module);
-        let linear = last.starts_with("linear_") || ["in_proj", "out_proj", "eh_proj"].contains(&last);
+        let linear =
+            last.starts_with("linear_") || ["in_proj", "out_proj", "eh_proj"].contains(&last);
         let layer = c.key.starts_with("decoder.layers.") || c.key.starts_with("mtp.layers.");
         if !layer || !linear || c.global_shape.len() < 2 {
             continue;
