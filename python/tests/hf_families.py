@@ -790,9 +790,11 @@ MTP_LAYOUT["glm4_moe"] = MTP_LAYOUT["deepseek_v3"]
 MTP_LAYOUT["deepseek_v32"] = MTP_LAYOUT["deepseek_v3"]
 MTP_LAYOUT["glm_moe_dsa"] = dict(MTP_LAYOUT["deepseek_v3"], embed="model.embed_tokens.weight", head="lm_head.weight")
 MTP_LAYOUT["hybrid_glm_moe_dsa"] = MTP_LAYOUT["glm_moe_dsa"]
-# The official names of each release's MTP tensors besides its decoder layer's (layer L =
-# num_hidden_layers, the DSA indexer included), trimmed from the releases' model.safetensors.index.json:
-# deepseek-ai/DeepSeek-V3.2 (layer 61, FP8 scales left out) and zai-org/GLM-5 (layer 78).
+# The names each release holds for its MTP layer L = num_hidden_layers beyond a decoder layer's, and
+# its indexer's (FP8 scales left out): deepseek-ai/DeepSeek-V3.2 layer 61 (DeepSeek-V3's
+# README_WEIGHTS.md names; its 92,425 tensors count them), zai-org/GLM-5 layer 78 (Megatron-Bridge
+# glm5_bridge.py's MTP names; vLLM-Ascend's GLM-5 guide: no embed_tokens / shared_head.head copies).
+# The index files themselves were not at hand: src/hf/rules.rs cites each source.
 RELEASE_MTP_NAMES = {
     "deepseek_v32": ["model.layers.{L}.embed_tokens.weight", "model.layers.{L}.enorm.weight",
                      "model.layers.{L}.hnorm.weight", "model.layers.{L}.eh_proj.weight",
