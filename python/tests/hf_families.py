@@ -783,6 +783,31 @@ MTP_LAYOUT = {
                         head="lm_head.weight", layer="mtp.layers.0.", one_plus=True),
 }
 MTP_LAYOUT["glm4_moe"] = MTP_LAYOUT["deepseek_v3"]
+# DeepSeek-V3.2 keeps DeepSeek-V3's layout (deepseek-ai/DeepSeek-V3.2: layer 61 of 61, copies
+# included); GLM-5 its names without the copies of the embedding and head (zai-org/GLM-5: layer 78
+# of 78 holds enorm, hnorm, eh_proj, shared_head.norm and the layer; the model's embed_tokens and
+# lm_head serve it). Both MTP layers hold a DSA indexer.
+MTP_LAYOUT["deepseek_v32"] = MTP_LAYOUT["deepseek_v3"]
+MTP_LAYOUT["glm_moe_dsa"] = dict(MTP_LAYOUT["deepseek_v3"], embed="model.embed_tokens.weight", head="lm_head.weight")
+MTP_LAYOUT["hybrid_glm_moe_dsa"] = MTP_LAYOUT["glm_moe_dsa"]
+# The names each release holds for its MTP layer L = num_hidden_layers beyond a decoder layer's, and
+# its indexer's (FP8 scales left out): deepseek-ai/DeepSeek-V3.2 layer 61 (DeepSeek-V3's
+# README_WEIGHTS.md names; its 92,425 tensors count them), zai-org/GLM-5 layer 78 (Megatron-Bridge
+# glm5_bridge.py's MTP names; vLLM-Ascend's GLM-5 guide: no embed_tokens / shared_head.head copies).
+# The index files themselves were not at hand: src/hf/rules.rs cites each source.
+RELEASE_MTP_NAMES = {
+    "deepseek_v32": ["model.layers.{L}.embed_tokens.weight", "model.layers.{L}.enorm.weight",
+                     "model.layers.{L}.hnorm.weight", "model.layers.{L}.eh_proj.weight",
+                     "model.layers.{L}.shared_head.norm.weight", "model.layers.{L}.shared_head.head.weight",
+                     "model.layers.{L}.self_attn.indexer.wq_b.weight", "model.layers.{L}.self_attn.indexer.wk.weight",
+                     "model.layers.{L}.self_attn.indexer.k_norm.weight", "model.layers.{L}.self_attn.indexer.k_norm.bias",
+                     "model.layers.{L}.self_attn.indexer.weights_proj.weight"],
+    "glm_moe_dsa": ["model.layers.{L}.enorm.weight", "model.layers.{L}.hnorm.weight", "model.layers.{L}.eh_proj.weight",
+                    "model.layers.{L}.shared_head.norm.weight", "model.layers.{L}.self_attn.indexer.wq_b.weight",
+                    "model.layers.{L}.self_attn.indexer.wk.weight", "model.layers.{L}.self_attn.indexer.k_norm.weight",
+                    "model.layers.{L}.self_attn.indexer.k_norm.bias",
+                    "model.layers.{L}.self_attn.indexer.weights_proj.weight"],
+}
 
 
 def mtp_expected_tensors(family: str, reference: dict, num_layers: int) -> dict:
@@ -794,6 +819,9 @@ def mtp_expected_tensors(family: str, reference: dict, num_layers: int) -> dict:
     last = f"model.layers.{num_layers - 1}."
     layer = lay["layer"].replace("{L}", L)
     out = {layer + k[len(last):]: v for k, v in reference.items() if k.startswith(last)}
+    # A DSA MTP layer runs its own indexer, shaped like every indexer of the model (glm_moe_dsa's
+    # last decoder layer shares its predecessor's top-k and has none).
+    out.update({layer + k.split(".", 3)[3]: v for k, v in reference.items() if ".self_attn.indexer." in k})
     dt, (_, hidden) = reference["model.embed_tokens.weight"][0], reference["model.embed_tokens.weight"][1]
     for k in ("enorm", "hnorm", "norm"):
         out[lay[k].replace("{L}", L)] = (dt, [hidden])
@@ -826,7 +854,8 @@ def mtp_source_pairs(family: str, sources: dict, num_layers: int, vocab: int, t:
         elif k == "output_layer.weight" and lay["head"].startswith(layer):
             pairs.append((k, lay["head"], v[:vocab]))
         elif k.startswith("mtp.layers.0."):
-            sub = k[len("mtp.layers.0."):]
+            # A HybridModel's MTP layer is its attention (layers.0) and MoE (layers.1) layer.
+            sub = re.sub(r"^mtp_model_layer\.layers\.[01]\.", "mtp_model_layer.", k[len("mtp.layers.0."):])
             m = re.fullmatch(r"mtp_model_layer\.mlp\.experts\.local_experts\.(\d+)\.linear_fc2\.weight", sub)
             if sub in own:
                 pairs.append((k, own[sub], v))
@@ -899,7 +928,10 @@ def hf_mtp_logits(out_dir: str, family: str):
         return y * (1.0 + w if lay["one_plus"] else w)
 
     decoder = model.get_decoder()
-    layer = copy.deepcopy(decoder.layers[cfg.num_hidden_layers - 1])
+    # The last decoder layer, or for DSA the last that runs its own indexer (as the MTP layer does).
+    last = max(i for i, l in enumerate(decoder.layers)
+               if not getattr(getattr(l, "self_attn", None), "skip_topk", False))
+    layer = copy.deepcopy(decoder.layers[last])
     _load_layer(layer, lay["layer"], t, {v for k, v in lay.items() if k not in ("layer", "one_plus")})
     seq = TOKENS.shape[1]
     pos = torch.arange(seq).unsqueeze(0)
@@ -908,7 +940,13 @@ def hf_mtp_logits(out_dir: str, family: str):
         nxt = torch.cat([TOKENS[:, 1:], torch.zeros_like(TOKENS[:, :1])], dim=1)
         e = torch.nn.functional.embedding(nxt, t[lay["embed"]])
         x = torch.cat([norm(e, t[lay["enorm"]]), norm(h, t[lay["hnorm"]])], dim=-1) @ t[lay["proj"]].T
-        out = layer(x, attention_mask=None, position_ids=pos, position_embeddings=decoder.rotary_emb(x, pos))
+        mask = None
+        if hasattr(getattr(layer, "self_attn", None), "indexer"):  # DSA: the indexer masks by the causal mask it is given
+            from transformers.masking_utils import create_causal_mask
+
+            mask = create_causal_mask(config=cfg, inputs_embeds=x, attention_mask=None, cache=None, position_ids=pos,
+                                      allow_is_causal_skip=False)
+        out = layer(x, attention_mask=mask, position_ids=pos, position_embeddings=decoder.rotary_emb(x, pos))
         x = out[0] if isinstance(out, tuple) else out
         return (norm(x, t[lay["norm"]]) @ t[lay["head"]].T)[0]
 

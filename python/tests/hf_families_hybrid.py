@@ -54,6 +54,10 @@ def build(family: str, cfg):
     moe = [bool(m) for m in get_moe_layer_pattern(gpt)] if gpt.num_moe_experts else [False] * n
     mixer = _mixer(family)
     pattern = "".join(mixer + ("E" if m else "-") for m in moe)
+    if gpt.mtp_num_layers:
+        # Each MTP depth one attention and one MoE layer, after '/' (the MTP layer of DeepSeek-V3.2
+        # and GLM-5: DSA with its indexer, MoE).
+        pattern += f"/{mixer}E" * gpt.mtp_num_layers
     overrides = dict(num_layers=2 * n)
     if gpt.num_moe_experts:
         overrides["moe_layer_freq"] = 1  # Megatron's default; the pattern places the MoE layers
@@ -75,6 +79,8 @@ def build(family: str, cfg):
         stack["mlp_layer"] = part(MLPLayer, layers[moe.index(False)], pre_mlp_layernorm=1, mlp=1, mlp_bda=1)
     if any(moe):
         stack["moe_layer"] = part(MoETransformerLayer, layers[moe.index(True)], pre_mlp_layernorm=1, mlp=1, mlp_bda=1)
+    if gpt.mtp_num_layers:
+        stack["mtp_block_spec"] = hfm.dsa_mtp_block_spec(tc, None)
     torch.manual_seed(1234)
     model = HybridModel(config=tc, hybrid_stack_spec=ModuleSpec(module=HybridStack,
                                                                 submodules=HybridStackSubmodules(**stack)),

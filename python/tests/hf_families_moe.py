@@ -72,10 +72,13 @@ def hf_config(family: str):
                   n_shared_experts=2, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,
                   q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
                   rope_parameters=rope, attention_bias=False, index_topk=4, index_head_dim=16, index_n_heads=4)
+        # One MTP layer, as DeepSeek-V3.2's and GLM-5's releases declare it (transformers' configs
+        # have no such field; save_pretrained keeps it).
+        kw.update(num_nextn_predict_layers=1)
         if family == "deepseek_v32":
             return transformers.DeepseekV32Config(**kw)
         # Layer 2 reuses layer 1's top-k (indexer_types full, full, shared: transformers' schedule
-        # from index_topk_freq 2 and index_skip_topk_offset 2).
+        # from index_topk_freq 2 and index_skip_topk_offset 2); the MTP layer runs its own.
         return transformers.GlmMoeDsaConfig(**kw, index_topk_freq=2, index_skip_topk_offset=2)
     if family == "minimax_m2":
         return transformers.MiniMaxM2Config(
@@ -137,9 +140,10 @@ def transformer_config_kwargs(family: str, cfg) -> dict:
                   qk_layernorm=family == "qwen3", add_qkv_bias=family == "qwen2")
     if family == "mixtral":
         kw.update(moe_router_pre_softmax=False)  # softmax over the top-k logits = transformers' renormalised top-k
-    if family in ("deepseek_v3", "glm4_moe"):
-        # One MTP layer (DeepSeek-V3's and GLM-4.5's releases have one): an MoE layer after the last.
-        kw.update(mtp_num_layers=cfg.num_nextn_predict_layers or None)
+    if family in ("deepseek_v3", "glm4_moe", "deepseek_v32", "glm_moe_dsa"):
+        # One MTP layer (DeepSeek-V3's, GLM-4.5's, DeepSeek-V3.2's and GLM-5's releases have one): an
+        # MoE layer after the last.
+        kw.update(mtp_num_layers=getattr(cfg, "num_nextn_predict_layers", 0) or None)
     if family in ("deepseek_v3", "glm4_moe", "deepseek_v32", "glm_moe_dsa"):
         kw.update(
             ffn_hidden_size=cfg.intermediate_size, activation_func=F.silu, add_bias_linear=False,
@@ -409,6 +413,27 @@ def megatron_args(family: str, cfg, tc) -> dict:
     return args
 
 
+def dsa_mtp_block_spec(tc, layer):
+    """The MTP block of a DSA family: megatron-core's MTP layer (``get_gpt_mtp_block_spec``'s modules)
+    with ``CpuNorm`` norms, which unlike the local spec's allow the sequence parallelism DSA needs at
+    TP > 1, around ``layer`` (a DSA MoE layer spec; ``None`` for a HybridModel, whose MTP layer is
+    built from the pattern after '/'). Megatron numbers the MTP block's layer 1, so its attention
+    runs its own indexer whatever the top-k sharing schedule."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+    from megatron.core.transformer.multi_token_prediction import (
+        MultiTokenPredictionBlock,
+        MultiTokenPredictionBlockSubmodules,
+        MultiTokenPredictionLayer,
+        MultiTokenPredictionLayerSubmodules,
+    )
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    layers = [ModuleSpec(module=MultiTokenPredictionLayer, submodules=MultiTokenPredictionLayerSubmodules(
+        enorm=CpuNorm, hnorm=CpuNorm, eh_proj=ColumnParallelLinear, mtp_model_layer=layer, layer_norm=CpuNorm))]
+    spec = MultiTokenPredictionBlockSubmodules(layer_specs=layers * tc.mtp_num_layers)
+    return spec if layer is not None else ModuleSpec(module=MultiTokenPredictionBlock, submodules=spec)
+
+
 def build(family: str, cfg):
     """The megatron-core GPTModel of ``family`` shaped like ``cfg``, on CPU in the current parallel
     state, in eval mode, with ``init_values``; and the Megatron-LM args a training run stores."""
@@ -419,7 +444,9 @@ def build(family: str, cfg):
     tc = transformer_config(family, cfg)
     spec = block_spec(family, tc)
     mtp = None
-    if tc.mtp_num_layers:
+    if tc.mtp_num_layers and family in DSA_FAMILIES:
+        mtp = dsa_mtp_block_spec(tc, spec.layer_specs[-1])
+    elif tc.mtp_num_layers:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
         mtp = get_gpt_mtp_block_spec(tc, spec, use_transformer_engine=False)

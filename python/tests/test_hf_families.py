@@ -30,6 +30,8 @@ HYBRID = ["hybrid_qwen3", "hybrid_glm_moe_dsa"]
 LOADED = [f for f in FAMILIES if hf_families.FAMILIES[f].load_check]
 # Multimodal configs whose text model converts: (family run, transformers config class).
 MULTIMODAL = [("qwen3_5_moe", "Qwen3_5MoeConfig"), ("qwen3_5", "Qwen3_5Config")]
+# Families whose HF layout keeps the MTP layer as decoder layer num_hidden_layers (DeepSeek-V3's).
+MTP_AS_DECODER_LAYER = ("deepseek_v3", "glm4_moe", "deepseek_v32", "hybrid_glm_moe_dsa")
 # max |HF - Megatron| / max |Megatron| over the logits of the fixed tokens.
 MAX_REL_DIFF = 1e-4
 # Families saved in one 2-process run each: hf_families.GROUP, and the dense/MoE families test_hf.py
@@ -85,13 +87,12 @@ def _convert_and_compare(base, reference, ckpt, config, out, family=None, **kw):
         assert hf_families.safetensors_tensors(str(out)) == _expected(family, reference, config)
     logits, info = hf_families.hf_load_and_logits(str(out))
     assert not info["missing_keys"] and not info["mismatched_keys"], info
-    # transformers' deepseek_v3 and glm4_moe ignore their MTP layer by the released models' layer
-    # number (model.layers.61 / .92 / .46), so the small models' MTP layer shows as unexpected: it is
-    # the only unexpected tensor allowed.
+    # transformers' deepseek_v3, glm4_moe, deepseek_v32 and glm_moe_dsa ignore their MTP layer by the
+    # released models' layer number (model.layers.61 / .92 / .46 / .78), so the small models' MTP
+    # layer shows as unexpected: it is the only unexpected tensor allowed.
     cfg = json.loads(open(config).read())
     mtp_layer = f"model.layers.{cfg.get('text_config', cfg)['num_hidden_layers']}."
-    assert all(k.startswith(mtp_layer) and family in ("deepseek_v3", "glm4_moe")
-               for k in info["unexpected_keys"]), info
+    assert all(k.startswith(mtp_layer) and family in MTP_AS_DECODER_LAYER for k in info["unexpected_keys"]), info
     # diff in HF mode rebuilds every HF tensor (value transforms included) from the checkpoint (the
     # vision tower copied from --base-hf is not the checkpoint's).
     report = shardwise.diff(str(ckpt), str(out), hf_config=str(config),
@@ -184,6 +185,37 @@ def test_multimodal_qwen3_5_config_loads_with_its_declared_architecture(saved, t
                                                               r"describes \(depth 3\): 12 missing"):
         shardwise.to_hf(str(ckpt), str(tmp_path / "bad"), hf_config=str(tmp_path / "bad.json"), base_hf=str(release))
     assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.parametrize("family", ["deepseek_v32", "hybrid_glm_moe_dsa"])
+def test_dsa_mtp_layers_take_the_names_of_their_release(saved, tmp_path, family):
+    """The MTP layer of DeepSeek-V3.2 (a GPTModel's) and of GLM-5 (a HybridModel's, ``.../DE``) is
+    written as its release holds it: decoder layer num_hidden_layers, a DSA layer with its own
+    indexer (GLM's last decoder layer has none) and the module's tensors under the release's names,
+    DeepSeek's copies of the embedding and head and no such copies for GLM. Without --drop-mtp a
+    config declaring no MTP layer is refused; with it the folder is the model's alone."""
+    base, reference = saved(family)
+    config = base / "hf_config" / "config.json"
+    out = tmp_path / "hf"
+    shardwise.to_hf(str(base / "tp1" / "megatron"), str(out), hf_config=str(config))
+    names = set(hf_families.safetensors_tensors(str(out)))
+    L = str(json.loads(config.read_text())["num_hidden_layers"])
+    mtp = {n for n in names if n.startswith(f"model.layers.{L}.")}
+    decoder = {n.split(".", 3)[3] for n in names - mtp if n.startswith("model.layers.")}
+    release = {n.replace("{L}", L) for n in hf_families.RELEASE_MTP_NAMES[family.removeprefix("hybrid_")]}
+    assert release <= mtp, sorted(release - mtp)
+    assert {n for n in mtp if n.split(".", 3)[3] not in decoder} == {n for n in release if ".indexer." not in n}
+    assert f"model.layers.{L}.self_attn.indexer.wk.weight" in mtp
+    assert f"model.layers.{L}.mlp.experts.0.down_proj.weight" in mtp
+    if family == "hybrid_glm_moe_dsa":
+        assert f"model.layers.{int(L) - 1}.self_attn.indexer.wk.weight" not in names
+    with pytest.raises(shardwise.ValidationError, match=r"num_nextn_predict_layers says 0; pass --drop-mtp"):
+        shardwise.to_hf(str(base / "tp1" / "megatron"), str(tmp_path / "refused"),
+                        hf_config=str(_with(base, tmp_path, num_nextn_predict_layers=0)))
+    summary = shardwise.to_hf(str(base / "tp1" / "megatron"), str(tmp_path / "dropped"), hf_config=str(config),
+                              drop_mtp=True)
+    assert summary["mtp_layers"] == 0
+    assert hf_families.safetensors_tensors(str(tmp_path / "dropped")) == reference
 
 
 def test_mtp_layers_the_config_does_not_declare_are_refused_unless_dropped(saved, tmp_path):
@@ -376,7 +408,7 @@ def test_args_alone_give_a_self_contained_folder(saved, tmp_path, family):
             if getattr(written, f, None) != getattr(want, f, None)}
     assert not diff, diff
     raw = json.loads((out / "config.json").read_text())
-    mtp_field = "num_nextn_predict_layers" if family in ("deepseek_v3", "glm4_moe") else "mtp_num_hidden_layers"
+    mtp_field = "num_nextn_predict_layers" if family in MTP_AS_DECODER_LAYER else "mtp_num_hidden_layers"
     assert raw.get(mtp_field) == getattr(want, mtp_field, None), raw
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -500,9 +532,10 @@ def test_without_args_a_hybrid_checkpoint_is_numbered_from_its_keys(saved, tmp_p
     or an MLP) converts with the config alone, to the same tensors and logits."""
     base, reference = saved(family)
     out = tmp_path / "hf"
-    summary = shardwise.to_hf(str(base / "tp1" / "noargs"), str(out), hf_config=str(base / "hf_config" / "config.json"))
+    config = base / "hf_config" / "config.json"
+    summary = shardwise.to_hf(str(base / "tp1" / "noargs"), str(out), hf_config=str(config))
     assert summary["args_check"] == "skipped: no args stored", summary
-    assert hf_families.safetensors_tensors(str(out)) == reference
+    assert hf_families.safetensors_tensors(str(out)) == _expected(family, reference, config)
     logits, _ = hf_families.hf_load_and_logits(str(out))
     torch.testing.assert_close(logits, torch.load(base / "tp1" / "logits.pt"), rtol=1e-4, atol=1e-5)
 

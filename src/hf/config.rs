@@ -542,9 +542,15 @@ pub(crate) fn mtp_layers(
             )],
         )),
         _ if in_ckpt == 0 => Ok((0, Vec::new())),
-        None => refuse(format!(
-            ", but shardwise knows no HF layout of MTP layers for {model_type}"
-        )),
+        None => refuse(
+            match super::rules::MTP_NOT_RELEASED
+                .iter()
+                .find(|(t, _)| d.spec.model_types.contains(t))
+            {
+                Some((_, why)) => format!(", but {why}"),
+                None => format!(", but shardwise knows no HF layout of MTP layers for {model_type}"),
+            },
+        ),
         Some(_) if declared != in_ckpt => refuse(format!(
             ", but config.json's {field} says {declared}{}",
             if d.field(field).is_none() {
@@ -1237,6 +1243,40 @@ mod tests {
         let e = n(&qwen, 2, None, false).unwrap_err();
         assert!(e.contains("holds one MTP module"), "{e}");
         assert_eq!(n(&qwen, 0, None, false).map(|x| x.0), Ok(0));
+        // MiniMax-M2 declares MTP modules but its releases ship none: refused, saying so; the
+        // config's own fields (use_mtp, num_mtp_modules) are not shardwise's to convert.
+        let minimax = Dims::from_config(
+            &json!({"model_type": "minimax_m2", "num_hidden_layers": 2, "hidden_size": 64,
+            "num_attention_heads": 4, "use_mtp": true, "num_mtp_modules": 3}),
+            None,
+        )
+        .unwrap();
+        let e = n(&minimax, 1, None, false).unwrap_err();
+        assert!(
+            e.contains(
+                "the checkpoint holds 1 MTP layer(s) (mtp.layers.*), but MiniMax-M2's releases"
+            ) && e.contains("ship no MTP weights")
+                && e.contains("pass --drop-mtp"),
+            "{e}"
+        );
+        assert_eq!(n(&minimax, 1, None, true).map(|x| x.0), Ok(0));
+        assert_eq!(n(&minimax, 0, None, false), Ok((0, Vec::new())));
+        // deepseek_v32 and glm_moe_dsa: transformers' configs have no MTP field, so an absent
+        // one declares none (the releases say num_nextn_predict_layers 1).
+        for t in ["deepseek_v32", "glm_moe_dsa"] {
+            let d = Dims::from_config(
+                &json!({"model_type": t, "num_hidden_layers": 2, "hidden_size": 64,
+                "num_attention_heads": 4}),
+                None,
+            )
+            .unwrap();
+            assert_eq!(n(&d, 0, None, false), Ok((0, Vec::new())), "{t}");
+            let e = n(&d, 1, None, false).unwrap_err();
+            assert!(
+                e.contains("num_nextn_predict_layers says 0 (absent)"),
+                "{t}: {e}"
+            );
+        }
     }
 
     #[test]

@@ -246,9 +246,7 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
             GROUPED_ROUTER_DERIVED,
         ],
         moe_layers: LayerPattern::FirstKDense,
-        // An MTP layer with DSA attention has no HF layout checked against a release here yet: a
-        // checkpoint holding MTP layers is refused (`config::mtp_layers`).
-        mtp: None,
+        mtp: Some(&DEEPSEEK_V32_MTP),
         multimodal: None,
     },
     ArchSpec {
@@ -275,9 +273,7 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
             GROUPED_ROUTER_DERIVED,
         ],
         moe_layers: LayerPattern::FirstKDense,
-        // An MTP layer with DSA attention has no HF layout checked against a release here yet: a
-        // checkpoint holding MTP layers is refused (`config::mtp_layers`).
-        mtp: None,
+        mtp: Some(&GLM_DSA_MTP),
         multimodal: None,
     },
     ArchSpec {
@@ -295,6 +291,8 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
             TOPK_DERIVED,
         ],
         moe_layers: LayerPattern::AllMoe,
+        // The releases ship no MTP weights: a checkpoint's MTP layers are refused, saying so
+        // (`rules::MTP_NOT_RELEASED`).
         mtp: None,
         multimodal: None,
     },

@@ -911,6 +911,64 @@ mod tests {
     }
 
     #[test]
+    fn the_mtp_layer_of_the_dsa_families_holds_an_indexer() {
+        // deepseek_v32 (DeepSeek-V3's names, copies included) and glm_moe_dsa (no copies): the
+        // MTP layer runs its own indexer even where the config's lists (indexer_types,
+        // mlp_layer_types) cover the decoder layers only and its last layer shares a top-k.
+        let cfg = |t: &str| {
+            serde_json::json!({"model_type": t, "num_hidden_layers": 2, "hidden_size": 8,
+            "num_attention_heads": 2, "vocab_size": 10, "n_routed_experts": 2,
+            "first_k_dense_replace": 1, "moe_intermediate_size": 4, "q_lora_rank": 4,
+            "index_n_heads": 2, "index_head_dim": 4, "indexer_types": ["full", "shared"],
+            "mlp_layer_types": ["dense", "sparse"], "num_nextn_predict_layers": 1})
+        };
+        for (t, copies) in [("deepseek_v32", true), ("glm_moe_dsa", false)] {
+            let mut d = dims(cfg(t));
+            d.mtp_layers = 1;
+            let map = |k: &str, shape: &[u64]| map_key(&d, k, shape, DType::F32, &|_| None);
+            assert_eq!(
+                names(
+                    map(
+                        "mtp.layers.0.transformer_layer.self_attention.core_attention.indexer.linear_wk.weight",
+                        &[4, 8]
+                    )
+                    .unwrap()
+                ),
+                vec!["model.layers.2.self_attn.indexer.wk.weight"],
+                "{t}"
+            );
+            // The decoder's last layer shares layer 0's top-k: no indexer there.
+            assert!(map(
+                "decoder.layers.1.self_attention.core_attention.indexer.linear_wk.weight",
+                &[4, 8]
+            )
+            .is_err());
+            let req = d.required();
+            for n in [
+                "model.layers.2.self_attn.indexer.wq_b.weight",
+                "model.layers.2.self_attn.indexer.k_norm.bias",
+                "model.layers.2.mlp.experts.1.down_proj.weight",
+                "model.layers.2.mlp.gate.e_score_correction_bias",
+                "model.layers.2.eh_proj.weight",
+                "model.layers.2.shared_head.norm.weight",
+            ] {
+                assert!(req.contains(n), "{t}: {n}");
+            }
+            assert!(
+                !req.contains("model.layers.1.self_attn.indexer.wk.weight"),
+                "{t}"
+            );
+            assert!(!req.contains("model.layers.2.mlp.down_proj.weight"), "{t}");
+            for n in [
+                "model.layers.2.embed_tokens.weight",
+                "model.layers.2.shared_head.head.weight",
+            ] {
+                assert_eq!(req.contains(n), copies, "{t}: {n}");
+            }
+        }
+    }
+
+    #[test]
     fn mtp_layers_take_the_family_names() {
         // deepseek_v3: MTP layer 0 of a 2-layer model is layer 2, an MoE layer (past
         // first_k_dense_replace 1); its module's own tensors under the same prefix.

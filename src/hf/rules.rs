@@ -531,61 +531,114 @@ pub(crate) const GPT_OSS: &[Rule] = &[
 
 // ---- MTP ------------------------------------------------------------------------------------------
 
+/// The MTP module's own tensors in DeepSeek-V3's layout (deepseek-ai/DeepSeek-V3
+/// `README_WEIGHTS.md`: layer `num_hidden_layers + k` with `enorm`, `hnorm`, `eh_proj`,
+/// `shared_head.norm` beside its attention and MoE), which GLM-4.5, DeepSeek-V3.2 and GLM-5 keep
+/// (see the specs below). Megatron's `eh_proj` input is `[enorm(embedding); hnorm(hidden)]`, as
+/// HF's; `final_layernorm` is `shared_head.norm`.
+const DEEPSEEK_MTP_RULES: &[Rule] = &[
+    rule(
+        &["enorm.weight"],
+        &[out("model.layers.{L}.enorm.weight", &[H])],
+        whole,
+        When::Always,
+    ),
+    rule(
+        &["hnorm.weight"],
+        &[out("model.layers.{L}.hnorm.weight", &[H])],
+        whole,
+        When::Always,
+    ),
+    rule(
+        &["eh_proj.weight"],
+        &[out(
+            "model.layers.{L}.eh_proj.weight",
+            &[H, &["2", "hidden_size"]],
+        )],
+        whole,
+        When::Always,
+    ),
+    rule(
+        &["final_layernorm.weight"],
+        &[out("model.layers.{L}.shared_head.norm.weight", &[H])],
+        whole,
+        When::Always,
+    ),
+];
+
+/// DeepSeek-V3's per-MTP-layer copies of the model's embedding and output layer (`embed_tokens`,
+/// `shared_head.head`): Megatron's MTP layer shares them, the HF layout repeats them.
+const DEEPSEEK_MTP_COPIES: &[Rule] = &[
+    rule(
+        &["embedding.word_embeddings.weight"],
+        &[out("model.layers.{L}.embed_tokens.weight", &[V, H])],
+        vocab_rows,
+        When::Always,
+    ),
+    rule(
+        &["output_layer.weight", "embedding.word_embeddings.weight"],
+        &[out("model.layers.{L}.shared_head.head.weight", &[V, H])],
+        vocab_rows,
+        When::Always,
+    ),
+];
+
 /// DeepSeek-V3's MTP module as its official checkpoint holds it (deepseek-ai/DeepSeek-V3
 /// `README_WEIGHTS.md`: layer `num_hidden_layers + k` with `embed_tokens`, `enorm`, `hnorm`,
 /// `eh_proj`, `shared_head.norm`, `shared_head.head` beside its attention and MoE), and
 /// GLM-4.5's (zai-org/GLM-4.5, layer 92 of 92: the same names; vLLM `deepseek_mtp.py`,
-/// `glm4_moe_mtp.py` read them so). Megatron's `eh_proj` input is `[enorm(embedding);
-/// hnorm(hidden)]`, as HF's; `final_layernorm` is `shared_head.norm`; the MTP layer shares the
-/// model's embedding and output layer, which the HF layout repeats.
+/// `glm4_moe_mtp.py` read them so). transformers' deepseek_v3 and glm4_moe configs default the
+/// field to 1.
 pub(crate) static DEEPSEEK_MTP: MtpSpec = MtpSpec {
     field: "num_nextn_predict_layers",
     default: 1,
     layer: "model.layers.{L}.",
-    rules: &[
-        rule(
-            &["enorm.weight"],
-            &[out("model.layers.{L}.enorm.weight", &[H])],
-            whole,
-            When::Always,
-        ),
-        rule(
-            &["hnorm.weight"],
-            &[out("model.layers.{L}.hnorm.weight", &[H])],
-            whole,
-            When::Always,
-        ),
-        rule(
-            &["eh_proj.weight"],
-            &[out(
-                "model.layers.{L}.eh_proj.weight",
-                &[H, &["2", "hidden_size"]],
-            )],
-            whole,
-            When::Always,
-        ),
-        rule(
-            &["final_layernorm.weight"],
-            &[out("model.layers.{L}.shared_head.norm.weight", &[H])],
-            whole,
-            When::Always,
-        ),
-    ],
-    copies: &[
-        rule(
-            &["embedding.word_embeddings.weight"],
-            &[out("model.layers.{L}.embed_tokens.weight", &[V, H])],
-            vocab_rows,
-            When::Always,
-        ),
-        rule(
-            &["output_layer.weight", "embedding.word_embeddings.weight"],
-            &[out("model.layers.{L}.shared_head.head.weight", &[V, H])],
-            vocab_rows,
-            When::Always,
-        ),
-    ],
+    rules: DEEPSEEK_MTP_RULES,
+    copies: DEEPSEEK_MTP_COPIES,
 };
+
+/// DeepSeek-V3.2's MTP module (deepseek-ai/DeepSeek-V3.2-Exp and DeepSeek-V3.2, config
+/// `num_nextn_predict_layers: 1`): DeepSeek-V3's layout, layer 61 of 61 with its copies of the
+/// embedding and head, its attention DSA with its own indexer (`model.layers.61.self_attn.indexer.*`;
+/// transformers 5.25 `DeepseekV32ForCausalLM` ignores `model\.layers\.61.*` on load). The
+/// release's tensor count, 92,425 (FP8, each quantized weight with its `weight_scale_inv`), is
+/// that of 61 decoder layers with 7 indexer tensors each, the embedding, norm and head, and such a
+/// layer 61 (an MoE layer, its 7 indexer tensors and the 6 MTP tensors), copies included.
+/// transformers' deepseek_v32 config has no MTP field: absent is none.
+pub(crate) static DEEPSEEK_V32_MTP: MtpSpec = MtpSpec {
+    field: "num_nextn_predict_layers",
+    default: 0,
+    layer: "model.layers.{L}.",
+    rules: DEEPSEEK_MTP_RULES,
+    copies: DEEPSEEK_MTP_COPIES,
+};
+
+/// GLM-5's MTP module (zai-org/GLM-5, GLM-5.1, config `num_nextn_predict_layers: 1`): layer 78 of
+/// 78 in DeepSeek-V3's names (`enorm`, `hnorm`, `eh_proj`, `shared_head.norm`, a DSA attention
+/// with its indexer, an MoE), but without copies of the embedding and head: the model's
+/// `model.embed_tokens` and `lm_head` serve it (vLLM-Ascend's GLM-5 guide has users add
+/// `model.layers.78.embed_tokens.weight` and `.shared_head.head.weight` to the bf16 release
+/// before serving its MTP; Megatron-Bridge `glm5_bridge.py` maps the four tensors and the layer,
+/// no copies; transformers 5.25 `GlmMoeDsaForCausalLM` ignores `model\.layers\.78.*`).
+/// transformers' glm_moe_dsa config has no MTP field: absent is none.
+pub(crate) static GLM_DSA_MTP: MtpSpec = MtpSpec {
+    field: "num_nextn_predict_layers",
+    default: 0,
+    layer: "model.layers.{L}.",
+    rules: DEEPSEEK_MTP_RULES,
+    copies: &[],
+};
+
+/// Families whose official releases declare MTP layers in config.json but ship no MTP weights:
+/// `model_type` -> why a checkpoint's MTP layers have no HF layout (see `config::mtp_layers`).
+pub(crate) const MTP_NOT_RELEASED: &[(&str, &str)] = &[(
+    "minimax_m2",
+    "MiniMax-M2's releases (MiniMaxAI/MiniMax-M2, -M2.1, -M2.5, -M2.7) declare MTP modules in \
+     config.json (use_mtp, num_mtp_modules 3) but ship no MTP weights (MiniMax-AI/MiniMax-M2 \
+     issue 47, MiniMax-AI/MiniMax-M2.5 issue 8, MiniMax-AI/MiniMax-M2.7 issue 16: none of the \
+     release's tensors is an MTP one), so there is no layout to write them in",
+)];
+
 // ---- deepseek_v32, glm_moe_dsa, minimax_m2 ------------------------------------------------------
 
 const INDEX_Q: &[&str] = &["index_n_heads", "index_head_dim"];

@@ -590,8 +590,17 @@ impl Dims {
             .replace("{k}", &k.to_string())
     }
 
-    /// Whether layer `l` runs its own DSA indexer (see [`When::IndexerLayer`]).
+    /// Whether layer `l` runs its own DSA indexer (see [`When::IndexerLayer`]). An MTP layer
+    /// (`l >= num_layers`) always does: megatron-core 0.19.2 numbers the MTP block's inner layer 1
+    /// (`multi_token_prediction.py`, `MultiTokenPredictionLayer`: "MTP inner layers use their own
+    /// layer numbering"), and layer 1 never shares a top-k (`dsa.is_dsa_skip_topk_layer`); the
+    /// releases hold it (`model.layers.61.self_attn.indexer.*` in deepseek-ai/DeepSeek-V3.2,
+    /// `model.layers.78.self_attn.indexer.*` in zai-org/GLM-5, whose `indexer_types` lists the 78
+    /// decoder layers only).
     pub fn indexer(&self, l: u64) -> bool {
+        if l >= self.num_layers {
+            return true;
+        }
         match self.cfg.get("indexer_types") {
             Some(Json::Array(a)) => a.get(l as usize).and_then(|v| v.as_str()) == Some("full"),
             _ => true,
@@ -611,9 +620,11 @@ impl Dims {
                     .is_some_and(|a| a.iter().any(|x| x.as_u64() == Some(l)));
                 self.num_experts > 0 && !dense_only && (l + 1) % step == 0
             }
+            // `mlp_layer_types` lists the decoder layers only (zai-org/GLM-5's 78): an MTP layer
+            // past it is MoE by `first_k_dense_replace`, as the releases' MTP layers are.
             LayerPattern::FirstKDense => match self.cfg.get("mlp_layer_types") {
-                Some(Json::Array(a)) => {
-                    a.get(l as usize).and_then(|v| v.as_str()) == Some("sparse")
+                Some(Json::Array(a)) if (l as usize) < a.len() => {
+                    a[l as usize].as_str() == Some("sparse")
                 }
                 _ => self.num_experts > 0 && l >= self.field("first_k_dense_replace").unwrap_or(0),
             },
