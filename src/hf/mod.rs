@@ -482,12 +482,12 @@ fn quantize_plan(
         tensors
             .iter()
             .filter(|t| t.quant.is_none())
-            .map(|t| (t.name.as_str(), t.shape.as_slice()))
+            .map(|t| t.name.as_str())
     };
     let config = match scheme {
         Scheme::Fp8Block(_) if model_type.starts_with("deepseek") => quant::fp8_block_config(&[]),
         Scheme::Fp8Block(_) => {
-            quant::fp8_block_config(&quant::fp8_modules_to_not_convert(kept().map(|(n, _)| n)))
+            quant::fp8_block_config(&quant::fp8_modules_to_not_convert(kept()))
         }
         Scheme::Mxfp4 => quant::mxfp4_config(quant::GPT_OSS_NOT_CONVERTED),
         Scheme::Nvfp4(quant::Nvfp4Layout::ModelOpt) => {

@@ -285,15 +285,19 @@ pub(crate) fn modelopt_config(exclude: &[String]) -> Json {
 }
 
 /// The modules whose weights are kept in the output dtype, as compressed-tensors' `ignore` and
-/// ModelOpt's `exclude_modules` list them: the module of every kept `.weight` of two or more
-/// dimensions (the embedding and `lm_head` included: llm-compressor's model-free matching takes
-/// every `.weight` it is not told to ignore, but for modules named `*norm`), in natural order.
-/// `kept`: (HF name, shape) of the tensors written unquantized.
-pub(crate) fn ignored_modules<'a>(kept: impl IntoIterator<Item = (&'a str, &'a [u64])>) -> Vec<String> {
+/// ModelOpt's `exclude_modules` list them: the module of every kept `.weight` but those whose
+/// module name ends in `norm`, in natural order. That is the set compressed-tensors' model-free
+/// matching would otherwise take (`utils/match.py` `match_quantizable_tensors`: every `weight`
+/// parameter, modules named `*norm` skipped), so `model_free_ptq` with this `ignore` quantizes
+/// exactly the tensors written quantized; it holds the embedding, `lm_head`, the routers, and 1-D
+/// weights such as Qwen3.5's `mtp.pre_fc_norm_embedding`. `kept`: the HF names of the tensors
+/// written unquantized.
+pub(crate) fn ignored_modules<'a>(kept: impl IntoIterator<Item = &'a str>) -> Vec<String> {
     let mut mods: Vec<String> = kept
         .into_iter()
-        .filter(|(n, shape)| shape.len() >= 2 && n.ends_with(".weight"))
-        .map(|(n, _)| n.trim_end_matches(".weight").to_string())
+        .filter_map(|n| n.strip_suffix(".weight"))
+        .filter(|m| !m.ends_with("norm"))
+        .map(str::to_string)
         .collect();
     mods.sort_by(|a, b| natural_key(a).cmp(&natural_key(b)));
     mods.dedup();

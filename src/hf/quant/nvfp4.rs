@@ -12,9 +12,10 @@
 //!   weight's dtype); llm-compressor `observers/base.py` (`get_global_scale`: the absolute maximum
 //!   over the fused observers). With `W` the weight in the output dtype `T` and `A` the largest `|W|`
 //!   of its scale group:
-//!   - global scale `g = T(2688 / max(A, tiny(T)))`, 1.0 when that is not finite (2688 = 448 x 6,
-//!     the e4m3 and e2m1 maxima); the division runs in float32 and is rounded to `T` (bfloat16 for
-//!     `--dtype bf16`: llm-compressor keeps its statistics in the weight's dtype);
+//!   - global scale `g = T(T(1 / max(A, tiny(T))) * 2688)`, 1.0 when that is not finite (2688 =
+//!     448 x 6, the e4m3 and e2m1 maxima; torch evaluates `2688 / A` as `A.reciprocal() * 2688`),
+//!     each step in float32 rounded to `T` (bfloat16 for `--dtype bf16`: llm-compressor keeps its
+//!     statistics in the weight's dtype);
 //!   - per 16 values, `s = e4m3(clamp(g * T(amax / 6), ±448))`; a scale of 0 (an all-zero group)
 //!     becomes 0.125, the "eps" of float8_e4m3fn in `_get_dtype_eps`;
 //!   - each code is `e2m1(x / (s / g))`, both divisions in float32, by [`e2m1_code`].
@@ -106,7 +107,11 @@ fn tiny(t: DType) -> f32 {
 pub(crate) fn tensor_scale(layout: Nvfp4Layout, group_amax: f32, t: DType) -> f32 {
     match layout {
         Nvfp4Layout::CompressedTensors => {
-            let mut g = [2688.0 / group_amax.max(tiny(t))];
+            // `448.0 * 6.0 / amax` is torch's `Tensor.__rtruediv__`, `amax.reciprocal() * 2688`:
+            // two roundings in `t`.
+            let mut r = [1.0 / group_amax.max(tiny(t))];
+            round_to(&mut r, t);
+            let mut g = [r[0] * 2688.0];
             round_to(&mut g, t);
             if g[0].is_finite() {
                 g[0]
@@ -206,12 +211,17 @@ mod tests {
 
     #[test]
     fn compressed_tensors_scales_are_computed_in_the_weight_dtype() {
-        // A = 1.6953125 (bf16): 2688 / A = 1585.55... rounds to 1584 in bfloat16 (8 bits).
+        // A = 1.6953125 (bf16): 1 / A = 0.58986 rounds to 0.58984375 (151/256) in bfloat16, x 2688
+        // = 1585.5 rounds to 1584.
         let g = tensor_scale(Nvfp4Layout::CompressedTensors, 1.6953125, DType::BF16);
         assert_eq!(g, 1584.0);
+        // A = 0.2060546875 (from a test model's expert): 2688 / A = 13045.08 would round to 13056;
+        // 1 / A rounds to 4.84375 first, x 2688 = 13020 rounds to 12992 (llm-compressor's value).
+        let g = tensor_scale(Nvfp4Layout::CompressedTensors, 0.2060546875, DType::BF16);
+        assert_eq!(g, 12992.0);
         assert_eq!(
             tensor_scale(Nvfp4Layout::CompressedTensors, 1.6953125, DType::F32),
-            2688.0 / 1.6953125
+            (1.0 / 1.6953125f32) * 2688.0
         );
         // All zero: 2688 / tiny overflows, the global scale falls back to 1.
         assert_eq!(
