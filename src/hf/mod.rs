@@ -223,11 +223,9 @@ pub fn to_hf(
     let t0 = Instant::now();
     let scheme = match (opts.quantize.as_deref(), opts.quantize_format.as_deref()) {
         (Some(q), f) => Some(quant::Scheme::from_user(q, f)?),
-        (None, Some(f)) => {
-            return Err(Error::InvalidArgument(format!(
-                "--quantize-format {f:?} without --quantize: it names the layout of a quantized output"
-            )))
-        }
+        (None, Some(f)) => return Err(Error::InvalidArgument(format!(
+            "--quantize-format {f:?} without --quantize: it names the layout of a quantized output"
+        ))),
         (None, None) => None,
     };
     // Phase 1: the output folder, checked before anything is read (nothing changes there yet).
@@ -463,7 +461,11 @@ fn quantize_plan(
         if let Some(g) = scheme.group() {
             // MXFP4's parameter is transposed: its input dimension is the second last.
             let n = t.shape.len();
-            let input = if scheme == Scheme::Mxfp4 { t.shape[n - 2] } else { t.shape[n - 1] };
+            let input = if scheme == Scheme::Mxfp4 {
+                t.shape[n - 2]
+            } else {
+                t.shape[n - 1]
+            };
             if input % g != 0 {
                 return Err(Error::InvalidArgument(format!(
                     "--quantize {}: {} {:?}: its input dimension {input} is not a multiple of the {g}-element scale group",
@@ -486,9 +488,7 @@ fn quantize_plan(
     };
     let config = match scheme {
         Scheme::Fp8Block(_) if model_type.starts_with("deepseek") => quant::fp8_block_config(&[]),
-        Scheme::Fp8Block(_) => {
-            quant::fp8_block_config(&quant::fp8_modules_to_not_convert(kept()))
-        }
+        Scheme::Fp8Block(_) => quant::fp8_block_config(&quant::fp8_modules_to_not_convert(kept())),
         Scheme::Mxfp4 => quant::mxfp4_config(quant::GPT_OSS_NOT_CONVERTED),
         Scheme::Nvfp4(quant::Nvfp4Layout::ModelOpt) => {
             let exclude = quant::ignored_modules(kept());

@@ -169,7 +169,7 @@ pub(crate) fn fp8_modules_to_not_convert<'a>(
         })
         .map(|n| n.rsplit_once('.').map_or(n, |(m, _)| m).to_string())
         .collect();
-    mods.sort_by(|a, b| natural_key(a).cmp(&natural_key(b)));
+    mods.sort_by_key(|m| natural_key(m));
     mods.dedup();
     mods
 }
@@ -225,7 +225,13 @@ pub(crate) fn compressed_tensors_config(scheme: Scheme, ignore: &[String]) -> Op
         Scheme::Nvfp4(Nvfp4Layout::CompressedTensors) => (
             "NVFP4A16",
             "nvfp4-pack-quantized",
-            ct_args(4, nvfp4::NVFP4_GROUP, "tensor_group", "torch.float8_e4m3fn", false),
+            ct_args(
+                4,
+                nvfp4::NVFP4_GROUP,
+                "tensor_group",
+                "torch.float8_e4m3fn",
+                false,
+            ),
             Json::Null,
         ),
         Scheme::Mxfp8 => (
@@ -299,7 +305,7 @@ pub(crate) fn ignored_modules<'a>(kept: impl IntoIterator<Item = &'a str>) -> Ve
         .filter(|m| !m.ends_with("norm"))
         .map(str::to_string)
         .collect();
-    mods.sort_by(|a, b| natural_key(a).cmp(&natural_key(b)));
+    mods.sort_by_key(|m| natural_key(m));
     mods.dedup();
     mods
 }

@@ -360,7 +360,14 @@ fn run_bytes(
             let scheme = t.quant.ok_or_else(|| {
                 Error::Validation(format!("{}: in a scale group but not quantized", t.name))
             })?;
-            quant::quantize_prepared(&t.name, scheme, x, t.out_dtype(out_dtype), &t.shape, group_amax)
+            quant::quantize_prepared(
+                &t.name,
+                scheme,
+                x,
+                t.out_dtype(out_dtype),
+                &t.shape,
+                group_amax,
+            )
         })
         .collect()
 }

@@ -66,7 +66,11 @@ fn scale_of(amax: f32, t: DType) -> (u8, f32) {
 #[cfg(test)]
 fn modelopt_exponent(amax: f32) -> i32 {
     let d = amax / E4M3_MAX;
-    let e = if d > 0.0 { d.log2().ceil() as i32 } else { -127 };
+    let e = if d > 0.0 {
+        d.log2().ceil() as i32
+    } else {
+        -127
+    };
     e.clamp(-127, 127)
 }
 
@@ -123,7 +127,9 @@ mod tests {
         // float16: 2^-127 underflows to 0 and becomes 1 (byte 127).
         assert_eq!(scale_of(0.0, DType::F16), (127, 1.0));
         // ModelOpt's rule agrees but where amax's mantissa is 1.75 exactly.
-        for amax in [1.0f32, 1.2, 1.5, 1.7421875, 1.7578125, 1.9, 3.0, 0.01, 3.5, 0.4375] {
+        for amax in [
+            1.0f32, 1.2, 1.5, 1.7421875, 1.7578125, 1.9, 3.0, 0.01, 3.5, 0.4375,
+        ] {
             let ct = scale_of(amax, DType::BF16).0 as i32 - 127;
             let mo = modelopt_exponent(amax);
             let m = amax / 2f32.powi(amax.log2().floor() as i32);

@@ -215,9 +215,9 @@ mod tests {
         // = 1585.5 rounds to 1584.
         let g = tensor_scale(Nvfp4Layout::CompressedTensors, 1.6953125, DType::BF16);
         assert_eq!(g, 1584.0);
-        // A = 0.2060546875 (from a test model's expert): 2688 / A = 13045.08 would round to 13056;
+        // A = 211/1024 = 0.2060546875 (from a test model's expert): 2688 / A = 13045.08 would round to 13056;
         // 1 / A rounds to 4.84375 first, x 2688 = 13020 rounds to 12992 (llm-compressor's value).
-        let g = tensor_scale(Nvfp4Layout::CompressedTensors, 0.2060546875, DType::BF16);
+        let g = tensor_scale(Nvfp4Layout::CompressedTensors, 211.0 / 1024.0, DType::BF16);
         assert_eq!(g, 12992.0);
         assert_eq!(
             tensor_scale(Nvfp4Layout::CompressedTensors, 1.6953125, DType::F32),
@@ -268,8 +268,24 @@ mod tests {
         assert_eq!((E4M3_TO_F32[s[0] as usize], s[1]), (448.0, E4M3_ONE));
         assert_eq!(p[0], 0x7 | (0x3 << 4));
         // A tensor that is zero everywhere: scale_2 0, scales 1.0, codes 0 (ModelOpt: NaN).
-        quantize(Nvfp4Layout::ModelOpt, &[0.0; 32], DType::BF16, 0.0, &mut p, &mut s).unwrap();
+        quantize(
+            Nvfp4Layout::ModelOpt,
+            &[0.0; 32],
+            DType::BF16,
+            0.0,
+            &mut p,
+            &mut s,
+        )
+        .unwrap();
         assert_eq!((s, p), ([E4M3_ONE; 2], [0; 16]));
-        assert!(quantize(Nvfp4Layout::ModelOpt, &x[..8], DType::BF16, ts, &mut p, &mut s).is_err());
+        assert!(quantize(
+            Nvfp4Layout::ModelOpt,
+            &x[..8],
+            DType::BF16,
+            ts,
+            &mut p,
+            &mut s
+        )
+        .is_err());
     }
 }
