@@ -18,12 +18,13 @@ TORCH231 := $(VENV)/torch231
 
 # The stamp names the Python version: a venv made by another Python (the 3.11 one of earlier
 # releases) is removed and made again, never layered on.
-$(VENV)/.installed-py312: python/requirements-test.txt
+$(VENV)/.installed-py312: python/requirements-test.txt python/requirements-quant-ref.txt
 	@test -n "$(PYTHON312)" || { echo "error: Python 3.12 not found (looked for python3.12 on PATH and in ~/.pyenv/versions/3.12*); install it, or pass PYTHON312=/path/to/python3.12" >&2; exit 1; }
 	@if ! $(PY) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null; then \
 		echo "creating $(VENV) with $(PYTHON312)"; rm -rf $(VENV) && $(PYTHON312) -m venv $(VENV); fi
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r python/requirements-test.txt
+	$(PY) -m pip install -q --no-deps -r python/requirements-quant-ref.txt
 	touch $@
 
 $(VENV)/mcore/%/.installed: $(VENV)/.installed-py312

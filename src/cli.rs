@@ -138,11 +138,17 @@ enum Command {
         tokenizer: Option<PathBuf>,
         /// Write the weights quantized as the official releases store them: fp8-block (e4m3
         /// weights with float32 weight_scale_inv per 128x128 block; embeddings, lm_head, norms,
-        /// routers, gates, biases and small projections stay in the output dtype) or mxfp4
-        /// (gpt_oss's experts as *_blocks / *_scales). config.json gets the matching
-        /// quantization_config.
+        /// routers, gates, biases and small projections stay in the output dtype), mxfp4
+        /// (gpt_oss's experts as *_blocks / *_scales), nvfp4 (weight-only NVFP4, as
+        /// llm-compressor's NVFP4A16) or mxfp8 (compressed-tensors' mxfp8-quantized). config.json
+        /// gets the matching quantization_config. NVFP4 W4A4 (nvfp4-w4a4) is refused: its
+        /// activation scales need calibration data.
         #[arg(long, value_name = "FORMAT")]
         quantize: Option<String>,
+        /// The layout of --quantize nvfp4: compressed-tensors (default; vLLM, SGLang,
+        /// transformers) or modelopt (W4A16_NVFP4 with hf_quant_config.json, for TensorRT-LLM).
+        #[arg(long, value_name = "LAYOUT")]
+        quantize_format: Option<String>,
         /// Skip checkpoint keys that no rule maps instead of failing.
         #[arg(long)]
         allow_unmapped: bool,
@@ -461,6 +467,7 @@ where
             drop_mtp,
             tokenizer,
             quantize,
+            quantize_format,
             json,
             timeout,
         } => {
@@ -479,6 +486,7 @@ where
             opts.drop_mtp = drop_mtp;
             opts.tokenizer = tokenizer;
             opts.quantize = quantize;
+            opts.quantize_format = quantize_format;
             to_hf(&bounded(&dir, timeout)?, &out, &opts, json)
         }
     })();

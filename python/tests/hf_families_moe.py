@@ -41,7 +41,9 @@ def hf_config(family: str):
         return transformers.DeepseekV3Config(
             **{**common, "rms_norm_eps": 1e-6}, num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=32,
             n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=2,
-            routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1, q_lora_rank=24,
+            # q_lora_rank 32: q_b_proj's input is then a multiple of NVFP4's 16-value group (--quantize
+            # nvfp4 of this MLA family, test_hf_families).
+            routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1, q_lora_rank=32,
             kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, rope_interleave=True,
             rope_parameters=rope, num_mtp_layers=1, attention_bias=False)
     if family == "glm4_moe":

@@ -100,8 +100,11 @@ pub struct HfOptions {
     /// the checkpoint is a local folder that has one.
     pub tokenizer: Option<PathBuf>,
     /// `--quantize`: `fp8-block` (block-scaled FP8, see [`quant`]) or `mxfp4` (gpt_oss's
-    /// experts); None writes every tensor in the output dtype.
+    /// experts), `nvfp4` (weight-only NVFP4) or `mxfp8`; None writes every tensor in the output
+    /// dtype.
     pub quantize: Option<String>,
+    /// `--quantize-format`: `compressed-tensors` (the default) or `modelopt` (`nvfp4` only).
+    pub quantize_format: Option<String>,
 }
 
 impl HfOptions {
@@ -142,6 +145,7 @@ impl HfOptions {
             drop_mtp: false,
             tokenizer: None,
             quantize: None,
+            quantize_format: None,
         })
     }
 }
@@ -217,11 +221,13 @@ pub fn to_hf(
     progress: &(dyn Fn(u64) + Sync),
 ) -> Result<HfSummary> {
     let t0 = Instant::now();
-    let scheme = opts
-        .quantize
-        .as_deref()
-        .map(quant::Scheme::from_user)
-        .transpose()?;
+    let scheme = match (opts.quantize.as_deref(), opts.quantize_format.as_deref()) {
+        (Some(q), f) => Some(quant::Scheme::from_user(q, f)?),
+        (None, Some(f)) => return Err(Error::InvalidArgument(format!(
+            "--quantize-format {f:?} without --quantize: it names the layout of a quantized output"
+        ))),
+        (None, None) => None,
+    };
     // Phase 1: the output folder, checked before anything is read (nothing changes there yet).
     if opts.part.is_some() && opts.overwrite {
         return Err(Error::InvalidArgument(
@@ -281,7 +287,7 @@ pub fn to_hf(
     // The config declares the weights as written: the quantization applied, or none (a given
     // release config's own quantization_config would describe weights this folder lacks).
     let config = config
-        .map(|c| config::with_quantization(&c, quantization.as_ref()))
+        .map(|c| config::with_quantization(&c, quantization.as_ref().map(|q| &q.config)))
         .transpose()?;
     // The files written beside the weights: config.json, then the tokenizer's.
     let tokenizer = match &opts.tokenizer {
@@ -292,6 +298,7 @@ pub fn to_hf(
     let files: Vec<(String, Vec<u8>)> = config
         .iter()
         .map(|c| (output::CONFIG.to_string(), c.clone()))
+        .chain(quantization.into_iter().flat_map(|q| q.files))
         .chain(tokenizer)
         .collect();
     // Phase 3: the shard plan (files, headers, offsets, index), a pure function of the plan, so
@@ -394,29 +401,53 @@ pub fn to_hf(
     })
 }
 
-/// Marks the tensors of a conversion that `scheme` quantizes ([`quant::quantizes`]; tensors copied from
-/// `--base-hf` never are) and returns the `quantization_config` that describes the folder:
-/// [`quant::fp8_block_config`] with [`quant::fp8_modules_to_not_convert`] of the kept tensors (none for the
-/// DeepSeek families, as DeepSeek-V3's config.json has none), or [`quant::mxfp4_config`] with
-/// [`quant::GPT_OSS_NOT_CONVERTED`]. `out`: the output dtype (None: as stored).
+/// What a quantized conversion declares: config.json's `quantization_config`, and the files
+/// written beside it (ModelOpt's `hf_quant_config.json`).
+struct Quantization {
+    config: serde_json::Value,
+    files: Vec<(String, Vec<u8>)>,
+}
+
+/// ModelOpt's quantization file beside config.json (TensorRT-LLM reads it).
+const HF_QUANT_CONFIG: &str = "hf_quant_config.json";
+
+/// Marks the tensors of a conversion that `scheme` quantizes ([`quant::quantizes`]; tensors copied
+/// from `--base-hf` never are, nor MTP layers under [`quant::Scheme::keeps_mtp`]), gathers each
+/// NVFP4 scale group ([`quant::scale_group`]) into consecutive tensors, and returns what describes
+/// the folder: [`quant::fp8_block_config`] with [`quant::fp8_modules_to_not_convert`] of the kept
+/// tensors (none for the DeepSeek families, as DeepSeek-V3's config.json has none),
+/// [`quant::mxfp4_config`] with [`quant::GPT_OSS_NOT_CONVERTED`], or for NVFP4 and MXFP8
+/// [`quant::compressed_tensors_config`] / ModelOpt's two configs with [`quant::ignored_modules`].
+/// `out`: the output dtype (None: as stored).
 ///
-/// Errors: [`Error::InvalidArgument`] for MXFP4 of a family without an MXFP4 release, a tensor to
-/// quantize that is not float32/bfloat16/float16, or an MXFP4 weight whose blocked dimension is
-/// not a multiple of 32.
+/// Errors: [`Error::InvalidArgument`] for MXFP4 of a family without an MXFP4 release, NVFP4 or
+/// MXFP8 of gpt_oss (its experts are 3-D fused parameters; its release is MXFP4), a tensor to
+/// quantize that is not float32/bfloat16/float16, or one whose input dimension is not a multiple of
+/// the scheme's scale group (naming the tensor).
 fn quantize_plan(
-    tensors: &mut [HfTensor],
+    tensors: &mut Vec<HfTensor>,
     scheme: quant::Scheme,
     d: &spec::Dims,
     out: Option<DType>,
-) -> Result<serde_json::Value> {
+) -> Result<Quantization> {
+    use quant::Scheme;
     let model_type = d.spec.model_types[0];
-    if scheme == quant::Scheme::Mxfp4 && !quant::MXFP4_MODEL_TYPES.contains(&model_type) {
+    if scheme == Scheme::Mxfp4 && !quant::MXFP4_MODEL_TYPES.contains(&model_type) {
         return Err(Error::InvalidArgument(format!(
             "--quantize mxfp4: {model_type} has no MXFP4 release whose layout shardwise could follow (it writes gpt_oss's MXFP4 experts); use --quantize fp8-block"
         )));
     }
+    if matches!(scheme, Scheme::Nvfp4(_) | Scheme::Mxfp8) && model_type == "gpt_oss" {
+        return Err(Error::InvalidArgument(
+            "--quantize nvfp4/mxfp8: gpt_oss's experts are 3-D fused parameters that the compressed-tensors and ModelOpt linear layouts do not describe; use --quantize mxfp4 (its release's format)".into(),
+        ));
+    }
+    let mtp: Vec<String> = (0..d.mtp_layers)
+        .map(|k| d.layer_prefix(d.num_layers + k))
+        .collect();
     for t in tensors.iter_mut().filter(|t| t.from_file.is_none()) {
-        if !quant::quantizes(scheme, &t.name, &t.shape) {
+        let in_mtp = mtp.iter().any(|p| t.name.starts_with(p.as_str()));
+        if !quant::quantizes(scheme, &t.name, &t.shape) || (in_mtp && scheme.keeps_mtp()) {
             continue;
         }
         let dtype = t.out_dtype(out);
@@ -427,32 +458,112 @@ fn quantize_plan(
                 dtype.torch_name()
             )));
         }
-        if scheme == quant::Scheme::Mxfp4 {
+        if let Some(g) = scheme.group() {
+            // MXFP4's parameter is transposed: its input dimension is the second last.
             let n = t.shape.len();
-            if t.shape[n - 2] % quant::MXFP4_BLOCK != 0 {
+            let input = if scheme == Scheme::Mxfp4 {
+                t.shape[n - 2]
+            } else {
+                t.shape[n - 1]
+            };
+            if input % g != 0 {
                 return Err(Error::InvalidArgument(format!(
-                    "--quantize mxfp4: {} {:?}: its input dimension {} is not a multiple of the {}-element MXFP4 block",
+                    "--quantize {}: {} {:?}: its input dimension {input} is not a multiple of the {g}-element scale group",
+                    opts_name(scheme),
                     t.name,
                     t.shape,
-                    t.shape[n - 2],
-                    quant::MXFP4_BLOCK
                 )));
             }
         }
         t.quant = Some(scheme);
     }
-    Ok(match scheme {
-        quant::Scheme::Fp8Block(_) if model_type.starts_with("deepseek") => {
-            quant::fp8_block_config(&[])
+    if matches!(scheme, Scheme::Nvfp4(_)) {
+        gather_scale_groups(tensors);
+    }
+    let kept = || {
+        tensors
+            .iter()
+            .filter(|t| t.quant.is_none())
+            .map(|t| t.name.as_str())
+    };
+    let config = match scheme {
+        Scheme::Fp8Block(_) if model_type.starts_with("deepseek") => quant::fp8_block_config(&[]),
+        Scheme::Fp8Block(_) => quant::fp8_block_config(&quant::fp8_modules_to_not_convert(kept())),
+        Scheme::Mxfp4 => quant::mxfp4_config(quant::GPT_OSS_NOT_CONVERTED),
+        Scheme::Nvfp4(quant::Nvfp4Layout::ModelOpt) => {
+            let exclude = quant::ignored_modules(kept());
+            let file = serde_json::to_vec_pretty(&quant::modelopt_hf_quant_config(&exclude))
+                .expect("serializable");
+            return Ok(Quantization {
+                config: quant::modelopt_config(&exclude),
+                files: vec![(HF_QUANT_CONFIG.to_string(), file)],
+            });
         }
-        quant::Scheme::Fp8Block(_) => quant::fp8_block_config(&quant::fp8_modules_to_not_convert(
-            tensors
-                .iter()
-                .filter(|t| t.quant.is_none())
-                .map(|t| t.name.as_str()),
-        )),
-        quant::Scheme::Mxfp4 => quant::mxfp4_config(quant::GPT_OSS_NOT_CONVERTED),
+        Scheme::Nvfp4(_) | Scheme::Mxfp8 => {
+            quant::compressed_tensors_config(scheme, &quant::ignored_modules(kept()))
+                .expect("a compressed-tensors scheme")
+        }
+    };
+    Ok(Quantization {
+        config,
+        files: Vec::new(),
     })
+}
+
+/// The `--quantize` name of `scheme`, for messages.
+fn opts_name(scheme: quant::Scheme) -> &'static str {
+    match scheme {
+        quant::Scheme::Fp8Block(_) => "fp8-block",
+        quant::Scheme::Mxfp4 => "mxfp4",
+        quant::Scheme::Nvfp4(_) => "nvfp4",
+        quant::Scheme::Mxfp8 => "mxfp8",
+    }
+}
+
+/// Moves the quantized members of each scale group ([`quant::scale_group`]) right after the
+/// group's first member, in their order, and marks them [`HfTensor::with_previous`]: a group is
+/// then one run of tensors, written by one job from one shared statistic and never split across
+/// files (the shard plan keeps a run together), so every `--workers` and `--part` gives the same
+/// bytes and each member is read once. The order is a pure function of the plan.
+fn gather_scale_groups(tensors: &mut Vec<HfTensor>) {
+    let keys: Vec<Option<String>> = tensors
+        .iter()
+        .map(|t| t.quant.and_then(|_| quant::scale_group(&t.name)))
+        .collect();
+    let mut members: std::collections::HashMap<&str, Vec<usize>> = Default::default();
+    for (i, k) in keys.iter().enumerate() {
+        if let Some(k) = k {
+            members.entry(k.as_str()).or_default().push(i);
+        }
+    }
+    let mut order = Vec::with_capacity(tensors.len());
+    let mut placed = vec![false; tensors.len()];
+    for i in 0..tensors.len() {
+        if placed[i] {
+            continue;
+        }
+        match keys[i].as_deref().and_then(|k| members.get(k)) {
+            Some(group) => {
+                for &j in group {
+                    placed[j] = true;
+                    order.push((j, j != i));
+                }
+            }
+            None => {
+                placed[i] = true;
+                order.push((i, false));
+            }
+        }
+    }
+    let mut slots: Vec<Option<HfTensor>> = std::mem::take(tensors).into_iter().map(Some).collect();
+    *tensors = order
+        .into_iter()
+        .map(|(j, with_previous)| {
+            let mut t = slots[j].take().expect("each tensor placed once");
+            t.with_previous = with_previous;
+            t
+        })
+        .collect();
 }
 
 /// The identity of the checkpoint a part converts, for [`output::fingerprint`]: the storage

@@ -38,6 +38,9 @@ pub(crate) struct HfTensor {
     /// Written quantized (`--quantize`): the stored tensors of [`super::quant::stored`] in place
     /// of this one. Set by the caller of [`plan`], never for a tensor copied from a file.
     pub quant: Option<super::quant::Scheme>,
+    /// Quantized together with the tensor before it (an NVFP4 scale group, see
+    /// [`super::quant::scale_group`]): one write job and one shard file hold both.
+    pub with_previous: bool,
 }
 
 impl HfTensor {
@@ -179,6 +182,7 @@ fn apply(
                 post: r.post,
                 from_file: None,
                 quant: None,
+                with_previous: false,
             });
         }
     }

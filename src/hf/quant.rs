@@ -34,6 +34,16 @@
 //!   `d = amax / 6` rounded up to a power of two (`(bits(d) + 0x7FFFFF) & 0x7F800000`), scale byte
 //!   its biased exponent, each `x / d` rounded to e2m1 by that function's bit arithmetic (round
 //!   half away on the last kept bit, saturating at 6).
+//!
+//! **NVFP4** (weight-only, compressed-tensors or ModelOpt layout) and **MXFP8** (compressed-tensors)
+//! are written by `to-hf --quantize nvfp4` / `mxfp8` (issue #38): their recipes are in [`nvfp4`] and
+//! [`mxfp8`]. NVFP4's per-tensor scale is shared by the linears that read one input
+//! ([`scale_group`]), so those are quantized together.
+
+mod mxfp8;
+mod nvfp4;
+
+pub(crate) use nvfp4::Nvfp4Layout;
 
 use serde_json::{json, Value as Json};
 
@@ -67,6 +77,10 @@ pub(crate) enum Scheme {
     /// Block-scaled FP8 with `[block rows, block cols]` blocks.
     Fp8Block([u64; 2]),
     Mxfp4,
+    /// Weight-only NVFP4 ([`nvfp4`]), in the given layout.
+    Nvfp4(Nvfp4Layout),
+    /// MXFP8 ([`mxfp8`]), compressed-tensors' `mxfp8-quantized`.
+    Mxfp8,
 }
 
 /// The scheme a config.json's `quantization_config` declares; None without one.
@@ -155,7 +169,7 @@ pub(crate) fn fp8_modules_to_not_convert<'a>(
         })
         .map(|n| n.rsplit_once('.').map_or(n, |(m, _)| m).to_string())
         .collect();
-    mods.sort_by(|a, b| natural_key(a).cmp(&natural_key(b)));
+    mods.sort_by_key(|m| natural_key(m));
     mods.dedup();
     mods
 }
@@ -183,21 +197,252 @@ pub(crate) fn mxfp4_config(modules_to_not_convert: &[&str]) -> Json {
     json!({"modules_to_not_convert": modules_to_not_convert, "quant_method": "mxfp4"})
 }
 
+/// The compressed-tensors release whose formats (`nvfp4-pack-quantized`, `mxfp8-quantized`) and
+/// `quantization_config` are written: the one llm-compressor 0.14.0.1 requires (`==0.19.0`). Its
+/// version is part of the config, as `model_free_ptq` writes it.
+pub(crate) const COMPRESSED_TENSORS_VERSION: &str = "0.19.0";
+/// The ModelOpt release whose `W4A16_NVFP4` export layout is written (`producer.version`).
+pub(crate) const MODELOPT_VERSION: &str = "0.47.0";
+
+/// compressed-tensors' `QuantizationArgs(...).model_dump()` of a float scheme's weights or
+/// dynamic activations: `num_bits`, `group_size`, `strategy` and `scale_dtype` as given.
+fn ct_args(num_bits: u32, group: u64, strategy: &str, scale_dtype: &str, dynamic: bool) -> Json {
+    json!({
+        "actorder": null, "block_structure": null, "dynamic": dynamic, "group_size": group,
+        "num_bits": num_bits, "observer": null, "observer_kwargs": {}, "scale_dtype": scale_dtype,
+        "strategy": strategy, "symmetric": true, "type": "float", "zp_dtype": null,
+    })
+}
+
+/// The `quantization_config` llm-compressor 0.14.0.1's `model_free_ptq` writes for preset
+/// `NVFP4A16` or `MXFP8` (`entrypoints/model_free/save_utils.py` `update_config`: the
+/// compression version, `quant_method` `compressed-tensors`, an empty `transform_config`, then
+/// `QuantizationConfig.model_dump()` in `compressed` status; presets from compressed-tensors
+/// `quantization/quant_scheme.py`), with `ignore` the modules kept in the output dtype
+/// ([`ignored_modules`]). None for the other schemes.
+pub(crate) fn compressed_tensors_config(scheme: Scheme, ignore: &[String]) -> Option<Json> {
+    let (preset, format, weights, inputs) = match scheme {
+        Scheme::Nvfp4(Nvfp4Layout::CompressedTensors) => (
+            "NVFP4A16",
+            "nvfp4-pack-quantized",
+            ct_args(
+                4,
+                nvfp4::NVFP4_GROUP,
+                "tensor_group",
+                "torch.float8_e4m3fn",
+                false,
+            ),
+            Json::Null,
+        ),
+        Scheme::Mxfp8 => (
+            "MXFP8",
+            "mxfp8-quantized",
+            ct_args(8, mxfp8::MXFP8_GROUP, "group", "torch.uint8", false),
+            ct_args(8, mxfp8::MXFP8_GROUP, "group", "torch.uint8", true),
+        ),
+        _ => return None,
+    };
+    Some(json!({
+        "config_groups": {preset: {
+            "format": format, "input_activations": inputs, "output_activations": null,
+            "targets": ["Linear"], "weights": weights,
+        }},
+        "format": format,
+        "global_compression_ratio": null,
+        "ignore": ignore,
+        "kv_cache_scheme": null,
+        "quant_method": "compressed-tensors",
+        "quantization_status": "compressed",
+        "transform_config": {},
+        "version": COMPRESSED_TENSORS_VERSION,
+    }))
+}
+
+/// ModelOpt's `hf_quant_config.json` of a `W4A16_NVFP4` export (nvidia-modelopt 0.47.0
+/// `torch/export/quant_utils.py` `get_quant_config` / `process_layer_quant_config`): the producer,
+/// `quant_algo`, `group_size` 16, `exclude_modules` (the modules kept, [`ignored_modules`]) and
+/// `kv_cache_quant_algo` null (the KV cache is not quantized: that needs calibration too).
+pub(crate) fn modelopt_hf_quant_config(exclude: &[String]) -> Json {
+    json!({
+        "producer": {"name": "modelopt", "version": MODELOPT_VERSION},
+        "quantization": {
+            "exclude_modules": exclude,
+            "group_size": nvfp4::NVFP4_GROUP,
+            "kv_cache_quant_algo": null,
+            "quant_algo": "W4A16_NVFP4",
+        },
+    })
+}
+
+/// config.json's `quantization_config` beside [`modelopt_hf_quant_config`]: what ModelOpt's
+/// `convert_hf_quant_config_format` (`torch/export/convert_hf_config.py`) makes of it for
+/// `W4A16_NVFP4` (`quant_method` `modelopt`, what vLLM and transformers dispatch on).
+pub(crate) fn modelopt_config(exclude: &[String]) -> Json {
+    json!({
+        "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "weights": {"dynamic": false, "group_size": nvfp4::NVFP4_GROUP, "num_bits": 4, "type": "float"},
+        }},
+        "ignore": exclude,
+        "producer": {"name": "modelopt", "version": MODELOPT_VERSION},
+        "quant_algo": "W4A16_NVFP4",
+        "quant_method": "modelopt",
+    })
+}
+
+/// The modules whose weights are kept in the output dtype, as compressed-tensors' `ignore` and
+/// ModelOpt's `exclude_modules` list them: the module of every kept `.weight` but those whose
+/// module name ends in `norm`, in natural order. That is the set compressed-tensors' model-free
+/// matching would otherwise take (`utils/match.py` `match_quantizable_tensors`: every `weight`
+/// parameter, modules named `*norm` skipped), so `model_free_ptq` with this `ignore` quantizes
+/// exactly the tensors written quantized; it holds the embedding, `lm_head`, the routers, and 1-D
+/// weights such as Qwen3.5's `mtp.pre_fc_norm_embedding`. `kept`: the HF names of the tensors
+/// written unquantized.
+pub(crate) fn ignored_modules<'a>(kept: impl IntoIterator<Item = &'a str>) -> Vec<String> {
+    let mut mods: Vec<String> = kept
+        .into_iter()
+        .filter_map(|n| n.strip_suffix(".weight"))
+        .filter(|m| !m.ends_with("norm"))
+        .map(str::to_string)
+        .collect();
+    mods.sort_by_key(|m| natural_key(m));
+    mods.dedup();
+    mods
+}
+
 // ---- to-hf --quantize ----------------------------------------------------------------------------
 
+/// `--quantize` names of variants that store activation scales (NVFP4 W4A4's `input_scale`, the
+/// global scale of each linear's input): a statistic of activations over calibration data, which
+/// a conversion of the checkpoint's files does not have. llm-compressor's `model_free_ptq` refuses
+/// them likewise ("Model Free PTQ cannot calibrate activations", `entrypoints/model_free/validate.py`).
+const NEEDS_CALIBRATION: &[&str] = &["nvfp4-w4a4", "w4a4", "nvfp4a4", "nvfp4-a4"];
+
 impl Scheme {
-    /// The scheme of `--quantize` (`fp8-block`: [`FP8_BLOCK`] blocks; `mxfp4`).
+    /// The scheme of `--quantize` (`fp8-block`: [`FP8_BLOCK`] blocks; `mxfp4`; `nvfp4`; `mxfp8`)
+    /// and `--quantize-format` (`compressed-tensors`, the default, or `modelopt` for `nvfp4`).
     ///
-    /// Errors: [`Error::InvalidArgument`] for another name.
-    pub(crate) fn from_user(name: &str) -> Result<Scheme> {
-        match name {
-            "fp8-block" => Ok(Scheme::Fp8Block(FP8_BLOCK)),
-            "mxfp4" => Ok(Scheme::Mxfp4),
-            other => Err(Error::InvalidArgument(format!(
-                "--quantize {other:?}: use fp8-block or mxfp4"
+    /// Errors: [`Error::InvalidArgument`] for another name, a variant that needs calibration
+    /// ([`NEEDS_CALIBRATION`], naming it as the missing input), or a format the scheme is not
+    /// written in.
+    pub(crate) fn from_user(name: &str, format: Option<&str>) -> Result<Scheme> {
+        let scheme = match name {
+            "fp8-block" => Scheme::Fp8Block(FP8_BLOCK),
+            "mxfp4" => Scheme::Mxfp4,
+            "nvfp4" => Scheme::Nvfp4(Nvfp4Layout::CompressedTensors),
+            "mxfp8" => Scheme::Mxfp8,
+            n if NEEDS_CALIBRATION.contains(&n) => {
+                return Err(Error::InvalidArgument(format!(
+                    "--quantize {n:?} needs calibration data: NVFP4 W4A4 stores input_scale, the global scale of each linear's activations, measured by running the model on calibration samples, and to-hf reads only the checkpoint's files; --quantize nvfp4 writes weight-only NVFP4 (W4A16_NVFP4 / NVFP4A16), whose scales come from the weights alone"
+                )))
+            }
+            other => {
+                return Err(Error::InvalidArgument(format!(
+                    "--quantize {other:?}: use fp8-block, mxfp4, nvfp4 or mxfp8"
+                )))
+            }
+        };
+        match (scheme, format) {
+            (s, None) => Ok(s),
+            (Scheme::Nvfp4(_), Some("modelopt")) => Ok(Scheme::Nvfp4(Nvfp4Layout::ModelOpt)),
+            (Scheme::Nvfp4(_) | Scheme::Mxfp8, Some("compressed-tensors")) => Ok(scheme),
+            (_, Some(f)) => Err(Error::InvalidArgument(format!(
+                "--quantize-format {f:?} with --quantize {name}: nvfp4 is written as compressed-tensors (the default) or modelopt, mxfp8 as compressed-tensors; fp8-block and mxfp4 have their releases' one layout"
             ))),
         }
     }
+
+    /// Whether the scheme keeps MTP layers unquantized: NVFP4 and MXFP8 follow ModelOpt's default
+    /// exclusions ([`MODELOPT_DISABLED`] `mtp.*`; DeepSeek's MTP layer, `model.layers.{L}`, is one
+    /// ModelOpt never sees, as transformers does not load it); block FP8 quantizes them as
+    /// DeepSeek-V3's release does.
+    pub(crate) fn keeps_mtp(self) -> bool {
+        matches!(self, Scheme::Nvfp4(_) | Scheme::Mxfp8)
+    }
+
+    /// The elements per scale along the input dimension, which that dimension must be a
+    /// multiple of (NVFP4: 16, MXFP8 and MXFP4: 32); None for block FP8 (partial blocks).
+    pub(crate) fn group(self) -> Option<u64> {
+        match self {
+            Scheme::Fp8Block(_) => None,
+            Scheme::Mxfp4 => Some(MXFP4_BLOCK),
+            Scheme::Nvfp4(_) => Some(nvfp4::NVFP4_GROUP),
+            Scheme::Mxfp8 => Some(mxfp8::MXFP8_GROUP),
+        }
+    }
+}
+
+/// ModelOpt's default exclusions (nvidia-modelopt 0.47.0
+/// `modelopt_recipes/configs/ptq/units/default_disabled_quantizers.yaml`, applied by every PTQ
+/// preset, `W4A16_NVFP4` and `MXFP8` included), as fnmatch patterns of a weight quantizer's name
+/// (`<module>.weight_quantizer`); its `nn.Embedding` rule is [`FP8_KEPT_SUFFIXES`]'
+/// `embed_tokens`. NVFP4 and MXFP8 keep these in the output dtype as well as what block FP8 keeps.
+const MODELOPT_DISABLED: &[&str] = &[
+    "*block_sparse_moe.gate*",
+    "*linear_attn.conv1d*",
+    "*linear_attn.in_proj_a*",
+    "*linear_attn.in_proj_b*",
+    "*lm_head*",
+    "*mixer.conv1d*",
+    "*mlp.gate.*",
+    "*mlp.shared_expert_gate.*",
+    "*output_layer*",
+    "*proj_out.*",
+    "*router*",
+    "mtp.*",
+    "output.*",
+    "*embed_vision*",
+    "*vision_tower*",
+    "*visual*",
+    "*vision_model*",
+    "*multi_modal_projector*",
+];
+
+/// fnmatch with `*` only (the only wildcard [`MODELOPT_DISABLED`] uses).
+fn glob(pattern: &str, s: &str) -> bool {
+    match pattern.split_once('*') {
+        None => pattern == s,
+        Some((head, rest)) => {
+            s.starts_with(head)
+                && (0..=s.len() - head.len())
+                    .filter(|&i| s.is_char_boundary(head.len() + i))
+                    .any(|i| glob(rest, &s[head.len() + i..]))
+        }
+    }
+}
+
+/// Linears that read the same input and are fused into one by vLLM and SGLang (`qkv_proj`,
+/// `gate_up_proj`, the experts' `w13`, DeepSeek MLA's `fused_qkv_a_proj`): as HF weight-name
+/// suffixes, each after a `.`. Their NVFP4 tensor scales are one value, the fused weight's (vLLM
+/// `compressed_tensors_w4a16_nvfp4.py` takes one `weight_global_scale` of the fused layer, its MoE
+/// method warns when w1's and w3's differ). llm-compressor 0.14.0.1 fuses only the first set,
+/// `mlp.gate_proj`/`mlp.up_proj` of a dense MLP, `w1`/`w3`, and MLA under DeepSeek's own names
+/// (`wq_a`, `wkv_a_with_mqa`; `entrypoints/model_free/microscale.py`): the experts' and shared
+/// experts' gate/up and HF's `q_a_proj`/`kv_a_proj_with_mqa` are groups here and not there.
+const SCALE_GROUPS: &[&[&str]] = &[
+    &[
+        "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight",
+    ],
+    &["gate_proj.weight", "up_proj.weight"],
+    &["w1.weight", "w3.weight"],
+    &[
+        "self_attn.q_a_proj.weight",
+        "self_attn.kv_a_proj_with_mqa.weight",
+    ],
+];
+
+/// The scale group of HF weight `name` ([`SCALE_GROUPS`]): the names that share its NVFP4 tensor
+/// scale share this key (their common prefix and the group). None for a weight in no group.
+pub(crate) fn scale_group(name: &str) -> Option<String> {
+    SCALE_GROUPS.iter().enumerate().find_map(|(k, members)| {
+        members.iter().find_map(|m| {
+            name.strip_suffix(m)
+                .filter(|p| p.is_empty() || p.ends_with('.'))
+                .map(|p| format!("{p}#{k}"))
+        })
+    })
 }
 
 /// HF weights that block-FP8 releases keep in high precision although they are 2-D linear
@@ -234,13 +479,18 @@ const MXFP4_QUANTIZED_SUFFIXES: &[&str] = &["mlp.experts.gate_up_proj", "mlp.exp
 /// Whether HF tensor `name` of `shape` is written quantized under `scheme`: for block FP8 every
 /// 2-D `.weight` but those of [`FP8_KEPT_SUFFIXES`] (1-D norms, biases, `A_log`, `dt_bias`,
 /// expert biases and the 3-D `conv1d` stay in the output dtype, as do gpt_oss's 3-D fused
-/// experts); for MXFP4 gpt_oss's fused experts ([`MXFP4_QUANTIZED_SUFFIXES`]).
+/// experts); for NVFP4 and MXFP8 those but the ones ModelOpt keeps too ([`MODELOPT_DISABLED`]; the
+/// caller keeps DeepSeek's MTP layers, see [`Scheme::keeps_mtp`]); for MXFP4 gpt_oss's fused
+/// experts ([`MXFP4_QUANTIZED_SUFFIXES`]).
 pub(crate) fn quantizes(scheme: Scheme, name: &str, shape: &[u64]) -> bool {
+    let fp8 = shape.len() == 2
+        && name.ends_with(".weight")
+        && !FP8_KEPT_SUFFIXES.iter().any(|k| name.ends_with(k));
     match scheme {
-        Scheme::Fp8Block(_) => {
-            shape.len() == 2
-                && name.ends_with(".weight")
-                && !FP8_KEPT_SUFFIXES.iter().any(|k| name.ends_with(k))
+        Scheme::Fp8Block(_) => fp8,
+        Scheme::Nvfp4(_) | Scheme::Mxfp8 => {
+            let quantizer = format!("{}.weight_quantizer", name.trim_end_matches(".weight"));
+            fp8 && !MODELOPT_DISABLED.iter().any(|p| glob(p, &quantizer))
         }
         Scheme::Mxfp4 => {
             shape.len() == 3 && MXFP4_QUANTIZED_SUFFIXES.iter().any(|k| name.ends_with(k))
@@ -257,6 +507,10 @@ pub(crate) const MXFP4_MODEL_TYPES: &[&str] = &["gpt_oss"];
 ///   ([`fp8_scale_shape`]).
 /// - MXFP4: the parameter `[.., rows, cols]` is gpt-oss's `[E, in, out]`, stored transposed:
 ///   `name_blocks` `[.., cols, rows/32, 16]` then `name_scales` `[.., cols, rows/32]`, both uint8.
+/// - NVFP4 (`[rows, cols]`, see [`nvfp4`]): compressed-tensors `name_packed` uint8 `[rows, cols/2]`,
+///   `name_scale` e4m3fn `[rows, cols/16]`, `name_global_scale` float32 `[1]`; ModelOpt `name`
+///   uint8 `[rows, cols/2]`, `name_scale` e4m3fn `[rows, cols/16]`, `name_scale_2` float32 `[]`.
+/// - MXFP8 (see [`mxfp8`]): `name` e4m3fn `[rows, cols]`, `name_scale` uint8 `[rows, cols/32]`.
 pub(crate) fn stored(name: &str, shape: &[u64], scheme: Scheme) -> Vec<(String, DType, Vec<u64>)> {
     match scheme {
         Scheme::Fp8Block(block) => vec![
@@ -282,6 +536,30 @@ pub(crate) fn stored(name: &str, shape: &[u64], scheme: Scheme) -> Vec<(String, 
                 (format!("{name}{MXFP4_SCALES_SUFFIX}"), DType::U8, scales),
             ]
         }
+        Scheme::Nvfp4(layout) => {
+            let (rows, cols) = (shape[0], shape[1]);
+            let scales = vec![rows, cols / nvfp4::NVFP4_GROUP];
+            match layout {
+                Nvfp4Layout::CompressedTensors => vec![
+                    (format!("{name}_packed"), DType::U8, vec![rows, cols / 2]),
+                    (format!("{name}_scale"), DType::F8E4M3FN, scales),
+                    (format!("{name}_global_scale"), DType::F32, vec![1]),
+                ],
+                Nvfp4Layout::ModelOpt => vec![
+                    (name.to_string(), DType::U8, vec![rows, cols / 2]),
+                    (format!("{name}_scale"), DType::F8E4M3FN, scales),
+                    (format!("{name}_scale_2"), DType::F32, vec![]),
+                ],
+            }
+        }
+        Scheme::Mxfp8 => vec![
+            (name.to_string(), DType::F8E4M3FN, shape.to_vec()),
+            (
+                format!("{name}_scale"),
+                DType::U8,
+                vec![shape[0], shape[1] / mxfp8::MXFP8_GROUP],
+            ),
+        ],
     }
 }
 
@@ -324,11 +602,26 @@ fn round_to(x: &mut [f32], dtype: DType) {
     }
 }
 
+/// The values of an HF tensor as the quantizers read them (`values`: little-endian `dtype`,
+/// float32, bfloat16 or float16): float32, rounded to `out` (the output dtype), in the same pass
+/// that reads them, so that the quantization is that of the unquantized conversion's tensor.
+///
+/// Errors: [`Error::Validation`] naming `name` for another dtype.
+pub(crate) fn prepared(name: &str, values: &[u8], dtype: DType, out: DType) -> Result<Vec<f32>> {
+    let mut x = load_f32(values, dtype).map_err(|e| Error::Validation(format!("{name}: {e}")))?;
+    round_to(&mut x, out);
+    Ok(x)
+}
+
+/// The largest `|x|` of prepared values: a scale group's NVFP4 tensor scale is computed from the
+/// largest of its members' ([`quantize_prepared`]'s `group_amax`).
+pub(crate) fn amax(x: &[f32]) -> f32 {
+    nvfp4::amax(x)
+}
+
 /// The bytes of the tensors [`stored`] lists for HF tensor `name` (`values`: `shape` in `dtype`,
-/// float32, bfloat16 or float16), concatenated in that order: [`fp8_quantize_values`]'s codes then its
-/// float32 scales (little-endian), or [`mxfp4_quantize_values`]'s blocks then scales of the transposed
-/// parameter. The values are first rounded to `out` (the output dtype), in the same pass that
-/// reads them: the quantization of the unquantized conversion's tensor.
+/// float32, bfloat16 or float16), concatenated in that order; a tensor quantized alone (no
+/// [`scale_group`] partner). See [`quantize_prepared`].
 ///
 /// Errors: those of the quantizers, naming `name`.
 pub(crate) fn quantize(
@@ -339,10 +632,35 @@ pub(crate) fn quantize(
     out: DType,
     shape: &[u64],
 ) -> Result<Vec<u8>> {
+    let x = prepared(name, values, dtype, out)?;
+    let a = amax(&x);
+    quantize_prepared(name, scheme, x, out, shape, a)
+}
+
+/// The bytes of the tensors [`stored`] lists for HF tensor `name` from its [`prepared`] values `x`
+/// (`shape`, output dtype `out`), concatenated in that order: [`fp8_quantize_values`]'s codes then
+/// its float32 scales (little-endian); [`mxfp4_quantize_values`]'s blocks then scales of the
+/// transposed parameter; NVFP4's packed codes, scales and tensor scale, the last from
+/// `group_amax` (the largest `|x|` of the tensor's scale group, [`amax`] of each member); MXFP8's
+/// codes then scales.
+///
+/// Errors: those of the quantizers, naming `name`.
+pub(crate) fn quantize_prepared(
+    name: &str,
+    scheme: Scheme,
+    mut x: Vec<f32>,
+    out: DType,
+    shape: &[u64],
+    group_amax: f32,
+) -> Result<Vec<u8>> {
     let n = shape.iter().product::<u64>() as usize;
     let named = |e: Error| Error::Validation(format!("{name}: {e}"));
-    let mut x = load_f32(values, dtype).map_err(named)?;
-    round_to(&mut x, out);
+    if x.len() != n {
+        return Err(named(Error::Validation(format!(
+            "{} values for shape {shape:?}",
+            x.len()
+        ))));
+    }
     match scheme {
         Scheme::Fp8Block(block) => {
             let ns = fp8_scale_shape(shape, block).iter().product::<u64>() as usize;
@@ -363,6 +681,23 @@ pub(crate) fn quantize(
             let (blocks, scales) = out.split_at_mut(n / 2);
             mxfp4_quantize_values(&t, &transposed_shape(shape), blocks, scales).map_err(named)?;
             Ok(out)
+        }
+        Scheme::Nvfp4(layout) => {
+            let g = nvfp4::NVFP4_GROUP as usize;
+            let ts = nvfp4::tensor_scale(layout, group_amax, out);
+            let mut bytes = vec![0u8; n / 2 + n / g + 4];
+            let (packed, rest) = bytes.split_at_mut(n / 2);
+            let (scales, tensor) = rest.split_at_mut(n / g);
+            nvfp4::quantize(layout, &x, out, ts, packed, scales).map_err(named)?;
+            tensor.copy_from_slice(&ts.to_le_bytes());
+            Ok(bytes)
+        }
+        Scheme::Mxfp8 => {
+            let g = mxfp8::MXFP8_GROUP as usize;
+            let mut bytes = vec![0u8; n + n / g];
+            let (codes, scales) = bytes.split_at_mut(n);
+            mxfp8::quantize(&x, out, codes, scales).map_err(named)?;
+            Ok(bytes)
         }
     }
 }
@@ -1017,7 +1352,7 @@ mod tests {
 
     #[test]
     fn what_is_quantized_and_how_it_is_stored() {
-        let fp8 = Scheme::from_user("fp8-block").unwrap();
+        let fp8 = Scheme::from_user("fp8-block", None).unwrap();
         for kept in [
             "model.embed_tokens.weight",
             "lm_head.weight",
@@ -1074,7 +1409,7 @@ mod tests {
             "model.layers.0.self_attn.q_proj.weight",
             &[8, 8]
         ));
-        assert!(Scheme::from_user("int4").is_err());
+        assert!(Scheme::from_user("int4", None).is_err());
         // FP8: codes then the scale grid; MXFP4: the transposed parameter's blocks and scales.
         assert_eq!(
             stored("w.weight", &[300, 129], fp8),

@@ -197,6 +197,7 @@ pub(crate) fn vision_tensors(
             post: Post::None,
             from_file: Some((s.file.clone(), s.start)),
             quant: None,
+            with_previous: false,
         });
     }
     Ok(out)

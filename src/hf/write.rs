@@ -159,7 +159,8 @@ fn header_entry_bound(t: &HfTensor, out_dtype: Option<DType>) -> usize {
 }
 
 /// Shards greedy in tensor order, each at most `max_shard_bytes` of data (a larger tensor gets
-/// its own file) and at most `header_budget` bytes of header (a conversion of about 1.2M small
+/// its own file; a run of tensors quantized together, [`HfTensor::with_previous`], is never split,
+/// so a file can exceed the size by the rest of that run) and at most `header_budget` bytes of header (a conversion of about 1.2M small
 /// tensors into one 5 GB shard would otherwise write a 137 MB header that safetensors refuses);
 /// `out_dtype` is the output dtype (None: as stored). A pure function of its arguments, so that
 /// every part of a split conversion computes the same files.
@@ -180,7 +181,8 @@ pub(crate) fn shard_plan(
     for (i, t) in tensors.iter().enumerate() {
         let (n, h) = (nbytes(t), header_entry_bound(t, out_dtype));
         let full = size + n > max_shard_bytes || header + h > header_budget;
-        if !groups.last().unwrap().is_empty() && full {
+        // A scale group's run of tensors stays in one file (one job writes it).
+        if !groups.last().unwrap().is_empty() && full && !t.with_previous {
             groups.push(Vec::new());
             (size, header) = (0, HEADER_BASE);
         }
@@ -258,8 +260,8 @@ pub(crate) fn write_shards(
     path: &dyn Fn(usize) -> PathBuf,
     progress: &(dyn Fn(u64) + Sync),
 ) -> Result<u64> {
-    // (tensor, file, absolute offset) of every tensor to write.
-    let mut jobs: Vec<(usize, usize, u64)> = Vec::new();
+    // The write jobs: each a run of (tensor, file, absolute offset), one tensor or a scale group.
+    let mut jobs: Vec<Vec<(usize, usize, u64)>> = Vec::new();
     let mut files = Vec::with_capacity(which.len());
     for (f, &k) in which.iter().enumerate() {
         let s = &plan.shards[k];
@@ -269,7 +271,10 @@ pub(crate) fn write_shards(
         file.write_at(&s.header, 8)?;
         let mut off = 0u64;
         for &i in &s.tensors {
-            jobs.push((i, f, data_start + off));
+            match jobs.last_mut() {
+                Some(run) if tensors[i].with_previous => run.push((i, f, data_start + off)),
+                _ => jobs.push(vec![(i, f, data_start + off)]),
+            }
             off += written_bytes(&tensors[i], out_dtype);
         }
         files.push(file);
@@ -281,32 +286,28 @@ pub(crate) fn write_shards(
     // The workers run on the pool while this thread watches for Ctrl-C (the interrupt check runs
     // Python's signal handlers, which only the calling thread may): a job not yet started, and a
     // job between its read and its write, stop with `Interrupted`, so the conversion ends within
-    // about one tensor's read and nothing is committed.
+    // about one job's read and nothing is committed.
     let (total, _) = crate::interrupt::watching(|cancel| -> Result<u64> {
+        let stopped = || -> Result<()> {
+            match cancel.load(Ordering::Relaxed) {
+                true => Err(Error::Interrupted(Stopped::Commit)),
+                false => Ok(()),
+            }
+        };
         pool.install(|| {
             jobs.par_iter()
                 .with_max_len(1)
-                .map(|&(i, f, off)| -> Result<u64> {
-                    if cancel.load(Ordering::Relaxed) {
-                        return Err(Error::Interrupted(Stopped::Commit));
+                .map(|run| -> Result<u64> {
+                    stopped()?;
+                    let outputs = run_bytes(ckpt, tensors, run, out_dtype)?;
+                    stopped()?;
+                    let mut n = 0;
+                    for (&(_, f, off), bytes) in run.iter().zip(outputs) {
+                        files[f].write_at(&bytes, off)?;
+                        progress(bytes.len() as u64);
+                        n += bytes.len() as u64;
                     }
-                    let t = &tensors[i];
-                    let item = t.src_dtype.itemsize();
-                    let mut buf = vec![0u8; (t.shape.iter().product::<u64>() * item) as usize];
-                    read_hf_tensor(ckpt, t, &mut buf)?;
-                    if cancel.load(Ordering::Relaxed) {
-                        return Err(Error::Interrupted(Stopped::Commit));
-                    }
-                    let out = t.out_dtype(out_dtype);
-                    let bytes = match t.quant {
-                        // Rounded to the output dtype and quantized in one pass over the values.
-                        Some(s) => quant::quantize(&t.name, s, &buf, t.src_dtype, out, &t.shape)?,
-                        None if out == t.src_dtype => buf,
-                        None => convert(&buf, t.src_dtype, out)?,
-                    };
-                    files[f].write_at(&bytes, off)?;
-                    progress(bytes.len() as u64);
-                    Ok(bytes.len() as u64)
+                    Ok(n)
                 })
                 .sum::<Result<u64>>()
         })
@@ -316,6 +317,59 @@ pub(crate) fn write_shards(
         f.sync()?;
     }
     Ok(total)
+}
+
+/// The bytes written for each tensor of `run` (a tensor, or a scale group's members in order):
+/// each read, then converted to the output dtype, or quantized ([`quant::quantize_prepared`]) with
+/// the largest `|x|` over the whole run as its tensor-scale statistic.
+fn run_bytes(
+    ckpt: &Checkpoint,
+    tensors: &[HfTensor],
+    run: &[(usize, usize, u64)],
+    out_dtype: Option<DType>,
+) -> Result<Vec<Vec<u8>>> {
+    let read = |t: &HfTensor| -> Result<Vec<u8>> {
+        let item = t.src_dtype.itemsize();
+        let mut buf = vec![0u8; (t.shape.iter().product::<u64>() * item) as usize];
+        read_hf_tensor(ckpt, t, &mut buf)?;
+        Ok(buf)
+    };
+    if let [(i, _, _)] = run {
+        let t = &tensors[*i];
+        let out = t.out_dtype(out_dtype);
+        let buf = read(t)?;
+        return Ok(vec![match t.quant {
+            // Rounded to the output dtype and quantized in one pass over the values.
+            Some(s) => quant::quantize(&t.name, s, &buf, t.src_dtype, out, &t.shape)?,
+            None if out == t.src_dtype => buf,
+            None => convert(&buf, t.src_dtype, out)?,
+        }]);
+    }
+    // A scale group: every member is quantized (see `gather_scale_groups`).
+    let mut values = Vec::with_capacity(run.len());
+    for &(i, _, _) in run {
+        let t = &tensors[i];
+        let out = t.out_dtype(out_dtype);
+        values.push(quant::prepared(&t.name, &read(t)?, t.src_dtype, out)?);
+    }
+    let group_amax = values.iter().map(|x| quant::amax(x)).fold(0f32, f32::max);
+    run.iter()
+        .zip(values)
+        .map(|(&(i, _, _), x)| {
+            let t = &tensors[i];
+            let scheme = t.quant.ok_or_else(|| {
+                Error::Validation(format!("{}: in a scale group but not quantized", t.name))
+            })?;
+            quant::quantize_prepared(
+                &t.name,
+                scheme,
+                x,
+                t.out_dtype(out_dtype),
+                &t.shape,
+                group_amax,
+            )
+        })
+        .collect()
 }
 
 /// The bytes of `model.safetensors.index.json`.
@@ -346,6 +400,7 @@ mod tests {
                 post: super::super::spec::Post::None,
                 from_file: None,
                 quant: None,
+                with_previous: false,
             })
             .collect()
     }

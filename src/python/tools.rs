@@ -17,15 +17,16 @@ use crate::commit::wait::Freshness;
 /// conversion in a non-empty `out_dir`; `base_hf` (a multimodal config's original release: its
 /// vision tower is copied), `text_only` (a multimodal config's text model alone), `drop_mtp`
 /// (without the MTP layers), `tokenizer` (the tokenizer folder to copy; default the
-/// checkpoint's `tokenizer/`), `quantize` (`"fp8-block"` or `"mxfp4"`: see `shardwise to-hf
-/// --quantize`). Returns the summary as a dict with the fields of
+/// checkpoint's `tokenizer/`), `quantize` (`"fp8-block"`, `"mxfp4"`, `"nvfp4"` or `"mxfp8"`: see
+/// `shardwise to-hf --quantize`), `quantize_format` (`"compressed-tensors"` or `"modelopt"`, for
+/// `"nvfp4"`). Returns the summary as a dict with the fields of
 /// `shardwise to-hf --json` (`tensors`, `bytes`, `files`, `seconds`, `gb_per_s`, `skipped_keys`,
 /// `args_check`, `args_unchecked`, `warnings`, `padding_rows_dropped`, `config_written`,
 /// `mtp_layers`, `vision_tensors`, `quantized`, `tokenizer_files`, `part`, `committed`).
 /// Raises `InvalidArgumentError` (also for `threads` that is not a whole number >= 1),
 /// `ValidationError`, `StorageError`, `CorruptFileError`.
 #[pyfunction]
-#[pyo3(signature = (checkpoint_dir, out_dir, hf_config=None, arch=None, dtype=None, max_shard_size="5GB", threads=None, allow_unmapped=false, overwrite=false, part=None, base_hf=None, text_only=false, drop_mtp=false, tokenizer=None, quantize=None))]
+#[pyo3(signature = (checkpoint_dir, out_dir, hf_config=None, arch=None, dtype=None, max_shard_size="5GB", threads=None, allow_unmapped=false, overwrite=false, part=None, base_hf=None, text_only=false, drop_mtp=false, tokenizer=None, quantize=None, quantize_format=None))]
 #[allow(clippy::too_many_arguments)]
 pub(super) fn to_hf(
     py: Python<'_>,
@@ -44,6 +45,7 @@ pub(super) fn to_hf(
     drop_mtp: bool,
     tokenizer: Option<PathBuf>,
     quantize: Option<String>,
+    quantize_format: Option<String>,
 ) -> PyResult<Py<PyAny>> {
     let threads = opt_positive("threads", threads)?;
     let mut opts = crate::hf::HfOptions::from_user(
@@ -66,6 +68,7 @@ pub(super) fn to_hf(
     opts.drop_mtp = drop_mtp;
     opts.tokenizer = tokenizer;
     opts.quantize = quantize;
+    opts.quantize_format = quantize_format;
     let s = py
         .detach(|| {
             let loc = location(&checkpoint_dir)?;

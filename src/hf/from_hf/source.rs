@@ -613,6 +613,13 @@ fn pair(
                 );
             }
         }
+        // `quant::scheme` reads no compressed-tensors or ModelOpt config: nothing to pair.
+        Some(s @ (Scheme::Nvfp4(_) | Scheme::Mxfp8)) => {
+            return Err(Error::InvalidArgument(format!(
+                "{}: {s:?} folders are written by to-hf --quantize, not read by from-hf",
+                dir.display()
+            )))
+        }
         None => {}
     }
     for (name, t) in stored {
