@@ -57,9 +57,18 @@ pub const GAP_BYTES: u64 = 1 << 20;
 pub const DIRECT_MIN_BYTES: u64 = 1 << 20;
 /// Buffer size of a load into host memory only (see [`load`]'s choice of buffers).
 pub const HOST_BUFFER_BYTES: usize = 4 << 20;
-/// Default staging budget of a load: 16 buffers of 64 MiB, enough reads in flight to keep an NVMe
-/// device or the page cache busy while the previous buffers are copied out.
-pub const DEFAULT_LOAD_BUDGET_BYTES: usize = 16 * DEFAULT_BUFFER_BYTES;
+/// Default staging budget of a load: 32 buffers of 64 MiB (2 GiB), enough reads in flight to keep
+/// an NVMe device or the page cache busy while the previous buffers are copied out: a load into
+/// CUDA memory makes up to 24 reads at once, and buffers whose host-to-device copies are still
+/// queued wait beside them. A save's default staging pool is larger (4 GiB of the same buffers),
+/// and a load reuses it. Host loads take their smaller buffers only as reads need them.
+pub const DEFAULT_LOAD_BUDGET_BYTES: usize = 32 * DEFAULT_BUFFER_BYTES;
+/// Bytes of one `pread` from a local file: each step is CRC-checked right after it lands, while
+/// it is still in the CPU's cache, instead of after the whole 64 MiB read, when it has gone to
+/// memory and must be read back (16.9 GB into CUDA tensors on an H100 host: 0.605 s with whole
+/// reads, 0.473 s in 512 KiB steps; BENCHMARKS.md, "GPU load closer to the copy floor"). Cold
+/// loads, from the disk, kept their speed there (7.06 s against 7.03 s).
+pub const READ_STEP_BYTES: usize = 512 << 10;
 /// Item head and tail read first to locate an item's tensor data (torch.save puts `data.pkl` and
 /// the storage record's local header at the start and the central directory at the end; both are
 /// well under a KiB for a tensor item). Larger windows are tried when they do not suffice.
@@ -90,7 +99,7 @@ pub struct LoadOptions {
     pub check_crc: bool,
     /// Bound of each object-store request (None: the store's own retry timeout).
     pub timeout: Option<Duration>,
-    /// Reads in flight (None: from the core count, 4 to 16).
+    /// Reads in flight (None: from the core count: 4 to 16, or 4 to 24 into CUDA memory).
     pub threads: Option<usize>,
 }
 
@@ -111,7 +120,8 @@ impl Default for LoadOptions {
 pub struct LoadStats {
     /// Bytes read from storage (item probes included).
     pub bytes_read: u64,
-    /// Read operations (`pread` calls or GETs, probes included).
+    /// Read operations (planned reads, probes included): one GET each from an object store, a
+    /// loop of [`READ_STEP_BYTES`] `pread`s from a local file.
     pub read_ops: u64,
     pub requests: usize,
     /// Wall time of the whole call, in seconds.
@@ -535,10 +545,18 @@ pub unsafe fn load(ck: &Checkpoint, reqs: &[Request], opts: &LoadOptions) -> Res
     let max_read = pool.buffer_size as u64;
     // Reads in flight: enough to keep NVMe queues and the page cache's copy busy (16 on a 16-core
     // H200 host reached the disk's sequential ceiling cold and 27 GB/s warm, BENCHMARKS.md), and
-    // no more than the pool's buffers, which each read holds (see `Exec::buffer`).
+    // no more than the pool's buffers, which each read holds (see `Exec::buffer`). A read into
+    // CUDA memory also waits for its buffer's earlier host-to-device copy, so there more reads
+    // than cores keep the cores copying: 24 on a 16-core H100 host loaded 16.9 GB in 0.459 s
+    // against 0.473 s with 16 (BENCHMARKS.md, "GPU load closer to the copy floor").
+    let cores = std::thread::available_parallelism().map_or(8, |n| n.get());
+    let default_threads = match device {
+        Some(_) => (cores * 3 / 2).clamp(4, 24),
+        None => cores.clamp(4, 16),
+    };
     let threads = opts
         .threads
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(8, |n| n.get().clamp(4, 16)))
+        .unwrap_or(default_threads)
         .min(pool.capacity())
         .max(1);
     let readers = read_pool(threads)?;
@@ -909,9 +927,7 @@ impl Exec<'_> {
             // lends us exclusively (load's contract); direct copies go to host memory only.
             let dst =
                 unsafe { std::slice::from_raw_parts_mut((q.ptr + c.copy.dst) as *mut u8, len) };
-            self.source.read_exact(r.file, r.range.start, dst, &what)?;
-            self.counters.add(len as u64);
-            self.hash(r, dst, &mut segments);
+            self.read_hashed(r, dst, &what, &mut segments)?;
             return Ok(segments);
         }
         let mut buf = if len <= self.pool.buffer_size {
@@ -920,10 +936,7 @@ impl Exec<'_> {
             Buf::Owned(vec![0u8; len])
         };
         let bytes = &mut buf.bytes()[..len];
-        self.source
-            .read_exact(r.file, r.range.start, bytes, &what)?;
-        self.counters.add(len as u64);
-        self.hash(r, bytes, &mut segments);
+        self.read_hashed(r, bytes, &what, &mut segments)?;
         let mut uploaded = false;
         for &ci in &r.copies {
             let c = &self.copies[ci];
@@ -956,6 +969,36 @@ impl Exec<'_> {
         Ok(segments)
     }
 
+    /// Reads `r` into `bytes` (its `len` bytes) and hashes the parts of checked ranges it brings:
+    /// from a local file in steps of [`READ_STEP_BYTES`], each hashed right after it lands, while
+    /// it is still in the CPU's cache; from an object store in one ranged GET.
+    ///
+    /// Errors: as [`Source::read_exact`].
+    fn read_hashed(
+        &self,
+        r: &plan::Read,
+        bytes: &mut [u8],
+        what: &dyn Fn() -> String,
+        out: &mut Vec<Segment>,
+    ) -> Result<()> {
+        let step = if self.source.files[r.file].is_local() {
+            READ_STEP_BYTES
+        } else {
+            bytes.len()
+        };
+        self.counters.add(bytes.len() as u64);
+        let mut at = 0;
+        while at < bytes.len() {
+            let end = (at + step).min(bytes.len());
+            let range = r.range.start + at as u64..r.range.start + end as u64;
+            let part = &mut bytes[at..end];
+            self.source.read_exact(r.file, range.start, part, what)?;
+            self.hash(r.file, &range, part, out);
+            at = end;
+        }
+        Ok(())
+    }
+
     /// A staging buffer: the oldest one still kept for its host-to-device copies (waiting for
     /// them; by then they are usually done), else a free one of the pool. A read takes from the
     /// pool only when this load keeps none, so the load holds at most as many buffers as it has
@@ -973,19 +1016,26 @@ impl Exec<'_> {
         })
     }
 
-    /// Hashes the parts of checked ranges that read `r` brought into `bytes`.
-    fn hash(&self, r: &plan::Read, bytes: &[u8], out: &mut Vec<Segment>) {
-        let ids = self.checks_by_file[r.file].clone();
+    /// Hashes the parts of checked ranges that a read of bytes `range` of file `file` brought
+    /// into `bytes`.
+    fn hash(
+        &self,
+        file: usize,
+        range: &std::ops::Range<u64>,
+        bytes: &[u8],
+        out: &mut Vec<Segment>,
+    ) {
+        let ids = self.checks_by_file[file].clone();
         let checks = &self.checks[ids.clone()];
-        let first = checks.partition_point(|c| c.range.end <= r.range.start);
+        let first = checks.partition_point(|c| c.range.end <= range.start);
         for (k, c) in checks.iter().enumerate().skip(first) {
-            if c.range.start >= r.range.end {
+            if c.range.start >= range.end {
                 break;
             }
-            let a = c.range.start.max(r.range.start);
-            let b = c.range.end.min(r.range.end);
+            let a = c.range.start.max(range.start);
+            let b = c.range.end.min(range.end);
             let mut crc = crc32fast::Hasher::new();
-            crc.update(&bytes[(a - r.range.start) as usize..(b - r.range.start) as usize]);
+            crc.update(&bytes[(a - range.start) as usize..(b - range.start) as usize]);
             out.push(Segment {
                 check: ids.start + k,
                 offset: a,
@@ -1192,7 +1242,7 @@ mod tests {
         (dir, ck)
     }
 
-    /// Load options with a 1 MiB staging pool (the default one is 1 GiB).
+    /// Load options with a 1 MiB staging pool (the default one is 2 GiB).
     fn small() -> LoadOptions {
         LoadOptions {
             staging_budget: Some(1 << 20),

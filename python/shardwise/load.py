@@ -232,8 +232,8 @@ def load(
             timeout), and on the wait for the other ranks' requested keys (``*_all`` modes;
             default 600 s); a finite number in ``0..1e9``.
         staging_budget_bytes: host memory for reads in flight, in bytes, a whole number >= 1
-            (default 1 GiB, sixteen 64 MiB buffers; a read holds one buffer, so it also bounds the
-            reads in flight). Into CUDA tensors the buffers are pinned, kept by the process and
+            (default 2 GiB, thirty-two 64 MiB buffers; a read holds one buffer, so it also bounds
+            the reads in flight). Into CUDA tensors the buffers are pinned, kept by the process and
             reused by later loads and saves; into CPU tensors they are plain memory, taken only as
             reads need them and freed when the load returns.
         check_crc: check the CRC-32 recorded at save time of every item read (shardwise saves).

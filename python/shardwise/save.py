@@ -104,6 +104,25 @@ def _torch_save_bytes(obj: Any) -> bytes:
     return buf.getvalue()
 
 
+# torch.save([None] * n) by n. A linear's ``_extra_state`` ShardedObject holds None (megatron-core's
+# local linears; TE ones without fp8 state), so a GPT has a few such objects per layer, all
+# pickled alike: one torch.save each cost 60 us, 40 ms of a 600 MB save's critical path on the rank
+# that writes them (BENCHMARKS.md, "CPU save at the disk's speed"). The bytes differ between calls
+# only in the archive's ``.data/serialization_id`` record, which torch.load merely logs
+# (torch/serialization.py, ``torch.load.metadata``), so one call's bytes serve every object.
+_NONE_LISTS: dict[int, bytes] = {}
+
+
+def _object_bytes(datas: list) -> bytes:
+    """The item of a ShardedObject key: torch.save of the list of its local shards' data."""
+    if any(d is not None for d in datas):
+        return _torch_save_bytes(datas)
+    n = len(datas)
+    if n not in _NONE_LISTS:
+        _NONE_LISTS[n] = _torch_save_bytes(datas)
+    return _NONE_LISTS[n]
+
+
 def _chunk_memory(t):
     """``(tensor, device)``: ``t``'s elements contiguous where they are (no copy when ``t`` already
     is contiguous), and the CUDA ordinal or None for host memory. CUDA tensors are read by the Rust
@@ -367,7 +386,7 @@ def save(
     objects = [
         _native.ObjectItem(
             fqn=unique_key,
-            data=_torch_save_bytes([o.data for o in objs]),
+            data=_object_bytes([o.data for o in objs]),
             key=objs[0].key,
             global_shape=list(objs[0].global_shape),
             global_offset=list(objs[0].global_offset),

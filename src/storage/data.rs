@@ -124,6 +124,12 @@ impl DataSource {
         self.len == 0
     }
 
+    /// A local file (positioned reads are cheap system calls), not an object (each read is a
+    /// request).
+    pub fn is_local(&self) -> bool {
+        matches!(self.kind, Kind::Local { .. })
+    }
+
     /// Reads up to `buf.len()` bytes at byte `offset` into `buf`; returns how many were read,
     /// fewer only where the file ends.
     ///

@@ -7,6 +7,9 @@ use std::os::unix::fs::FileExt;
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use super::writeback::Writeback;
 
 use crate::error::{Error, Result};
 
@@ -171,10 +174,12 @@ pub fn create_dir_all(dir: &Path) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(Error::io("create directory", dir))
 }
 
-/// A data file opened for parallel positioned writes.
+/// A data file opened for parallel positioned writes; its writeback starts while it is written
+/// ([`Writeback`]).
 pub struct DataFile {
     pub path: PathBuf,
-    file: File,
+    file: Arc<File>,
+    writeback: Writeback,
 }
 
 impl DataFile {
@@ -203,7 +208,8 @@ impl DataFile {
             .map_err(Error::io("create", path))?;
         Ok(DataFile {
             path: path.to_path_buf(),
-            file,
+            file: Arc::new(file),
+            writeback: Writeback::default(),
         })
     }
 
@@ -229,14 +235,18 @@ impl DataFile {
         }
     }
 
-    /// `pwrite` of all of `buf` at byte `offset`; safe to call from many threads at once.
+    /// `pwrite` of all of `buf` at byte `offset`; safe to call from many threads at once. The
+    /// bytes' writeback may start before [`DataFile::sync`] ([`Writeback`]).
     pub fn write_at(&self, buf: &[u8], offset: u64) -> Result<()> {
         self.file
             .write_all_at(buf, offset)
-            .map_err(Error::io("write", &self.path))
+            .map_err(Error::io("write", &self.path))?;
+        self.writeback.wrote(&self.file, buf.len() as u64);
+        Ok(())
     }
 
-    /// Flushes data to stable storage.
+    /// Flushes data to stable storage (`fdatasync`): the file's bytes are durable when it returns,
+    /// whether or not their writeback started early.
     pub fn sync(&self) -> Result<()> {
         self.file
             .sync_data()

@@ -7,6 +7,7 @@ mod data;
 mod local;
 pub mod remote;
 mod stream;
+mod writeback;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
