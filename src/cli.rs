@@ -161,8 +161,9 @@ enum Command {
     },
     /// Convert a Hugging Face folder (config.json and safetensors, also block-FP8 or MXFP4) into a
     /// Megatron torch_dist checkpoint, by the to-hf mapping read in reverse: no GPU, no process
-    /// group, no model code. Memory stays at about a group of tensors (1 GiB, or the largest
-    /// tensor) plus one HF tensor per worker.
+    /// group, no model code. MTP layers are converted (mtp.layers.*), a multimodal folder's text
+    /// model too (its vision tower is left out; to-hf --base-hf puts it back). Memory stays at
+    /// about a group of tensors (1 GiB, or the largest tensor) plus one HF tensor per worker.
     #[command(name = "from-hf", after_help = EXIT_CODES)]
     FromHf {
         /// HF folder: config.json and model.safetensors or model.safetensors.index.json with its files.
