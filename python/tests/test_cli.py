@@ -24,7 +24,8 @@ import shardwise.megatron as swm
 from dcp_util import row_shard, save_ranks
 
 SHARDWISE = str(Path(sys.executable).parent / "shardwise")
-README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+# The CLI reference: every subcommand, the "JSON output" fields and the exception classes.
+CLI_DOC = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
 COMMANDS = ["inspect", "verify", "status", "merge", "to-hf", "diff"]
 
 
@@ -126,11 +127,12 @@ def test_tables_show_human_sizes_and_json_plain_bytes(small):
 
 
 def test_every_json_flag_is_in_help_and_every_field_in_the_readme(small, tmp_path):
+    """Each command's `--json` help, and every field of its output in docs/cli.md ("JSON output")."""
     for cmd in COMMANDS:
         help_text = sw(cmd, "--help").stdout
         assert "--json" in help_text and "plain bytes" in help_text, (cmd, help_text)
-        assert f"shardwise {cmd}" in README and "--json" in README
-    section = README[README.index("### JSON output"):]
+        assert f"shardwise {cmd}" in CLI_DOC and "--json" in CLI_DOC
+    section = CLI_DOC[CLI_DOC.index("### JSON output"):]
     section = section[: section.index("\n## ")]
     outputs = {
         "inspect": json.loads(sw("inspect", "--json", small).stdout),
@@ -146,8 +148,20 @@ def test_every_json_flag_is_in_help_and_every_field_in_the_readme(small, tmp_pat
     fields |= {f"status.saves[].keys[].{k}" for k in outputs["status"]["saves"][0]["keys"][0]}
     fields |= {f"diff.{k}" for k in outputs["diff"]} | {f"diff.keys[].{k}" for k in outputs["diff"]["keys"][0]}
     undocumented = sorted(f for f in fields if f"`{f.rsplit('.', 1)[1]}`" not in section)
-    assert not undocumented, f"README's JSON section misses {undocumented}"
+    assert not undocumented, f"docs/cli.md's JSON section misses {undocumented}"
 
+
+
+def test_every_subcommand_is_in_the_cli_reference():
+    """docs/cli.md has each subcommand `shardwise --help` lists, in its synopsis and with its own entry."""
+    help_text = sw("--help").stdout
+    listed = help_text[help_text.index("Commands:"):help_text.index("Options:")]
+    commands = [m for m in re.findall(r"^  ([a-z][a-z-]*) ", listed, re.M) if m != "help"]
+    assert set(COMMANDS) <= set(commands) and {"from-hf", "rewrite-metadata"} <= set(commands), commands
+    synopsis = CLI_DOC[CLI_DOC.index("## Synopsis"):CLI_DOC.index("## The subcommands")]
+    entries = CLI_DOC[CLI_DOC.index("## The subcommands"):]
+    missing = [c for c in commands if f"shardwise {c} " not in synopsis or f"**`shardwise {c} " not in entries]
+    assert not missing, f"docs/cli.md misses {missing}"
 
 def test_status_keys_are_objects_named_as_in_inspect(small):
     st = json.loads(sw("status", "--keys", "--json", small).stdout)
@@ -195,10 +209,10 @@ def test_to_hf_errors_do_not_speak_of_commits(tmp_path):
 def test_readme_lists_every_exception_class():
     errors = [n for n in shardwise.__all__ if n.endswith("Error")]
     assert "CorruptFileError" in errors
-    error_list = README[README.index("Errors are subclasses of"):]
+    error_list = CLI_DOC[CLI_DOC.index("Errors are subclasses of"):]
     error_list = error_list[: error_list.index("\n\n")]
     missing = [e for e in errors if f"`{e}`" not in error_list and e != "ShardwiseError"]
-    assert not missing, f"README's error list misses {missing}"
+    assert not missing, f"docs/cli.md's error list misses {missing}"
 
 
 # --- verify groups problems per file ------------------------------------------------------------

@@ -598,11 +598,11 @@ def test_a_gpt_checkpoint_is_refused_for_a_hybrid_request_it_cannot_fill(saved):
 
 
 def _readme_model_types() -> set:
-    """The model types the README's to-hf table claims (first cell of each row)."""
+    """The model types the to-hf families table of docs/hf.md claims (first cell of each row)."""
     import re
     from pathlib import Path
 
-    lines = (Path(__file__).resolve().parents[2] / "README.md").read_text().splitlines()
+    lines = (Path(__file__).resolve().parents[2] / "docs" / "hf.md").read_text().splitlines()
     start = next(i for i, ln in enumerate(lines) if ln.startswith("| `model_type` | layout converted"))
     rows = []
     for ln in lines[start + 2:]:
@@ -620,9 +620,9 @@ def _converted_model_types(ckpt, out) -> set:
 
 
 def test_every_model_type_the_readme_claims_is_converted_and_has_a_logits_test(saved, tmp_path):
-    """The README's table is what ``to-hf`` maps, and each of its model types has a test comparing a
-    converted megatron-core model's logits with Megatron's: this registry's families, ``test_hf``'s
-    (llama, qwen3, qwen3_moe) and the multimodal Qwen3.5 configs."""
+    """The families table of docs/hf.md (once the README's) is what ``to-hf`` maps, and each of its
+    model types has a test comparing a converted megatron-core model's logits with Megatron's: this
+    registry's families, ``test_hf``'s (llama, qwen3, qwen3_moe) and the multimodal Qwen3.5 configs."""
     import transformers
 
     import hf_workers
@@ -634,7 +634,7 @@ def test_every_model_type_the_readme_claims_is_converted_and_has_a_logits_test(s
     tested = {hf_families.FAMILIES[f].hf_config().model_type for f in FAMILIES}
     tested |= {hf_workers.hf_config(a).model_type for a in ARCHS}
     tested |= {getattr(transformers, c).model_type for _, c in MULTIMODAL}
-    assert not claimed - tested, f"claimed by the README without a logits test: {sorted(claimed - tested)}"
+    assert not claimed - tested, f"claimed by docs/hf.md without a logits test: {sorted(claimed - tested)}"
 
 
 # --- to-hf --quantize (issue 22) -------------------------------------------------------------------
