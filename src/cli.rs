@@ -21,7 +21,7 @@ use crate::reader::Checkpoint;
 use crate::storage::Location;
 
 const EXIT_CODES: &str = "Exit codes:\n  0  success (verify: no problem found)\n  1  the operation failed, or verify found problems\n  2  bad command line\n  130  interrupted (Ctrl-C) during a wait; nothing committed\n  141  stdout was closed early (e.g. `| head`); nothing more is printed";
-/// Help of every `--json` flag (the README lists each command's fields).
+/// Help of every `--json` flag (docs/cli.md lists each command's fields).
 const JSON_HELP: &str =
     "Print one JSON object on stdout instead of text: sizes in plain bytes, durations in seconds";
 

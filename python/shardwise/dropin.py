@@ -200,7 +200,7 @@ def install(*, load: bool = True, **save_kwargs) -> None:
     ``save_kwargs`` are passed to :func:`save` on every call (e.g. ``timeout_s=1800``,
     ``balance_dp=...``). Idempotent: a second call only updates ``save_kwargs``. Undo with
     :func:`uninstall`. Megatron's collectives *around* the save in
-    ``megatron.training.checkpointing.save_checkpoint`` remain (see the README).
+    ``megatron.training.checkpointing.save_checkpoint`` remain (see docs/megatron.md).
     """
     import functools
 

@@ -245,7 +245,7 @@ def save(
         checkpoint_dir: the checkpoint directory (created if absent), e.g. ``.../iter_0000100``, or
             an object-store URL (``s3://bucket/run/iter_0000100``, ``gs://``, ``az://``): data files
             stream there as multipart uploads, parts and the commit are created only-if-absent.
-            Credentials and endpoints come from the cloud's usual environment variables (README).
+            Credentials and endpoints come from the cloud's usual environment variables (docs/object-storage.md).
         rank, world_size: this rank's index among the ranks that save, and their number. Default to
             the ``torch.distributed`` default group when it is initialised, else ``RANK`` and
             ``WORLD_SIZE``. When the default group also holds processes that do not save (rollout or

@@ -192,7 +192,7 @@ def test_common_state_is_common_pt_which_megatron_reads(tmp_path):
     cannot read 0.19's ``common_state`` object): the installed Megatron's own
     ``load_common_state_dict`` returns it, and ``.metadata`` (what ``load_sharded_metadata`` lists)
     holds every sharded key and, unlike 0.19's own save, no ``common_state`` (Megatron-LM's
-    ``TestNonStrictLoad::test_sharded_metadata`` at 8 ranks; README)."""
+    ``TestNonStrictLoad::test_sharded_metadata`` at 8 ranks; docs/megatron.md)."""
     import megatron.core.dist_checkpointing as mdc
     from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
     from torch.distributed.checkpoint import FileSystemReader

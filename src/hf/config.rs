@@ -684,7 +684,7 @@ const ROPE_FIELDS: &[&str] = &["rope_theta", "partial_rotary_factor"];
 /// ([`super::spec::ArchSpec::experts_field`]), products of fields (check rows like
 /// `n_shared_experts*moe_intermediate_size`) left out, `num_key_value_heads` always (an MLA
 /// config's is its head count), the RoPE base and fraction (unless 1) in `rope_parameters` (`rope_type` `default`: Megatron's `--rope-scaling` variants are not
-/// described, see the README), `vocab_size` the tokenizer's from the args or else the embedding's
+/// described, see docs/hf.md), `vocab_size` the tokenizer's from the args or else the embedding's
 /// `rows`, the MTP field as converted (left out when 0 is its default), `model_type` and
 /// `architectures` of the text model, and `dtype`, the weights' dtype as `save_pretrained`
 /// writes it. Fields the args do not hold (token ids, `hidden_act`: SwiGLU's `silu` is every

@@ -1,6 +1,6 @@
 //! Every report reaches Python the same way: its serde form as plain Python values (a struct is a
 //! `dict`, an `Option` `None` or the value, a `Vec` a `list`), so that a report's dict has exactly
-//! the fields of the CLI's `--json` output for the same operation (README, "JSON output").
+//! the fields of the CLI's `--json` output for the same operation (docs/cli.md, "JSON output").
 
 use pyo3::prelude::*;
 use serde::Serialize;

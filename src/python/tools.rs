@@ -299,7 +299,7 @@ pub(super) fn same_tensor_crcs(py: Python<'_>, a: PathBuf, b: PathBuf) -> PyResu
 
 /// The state of checkpoint `checkpoint_dir` and of each save in it, as `shardwise status --json`
 /// prints it: `dir`, `checkpoint` (`committed`, `not_committed` or `damaged`), `reason`,
-/// `orphaned_data_files`, `saves` (README, "JSON output", lists every field); each save's `keys`
+/// `orphaned_data_files`, `saves` (docs/cli.md, "JSON output", lists every field); each save's `keys`
 /// only with `keys=True` (as `--keys`: on a committed save that reads every part). Reads only;
 /// raises `StorageError` when the directory cannot be read.
 #[pyfunction]

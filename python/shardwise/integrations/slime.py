@@ -11,7 +11,7 @@ slime ``624b824``). slime saves through ``slime.backends.megatron_utils.model.sa
 (reference §5); the hook routes that last call to :func:`shardwise.megatron.dist_checkpointing_save`,
 so the data, ``.metadata``, ``common.pt`` and ``metadata.json`` are written without any collective,
 and ``--async-save`` keeps working (an ``AsyncRequest`` is returned; the write itself is synchronous
-for now). Megatron's barriers around the save in ``save_checkpoint`` remain (README).
+for now). Megatron's barriers around the save in ``save_checkpoint`` remain (docs/megatron.md).
 
 Environment knobs, read once in :func:`custom_init`:
 
