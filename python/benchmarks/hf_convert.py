@@ -9,8 +9,9 @@ layer-stacked keys), written by shardwise.
 
 Run: python python/benchmarks/hf_convert.py --dir /tmp/hfbench [--layers 20 --hidden 2048]
 
-Quantized conversion (issue 22): `--methods bf16:2,fp8:2` runs `to-hf --dtype bf16` and the same
-with `--quantize fp8-block` (quantization inside the streaming pass).
+Quantized conversion (issues 22 and 38): `--methods bf16:2,fp8:2,nvfp4:2,mxfp8:2` runs `to-hf --dtype
+bf16` and the same with `--quantize fp8-block`, `nvfp4` or `mxfp8` (quantization inside the streaming
+pass).
 
 Parallel conversion (issue 16): `--methods ceiling:1,ceiling:4,shardwise:1,shardwise:4,parts:4` runs
 the read+write ceiling with N threads (pread/pwrite of 64 MiB blocks, fsync'd), `to-hf --workers N`,
@@ -161,6 +162,10 @@ def parts(ckpt, out, config, n):
     assert os.path.exists(os.path.join(out, "model.safetensors.index.json"))
 
 
+# Method kind -> to-hf's `quantize` (None: the plain bf16 conversion).
+QUANTIZE = {"bf16": None, "fp8": "fp8-block", "nvfp4": "nvfp4", "mxfp8": "mxfp8"}
+
+
 def child(method, ckpt, out, config):
     t0 = time.perf_counter()
     kind, _, n = method.partition(":")
@@ -168,13 +173,12 @@ def child(method, ckpt, out, config):
     if kind == "shardwise":
         import shardwise
 
-        shardwise.to_hf(ckpt, out, hf_config=config, threads=n)
-    elif kind in ("bf16", "fp8"):
-        # The bf16 conversion, and the same with block-FP8 quantization in its streaming pass.
+        shardwise.to_hf(ckpt, out, hf_config=config, workers=n)
+    elif kind in QUANTIZE:
+        # The bf16 conversion, and the same with a quantization in its streaming pass.
         import shardwise
 
-        shardwise.to_hf(ckpt, out, hf_config=config, threads=n, dtype="bf16",
-                        quantize="fp8-block" if kind == "fp8" else None)
+        shardwise.to_hf(ckpt, out, hf_config=config, workers=n, dtype="bf16", quantize=QUANTIZE[kind])
     elif kind == "parts":
         parts(ckpt, out, config, n)
     elif kind == "full-load":

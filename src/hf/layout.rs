@@ -314,6 +314,28 @@ impl Layout {
     }
 }
 
+/// How many decoder layers or experts a stored tensor of `key` (global shape `shape`, saved in
+/// `chunks` chunks) can stand for, for [`crate::hf::spec::Dims::check_held`]: a layer-stacked key
+/// (`decoder.layers.<sub-key>`) holds one layer per index of its first axis (and, for experts
+/// stacked in it too, one expert per index of its second), whether Megatron saved one chunk per
+/// layer or a consolidating tool wrote the stack as one chunk; any other tensor counts its
+/// chunks.
+pub(crate) fn held_pieces(key: &str, shape: &[u64], chunks: usize) -> u64 {
+    let stacked = key
+        .strip_prefix("decoder.layers.")
+        .is_some_and(|rest| !rest.starts_with(|c: char| c.is_ascii_digit()));
+    let axes = match (stacked, key.contains(".experts.")) {
+        (false, _) => 0,
+        (true, false) => 1,
+        (true, true) => 2,
+    };
+    let along = shape
+        .iter()
+        .take(axes.min(shape.len().saturating_sub(1)))
+        .fold(1u64, |n, &d| n.saturating_mul(d));
+    along.max(chunks as u64)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -450,5 +472,46 @@ mod tests {
                 "{bad}: {e}"
             );
         }
+    }
+
+    #[test]
+    fn held_pieces_counts_stacked_layers_and_experts_even_in_one_chunk() {
+        // A consolidated layer-stacked checkpoint: 12 layers in one chunk.
+        assert_eq!(
+            held_pieces(
+                "decoder.layers.self_attention.linear_qkv.weight",
+                &[12, 96, 64],
+                1
+            ),
+            12
+        );
+        // Megatron's own save: one chunk per layer.
+        assert_eq!(
+            held_pieces("decoder.layers.mlp.linear_fc2.weight", &[12, 64, 128], 12),
+            12
+        );
+        // Layers and experts stacked together.
+        assert_eq!(
+            held_pieces(
+                "decoder.layers.mlp.experts.experts.linear_fc1.weight",
+                &[4, 8, 32, 64],
+                1
+            ),
+            32
+        );
+        // Per-layer keys and the embedding count their chunks only.
+        assert_eq!(
+            held_pieces("decoder.layers.3.mlp.linear_fc1.weight", &[256, 64], 2),
+            2
+        );
+        assert_eq!(
+            held_pieces("embedding.word_embeddings.weight", &[32000, 64], 1),
+            1
+        );
+        // A 1-D stacked norm holds no layer axis apart from its values: chunks only.
+        assert_eq!(
+            held_pieces("decoder.layers.input_layernorm.weight", &[64], 1),
+            1
+        );
     }
 }

@@ -35,6 +35,7 @@ use serde::Serialize;
 
 use crate::error::{Error, Result};
 use crate::format::dtype::DType;
+use crate::format::METADATA_FILE;
 use crate::reader::Checkpoint;
 use crate::storage::{create_dir_all, Location};
 
@@ -223,9 +224,11 @@ pub fn to_hf(
     let t0 = Instant::now();
     let scheme = match (opts.quantize.as_deref(), opts.quantize_format.as_deref()) {
         (Some(q), f) => Some(quant::Scheme::from_user(q, f)?),
-        (None, Some(f)) => return Err(Error::InvalidArgument(format!(
+        (None, Some(f)) => {
+            return Err(Error::InvalidArgument(format!(
             "--quantize-format {f:?} without --quantize: it names the layout of a quantized output"
-        ))),
+        )))
+        }
         (None, None) => None,
     };
     // Phase 1: the output folder, checked before anything is read (nothing changes there yet).
@@ -584,7 +587,10 @@ pub(crate) fn source_identity(ckpt: &Checkpoint, tensors: &[HfTensor]) -> Result
         }
     }
     let mut id = Vec::new();
-    for rel in [".metadata", "common.pt"].into_iter().chain(files) {
+    for rel in [METADATA_FILE, crate::format::COMMON_FILE]
+        .into_iter()
+        .chain(files)
+    {
         let stamp = ckpt.location().stamp(rel)?.unwrap_or_default();
         id.extend_from_slice(format!("{rel}\0{stamp}\0").as_bytes());
     }
@@ -674,11 +680,15 @@ fn setup(ckpt: &Checkpoint, opts: &HfOptions, compare: bool) -> Result<Setup> {
         }
     };
     d.layout = layout;
-    let pieces = ckpt.metadata.entries.values().map(|e| match e {
-        crate::format::metadata::Entry::Tensor { chunks, .. } => chunks.len() as u64,
+    let pieces = ckpt.metadata.entries.iter().map(|(k, e)| match e {
+        crate::format::metadata::Entry::Tensor {
+            global_shape,
+            chunks,
+            ..
+        } => layout::held_pieces(k, global_shape, chunks.len()),
         crate::format::metadata::Entry::Bytes { .. } => 1,
     });
-    d.check_held(pieces.sum(), "the checkpoint")?;
+    d.check_held(pieces.fold(0, u64::saturating_add), "the checkpoint")?;
     // A multimodal config declares a model whose vision tower the text checkpoint lacks: it comes
     // from --base-hf, or the config written is the text model's (--text-only); never a config
     // that loads with weights missing.
