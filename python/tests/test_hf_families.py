@@ -430,7 +430,7 @@ def test_args_alone_give_a_self_contained_folder(saved, tmp_path, family):
 # (family, config field, bad value, message): each field of the deepseek_v3 / glm4_moe / gpt_oss
 # mappings that the checkpoint's args also store, set wrong in config.json (hf_families_moe's sizes).
 MOE_WRONG_FIELDS = [
-    ("deepseek_v3", "q_lora_rank", 32, "q_lora_rank: config.json says 32, args.q_lora_rank says 24"),
+    ("deepseek_v3", "q_lora_rank", 24, "q_lora_rank: config.json says 24, args.q_lora_rank says 32"),
     ("deepseek_v3", "kv_lora_rank", 8, "kv_lora_rank: config.json says 8, args.kv_lora_rank says 16"),
     ("deepseek_v3", "qk_nope_head_dim", 8, "qk_nope_head_dim: config.json says 8, args.qk_head_dim says 16"),
     ("deepseek_v3", "qk_rope_head_dim", 16, "qk_rope_head_dim: config.json says 16, args.qk_pos_emb_head_dim says 8"),
@@ -732,7 +732,7 @@ def test_fp8_block_export_is_deepgemms_recipe_and_loads_within_fp8_tolerance(sav
     bf16, fp8 = tmp_path / "bf16", tmp_path / "fp8"
     shardwise.to_hf(str(ckpt), str(bf16), hf_config=str(config), dtype="bf16")
     summary = shardwise.to_hf(str(ckpt), str(fp8), hf_config=str(config), dtype="bf16", quantize="fp8-block",
-                              max_shard_size="100KB", threads=2)
+                              max_shard_size="100KB", workers=2)
     assert summary["files"] > 1, summary
     plain, quant = hf_families._folder_tensors(str(bf16)), hf_families._folder_tensors(str(fp8))
     scaled = {k[: -len("_scale_inv")] for k in quant if k.endswith("_scale_inv")}
@@ -1047,7 +1047,7 @@ def test_nvfp4_and_mxfp8_exports_are_llm_compressors_bytes_and_load_in_transform
         return
     shardwise.to_hf(str(ckpt), str(bf16), hf_config=str(config), dtype="bf16")
     summary = shardwise.to_hf(str(ckpt), str(q), hf_config=str(config), dtype="bf16", quantize=scheme,
-                              max_shard_size="100KB", threads=3)
+                              max_shard_size="100KB", workers=3)
     assert summary["files"] > 1 and summary["quantized"] > 10, summary
     ours = hf_families._folder_tensors(str(q))
     qc = json.loads((q / "config.json").read_text())["quantization_config"]
@@ -1066,7 +1066,7 @@ def test_nvfp4_and_mxfp8_exports_are_llm_compressors_bytes_and_load_in_transform
     parts = tmp_path / "parts"
     for i in range(2):
         shardwise.to_hf(str(ckpt), str(parts), hf_config=str(config), dtype="bf16", quantize=scheme,
-                        max_shard_size="100KB", threads=1, part=f"{i}/2")
+                        max_shard_size="100KB", workers=1, part=f"{i}/2")
     for f in sorted(q.glob("*.safetensors")):
         assert f.read_bytes() == (parts / f.name).read_bytes(), f.name
     if scheme == "nvfp4":
@@ -1138,7 +1138,7 @@ def test_nvfp4_modelopt_layout_is_nvfp4qtensors_bytes(saved, tmp_path):
     bf16, q = tmp_path / "bf16", tmp_path / "q"
     shardwise.to_hf(str(ckpt), str(bf16), hf_config=str(config), dtype="bf16")
     summary = shardwise.to_hf(str(ckpt), str(q), hf_config=str(config), dtype="bf16", quantize="nvfp4",
-                              quantize_format="modelopt", max_shard_size="100KB", threads=2)
+                              quantize_format="modelopt", max_shard_size="100KB", workers=2)
     plain, ours = hf_families._folder_tensors(str(bf16)), hf_families._folder_tensors(str(q))
     quantized = sorted(k[: -len("_scale_2")] for k in ours if k.endswith("_scale_2"))
     assert summary["quantized"] == len(quantized) > 10
