@@ -66,6 +66,7 @@ test-matrix: build setup-test
 	$(run_matrix)
 
 test: build setup-test
+	$(PY) tools/long_functions.py
 	cargo test --release
 	$(PY) -m pytest python/tests
 	$(run_matrix)

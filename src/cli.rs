@@ -17,6 +17,7 @@ use crate::commit::state::{checkpoint_state, orphaned_data_files, save_state, Ch
 use crate::commit::wait::{missing_ranks, timeout_from_secs, Freshness};
 use crate::error::{fmt_ranks, Error, Result};
 use crate::format::metadata::Entry;
+use crate::format::METADATA_FILE;
 use crate::reader::Checkpoint;
 use crate::storage::Location;
 
@@ -695,7 +696,7 @@ fn torch_compat(
 ) -> std::result::Result<(), Stop> {
     let Some(torch) = torch else { return Ok(()) };
     let meta = dir
-        .read(".metadata")?
+        .read(METADATA_FILE)?
         .ok_or_else(|| crate::hints::no_metadata(dir))?;
     let compat = crate::torch_compat::check(&meta, torch)?;
     for b in &compat.blockers {
@@ -705,8 +706,8 @@ fn torch_compat(
             "no rewrite of .metadata fixes this".to_string()
         };
         report.problems.push(crate::verify::Problem {
-            key: ".metadata".into(),
-            file: Some(".metadata".into()),
+            key: METADATA_FILE.into(),
+            file: Some(METADATA_FILE.into()),
             offset: None,
             message: format!("torch {torch} cannot read it: {} ({fix})", b.reason),
         });

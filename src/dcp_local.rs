@@ -45,6 +45,7 @@ use crate::commit::wait::Backoff;
 use crate::error::{fmt_ranks, Error, Result};
 use crate::format::metadata::{emit_metadata_from, Entry, MetadataSource};
 use crate::format::read_metadata::read_metadata;
+use crate::format::METADATA_FILE;
 use crate::storage::{Listed, Location};
 
 /// What [`merge`] did; sizes in bytes.
@@ -96,7 +97,7 @@ pub fn has_rank_local(loc: &Location) -> Result<bool> {
 /// read this save's bytes at that save's offsets. Empty when there is no `.metadata` or no
 /// rank-local file, or when every rank-local file is older.
 pub fn stale_metadata(files: &[Listed]) -> Vec<String> {
-    let Some(global) = files.iter().find(|f| f.name == ".metadata") else {
+    let Some(global) = files.iter().find(|f| f.name == METADATA_FILE) else {
         return Vec::new();
     };
     let mut newer: Vec<(u32, f64)> = files
@@ -314,10 +315,10 @@ pub fn merge(loc: &Location, world_size: Option<u32>, timeout: Duration) -> Resu
     // earlier save whose data files these ranks rewrote; replacing it (atomically) loses nothing.
     let stale = stale_metadata(&files).len() == ranks.len();
     if stale {
-        loc.write(".metadata", meta)?;
+        loc.write(METADATA_FILE, meta)?;
         summary.replaced_stale = true;
-    } else if !loc.write_new(".metadata", meta.clone())? {
-        if loc.read(".metadata")?.as_deref() != Some(&meta[..]) {
+    } else if !loc.write_new(METADATA_FILE, meta.clone())? {
+        if loc.read(METADATA_FILE)?.as_deref() != Some(&meta[..]) {
             return Err(Error::Validation(format!(
                 "{loc} already holds a .metadata that is not the merge of its rank-local metadata \
                  and not older than all of them (another save's, or a merge of other files): it \
@@ -478,13 +479,13 @@ mod tests {
         let merged = [
             listed("__0.metadata", 10.0),
             listed("__1.metadata", 9.0),
-            listed(".metadata", 8.0),
+            listed(METADATA_FILE, 8.0),
         ];
         assert!(stale_metadata(&merged).is_empty());
         let rerun = [
             listed("__0.metadata", 1.0),
             listed("__1.metadata", 9.0),
-            listed(".metadata", 8.0),
+            listed(METADATA_FILE, 8.0),
             listed("__0_0.distcp", 0.5),
         ];
         assert_eq!(stale_metadata(&rerun), ["__0.metadata (7.000s later)"]);
@@ -499,7 +500,7 @@ mod tests {
             "__01.metadata",
             "__.metadata",
             "__1.metadata.tmp",
-            ".metadata",
+            METADATA_FILE,
             "__a.metadata",
         ] {
             assert_eq!(metadata_rank(not), None, "{not}");

@@ -22,6 +22,7 @@ use serde::Serialize;
 use crate::error::{Error, Result};
 use crate::format::dtype::DType;
 use crate::format::metadata::{volume, Entry};
+use crate::format::METADATA_FILE;
 use crate::hf::{self, HfOptions, HfTensor};
 use crate::load::{intersect, read_region};
 use crate::reader::Checkpoint;
@@ -123,7 +124,7 @@ enum Side {
 /// `*.safetensors` files and no `.metadata`.
 fn open_side(loc: &Location) -> Result<Side> {
     if let Some(dir) = loc.as_local() {
-        if !dir.join(".metadata").exists() && HfFolder::is_one(dir) {
+        if !dir.join(METADATA_FILE).exists() && HfFolder::is_one(dir) {
             return Ok(Side::Hf(HfFolder::open(dir)?));
         }
     }

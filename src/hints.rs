@@ -5,6 +5,7 @@
 use std::path::PathBuf;
 
 use crate::error::Error;
+use crate::format::METADATA_FILE;
 use crate::storage::Location;
 
 /// Megatron's tracker file in a save root: the last committed iteration, as decimal text (or
@@ -60,7 +61,7 @@ pub fn no_metadata(loc: &Location) -> Error {
     });
     Error::Io {
         op: "read",
-        path: PathBuf::from(loc.path_of(".metadata")),
+        path: PathBuf::from(loc.path_of(METADATA_FILE)),
         source: std::io::Error::new(
             std::io::ErrorKind::NotFound,
             format!("no such file: {hint}"),

@@ -45,6 +45,7 @@ use crate::reader::{Checkpoint, Recorded};
 use crate::staging::{self, HostBuffer, StagingPool, DEFAULT_BUFFER_BYTES};
 use crate::storage::DataSource;
 
+use crate::format::METADATA_FILE;
 use plan::copy_box;
 pub use plan::{intersect, BoxCopy, ChunkIndex, Piece};
 
@@ -475,7 +476,7 @@ pub unsafe fn load(ck: &Checkpoint, reqs: &[Request], opts: &LoadOptions) -> Res
         let it = first_item_in(f);
         if rel.is_empty() {
             return Err(corrupt(
-                ck.dir().join(".metadata"),
+                ck.dir().join(METADATA_FILE),
                 format!(
                     "{}: chunk has no storage_data entry",
                     item_name(it.key, it.chunk)

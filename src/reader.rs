@@ -27,6 +27,7 @@ use crate::format::metadata::{volume, Chunk, Entry, StorageInfo};
 use crate::format::read_metadata::{read_metadata, CheckpointMetadata};
 use crate::format::unpickle::unpickle;
 use crate::format::COMMON_FILE;
+use crate::format::METADATA_FILE;
 use crate::storage::{DataSource, Location};
 
 /// Where and with which CRC-32 the writer placed one item: a record of the checksum sidecar.
@@ -141,11 +142,11 @@ impl Checkpoint {
     /// it is not DCP metadata.
     pub fn open(loc: &Location) -> Result<Checkpoint> {
         let loc = loc.canonical()?;
-        let path = loc.path_of(".metadata");
+        let path = loc.path_of(METADATA_FILE);
         // Memory-mapped locally (hundreds of MB at millions of chunks: no copy into the heap, and
         // pages the decoder has passed can be dropped by the kernel), read whole from a store.
         let bytes = loc
-            .read_held(".metadata")?
+            .read_held(METADATA_FILE)?
             .ok_or_else(|| crate::hints::no_metadata(&loc))?;
         let metadata = read_metadata(&bytes).map_err(|e| corrupt(&path, e.0))?;
         let writer = metadata_writer(&loc, &bytes)?;
@@ -310,7 +311,7 @@ impl Checkpoint {
     ) -> Result<(ItemBytes, Option<PendingCrc<'_>>)> {
         if storage.relative_path.is_empty() {
             return Err(corrupt(
-                self.dir.join(".metadata"),
+                self.dir.join(METADATA_FILE),
                 format!("{key}: chunk has no storage_data entry"),
             ));
         }
@@ -555,7 +556,7 @@ impl Checkpoint {
             .and_then(|v| v.checked_mul(dtype.itemsize()))
             .ok_or_else(|| {
                 corrupt(
-                    self.dir.join(".metadata"),
+                    self.dir.join(METADATA_FILE),
                     format!("{key}: absurd chunk sizes {:?}", c.sizes),
                 )
             })?;

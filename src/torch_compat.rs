@@ -31,6 +31,7 @@ use crate::error::{Error, Result};
 use crate::format::pickle::Pickler;
 use crate::format::read_metadata::read_metadata;
 use crate::format::unpickle::{unpickle, Value};
+use crate::format::METADATA_FILE;
 use crate::storage::Location;
 
 /// A torch release `major.minor`.
@@ -428,9 +429,9 @@ pub struct Rewritten {
 /// the re-pickled metadata would describe anything else than the original; [`Error::Corrupt`] for
 /// a `.metadata` that is not DCP metadata; storage errors.
 pub fn rewrite(loc: &Location, target: Torch) -> Result<Rewritten> {
-    let path = loc.path_of(".metadata");
+    let path = loc.path_of(METADATA_FILE);
     let before = loc
-        .read(".metadata")?
+        .read(METADATA_FILE)?
         .ok_or_else(|| crate::hints::no_metadata(loc))?;
     let corrupt = |reason: String| Error::Corrupt {
         path: path.clone(),
@@ -478,7 +479,7 @@ pub fn rewrite(loc: &Location, target: Torch) -> Result<Rewritten> {
     let old_digest = Digest::of(&before);
     let new_digest = Digest::of(&after);
     let integrity = loc.read(crate::commit::manifest::INTEGRITY_FILE)?;
-    loc.write(".metadata", after.clone())?;
+    loc.write(METADATA_FILE, after.clone())?;
     // The record that committed the old .metadata now names the new one: without this, `status`
     // would call the checkpoint damaged and readers would skip its checksums.
     for id in save_ids(loc)? {

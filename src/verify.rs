@@ -32,6 +32,7 @@ use crate::error::{Error, Result};
 use crate::format::archive::{bad_record_crcs, records, Record};
 use crate::format::globals::{scan, Pickle};
 use crate::format::metadata::{check_layout, Chunk, Entry, StorageInfo};
+use crate::format::METADATA_FILE;
 use crate::format::{COMMON_FILE, METADATA_JSON_FILE};
 use crate::reader::{Checkpoint, COMMON_STATE_PREFIX};
 use crate::storage::Location;
@@ -161,8 +162,8 @@ fn run(loc: &Location, quick: bool, progress: &(dyn Fn(u64) + Sync)) -> Result<R
     let newer = crate::dcp_local::stale_metadata(&listed);
     if !newer.is_empty() {
         report.problems.push(Problem {
-            key: ".metadata".into(),
-            file: Some(".metadata".into()),
+            key: METADATA_FILE.into(),
+            file: Some(METADATA_FILE.into()),
             offset: None,
             message: format!(
                 "stale: modified before {} (a later torch DCP use_collectives=False save into this \
@@ -194,14 +195,14 @@ fn run(loc: &Location, quick: bool, progress: &(dyn Fn(u64) + Sync)) -> Result<R
 
 /// The problem with the globals of `.metadata`, if any (`.metadata` missing: none, `open` says so).
 fn metadata_globals(loc: &Location) -> Result<Option<Problem>> {
-    let Some(bytes) = loc.read_held(".metadata")? else {
+    let Some(bytes) = loc.read_held(METADATA_FILE)? else {
         return Ok(None);
     };
     Ok(scan(Pickle::Metadata, &bytes)
         .message()
         .map(|message| Problem {
-            key: ".metadata".into(),
-            file: Some(".metadata".into()),
+            key: METADATA_FILE.into(),
+            file: Some(METADATA_FILE.into()),
             offset: None,
             message,
         }))

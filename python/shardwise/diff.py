@@ -10,7 +10,7 @@ from . import _native
 
 def diff(a, b, *, atol: float = 0.0, rtol: float = 0.0, keys: Optional[Iterable[str]] = None,
          exclude: Optional[Iterable[str]] = None, hf_config=None, arch: Optional[str] = None,
-         allow_unmapped: bool = False, threads: Optional[int] = None) -> dict:
+         allow_unmapped: bool = False, workers: Optional[int] = None) -> dict:
     """Compares checkpoints ``a`` and ``b`` key by key, as ``shardwise diff`` does.
 
     Each side is a checkpoint directory or object-store URL (torch_dist / DCP, any layout: tensors
@@ -32,4 +32,4 @@ def diff(a, b, *, atol: float = 0.0, rtol: float = 0.0, keys: Optional[Iterable[
         os.fsdecode(a), os.fsdecode(b),
         atol=float(atol), rtol=float(rtol), keys=list(keys or []), exclude=list(exclude or []),
         hf_config=None if hf_config is None else os.fspath(hf_config), arch=arch,
-        allow_unmapped=allow_unmapped, threads=threads)
+        allow_unmapped=allow_unmapped, workers=workers)

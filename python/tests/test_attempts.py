@@ -463,3 +463,38 @@ def test_ctrl_c_stops_a_waiting_merging_rank_and_the_others_learn_it(ctx, tmp_pa
     rerun = finish(start_ranks(ctx, ckpt, "int2", out, timeout_s=60.0), out, "int2")
     assert all(r["ok"] for r in rerun.values()), rerun
     assert_holds(ckpt, [0.0] * WORLD)
+
+
+def test_ctrl_c_stops_an_async_saves_wait_and_a_later_wait_gets_the_outcome(tmp_path):
+    """SaveHandle.wait answers Ctrl-C within a poll, as every other wait does: rank 0 of 2 saves
+    asynchronously and waits for rank 1, which never comes; SIGINT raises KeyboardInterrupt at once,
+    the save goes on in its thread, and a second wait() gets its own outcome (the missing rank)."""
+    script = tmp_path / "wait.py"
+    script.write_text(
+        "import sys, time, torch\n"
+        "from megatron.core.dist_checkpointing.mapping import ShardedTensor\n"
+        "import shardwise.megatron as swm\n"
+        "sd = {'w': ShardedTensor.from_rank_offsets('w', torch.ones(4, 4), (0, 0, 2))}\n"
+        f"h = swm.save(sd, {str(tmp_path / 'c')!r}, rank=0, world_size=2, async_save=True, timeout_s=4.0)\n"
+        "print('waiting', flush=True)\n"
+        "t0 = time.monotonic()\n"
+        "try:\n"
+        "    h.wait()\n"
+        "except KeyboardInterrupt:\n"
+        "    print('interrupted after', time.monotonic() - t0, flush=True)\n"
+        "try:\n"
+        "    h.wait()\n"
+        "except Exception as e:\n"
+        "    print('outcome', type(e).__name__, e, flush=True)\n"
+    )
+    p = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    assert p.stdout.readline().strip() == "waiting", p.stderr.read()
+    time.sleep(0.3)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith("interrupted after") and float(lines[0].split()[-1]) < 2.0, out
+    assert lines[1].startswith("outcome MissingRanksError") and "[1]" in lines[1], out
+    assert not (tmp_path / "c" / ".metadata").exists()

@@ -187,10 +187,10 @@ def test_load_merge_barrier_and_tools_refuse_bad_numbers(tmp_path):
             shardwise.merge(str(d), "x", n, 1.0)
         with pytest.raises(shardwise.InvalidArgumentError, match="world_size"):
             shardwise.dcp.finish(str(d), world_size=n, timeout_s=1.0)
-        with pytest.raises(shardwise.InvalidArgumentError, match="threads"):
-            shardwise.to_hf(str(d), str(tmp_path / "hf"), threads=n)
-        with pytest.raises(shardwise.InvalidArgumentError, match="threads"):
-            shardwise.diff(str(d), str(d), threads=n)
+        with pytest.raises(shardwise.InvalidArgumentError, match="workers"):
+            shardwise.to_hf(str(d), str(tmp_path / "hf"), workers=n)
+        with pytest.raises(shardwise.InvalidArgumentError, match="workers"):
+            shardwise.diff(str(d), str(d), workers=n)
     assert not (tmp_path / "hf").exists()
     assert _native.check_seconds("timeout_s", 2) == 2.0 and _native.MAX_TIMEOUT_S == 1e9
     # The CLI follows the same rule (timeout_from_secs) and never panics.

@@ -219,11 +219,11 @@ def test_parts_and_workers_write_the_same_bytes_and_commit_once(saved, tmp_path)
         pytest.skip("one architecture is enough")
     ck, cfg = str(base / "megatron"), str(base / "hf_config" / "config.json")
     one = tmp_path / "one"
-    shardwise.to_hf(ck, str(one), hf_config=cfg, max_shard_size="50KB", threads=1)
+    shardwise.to_hf(ck, str(one), hf_config=cfg, max_shard_size="50KB", workers=1)
     want = _files(one)
     assert len(want) > 6
     many = tmp_path / "many"
-    shardwise.to_hf(ck, str(many), hf_config=cfg, max_shard_size="50KB", threads=4)
+    shardwise.to_hf(ck, str(many), hf_config=cfg, max_shard_size="50KB", workers=4)
     assert _files(many) == want
     split = tmp_path / "split"
     for i in (2, 0):
@@ -237,9 +237,9 @@ def test_parts_and_workers_write_the_same_bytes_and_commit_once(saved, tmp_path)
     # Quantized in the same streaming pass (block FP8): the same bytes for any worker count or split,
     # each weight's scale in its weight's file.
     q = dict(hf_config=cfg, max_shard_size="50KB", quantize="fp8-block")
-    shardwise.to_hf(ck, str(tmp_path / "q1"), threads=1, **q)
+    shardwise.to_hf(ck, str(tmp_path / "q1"), workers=1, **q)
     qwant = _files(tmp_path / "q1")
-    shardwise.to_hf(ck, str(tmp_path / "q4"), threads=4, **q)
+    shardwise.to_hf(ck, str(tmp_path / "q4"), workers=4, **q)
     assert _files(tmp_path / "q4") == qwant
     for i in (1, 0):
         shardwise.to_hf(ck, str(tmp_path / "qsplit"), part=f"{i}/2", **q)
@@ -282,8 +282,8 @@ def test_workers_0_and_more_parts_than_shards_are_refused(saved, tmp_path):
     if arch != "llama":
         pytest.skip("one architecture is enough")
     ck, cfg = str(base / "shardwise"), str(base / "hf_config" / "config.json")
-    with pytest.raises(shardwise.InvalidArgumentError, match="threads must be a whole number >= 1, got 0"):
-        shardwise.to_hf(ck, str(tmp_path / "w"), hf_config=cfg, threads=0)
+    with pytest.raises(shardwise.InvalidArgumentError, match="workers must be a whole number >= 1, got 0"):
+        shardwise.to_hf(ck, str(tmp_path / "w"), hf_config=cfg, workers=0)
     r = subprocess.run([sys.executable, "-m", "shardwise.cli", "to-hf", ck, str(tmp_path / "w"), "--hf-config", cfg,
                         "--workers", "0"], capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and "--workers 0" in r.stderr, r.stderr
@@ -334,7 +334,7 @@ def test_ctrl_c_during_to_hf_stops_within_a_second_and_commits_nothing(tmp_path,
             "--max-shard-size", "50MB"]
     cmd = ([sys.executable, "-m", "shardwise.cli", "to-hf", *args] if how == "cli" else
            [sys.executable, "-c", "import shardwise, sys; shardwise.to_hf(sys.argv[1], sys.argv[2], hf_config=sys.argv[3], "
-            "dtype='bf16', threads=1, max_shard_size='50MB')", str(ck), str(out), str(cfg)])
+            "dtype='bf16', workers=1, max_shard_size='50MB')", str(ck), str(out), str(cfg)])
     # SIGINT as a terminal gives it, whatever this test run inherited (background jobs ignore it).
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))

@@ -125,7 +125,7 @@ def test_a_task_killed_mid_write_is_retried_and_the_folder_is_identical(cluster,
     ckpt = tmp_path / "ckpt"
     shardwise.from_hf(str(hf), str(ckpt), transformer_impl="local", dtype="fp32")
     one = tmp_path / "one"
-    opts = dict(hf_config=str(hf / "config.json"), dtype="bf16", max_shard_size="4MB", threads=1)
+    opts = dict(hf_config=str(hf / "config.json"), dtype="bf16", max_shard_size="4MB", workers=1)
     shardwise.to_hf(str(ckpt), str(one), **opts)
     out = tmp_path / "out"
     result = {}

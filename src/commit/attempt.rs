@@ -30,6 +30,7 @@ use super::liveness::{process_start_ns, publisher, publisher_alive, publisher_on
 use super::part::{marker_rel, part_rel, read_part, write_part, Marker, RankPart};
 use super::state::{checkpoint_state, files_in_use, save_ids, CheckpointState};
 use crate::error::{Error, Result};
+use crate::format::METADATA_FILE;
 use crate::format::{COMMON_FILE, METADATA_JSON_FILE};
 use crate::storage::Location;
 
@@ -122,7 +123,7 @@ pub fn begin(loc: &Location, save_id: &str, rank: u32, overwrite: bool) -> Resul
             // A `.metadata` without a commit record was left by a merger that died mid-commit: it
             // is no checkpoint, and this attempt replaces it like any other leftover.
             loc.remove(METADATA_JSON_FILE)?;
-            loc.remove(".metadata")?;
+            loc.remove(METADATA_FILE)?;
         }
     }
     let own = part_rel(save_id, rank);
@@ -314,7 +315,7 @@ mod tests {
         committed(&loc, "s", 1, true);
         std::fs::remove_file(dir.path().join(".shardwise/s/COMMITTED")).unwrap();
         let a = begin(&loc, "s", 0, false).unwrap();
-        assert!(!loc.exists(".metadata") && !loc.exists("metadata.json"));
+        assert!(!loc.exists(METADATA_FILE) && !loc.exists("metadata.json"));
         assert_eq!(a.data_file, "__0_0.distcp");
     }
 

@@ -43,6 +43,7 @@ use std::time::{Duration, Instant};
 use crate::error::{Error, Result};
 use crate::format::metadata::{write_metadata, MetadataSource};
 use crate::format::sidecar::{self, Checksums, CHECKSUMS_FILE};
+use crate::format::METADATA_FILE;
 use crate::format::{COMMON_FILE, MEGATRON_METADATA_JSON, METADATA_JSON_FILE};
 use crate::storage::{Location, Mode};
 use liveness::now_ns;
@@ -85,7 +86,7 @@ pub fn read_checksums(loc: &Location, writer: &MetadataWriter) -> Result<Option<
 /// Errors: as [`read_checksums`].
 pub fn same_tensor_crcs(a: &Location, b: &Location) -> Result<Option<bool>> {
     let sums = |loc: &Location| -> Result<Option<Checksums>> {
-        let Some(meta) = loc.read(".metadata")? else {
+        let Some(meta) = loc.read(METADATA_FILE)? else {
             return Ok(None);
         };
         read_checksums(loc, &state::metadata_writer(loc, &meta)?)
@@ -347,7 +348,7 @@ fn commit_unguarded(
             sink.finish()?.publish().map(|_| ())
         });
         let meta = (|| -> Result<_> {
-            let mut sink = loc.create_streamed(".metadata", mode)?;
+            let mut sink = loc.create_streamed(METADATA_FILE, mode)?;
             let mut digest = Digester::new(integrity.is_some());
             write_metadata(&global, &mut |b| {
                 digest.update(b);
@@ -373,7 +374,7 @@ fn commit_unguarded(
     );
     drop(global);
     if let (Some(m), Some(sha)) = (&mut integrity, meta_sha) {
-        m.add(".metadata", sha);
+        m.add(METADATA_FILE, sha);
         if megatron {
             m.add(
                 METADATA_JSON_FILE,
@@ -390,7 +391,7 @@ fn commit_unguarded(
     if !meta.publish()? {
         // Racing (object store): a merger of the same parts made the same bytes; anything else
         // is another save's (compared by size and CRC-32, as a record is with its `.metadata`).
-        let there = loc.read(".metadata")?.map(|b| Digest::of(&b));
+        let there = loc.read(METADATA_FILE)?.map(|b| Digest::of(&b));
         if there != Some(meta_digest) {
             return Err(Error::Validation(format!(
                 "{loc} already holds a different .metadata (another save's); nothing committed"
@@ -662,7 +663,7 @@ mod tests {
             matches!(&waited, Err(Error::NotCommitted { reason, .. }) if reason.contains("ranks [1]")),
             "{waited:?}"
         );
-        assert!(!loc.exists(".metadata"), "nothing committed");
+        assert!(!loc.exists(METADATA_FILE), "nothing committed");
     }
 
     /// A waiting rank returns once the commit is there, and at its timeout names the missing

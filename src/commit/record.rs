@@ -6,6 +6,7 @@ use serde::{Deserialize, Serialize};
 
 use super::part::Marker;
 use crate::error::Error;
+use crate::format::METADATA_FILE;
 use crate::storage::Location;
 
 /// Summary of a committed save; sizes in bytes.
@@ -137,7 +138,7 @@ impl CommitRecord {
     ///
     /// Errors: storage errors.
     pub fn stamp_files(&mut self, loc: &Location) -> Result<(), Error> {
-        self.metadata_stamp = loc.stamp(".metadata")?;
+        self.metadata_stamp = loc.stamp(METADATA_FILE)?;
         if self.common.is_some() {
             self.common_stamp = loc.stamp(crate::format::COMMON_FILE)?;
         }

@@ -22,6 +22,7 @@ use super::record::{file_now, read_commit_record, CommitRecord, Digest, FileNow}
 use super::wait::{stale_reason, Freshness};
 use crate::error::Result;
 use crate::format::metadata::Entry;
+use crate::format::METADATA_FILE;
 use crate::format::{COMMON_FILE, METADATA_JSON_FILE};
 use crate::storage::Location;
 
@@ -119,7 +120,7 @@ pub fn checkpoint_state(loc: &Location) -> Result<CheckpointState> {
             record: Some(r.clone()),
         });
     }
-    let Some(meta) = loc.read(".metadata")? else {
+    let Some(meta) = loc.read(METADATA_FILE)? else {
         return Ok(CheckpointState::NotCommitted {
             reason: ".metadata is absent".into(),
         });
@@ -197,7 +198,7 @@ pub(crate) fn metadata_record<'a>(
     let digest = match read {
         Some(meta) => Digest::of(meta),
         None => {
-            let Some(stamp) = loc.stamp(".metadata")? else {
+            let Some(stamp) = loc.stamp(METADATA_FILE)? else {
                 return Ok(Err(None));
             };
             if let Some(r) = records
@@ -206,7 +207,7 @@ pub(crate) fn metadata_record<'a>(
             {
                 return Ok(Ok(r));
             }
-            let Some(meta) = loc.read(".metadata")? else {
+            let Some(meta) = loc.read(METADATA_FILE)? else {
                 return Ok(Err(None));
             };
             Digest::of(&meta)
@@ -345,7 +346,7 @@ pub fn files_in_use(loc: &Location, state: &CheckpointState) -> Result<Vec<Strin
         CheckpointState::Committed { record: Some(r) } => {
             r.files.iter().map(|(n, _)| n.clone()).collect()
         }
-        CheckpointState::Committed { record: None } => match loc.read(".metadata")? {
+        CheckpointState::Committed { record: None } => match loc.read(METADATA_FILE)? {
             Some(meta) => needed_files(&meta)
                 .unwrap_or_default()
                 .into_keys()
@@ -539,7 +540,7 @@ pub fn orphaned_data_files(loc: &Location) -> Result<Vec<String>> {
             }
         }
     }
-    if named.is_empty() && loc.exists(".metadata") {
+    if named.is_empty() && loc.exists(METADATA_FILE) {
         // A torch or Megatron checkpoint: its files are named by .metadata.
         return Ok(Vec::new());
     }
@@ -584,7 +585,7 @@ mod tests {
         let Records { records, .. } = commit_records(&loc, &save_ids(&loc).unwrap());
         assert_eq!(records.len(), 1);
         assert!(records[0].metadata_stamp.is_some());
-        let path = dir.path().join(".metadata");
+        let path = dir.path().join(METADATA_FILE);
         let original = std::fs::read(&path).unwrap();
         let found = |read: Option<&[u8]>| {
             metadata_record(&loc, &records, read)
@@ -643,7 +644,7 @@ mod tests {
             ("whole", |_| {}, Committed { recorded: true }),
             (
                 ".metadata removed",
-                |d| std::fs::remove_file(d.join(".metadata")).unwrap(),
+                |d| std::fs::remove_file(d.join(METADATA_FILE)).unwrap(),
                 Damaged {
                     repairable: true,
                     reason: ".metadata is missing, although save s committed it",
@@ -651,7 +652,7 @@ mod tests {
             ),
             (
                 ".metadata replaced",
-                |d| std::fs::write(d.join(".metadata"), b"other").unwrap(),
+                |d| std::fs::write(d.join(METADATA_FILE), b"other").unwrap(),
                 Damaged {
                     repairable: true,
                     reason: "is not the one save s committed",
@@ -783,7 +784,7 @@ mod tests {
             MetadataWriter::Unrecorded
         );
         committed(&loc, "s", 1, false);
-        let meta = loc.read(".metadata").unwrap().unwrap();
+        let meta = loc.read(METADATA_FILE).unwrap().unwrap();
         assert!(
             matches!(metadata_writer(&loc, &meta).unwrap(), MetadataWriter::Commit(r) if r.save_id == "s")
         );

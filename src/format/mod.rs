@@ -12,6 +12,10 @@ pub mod split;
 pub mod unpickle;
 pub mod zip;
 
+/// DCP's global metadata file (torch 2.3-2.15 `torch/distributed/checkpoint/filesystem.py`,
+/// `_metadata_fn`): its name in the checkpoint directory; its presence commits a checkpoint.
+pub const METADATA_FILE: &str = ".metadata";
+
 /// The common (non-sharded) state of a Megatron checkpoint of megatron-core <= 0.18, a torch.save
 /// archive beside `.metadata` (megatron-torch-dist.md §1.2).
 pub const COMMON_FILE: &str = "common.pt";

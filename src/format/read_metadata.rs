@@ -1275,7 +1275,7 @@ mod tests {
         for dir in fixture_dirs() {
             let expected: serde_json::Value =
                 serde_json::from_slice(&std::fs::read(dir.join("expected.json")).unwrap()).unwrap();
-            let md = read_metadata(&std::fs::read(dir.join(".metadata")).unwrap())
+            let md = read_metadata(&std::fs::read(dir.join(crate::format::METADATA_FILE)).unwrap())
                 .unwrap_or_else(|e| panic!("{}: {}", dir.display(), e.0));
             assert_eq!(md.class, expected["metadata"]["class"].as_str().unwrap());
             let keys = expected["keys"].as_object().unwrap();
@@ -1458,7 +1458,7 @@ mod tests {
         };
         let mut split_files = 0;
         for dir in fixture_dirs() {
-            let bytes = std::fs::read(dir.join(".metadata")).unwrap();
+            let bytes = std::fs::read(dir.join(crate::format::METADATA_FILE)).unwrap();
             let whole = read_metadata_split(&bytes, None).unwrap();
             for sizes in [tiny, Sizes::METADATA] {
                 assert_eq!(
@@ -1540,7 +1540,7 @@ mod tests {
     #[test]
     fn damaged_metadata_is_an_error_never_a_panic() {
         for dir in fixture_dirs().iter().take(5) {
-            let good = std::fs::read(dir.join(".metadata")).unwrap();
+            let good = std::fs::read(dir.join(crate::format::METADATA_FILE)).unwrap();
             for cut in (0..good.len()).step_by(7) {
                 assert!(read_metadata(&good[..cut]).is_err());
             }

@@ -414,7 +414,9 @@ impl SaveHandle {
     ///
     /// Raises the save's own `ShardwiseError` if it failed, `NotCommittedError` when it is still in
     /// flight at `timeout_s`, `InvalidArgumentError` for a timeout that is not a finite number of
-    /// seconds in `0..=MAX_TIMEOUT_S`.
+    /// seconds in `0..=MAX_TIMEOUT_S`, and what a signal handler raises (`KeyboardInterrupt` on
+    /// Ctrl-C) within 5 ms of the signal; the save itself goes on, and a later `wait` returns its
+    /// outcome.
     #[pyo3(signature = (timeout_s=None))]
     fn wait<'py>(
         &self,
@@ -453,6 +455,9 @@ impl SaveHandle {
                     timeout.unwrap_or_default().as_secs_f64()
                 )));
             }
+            // Ctrl-C answers within a poll, as every other wait does; the save goes on in its
+            // thread, and a later wait() still gets its outcome.
+            py.check_signals()?;
             py.detach(|| std::thread::sleep(Duration::from_millis(5)));
         }
     }

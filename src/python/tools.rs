@@ -23,10 +23,10 @@ use crate::commit::wait::Freshness;
 /// `shardwise to-hf --json` (`tensors`, `bytes`, `files`, `seconds`, `gb_per_s`, `skipped_keys`,
 /// `args_check`, `args_unchecked`, `warnings`, `padding_rows_dropped`, `config_written`,
 /// `mtp_layers`, `vision_tensors`, `quantized`, `tokenizer_files`, `part`, `committed`).
-/// Raises `InvalidArgumentError` (also for `threads` that is not a whole number >= 1),
+/// Raises `InvalidArgumentError` (also for `workers` that is not a whole number >= 1),
 /// `ValidationError`, `StorageError`, `CorruptFileError`.
 #[pyfunction]
-#[pyo3(signature = (checkpoint_dir, out_dir, hf_config=None, arch=None, dtype=None, max_shard_size="5GB", threads=None, allow_unmapped=false, overwrite=false, part=None, base_hf=None, text_only=false, drop_mtp=false, tokenizer=None, quantize=None, quantize_format=None))]
+#[pyo3(signature = (checkpoint_dir, out_dir, *, hf_config=None, arch=None, dtype=None, max_shard_size="5GB", workers=None, allow_unmapped=false, overwrite=false, part=None, base_hf=None, text_only=false, drop_mtp=false, tokenizer=None, quantize=None, quantize_format=None))]
 #[allow(clippy::too_many_arguments)]
 pub(super) fn to_hf(
     py: Python<'_>,
@@ -36,7 +36,7 @@ pub(super) fn to_hf(
     arch: Option<String>,
     dtype: Option<String>,
     max_shard_size: &str,
-    threads: Option<&Bound<'_, PyAny>>,
+    workers: Option<&Bound<'_, PyAny>>,
     allow_unmapped: bool,
     overwrite: bool,
     part: Option<String>,
@@ -47,13 +47,13 @@ pub(super) fn to_hf(
     quantize: Option<String>,
     quantize_format: Option<String>,
 ) -> PyResult<Py<PyAny>> {
-    let threads = opt_positive("threads", threads)?;
+    let workers = opt_positive("workers", workers)?;
     let mut opts = crate::hf::HfOptions::from_user(
         hf_config,
         arch,
         dtype.as_deref(),
         max_shard_size,
-        threads,
+        workers,
         allow_unmapped,
     )
     .map_err(to_py)?;
@@ -133,9 +133,9 @@ pub(super) fn from_hf(
 /// Compares checkpoints `a` and `b` (directories, URLs, or one HF safetensors folder); see
 /// `shardwise diff`. Returns the report as a dict with the fields of `shardwise diff --json`
 /// (`shardwise.diff` documents them). Raises `InvalidArgumentError` for a tolerance that is not a
-/// number >= 0 or `threads` that is not a whole number >= 1.
+/// number >= 0 or `workers` that is not a whole number >= 1.
 #[pyfunction]
-#[pyo3(signature = (a, b, atol=0.0, rtol=0.0, keys=Vec::new(), exclude=Vec::new(), hf_config=None, arch=None, allow_unmapped=false, threads=None))]
+#[pyo3(signature = (a, b, *, atol=0.0, rtol=0.0, keys=Vec::new(), exclude=Vec::new(), hf_config=None, arch=None, allow_unmapped=false, workers=None))]
 #[allow(clippy::too_many_arguments)]
 pub(super) fn diff<'py>(
     py: Python<'py>,
@@ -148,7 +148,7 @@ pub(super) fn diff<'py>(
     hf_config: Option<PathBuf>,
     arch: Option<String>,
     allow_unmapped: bool,
-    threads: Option<&Bound<'py, PyAny>>,
+    workers: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyAny>> {
     if !(atol >= 0.0 && rtol >= 0.0) {
         return Err(InvalidArgumentError::new_err(
@@ -156,8 +156,8 @@ pub(super) fn diff<'py>(
         ));
     }
     let threads = crate::workers::count(
-        "threads",
-        opt_positive("threads", threads)?,
+        "workers",
+        opt_positive("workers", workers)?,
         crate::diff::default_threads(),
     )
     .map_err(to_py)?;

@@ -95,3 +95,25 @@ impl Drop for Writeback {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A file under one step never starts the helper thread; crossing a step does, and dropping
+    /// the tracker ends it (the join in `Drop` returns).
+    #[test]
+    fn writeback_starts_at_the_first_step_and_ends_on_drop() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = Arc::new(File::create(dir.path().join("f")).unwrap());
+        let small = Writeback::default();
+        small.wrote(&file, STEP_BYTES - 1);
+        assert!(!small.started());
+        let big = Writeback::default();
+        big.wrote(&file, STEP_BYTES - 1);
+        assert!(!big.started());
+        big.wrote(&file, 1);
+        assert!(big.started());
+        drop(big);
+    }
+}
