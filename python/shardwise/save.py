@@ -450,7 +450,9 @@ def reserve_staging(rank_bytes_or_state_dict, *, staging_budget_bytes: Optional[
 
 # Async saves not yet waited for: (handle, checkpoint_dir, timeout_s). At interpreter exit each is
 # waited for, bounded by its timeout, as concurrent.futures waits for its workers; a save that
-# fails or does not finish makes the exit status 1, so a lost checkpoint is never an exit 0.
+# fails or does not finish makes the exit status 1, so a lost checkpoint is never an exit 0. A save
+# whose outcome a wait() already gave the caller (its report, or its error: the caller saw it, and
+# may have saved again since) is skipped.
 _PENDING: list = []
 _PENDING_LOCK = threading.Lock()
 _EXIT_FAILED = False
@@ -458,7 +460,9 @@ _EXIT_FAILED = False
 
 def _track_pending(handle, checkpoint_dir: str, timeout_s: float) -> None:
     with _PENDING_LOCK:
-        _PENDING[:] = [p for p in _PENDING if not p[0].done()]
+        # Kept until a wait() gave its outcome to the caller: a save that failed unwaited while later
+        # ones ran still makes the exit status 1.
+        _PENDING[:] = [p for p in _PENDING if not p[0].outcome_delivered]
         _PENDING.append((handle, checkpoint_dir, timeout_s))
 
 
@@ -468,6 +472,8 @@ def _finish_pending_saves() -> None:
     with _PENDING_LOCK:
         pending, _PENDING[:] = list(_PENDING), []
     for handle, checkpoint_dir, timeout_s in pending:
+        if handle.outcome_delivered:
+            continue
         if not handle.done():
             print(
                 f"shardwise: waiting for the async save to {checkpoint_dir} to finish "

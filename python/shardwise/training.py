@@ -327,6 +327,11 @@ class CheckpointHandle:
     def done(self) -> bool:
         return self._handle.done()
 
+    @property
+    def outcome_delivered(self) -> bool:
+        """Whether a ``wait`` returned this save's report or raised its error to the caller."""
+        return self._report is not None or self._handle.outcome_delivered
+
     @megatron_compatible
     def wait(self, timeout_s: Optional[float] = None) -> dict:
         with self._lock:

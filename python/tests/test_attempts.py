@@ -498,3 +498,26 @@ def test_ctrl_c_stops_an_async_saves_wait_and_a_later_wait_gets_the_outcome(tmp_
     assert lines[0].startswith("interrupted after") and float(lines[0].split()[-1]) < 2.0, out
     assert lines[1].startswith("outcome MissingRanksError") and "[1]" in lines[1], out
     assert not (tmp_path / "c" / ".metadata").exists()
+
+
+def test_an_unwaited_failed_async_save_fails_the_exit_even_after_later_saves(tmp_path):
+    """A save that failed while nobody waited for it is not forgotten when later saves start and
+    commit: the exit status is 1 and stderr names it. (A save whose error a wait() gave the caller
+    is not reported again: the Ctrl-C test above exits 0.)"""
+    script = tmp_path / "later.py"
+    script.write_text(
+        "import time, torch\n"
+        "from megatron.core.dist_checkpointing.mapping import ShardedTensor\n"
+        "import shardwise.megatron as swm\n"
+        "sd = {'w': ShardedTensor.from_rank_offsets('w', torch.ones(4, 4), (0, 0, 2))}\n"
+        f"lost = swm.save(sd, {str(tmp_path / 'lost')!r}, rank=0, world_size=2, async_save=True, timeout_s=1.0)\n"
+        "while not lost.done():\n"
+        "    time.sleep(0.05)\n"
+        "one = {'w': ShardedTensor.from_rank_offsets('w', torch.ones(4, 4))}\n"
+        f"swm.save(one, {str(tmp_path / 'kept')!r}, rank=0, world_size=1, async_save=True).wait()\n"
+        "print('later save committed', flush=True)\n"
+    )
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert "later save committed" in r.stdout, r.stderr
+    assert r.returncode == 1 and "FAILED at exit" in r.stderr and "lost" in r.stderr and "ranks [1]" in r.stderr, r.stderr
+    assert (tmp_path / "kept" / ".metadata").exists() and not (tmp_path / "lost" / ".metadata").exists()

@@ -8,6 +8,7 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -394,6 +395,9 @@ pub(super) struct SaveHandle {
     /// Payload bytes staged (tensor bytes of this rank's main replicas).
     #[pyo3(get)]
     staged_bytes: u64,
+    /// Whether a `wait` has returned the save's outcome (its report, or raised its error) to the
+    /// caller; the exit hook of `shardwise.save` waits only for saves whose outcome nobody saw.
+    delivered: AtomicBool,
 }
 
 #[pymethods]
@@ -427,6 +431,7 @@ impl SaveHandle {
         let deadline = timeout.map(|t| Instant::now() + t);
         loop {
             if let Some(done) = self.outcome.lock().unwrap().as_ref() {
+                self.delivered.store(true, Ordering::Relaxed);
                 return match done {
                     Ok(d) => Ok(d.bind(py).clone()),
                     Err(e) => Err(e.clone_ref(py)),
@@ -460,6 +465,12 @@ impl SaveHandle {
             py.check_signals()?;
             py.detach(|| std::thread::sleep(Duration::from_millis(5)));
         }
+    }
+
+    /// Whether a `wait` has returned this save's outcome (its report, or raised its error).
+    #[getter]
+    fn outcome_delivered(&self) -> bool {
+        self.delivered.load(Ordering::Relaxed)
     }
 
     fn __repr__(&self) -> String {
@@ -550,6 +561,7 @@ pub(super) fn save_rank<'py>(
         outcome: Mutex::new(None),
         stall_s: t0.elapsed().as_secs_f64(),
         staged_bytes,
+        delivered: AtomicBool::new(false),
     };
     Ok(Py::new(py, handle)?.into_any())
 }
