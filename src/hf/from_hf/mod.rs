@@ -362,8 +362,13 @@ fn left_out(
     })
 }
 
+/// Bound of each wait of a conversion's save and commit (its parts are written by this process or
+/// by the other `--part` processes, which may start minutes apart).
+const RENDEZVOUS_TIMEOUT: Duration = Duration::from_secs(600);
+
 /// Converts the HF folder `hf_dir` into a torch_dist checkpoint in the local folder `ckpt_dir`;
-/// `progress(bytes)` is called as chunks are converted.
+/// `progress(bytes)` is called as chunks are converted. The phases of the module doc, each a step
+/// below.
 ///
 /// Errors: [`Error::InvalidArgument`] for bad options, a non-empty output folder without
 /// `overwrite`, an output folder inside the HF folder, a `tracker` with a folder Megatron-LM would
@@ -378,7 +383,28 @@ pub fn from_hf(
     progress: &(dyn Fn(u64) + Sync),
 ) -> Result<FromHfSummary> {
     let t0 = Instant::now();
-    // Phase 1: the output folder.
+    let tracker_path = check_output(hf_dir, ckpt_dir, opts)?;
+    let conversion = Conversion::plan(hf_dir, ckpt_dir, opts)?;
+    let loc = Location::local(ckpt_dir);
+    let written = conversion.write(&loc, opts, progress)?;
+    let committed = commit_if_complete(&loc, &conversion.save_id, conversion.world)?;
+    let tracker = match (tracker_path, committed) {
+        (Some(path), true) => {
+            let (content, _) = tracker_entry(opts.iteration);
+            crate::storage::atomic_write(&path, content.as_bytes())?;
+            Some(path)
+        }
+        _ => None,
+    };
+    Ok(conversion.summary(opts, written, committed, tracker, t0.elapsed()))
+}
+
+/// Phase 1: the output folder is local, outside the HF folder, and empty (unless `overwrite`);
+/// returns where the tracker goes with `tracker` (the parent of a folder named as Megatron-LM
+/// names iteration folders).
+///
+/// Errors: [`Error::InvalidArgument`], as [`from_hf`] says.
+fn check_output(hf_dir: &Path, ckpt_dir: &Path, opts: &FromHfOptions) -> Result<Option<PathBuf>> {
     Location::local_output(ckpt_dir, "from-hf")?;
     if opts.part.is_some() && opts.overwrite {
         return Err(Error::InvalidArgument(
@@ -394,67 +420,268 @@ pub fn from_hf(
             "pass --overwrite to replace a checkpoint there, or choose an empty folder",
         ));
     }
-    let tracker_path = if opts.tracker {
-        let abs = std::path::absolute(ckpt_dir).map_err(Error::io("resolve", ckpt_dir))?;
-        let (_, want) = tracker_entry(opts.iteration);
-        let name = abs.file_name().map(|n| n.to_string_lossy().into_owned());
-        let parent = abs
-            .parent()
-            .filter(|_| name.as_deref() == Some(want.as_str()));
-        match parent {
-            Some(p) => Some(p.join("latest_checkpointed_iteration.txt")),
-            None => {
-                return Err(Error::InvalidArgument(format!(
-                    "--tracker: Megatron-LM loads iteration {} from a folder named {want} beside the tracker; {} is named {}",
-                    opts.iteration,
-                    ckpt_dir.display(),
-                    name.unwrap_or_default()
-                )))
-            }
-        }
-    } else {
-        None
-    };
-    // Phase 2: the HF folder, the config and the plan; every check before any write.
-    let src = source::HfSource::open(hf_dir)?;
-    // A weight file may be a symlink out of the folder (the HF cache's snapshots point into its
-    // blobs folder): the output must not hold any of them either.
-    for f in src
-        .files
-        .iter()
-        .chain(std::iter::once(&"config.json".to_string()))
+    if !opts.tracker {
+        return Ok(None);
+    }
+    let abs = std::path::absolute(ckpt_dir).map_err(Error::io("resolve", ckpt_dir))?;
+    let (_, want) = tracker_entry(opts.iteration);
+    let name = abs.file_name().map(|n| n.to_string_lossy().into_owned());
+    match abs
+        .parent()
+        .filter(|_| name.as_deref() == Some(want.as_str()))
     {
-        check_outside(ckpt_dir, &hf_dir.join(f), "HF file")?;
+        Some(p) => Ok(Some(p.join(crate::hints::TRACKER_FILE))),
+        None => Err(Error::InvalidArgument(format!(
+            "--tracker: Megatron-LM loads iteration {} from a folder named {want} beside the tracker; {} is named {}",
+            opts.iteration,
+            ckpt_dir.display(),
+            name.unwrap_or_default()
+        ))),
     }
-    let mut d = Dims::from_config(&src.config, opts.arch.as_deref())?;
-    // A multimodal folder: the text model under its own prefix, beside the vision tower.
-    let multimodal = d.spec.multimodal.filter(|_| d.multimodal);
-    if let Some(mm) = multimodal {
-        d.text_prefix = mm.text_prefix;
+}
+
+/// A planned conversion: everything phase 2 checked and decided, before any write.
+struct Conversion {
+    src: source::HfSource,
+    d: Dims,
+    /// The vision tower's prefix of a multimodal folder (left out of the checkpoint).
+    vision_prefix: Option<&'static str>,
+    padded_vocab: u64,
+    plan: plan::Plan,
+    left: LeftOut,
+    warnings: Vec<String>,
+    /// `common.pt`'s bytes (the args and the iteration).
+    common: Vec<u8>,
+    /// The linears' `_extra_state` objects: (key, global shape, global offset).
+    extra: Vec<plan::ObjectPos>,
+    /// The jobs of each group (one data file, one part of the save each).
+    groups: Vec<std::ops::Range<usize>>,
+    world: u32,
+    save_id: String,
+}
+
+/// What phase 3 wrote: tensor chunks, their bytes, data files.
+#[derive(Default)]
+struct Written {
+    chunks: usize,
+    bytes: u64,
+    files: usize,
+}
+
+impl Conversion {
+    /// Phase 2: opens the HF folder, reads its config and plans every tensor; every check runs
+    /// here (missing, unmapped, misshapen and unsupported tensors, MTP copies, the vocabulary and
+    /// tensor-parallel sizes), so nothing is written unless all pass.
+    ///
+    /// Errors: as [`from_hf`] says.
+    fn plan(hf_dir: &Path, ckpt_dir: &Path, opts: &FromHfOptions) -> Result<Conversion> {
+        let src = source::HfSource::open(hf_dir)?;
+        // A weight file may be a symlink out of the folder (the HF cache's snapshots point into
+        // its blobs folder): the output must not hold any of them either.
+        for f in src
+            .files
+            .iter()
+            .chain(std::iter::once(&"config.json".to_string()))
+        {
+            check_outside(ckpt_dir, &hf_dir.join(f), "HF file")?;
+        }
+        let mut d = Dims::from_config(&src.config, opts.arch.as_deref())?;
+        // A multimodal folder: the text model under its own prefix, beside the vision tower.
+        let multimodal = d.spec.multimodal.filter(|_| d.multimodal);
+        if let Some(mm) = multimodal {
+            d.text_prefix = mm.text_prefix;
+        }
+        let vocab = d.vocab_size.ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "{}/config.json has no vocab_size",
+                hf_dir.display()
+            ))
+        })?;
+        d.check_held(src.tensors.len() as u64, "the HF folder")?;
+        check_tensor_parallel(opts.tensor_model_parallel_size, d.heads)?;
+        let padded_vocab = padded_vocab(
+            vocab,
+            opts.make_vocab_size_divisible_by,
+            opts.tensor_model_parallel_size,
+        )?;
+        let shapes: plan::HfShapes = src
+            .tensors
+            .iter()
+            .map(|(k, t)| (k.clone(), t.shape.clone()))
+            .collect();
+        let names: Vec<String> = shapes.keys().cloned().collect();
+        let (mtp, warnings) = mtp_layers(&d, &names, opts.drop_mtp)?;
+        d.mtp_layers = mtp;
+        let plan = plan::plan(&d, &shapes, opts.transformer_impl, padded_vocab)?;
+        let left = left_out(&d, multimodal, &plan.unmapped, opts)?;
+        check_inputs(&src, &plan)?;
+        let common = args::common_pt(
+            &args::megatron_args(&d, &layout(&src, opts, padded_vocab))?,
+            opts.iteration,
+        );
+        let extra = plan::extra_states(&plan.jobs);
+        let item = opts.dtype.itemsize();
+        let largest = plan
+            .jobs
+            .iter()
+            .map(|j| j.numel() * item)
+            .max()
+            .unwrap_or(0);
+        let groups = run::groups(&plan.jobs, item, opts.max_file_bytes.max(largest));
+        let world = groups.len().max(1) as u32;
+        let save_id = save_id(&src, opts, &d)?;
+        Ok(Conversion {
+            src,
+            d,
+            vision_prefix: multimodal.map(|m| m.vision_prefix),
+            padded_vocab,
+            plan,
+            left,
+            warnings,
+            common,
+            extra,
+            groups,
+            world,
+            save_id,
+        })
     }
-    let vocab = d.vocab_size.ok_or_else(|| {
-        Error::InvalidArgument(format!(
-            "{}/config.json has no vocab_size",
-            hf_dir.display()
-        ))
-    })?;
-    d.check_held(src.tensors.len() as u64, "the HF folder")?;
-    check_tensor_parallel(opts.tensor_model_parallel_size, d.heads)?;
-    let padded = padded_vocab(
-        vocab,
-        opts.make_vocab_size_divisible_by,
-        opts.tensor_model_parallel_size,
-    )?;
-    let shapes: plan::HfShapes = src
-        .tensors
-        .iter()
-        .map(|(k, t)| (k.clone(), t.shape.clone()))
-        .collect();
-    let names: Vec<String> = shapes.keys().cloned().collect();
-    let (mtp, warnings) = mtp_layers(&d, &names, opts.drop_mtp)?;
-    d.mtp_layers = mtp;
-    let p = plan::plan(&d, &shapes, opts.transformer_impl, padded)?;
-    let left = left_out(&d, multimodal, &p.unmapped, opts)?;
+
+    /// Phase 3: converts this part's groups and saves each as one part of the save (rank `g` of
+    /// `world`); group 0 also writes `common.pt` and the `_extra_state` objects.
+    ///
+    /// Errors: conversion errors, the save's errors, [`Error::Interrupted`].
+    fn write(
+        &self,
+        loc: &Location,
+        opts: &FromHfOptions,
+        progress: &(dyn Fn(u64) + Sync),
+    ) -> Result<Written> {
+        let mine: Vec<usize> = match opts.part {
+            None => (0..self.groups.len()).collect(),
+            Some(part) => part.shards(self.groups.len()),
+        };
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(opts.threads.max(1))
+            .build()
+            .map_err(|e| Error::InvalidArgument(format!("thread pool: {e}")))?;
+        let none_pt = none_list_archive();
+        let objects = extra_state_objects(&self.extra, &none_pt);
+        let jobs = |g: usize| &self.plan.jobs[self.groups.get(g).cloned().unwrap_or(0..0)];
+        let convert = |g: usize, stop: &AtomicBool| -> Result<Vec<Vec<u8>>> {
+            jobs(g)
+                .iter()
+                .map(|j| {
+                    let b = run::run_job(&self.src, j, opts.dtype, stop)?;
+                    progress(b.len() as u64);
+                    Ok(b)
+                })
+                .collect()
+        };
+        let save = |g: usize, bufs: &Vec<Vec<u8>>| -> Result<Written> {
+            let tensors: Vec<TensorChunk> = jobs(g)
+                .iter()
+                .zip(bufs)
+                .flat_map(|(j, b)| {
+                    j.chunks.iter().map(move |c| TensorChunk {
+                        fqn: c.key.clone(),
+                        dtype: opts.dtype,
+                        global_shape: c.global_shape.clone(),
+                        offsets: c.offsets.clone(),
+                        sizes: c.sizes.clone(),
+                        data: Payload::Host(run::chunk_bytes(b, c, opts.dtype)),
+                    })
+                })
+                .collect();
+            let save_opts = SaveOptions {
+                location: loc.clone(),
+                rank: g as u32,
+                world_size: self.world,
+                save_id: self.save_id.clone(),
+                megatron: true,
+                merge_rank: None,
+                timeout: RENDEZVOUS_TIMEOUT,
+                wait_for_commit: false,
+                overwrite: opts.overwrite,
+                derived_save_id: false,
+                integrity: false,
+            };
+            let report = save_rank(
+                &save_opts,
+                &tensors,
+                if g == 0 { &objects } else { &[] },
+                (g == 0).then_some(self.common.as_slice()),
+                None,
+            )?;
+            Ok(Written {
+                chunks: tensors.len(),
+                bytes: tensors.iter().map(|t| t.data.len()).sum(),
+                files: report.data_file.is_some() as usize,
+            })
+        };
+        let written = convert_then_save(&pool, &mine, convert, save)?;
+        if interrupted() {
+            return Err(Error::Interrupted(Stopped::Commit));
+        }
+        Ok(written
+            .into_iter()
+            .fold(Written::default(), |a, w| Written {
+                chunks: a.chunks + w.chunks,
+                bytes: a.bytes + w.bytes,
+                files: a.files + w.files,
+            }))
+    }
+
+    /// The summary of a conversion that wrote `written` in `took`.
+    fn summary(
+        self,
+        opts: &FromHfOptions,
+        written: Written,
+        committed: bool,
+        tracker: Option<PathBuf>,
+        took: Duration,
+    ) -> FromHfSummary {
+        let p = &self.plan;
+        let keys: std::collections::BTreeSet<&str> = p
+            .jobs
+            .iter()
+            .flat_map(|j| j.chunks.iter().map(|c| c.key.as_str()))
+            .collect();
+        let seconds = took.as_secs_f64();
+        FromHfSummary {
+            chunks: written.chunks,
+            keys: keys.len(),
+            bytes: written.bytes,
+            files: written.files,
+            seconds,
+            gb_per_s: written.bytes as f64 / seconds.max(1e-9) / 1e9,
+            hf_tensors: self.src.tensors.len() - p.unmapped.len() + p.copies.len(),
+            dequantized: p
+                .jobs
+                .iter()
+                .flat_map(|j| &j.inputs)
+                .filter(|i| self.src.tensors[&i.name].quantized())
+                .count(),
+            skipped: self.left.skipped,
+            mtp_layers: self.d.mtp_layers,
+            dropped_mtp: self.left.dropped_mtp,
+            vision_tensors: self.left.vision,
+            vision_prefix: self.vision_prefix.map(str::to_string),
+            warnings: self.warnings,
+            stacked_layers: p.stacked,
+            padded_vocab_size: self.padded_vocab,
+            iteration: opts.iteration,
+            part: opts.part.map(|p| format!("{}/{}", p.index, p.count)),
+            committed,
+            tracker,
+        }
+    }
+}
+
+/// Checks what the plan reads: each MTP copy equals the model's tensor Megatron shares, and every
+/// input is a float type from-hf converts (or quantized, dequantized on the fly).
+///
+/// Errors: [`Error::Validation`] naming a differing copy; [`Error::UnsupportedDtype`].
+fn check_inputs(src: &source::HfSource, p: &plan::Plan) -> Result<()> {
     for (copy, shared) in &p.copies {
         if !src.same_values(copy, shared)? {
             return Err(Error::Validation(format!(
@@ -462,153 +689,105 @@ pub fn from_hf(
             )));
         }
     }
-    for j in &p.jobs {
-        for i in &j.inputs {
-            let t = &src.tensors[&i.name];
-            if !t.quantized() && !matches!(t.dtype, DType::F32 | DType::BF16 | DType::F16) {
-                return Err(Error::UnsupportedDtype(format!(
-                    "{}: {} (from-hf converts float32, bfloat16 and float16 tensors)",
-                    i.name,
-                    t.dtype.torch_name()
-                )));
-            }
+    for i in p.jobs.iter().flat_map(|j| &j.inputs) {
+        let t = &src.tensors[&i.name];
+        if !t.quantized() && !matches!(t.dtype, DType::F32 | DType::BF16 | DType::F16) {
+            return Err(Error::UnsupportedDtype(format!(
+                "{}: {} (from-hf converts float32, bfloat16 and float16 tensors)",
+                i.name,
+                t.dtype.torch_name()
+            )));
         }
     }
+    Ok(())
+}
+
+/// What the args record of the Megatron layout written: the options, and what the folder's
+/// tensors show (biases, q/k norms, MLA).
+fn layout(src: &source::HfSource, opts: &FromHfOptions, padded_vocab: u64) -> args::Layout {
     let has = |suffix: &str| src.tensors.keys().any(|k| k.ends_with(suffix));
-    let layout = args::Layout {
+    args::Layout {
         te: opts.transformer_impl == Impl::TransformerEngine,
         moe_grouped_gemm: opts.moe_grouped_gemm,
         tensor_model_parallel_size: opts.tensor_model_parallel_size,
         make_vocab_size_divisible_by: opts.make_vocab_size_divisible_by,
-        padded_vocab_size: padded,
+        padded_vocab_size: padded_vocab,
         has_qkv_bias: has("self_attn.q_proj.bias"),
         has_qk_norm: has("self_attn.q_norm.weight"),
         mla: has("self_attn.kv_a_proj_with_mqa.weight"),
         add_bias_linear: has("self_attn.o_proj.bias"),
-    };
-    let common = args::common_pt(&args::megatron_args(&d, &layout)?, opts.iteration);
-    // The linears' `_extra_state` objects, written by group 0 beside common.pt: `torch.save([None])`,
-    // what megatron-core's torch_dist save stores for a local linear's `get_extra_state()` (None;
-    // every ShardedObject is saved as the list of its shards' data,
-    // `strategies/torch.py` `_mcore_to_torch_sharded_object`, and loaded back as that list).
-    let none_pt = {
-        let mut p = crate::format::pickle::Pickler::new(false);
-        p.empty_list();
-        p.put();
-        p.mark();
-        p.none();
-        p.appends();
-        crate::format::zip::object_archive(&p.finish(), "0000000000000000000000000000000000000000")
-    };
-    let extra = plan::extra_states(&p.jobs);
-    let objects: Vec<ObjectItem> = extra
-        .iter()
-        .map(|(key, shape, offset)| {
-            let dims = |v: &[u64]| v.iter().map(u64::to_string).collect::<Vec<_>>().join(".");
-            ObjectItem {
-                object: ByteObject {
-                    fqn: format!("{key}/shard_{}_{}", dims(offset), dims(shape)),
-                    bytes: &none_pt,
-                },
-                shard: Some(ObjectShard {
-                    key: key.clone(),
-                    global_shape: shape.clone(),
-                    global_offset: offset.clone(),
-                }),
-            }
-        })
-        .collect();
+    }
+}
 
-    // Phase 3: groups, this part's written as parts of one save.
-    let item = opts.dtype.itemsize();
-    let largest = p.jobs.iter().map(|j| j.numel() * item).max().unwrap_or(0);
-    let groups = run::groups(&p.jobs, item, opts.max_file_bytes.max(largest));
-    let world = groups.len().max(1) as u32;
-    let save_id = save_id(&src, opts, &d)?;
-    let loc = Location::local(ckpt_dir);
-    let mine: Vec<usize> = match opts.part {
-        None => (0..groups.len()).collect(),
-        Some(part) => part.shards(groups.len()),
-    };
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(opts.threads.max(1))
-        .build()
-        .map_err(|e| Error::InvalidArgument(format!("thread pool: {e}")))?;
-    let save_opts = |g: usize| SaveOptions {
-        location: loc.clone(),
-        rank: g as u32,
-        world_size: world,
-        save_id: save_id.clone(),
-        megatron: true,
-        merge_rank: None,
-        timeout: Duration::from_secs(600),
-        wait_for_commit: false,
-        overwrite: opts.overwrite,
-        derived_save_id: false,
-        integrity: false,
-    };
-    // The workers convert one group at a time each (its jobs in turn) and hand it to one writer
-    // thread, which saves it as one rank: reading, converting and writing overlap, and memory holds
-    // at most a group per worker plus the one queued and the one being written (a queue of one:
-    // with a rendezvous instead, 4 workers on 16 cores reached 74 % of the disk's ceiling, not
-    // 89 %; BENCHMARKS.md "from-hf"). The writer runs
-    // outside the pool: a save's own rayon work waited for inside the pool could steal another
-    // group's task, whose save would then wait for the save ticket this thread holds (deadlock).
-    let convert = |g: usize, stop: &AtomicBool| -> Result<Vec<Vec<u8>>> {
-        let range = groups.get(g).cloned().unwrap_or(0..0);
-        p.jobs[range]
-            .iter()
-            .map(|j| {
-                let b = run::run_job(&src, j, opts.dtype, stop)?;
-                progress(b.len() as u64);
-                Ok(b)
-            })
-            .collect()
-    };
-    let write = |g: usize, bufs: &[Vec<u8>]| -> Result<(usize, u64, usize)> {
-        let range = groups.get(g).cloned().unwrap_or(0..0);
-        let tensors: Vec<TensorChunk> = p.jobs[range]
-            .iter()
-            .zip(bufs)
-            .flat_map(|(j, b)| {
-                j.chunks.iter().map(move |c| TensorChunk {
-                    fqn: c.key.clone(),
-                    dtype: opts.dtype,
-                    global_shape: c.global_shape.clone(),
-                    offsets: c.offsets.clone(),
-                    sizes: c.sizes.clone(),
-                    data: Payload::Host(run::chunk_bytes(b, c, opts.dtype)),
-                })
-            })
-            .collect();
-        let report = save_rank(
-            &save_opts(g),
-            &tensors,
-            if g == 0 { &objects } else { &[] },
-            (g == 0).then_some(common.as_slice()),
-            None,
-        )?;
-        let bytes = tensors.iter().map(|t| t.data.len()).sum::<u64>();
-        Ok((tensors.len(), bytes, report.data_file.is_some() as usize))
-    };
+/// `torch.save([None])`'s archive: what megatron-core's torch_dist save stores for a local
+/// linear's `_extra_state` (`get_extra_state()` is None; every ShardedObject is saved as the list
+/// of its shards' data, `strategies/torch.py` `_mcore_to_torch_sharded_object`, and loaded back as
+/// that list).
+fn none_list_archive() -> Vec<u8> {
+    let mut p = crate::format::pickle::Pickler::new(false);
+    p.empty_list();
+    p.put();
+    p.mark();
+    p.none();
+    p.appends();
+    crate::format::zip::object_archive(&p.finish(), "0000000000000000000000000000000000000000")
+}
+
+/// The `_extra_state` ShardedObjects at `extra`, each holding `bytes`, under the fqn
+/// megatron-core gives a shard (`<key>/shard_<offset>_<shape>`, dims joined by dots).
+fn extra_state_objects<'a>(extra: &[plan::ObjectPos], bytes: &'a [u8]) -> Vec<ObjectItem<'a>> {
+    let dims = |v: &[u64]| v.iter().map(u64::to_string).collect::<Vec<_>>().join(".");
+    extra
+        .iter()
+        .map(|(key, shape, offset)| ObjectItem {
+            object: ByteObject {
+                fqn: format!("{key}/shard_{}_{}", dims(offset), dims(shape)),
+                bytes,
+            },
+            shard: Some(ObjectShard {
+                key: key.clone(),
+                global_shape: shape.clone(),
+                global_offset: offset.clone(),
+            }),
+        })
+        .collect()
+}
+
+/// Runs `convert(g)` for each group `g` of `mine` on `pool`'s workers and hands each result to
+/// one writer thread that runs `save(g, result)`; returns the writer's results.
+///
+/// The workers convert one group at a time each (its jobs in turn), so reading, converting and
+/// writing overlap, and memory holds at most a group per worker plus the one queued and the one
+/// being written (a queue of one: with a rendezvous instead, 4 workers on 16 cores reached 74 % of
+/// the disk's ceiling, not 89 %; BENCHMARKS.md "from-hf"). The writer runs outside the pool: a
+/// save's own rayon work waited for inside the pool could steal another group's task, whose save
+/// would then wait for the save ticket this thread holds (deadlock).
+///
+/// Errors: the first of `convert`'s and `save`'s; [`Error::Interrupted`] on Ctrl-C.
+fn convert_then_save<T: Send>(
+    pool: &rayon::ThreadPool,
+    mine: &[usize],
+    convert: impl Fn(usize, &AtomicBool) -> Result<T> + Sync,
+    save: impl Fn(usize, &T) -> Result<Written> + Sync,
+) -> Result<Vec<Written>> {
     let (written, stopped) = crate::interrupt::watching(|stop| {
-        let (tx, rx) = std::sync::mpsc::sync_channel::<(usize, Vec<Vec<u8>>)>(1);
+        let (tx, rx) = std::sync::mpsc::sync_channel::<(usize, T)>(1);
         std::thread::scope(|s| {
-            let writer = s.spawn(move || -> Result<Vec<(usize, u64, usize)>> {
+            let writer = s.spawn(|| -> Result<Vec<Written>> {
                 let mut out = Vec::new();
-                for (g, bufs) in rx {
+                for (g, converted) in rx {
                     if stop.load(Ordering::Relaxed) {
                         return Err(Error::Interrupted(Stopped::Commit));
                     }
-                    out.push(write(g, &bufs)?);
+                    out.push(save(g, &converted)?);
                 }
                 Ok(out)
             });
             let converted = pool.install(|| {
                 mine.par_iter().with_max_len(1).try_for_each(|&g| {
-                    let bufs = convert(g, stop)?;
+                    let c = convert(g, stop)?;
                     // A closed queue: the writer failed, and says why below.
-                    tx.send((g, bufs))
+                    tx.send((g, c))
                         .map_err(|_| Error::Interrupted(Stopped::Commit))
                 })
             });
@@ -625,71 +804,28 @@ pub fn from_hf(
     if stopped {
         return Err(Error::Interrupted(Stopped::Commit));
     }
-    let written: Vec<(usize, u64, usize)> = written?;
+    written
+}
+
+/// Phase 4: the process that finds every part of the save published merges them and commits;
+/// returns whether it did (false: another part is still to be written).
+///
+/// Errors: the commit's; [`Error::Interrupted`] (nothing committed).
+fn commit_if_complete(loc: &Location, save_id: &str, world: u32) -> Result<bool> {
+    if !missing_ranks(loc, save_id, world)?.is_empty() {
+        return Ok(false);
+    }
     if interrupted() {
         return Err(Error::Interrupted(Stopped::Commit));
     }
-    let chunks = written.iter().map(|w| w.0).sum::<usize>();
-    let bytes = written.iter().map(|w| w.1).sum::<u64>();
-    let files = written.iter().map(|w| w.2).sum::<usize>();
-    // Phase 4: the commit, by whichever process finds every part published.
-    let committed = if missing_ranks(&loc, &save_id, world)?.is_empty() {
-        if interrupted() {
-            return Err(Error::Interrupted(Stopped::Commit));
-        }
-        crate::commit::merge(
-            &loc,
-            &save_id,
-            world,
-            Duration::from_secs(600),
-            &Freshness::any_part(),
-        )?;
-        true
-    } else {
-        false
-    };
-    // Phase 5: the tracker.
-    let tracker = match (&tracker_path, committed) {
-        (Some(path), true) => {
-            let (content, _) = tracker_entry(opts.iteration);
-            crate::storage::atomic_write(path, content.as_bytes())?;
-            Some(path.clone())
-        }
-        _ => None,
-    };
-    let keys: std::collections::BTreeSet<&str> = p
-        .jobs
-        .iter()
-        .flat_map(|j| j.chunks.iter().map(|c| c.key.as_str()))
-        .collect();
-    let seconds = t0.elapsed().as_secs_f64();
-    Ok(FromHfSummary {
-        chunks,
-        keys: keys.len(),
-        bytes,
-        files,
-        seconds,
-        gb_per_s: bytes as f64 / seconds.max(1e-9) / 1e9,
-        hf_tensors: src.tensors.len() - p.unmapped.len() + p.copies.len(),
-        dequantized: p
-            .jobs
-            .iter()
-            .flat_map(|j| &j.inputs)
-            .filter(|i| src.tensors[&i.name].quantized())
-            .count(),
-        skipped: left.skipped,
-        mtp_layers: d.mtp_layers,
-        dropped_mtp: left.dropped_mtp,
-        vision_tensors: left.vision,
-        vision_prefix: multimodal.map(|m| m.vision_prefix.to_string()),
-        warnings,
-        stacked_layers: p.stacked,
-        padded_vocab_size: padded,
-        iteration: opts.iteration,
-        part: opts.part.map(|p| format!("{}/{}", p.index, p.count)),
-        committed,
-        tracker,
-    })
+    crate::commit::merge(
+        loc,
+        save_id,
+        world,
+        RENDEZVOUS_TIMEOUT,
+        &Freshness::any_part(),
+    )?;
+    Ok(true)
 }
 
 /// The save id of a conversion: a digest of its input (config.json and every weight file's name,
