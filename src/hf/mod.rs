@@ -222,16 +222,58 @@ pub fn to_hf(
     progress: &(dyn Fn(u64) + Sync),
 ) -> Result<HfSummary> {
     let t0 = Instant::now();
-    let scheme = match (opts.quantize.as_deref(), opts.quantize_format.as_deref()) {
-        (Some(q), f) => Some(quant::Scheme::from_user(q, f)?),
-        (None, Some(f)) => {
-            return Err(Error::InvalidArgument(format!(
+    let scheme = quant_scheme(opts)?;
+    check_output(ckpt, out_dir, opts)?;
+    let ckpt = Checkpoint::open(ckpt)?;
+    let c = Conversion::plan(&ckpt, opts, scheme)?;
+    let shards = shard_plan(&c.tensors, opts)?;
+    let (which, committed) = write_and_commit(&ckpt, &c, &shards, out_dir, opts, progress)?;
+    let seconds = t0.elapsed().as_secs_f64();
+    let bytes: u64 = which.iter().map(|&k| shards.shards[k].data_len).sum();
+    Ok(HfSummary {
+        tensors: which.iter().map(|&k| shards.shards[k].tensors.len()).sum(),
+        bytes,
+        files: which.len(),
+        seconds,
+        gb_per_s: bytes as f64 / seconds.max(1e-9) / 1e9,
+        skipped_keys: c.skipped,
+        args_check: c.check.status,
+        args_unchecked: c.check.unchecked,
+        warnings: c.check.warnings,
+        padding_rows_dropped: match (c.rows, c.d.vocab_size) {
+            (Some(r), Some(v)) => r.saturating_sub(v),
+            _ => 0,
+        },
+        config_written: committed && c.config_written,
+        mtp_layers: c.d.mtp_layers,
+        vision_tensors: c.vision_tensors,
+        quantized: c.quantized,
+        tokenizer_files: if committed { c.tokenizer_files } else { 0 },
+        part: opts.part.map(|p| format!("{}/{}", p.index, p.count)),
+        committed,
+    })
+}
+
+/// The quantization `opts` ask for, parsed before anything is read.
+///
+/// Errors: [`Error::InvalidArgument`] for an unknown scheme or layout, or a layout without a
+/// scheme.
+fn quant_scheme(opts: &HfOptions) -> Result<Option<quant::Scheme>> {
+    match (opts.quantize.as_deref(), opts.quantize_format.as_deref()) {
+        (Some(q), f) => Ok(Some(quant::Scheme::from_user(q, f)?)),
+        (None, Some(f)) => Err(Error::InvalidArgument(format!(
             "--quantize-format {f:?} without --quantize: it names the layout of a quantized output"
-        )))
-        }
-        (None, None) => None,
-    };
-    // Phase 1: the output folder, checked before anything is read (nothing changes there yet).
+        ))),
+        (None, None) => Ok(None),
+    }
+}
+
+/// Phase 1: the output folder, checked before anything is read (nothing changes there yet): it
+/// holds none of the inputs, and, unless a part of a split conversion, is absent, empty or (with
+/// `overwrite`) an earlier conversion.
+///
+/// Errors: [`Error::InvalidArgument`].
+fn check_output(ckpt: &Location, out_dir: &Path, opts: &HfOptions) -> Result<()> {
     if opts.part.is_some() && opts.overwrite {
         return Err(Error::InvalidArgument(
             "--overwrite cannot be combined with --part: empty the folder first".into(),
@@ -252,62 +294,104 @@ pub fn to_hf(
     if opts.part.is_none() {
         output::check_folder(out_dir, opts.overwrite)?;
     }
-    // Phase 2: hyperparameters, checks and the mapping; nothing is written before all pass.
-    let ckpt = Checkpoint::open(ckpt)?;
-    let Setup {
-        d,
-        check,
-        rows,
-        config,
-        from_args,
-        vision,
-    } = setup(&ckpt, opts, false)?;
-    let Plan {
-        mut tensors,
-        skipped,
-    } = plan::plan(&ckpt, &d, opts.allow_unmapped)?;
-    let vision_tensors = vision.len();
-    // Without --hf-config, the config.json built from the stored args; either way its `dtype` is
-    // the one most of the weights are written in.
-    let written = written_dtype(&tensors, opts.dtype);
-    let config = match (config, from_args) {
-        (Some(c), _) => Some(c),
-        (None, true) => written
-            .map(|t| config::config_from_args(&d, rows, t))
-            .transpose()?,
-        (None, false) => None,
-    };
-    let config = match (config, written) {
-        (Some(c), Some(t)) => Some(config::with_dtype(&c, t)?),
-        (c, _) => c,
-    };
-    tensors.extend(vision);
-    let quantization = match scheme {
-        Some(s) => Some(quantize_plan(&mut tensors, s, &d, opts.dtype)?),
-        None => None,
-    };
-    let quantized = tensors.iter().filter(|t| t.quant.is_some()).count();
-    // The config declares the weights as written: the quantization applied, or none (a given
-    // release config's own quantization_config would describe weights this folder lacks).
-    let config = config
-        .map(|c| config::with_quantization(&c, quantization.as_ref().map(|q| &q.config)))
-        .transpose()?;
-    // The files written beside the weights: config.json, then the tokenizer's.
-    let tokenizer = match &opts.tokenizer {
-        Some(dir) => tokenizer::given_tokenizer(dir)?,
-        None => tokenizer::tokenizer_files(ckpt.location(), "tokenizer")?,
-    };
-    let tokenizer_files = tokenizer.len();
-    let files: Vec<(String, Vec<u8>)> = config
-        .iter()
-        .map(|c| (output::CONFIG.to_string(), c.clone()))
-        .chain(quantization.into_iter().flat_map(|q| q.files))
-        .chain(tokenizer)
-        .collect();
-    // Phase 3: the shard plan (files, headers, offsets, index), a pure function of the plan, so
-    // every part of a split conversion computes the same.
+    Ok(())
+}
+
+/// A planned conversion (phase 2): the HF tensors to write, quantization marked, and the files
+/// written beside them.
+struct Conversion {
+    d: spec::Dims,
+    check: config::ArgsCheck,
+    /// The embedding's rows.
+    rows: Option<u64>,
+    tensors: Vec<HfTensor>,
+    skipped: usize,
+    vision_tensors: usize,
+    quantized: usize,
+    /// config.json, the quantization's own files, then the tokenizer's: (name, bytes).
+    files: Vec<(String, Vec<u8>)>,
+    config_written: bool,
+    tokenizer_files: usize,
+}
+
+impl Conversion {
+    /// Phase 2: hyperparameters, checks and the mapping; nothing is written before all pass.
+    ///
+    /// Errors: as [`to_hf`] says.
+    fn plan(ckpt: &Checkpoint, opts: &HfOptions, scheme: Option<quant::Scheme>) -> Result<Self> {
+        let Setup {
+            d,
+            check,
+            rows,
+            config,
+            from_args,
+            vision,
+        } = setup(ckpt, opts, false)?;
+        let Plan {
+            mut tensors,
+            skipped,
+        } = plan::plan(ckpt, &d, opts.allow_unmapped)?;
+        let vision_tensors = vision.len();
+        // Without --hf-config, the config.json built from the stored args; either way its `dtype`
+        // is the one most of the weights are written in.
+        let written = written_dtype(&tensors, opts.dtype);
+        let config = match (config, from_args) {
+            (Some(c), _) => Some(c),
+            (None, true) => written
+                .map(|t| config::config_from_args(&d, rows, t))
+                .transpose()?,
+            (None, false) => None,
+        };
+        let config = match (config, written) {
+            (Some(c), Some(t)) => Some(config::with_dtype(&c, t)?),
+            (c, _) => c,
+        };
+        tensors.extend(vision);
+        let quantization = match scheme {
+            Some(s) => Some(quantize_plan(&mut tensors, s, &d, opts.dtype)?),
+            None => None,
+        };
+        let quantized = tensors.iter().filter(|t| t.quant.is_some()).count();
+        // The config declares the weights as written: the quantization applied, or none (a given
+        // release config's own quantization_config would describe weights this folder lacks).
+        let config = config
+            .map(|c| config::with_quantization(&c, quantization.as_ref().map(|q| &q.config)))
+            .transpose()?;
+        // The files written beside the weights: config.json, then the tokenizer's.
+        let tokenizer = match &opts.tokenizer {
+            Some(dir) => tokenizer::given_tokenizer(dir)?,
+            None => tokenizer::tokenizer_files(ckpt.location(), "tokenizer")?,
+        };
+        let tokenizer_files = tokenizer.len();
+        let config_written = config.is_some();
+        let files: Vec<(String, Vec<u8>)> = config
+            .into_iter()
+            .map(|c| (output::CONFIG.to_string(), c))
+            .chain(quantization.into_iter().flat_map(|q| q.files))
+            .chain(tokenizer)
+            .collect();
+        Ok(Conversion {
+            d,
+            check,
+            rows,
+            tensors,
+            skipped,
+            vision_tensors,
+            quantized,
+            files,
+            config_written,
+            tokenizer_files,
+        })
+    }
+}
+
+/// Phase 3: the shard plan (files, headers, offsets, index), a pure function of the tensors, so
+/// every part of a split conversion computes the same.
+///
+/// Errors: [`Error::InvalidArgument`] for more `--part`s than shard files; the plan's errors.
+fn shard_plan(tensors: &[HfTensor], opts: &HfOptions) -> Result<write::ShardPlan> {
     let shards = write::shard_plan(
-        &tensors,
+        tensors,
         opts.dtype,
         opts.max_shard_bytes,
         write::HEADER_BUDGET,
@@ -323,85 +407,64 @@ pub fn to_hf(
             )));
         }
     }
-    let index = write::index_bytes(&shards);
-    // Phase 4: the data, then phase 5: the commit (index last).
-    let (which, committed) = match opts.part {
-        None => {
-            create_dir_all(out_dir)?;
-            let staging = output::stage(out_dir)?;
-            let which: Vec<usize> = (0..shards.shards.len()).collect();
-            let path = |k: usize| staging.join(shards.file_name(k));
-            if let Err(e) = write::write_shards(
-                &ckpt,
-                &tensors,
-                &shards,
-                &which,
-                opts.dtype,
-                opts.threads,
-                &path,
-                progress,
-            ) {
-                // Nothing was committed; the staged shards are of no use (best effort: a later
-                // run removes a leftover staging folder too).
-                let _ = std::fs::remove_dir_all(&staging);
-                return Err(e);
-            }
-            output::commit(out_dir, &staging, &shards, &index, &files)?;
-            (which, true)
-        }
-        Some(part) => {
-            create_dir_all(out_dir)?;
-            if output::prepare_part(out_dir, &shards, &index)? {
-                (Vec::new(), true)
-            } else {
-                let which = part.shards(shards.shards.len());
-                let path = |k: usize| output::part_temp(out_dir, &shards.file_name(k), part);
-                write::write_shards(
-                    &ckpt,
-                    &tensors,
-                    &shards,
-                    &which,
-                    opts.dtype,
-                    opts.threads,
-                    &path,
-                    progress,
-                )?;
-                let committed = output::commit_part(
-                    out_dir,
-                    &source_identity(&ckpt, &tensors)?,
-                    &shards,
-                    part,
-                    &index,
-                    &files,
-                )?;
-                (which, committed)
-            }
-        }
+    Ok(shards)
+}
+
+/// Phases 4 and 5: writes this conversion's shard files (all, or this part's), then commits (the
+/// index last); returns the shard files written and whether the folder is committed.
+///
+/// Errors: storage errors, the read and conversion errors of [`write::write_shards`],
+/// [`Error::Interrupted`] (nothing committed).
+fn write_and_commit(
+    ckpt: &Checkpoint,
+    c: &Conversion,
+    shards: &write::ShardPlan,
+    out_dir: &Path,
+    opts: &HfOptions,
+    progress: &(dyn Fn(u64) + Sync),
+) -> Result<(Vec<usize>, bool)> {
+    let index = write::index_bytes(shards);
+    create_dir_all(out_dir)?;
+    let write = |which: &[usize], path: &dyn Fn(usize) -> PathBuf| {
+        write::write_shards(
+            ckpt,
+            &c.tensors,
+            shards,
+            which,
+            opts.dtype,
+            opts.threads,
+            path,
+            progress,
+        )
     };
-    let seconds = t0.elapsed().as_secs_f64();
-    let bytes: u64 = which.iter().map(|&k| shards.shards[k].data_len).sum();
-    Ok(HfSummary {
-        tensors: which.iter().map(|&k| shards.shards[k].tensors.len()).sum(),
-        bytes,
-        files: which.len(),
-        seconds,
-        gb_per_s: bytes as f64 / seconds.max(1e-9) / 1e9,
-        skipped_keys: skipped,
-        args_check: check.status,
-        args_unchecked: check.unchecked,
-        warnings: check.warnings,
-        padding_rows_dropped: match (rows, d.vocab_size) {
-            (Some(r), Some(v)) => r.saturating_sub(v),
-            _ => 0,
-        },
-        config_written: committed && config.is_some(),
-        mtp_layers: d.mtp_layers,
-        vision_tensors,
-        quantized,
-        tokenizer_files: if committed { tokenizer_files } else { 0 },
-        part: opts.part.map(|p| format!("{}/{}", p.index, p.count)),
-        committed,
-    })
+    let Some(part) = opts.part else {
+        let staging = output::stage(out_dir)?;
+        let which: Vec<usize> = (0..shards.shards.len()).collect();
+        if let Err(e) = write(&which, &|k| staging.join(shards.file_name(k))) {
+            // Nothing was committed; the staged shards are of no use (best effort: a later run
+            // removes a leftover staging folder too).
+            let _ = std::fs::remove_dir_all(&staging);
+            return Err(e);
+        }
+        output::commit(out_dir, &staging, shards, &index, &c.files)?;
+        return Ok((which, true));
+    };
+    if output::prepare_part(out_dir, shards, &index)? {
+        return Ok((Vec::new(), true));
+    }
+    let which = part.shards(shards.shards.len());
+    write(&which, &|k| {
+        output::part_temp(out_dir, &shards.file_name(k), part)
+    })?;
+    let committed = output::commit_part(
+        out_dir,
+        &source_identity(ckpt, &c.tensors)?,
+        shards,
+        part,
+        &index,
+        &c.files,
+    )?;
+    Ok((which, committed))
 }
 
 /// What a quantized conversion declares: config.json's `quantization_config`, and the files
