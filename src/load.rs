@@ -1524,7 +1524,6 @@ unsafe fn upload(copier: &DeviceCopier, c: &BoxCopy, src: *const u8, dst: u64) -
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::format::dtype::DType;
     use crate::save::{save_rank, SaveOptions};
     use crate::storage::Location;
     use crate::writer::{Payload, TensorChunk};
@@ -1730,5 +1729,400 @@ mod tests {
                 && reason.contains(&format!("passes the end of the file ({} bytes; truncated)", len - 100))),
             "{e}"
         );
+    }
+
+    fn uint8() -> DType {
+        DType::from_torch_name("torch.uint8").unwrap()
+    }
+
+    /// A chunk at `offsets` of `sizes` stored at bytes `at..at+len` of data file `rel`.
+    fn chunk(rel: &str, at: u64, len: u64, offsets: &[u64], sizes: &[u64]) -> Chunk {
+        Chunk {
+            offsets: offsets.to_vec(),
+            sizes: sizes.to_vec(),
+            storage: crate::format::metadata::StorageInfo {
+                relative_path: rel.into(),
+                offset: at,
+                length: len,
+            },
+        }
+    }
+
+    fn piece(req: usize, chunk: usize, lo: [u64; 2], hi: [u64; 2]) -> Piece {
+        Piece {
+            req,
+            chunk,
+            lo: lo.to_vec(),
+            hi: hi.to_vec(),
+        }
+    }
+
+    /// A host request for `ptr` (never dereferenced by the pure steps).
+    fn request_at(key: &str, offsets: [u64; 2], sizes: [u64; 2], ptr: u64) -> Request {
+        Request {
+            key: key.into(),
+            offsets: offsets.to_vec(),
+            sizes: sizes.to_vec(),
+            ptr,
+            nbytes: sizes.iter().product(),
+            device: None,
+        }
+    }
+
+    /// An item of chunk `index` of `key`, read in place, nothing checked yet.
+    fn item<'a>(key: &'a str, c: &'a Chunk, index: usize, file: usize) -> Item<'a> {
+        Item {
+            key,
+            dtype: uint8(),
+            chunk: c,
+            index,
+            file,
+            whole: false,
+            transformed: false,
+            check: None,
+            blocks: None,
+        }
+    }
+
+    /// Validation returns each request's tensor by reference into `.metadata`, and the pieces
+    /// that cover each request, split at the chunks' border.
+    #[test]
+    fn validate_carries_each_requests_tensor_and_its_pieces() {
+        let (_dir, ck) = saved();
+        let reqs = [
+            request_at("w", [3, 0], [2, 6], 8),
+            request_at("w", [0, 2], [4, 1], 8),
+        ];
+        let v = validate(&ck, &reqs).unwrap();
+        let Entry::Tensor {
+            global_shape,
+            chunks,
+            ..
+        } = ck.entry("w").unwrap()
+        else {
+            panic!("w is a tensor")
+        };
+        assert_eq!(v.tensors.len(), 2);
+        for t in &v.tensors {
+            assert_eq!((t.key, t.dtype), ("w", uint8()));
+            assert!(std::ptr::eq(t.chunks, chunks.as_slice()));
+            assert!(std::ptr::eq(t.global_shape, global_shape.as_slice()));
+        }
+        let mut got: Vec<_> = v
+            .pieces
+            .iter()
+            .map(|p| {
+                (
+                    p.req,
+                    chunks[p.chunk].offsets.clone(),
+                    p.lo.clone(),
+                    p.hi.clone(),
+                )
+            })
+            .collect();
+        got.sort();
+        assert_eq!(
+            got,
+            vec![
+                (0, vec![0, 0], vec![3, 0], vec![4, 6]),
+                (0, vec![4, 0], vec![4, 0], vec![5, 6]),
+                (1, vec![0, 0], vec![0, 2], vec![4, 3]),
+            ]
+        );
+    }
+
+    /// A request is checked against its tensor alone: region, byte count, pointer.
+    #[test]
+    fn check_request_refuses_each_bad_request() {
+        let chunks = [chunk("f", 0, 0, &[0, 0], &[8, 6])];
+        let t = Tensor {
+            key: "w",
+            dtype: DType::from_torch_name("torch.bfloat16").unwrap(),
+            global_shape: &[8, 6],
+            chunks: &chunks,
+        };
+        let mut q = request_at("w", [7, 0], [1, 6], 8);
+        q.nbytes = 12;
+        check_request(&t, &q).unwrap();
+        let refused = |q: &Request, want: &str| {
+            let e = check_request(&t, q).unwrap_err();
+            assert!(
+                matches!(&e, Error::InvalidArgument(m) if m.contains(want)),
+                "{want}: {e}"
+            );
+        };
+        let mut outside = q.clone();
+        outside.offsets = vec![8, 0];
+        refused(
+            &outside,
+            "w: region [8, 0]+[1, 6] is outside the global shape [8, 6]",
+        );
+        let mut huge = q.clone();
+        huge.offsets = vec![u64::MAX, 0];
+        refused(&huge, "is outside the global shape");
+        let mut short = q.clone();
+        short.nbytes = 6;
+        refused(
+            &short,
+            "w: region [1, 6] of bfloat16 needs 12 bytes, the destination has 6",
+        );
+        let mut null = q.clone();
+        null.ptr = 0;
+        refused(&null, "w: null destination pointer");
+        // An empty region needs no memory.
+        let empty = Request {
+            sizes: vec![0, 6],
+            nbytes: 0,
+            ptr: 0,
+            ..q
+        };
+        check_request(&t, &empty).unwrap();
+    }
+
+    #[test]
+    fn one_device_per_load() {
+        let mut reqs = vec![request_at("w", [0, 0], [1, 1], 8); 3];
+        assert_eq!(one_device(&reqs).unwrap(), None);
+        reqs[0].device = Some(1);
+        reqs[2].device = Some(1);
+        assert_eq!(one_device(&reqs).unwrap(), Some(1));
+        reqs[1].device = Some(0);
+        let e = one_device(&reqs).unwrap_err();
+        assert!(
+            matches!(&e, Error::InvalidArgument(m) if m.contains("requests name CUDA devices [0, 1]; one call loads into one device")),
+            "{e}"
+        );
+    }
+
+    /// Each item once, in the order first needed, with its files once; an item is whole when
+    /// some piece is all of it, and transformed when `.metadata` names a transform for it.
+    #[test]
+    fn collect_items_finds_each_item_and_file_once() {
+        let chunks = [
+            chunk("a", 0, 100, &[0, 0], &[4, 6]),
+            chunk("b", 0, 100, &[4, 0], &[4, 6]),
+            chunk("a", 100, 100, &[8, 0], &[4, 6]),
+        ];
+        let t = Tensor {
+            key: "w",
+            dtype: uint8(),
+            global_shape: &[12, 6],
+            chunks: &chunks,
+        };
+        let valid = Validated {
+            tensors: vec![t, t],
+            pieces: vec![
+                piece(0, 1, [5, 0], [6, 6]),
+                piece(0, 0, [0, 0], [4, 6]),
+                piece(1, 1, [4, 0], [5, 6]),
+                piece(1, 2, [8, 0], [12, 6]),
+            ],
+        };
+        let mut transforms = HashMap::new();
+        transforms.insert(
+            ("w".to_string(), Some(vec![8, 0])),
+            vec!["stream.zstd/1".to_string()],
+        );
+        let found = collect_items(&valid, &transforms);
+        assert_eq!(found.of_piece, [0, 1, 0, 2]);
+        assert_eq!(found.files, ["b", "a"]);
+        let got: Vec<_> = found
+            .items
+            .iter()
+            .map(|it| (it.key, it.index, it.file, it.whole, it.transformed))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("w", 1, 0, false, false),
+                ("w", 0, 1, true, false),
+                ("w", 2, 1, true, true),
+            ]
+        );
+        assert!(found
+            .items
+            .iter()
+            .all(|it| it.check.is_none() && it.blocks.is_none()));
+        assert!(std::ptr::eq(found.items[2].chunk, &chunks[2]));
+    }
+
+    /// An item read whole is checked by its CRC-32, one read in part by its block CRC-32s; with
+    /// `check_crc` off nothing is.
+    #[test]
+    fn items_choose_what_each_item_is_checked_by() {
+        let (_dir, ck) = saved();
+        assert!(
+            ck.block_bytes().is_some(),
+            "this save records block CRC-32s"
+        );
+        let whole = [request_at("w", [0, 0], [8, 6], 8)];
+        let part = [request_at("w", [2, 1], [4, 2], 8)];
+        let checked = |reqs: &[Request], check_crc: bool| {
+            let valid = validate(&ck, reqs).unwrap();
+            let found = items(&ck, &valid, check_crc).unwrap();
+            let by: Vec<(bool, bool)> = found
+                .items
+                .iter()
+                .map(|it| (it.check.is_some(), it.blocks.is_some()))
+                .collect();
+            (by, found.unchecked)
+        };
+        assert_eq!(checked(&whole, true), (vec![(true, false); 2], 0));
+        assert_eq!(checked(&part, true), (vec![(false, true); 2], 0));
+        assert_eq!(checked(&part, false), (vec![(false, false); 2], 0));
+    }
+
+    #[test]
+    fn check_inside_names_an_item_past_the_end_of_its_file() {
+        let (_dir, ck) = saved();
+        let chunks = [
+            chunk("a", 0, 100, &[0, 0], &[4, 6]),
+            chunk("b", 50, 100, &[4, 0], &[4, 6]),
+        ];
+        let items = [item("w", &chunks[0], 0, 0), item("w", &chunks[1], 1, 1)];
+        check_inside(&ck, &items, &[100, 150]).unwrap();
+        let e = check_inside(&ck, &items, &[100, 149]).unwrap_err();
+        assert!(
+            matches!(&e, Error::Corrupt { path, reason } if path.ends_with("b")
+                && reason.contains("w chunk [4, 0] (item at offset 50, 100 bytes): passes the end of the file (149 bytes; truncated)")),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn buffers_and_threads_follow_the_destinations() {
+        assert_eq!(buffer_bytes(None), HOST_BUFFER_BYTES);
+        assert_eq!(buffer_bytes(Some(0)), DEFAULT_BUFFER_BYTES);
+        // From the cores: 4 to 16 into host memory, 1.5 per core (4 to 24) into CUDA memory.
+        assert_eq!(read_threads(None, None, 2, 32), 4);
+        assert_eq!(read_threads(None, None, 12, 32), 12);
+        assert_eq!(read_threads(None, None, 64, 32), 16);
+        assert_eq!(read_threads(None, Some(0), 12, 32), 18);
+        assert_eq!(read_threads(None, Some(0), 64, 32), 24);
+        // Never more than the pool's buffers, never none; as asked otherwise.
+        assert_eq!(read_threads(None, Some(0), 64, 8), 8);
+        assert_eq!(read_threads(Some(40), None, 4, 32), 32);
+        assert_eq!(read_threads(Some(0), None, 4, 32), 1);
+        assert_eq!(read_threads(Some(3), None, 64, 32), 3);
+    }
+
+    /// Pieces of items read in place become box copies cut to the largest read, each with its
+    /// item; pieces of transformed items are left to the reader.
+    #[test]
+    fn box_copies_cut_pieces_and_set_aside_transformed_ones() {
+        let chunks = [
+            chunk("a", 0, 100, &[0, 0], &[4, 6]),
+            chunk("a", 100, 100, &[4, 0], &[4, 6]),
+        ];
+        let mut items = vec![item("w", &chunks[0], 0, 0), item("w", &chunks[1], 1, 0)];
+        items[1].transformed = true;
+        let found = Items {
+            items,
+            of_piece: vec![0, 1],
+            files: vec!["a"],
+            unchecked: 0,
+        };
+        let layouts = [
+            Some(Layout {
+                base: 60,
+                strides: vec![6, 1],
+                payload: 60..84,
+            }),
+            None,
+        ];
+        let pieces = [piece(0, 0, [0, 0], [4, 6]), piece(0, 1, [4, 0], [5, 6])];
+        let reqs = [request_at("w", [0, 0], [5, 6], 8)];
+        let c = box_copies(&reqs, &pieces, &found, &layouts, 10);
+        let got: Vec<(u64, u64, u64, usize)> = c
+            .copies
+            .iter()
+            .map(|c| (c.copy.src, c.copy.dst, c.copy.run, c.file))
+            .collect();
+        assert_eq!(got, [(60, 0, 10, 0), (70, 10, 10, 0), (80, 20, 4, 0)]);
+        assert_eq!(c.copy_item, [0, 0, 0]);
+        assert_eq!(c.transformed.len(), 1);
+        assert!(std::ptr::eq(c.transformed[0].0, &pieces[1]) && c.transformed[0].1 == 1);
+    }
+
+    /// Checked ranges are read too, and each file's checks are found by range.
+    #[test]
+    fn group_reads_reads_checked_ranges_and_indexes_them_by_file() {
+        let chunks = [
+            chunk("a", 0, 100, &[0, 0], &[4, 6]),
+            chunk("b", 0, 100, &[0, 6], &[4, 6]),
+        ];
+        let items = [item("w", &chunks[0], 0, 0), item("w", &chunks[1], 1, 1)];
+        let rec = Recorded {
+            fqn: "w".into(),
+            offsets: Some(vec![0, 0]),
+            relative_path: "a".into(),
+            offset: 0,
+            length: 100,
+            crc32: 0,
+            blocks: vec![],
+        };
+        let check = |item: usize, range: Range<u64>| Check {
+            item,
+            rec: &rec,
+            range,
+            block: None,
+        };
+        // Sorted by file, then offset: none in file 0, two in file 1.
+        let checks = [check(1, 0..40), check(1, 60..100)];
+        let mut copies = vec![plan::Copy {
+            file: 0,
+            req: 0,
+            copy: BoxCopy {
+                src: 10,
+                dst: 0,
+                run: 20,
+                dims: vec![],
+            },
+            direct: false,
+        }];
+        let reqs = [request_at("w", [0, 0], [4, 12], 8)];
+        let (reads, by_file) = group_reads(&mut copies, &checks, &items, &reqs, 2, 1000);
+        assert_eq!(by_file, [0..0, 0..2]);
+        let got: Vec<(usize, Range<u64>, Vec<usize>)> = reads
+            .into_iter()
+            .map(|r| (r.file, r.range, r.copies))
+            .collect();
+        // The hole of 20 bytes between the checked ranges is read through (GAP_BYTES).
+        assert_eq!(got, [(0, 10..30, vec![0]), (1, 0..100, vec![])]);
+    }
+
+    /// The report counts what was read and which items were checked.
+    #[test]
+    fn report_counts_reads_and_checked_items() {
+        let chunks = [chunk("a", 0, 100, &[0, 0], &[4, 6])];
+        let rec = Recorded {
+            fqn: "w".into(),
+            offsets: Some(vec![0, 0]),
+            relative_path: "a".into(),
+            offset: 0,
+            length: 100,
+            crc32: 0,
+            blocks: vec![],
+        };
+        let mut items: Vec<Item> = (0..3).map(|k| item("w", &chunks[0], k, 0)).collect();
+        items[0].check = Some(&rec);
+        items[2].blocks = Some(&rec);
+        let found = Items {
+            items,
+            of_piece: vec![],
+            files: vec!["a"],
+            unchecked: 4,
+        };
+        let counters = Counters::default();
+        counters.add(100);
+        counters.add(28);
+        let t0 = Instant::now();
+        let r = report(5, &found, &counters, 0.25, t0);
+        assert_eq!(
+            (r.bytes_read, r.read_ops, r.requests, r.plan_seconds),
+            (128, 2, 5, 0.25)
+        );
+        assert_eq!((r.items_checked, r.items_unchecked), (2, 4));
+        assert!(r.seconds >= 0.0);
     }
 }
