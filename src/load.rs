@@ -2,19 +2,32 @@
 //! caller's memory (host, or CUDA through a reused pinned staging pool): the native side of
 //! `shardwise.megatron.load` (contract: notes/helpers/load-contract.md).
 //!
-//! Steps, each bounded and done once per call:
-//! 1. **Validate** every request before any byte is read: the key exists and is a tensor, the
-//!    region lies in its global shape, the destination has `prod(sizes) * itemsize` bytes, and the
-//!    saved chunks cover the region (found through a per-tensor [`plan::ChunkIndex`]).
-//! 2. **Locate** each needed item's tensor data in its data file from the item's first and last
-//!    bytes (torch.save zip headers and central directory; a few KiB per item), so that only the
-//!    needed bytes are read.
-//! 3. **Plan** ([`plan::reads`]): one strided box copy per (chunk, request), byte ranges coalesced
-//!    into reads of at most one staging buffer (holes under [`GAP_BYTES`] read through); large
-//!    contiguous host copies are read straight into the destination.
-//! 4. **Read** in parallel (`pread`, or ranged GETs bounded by `timeout` on object stores), copy
-//!    out of each buffer (memcpy, or host-to-device copies on a side stream while the next reads
-//!    fill other buffers), and check CRC-32s as the bytes pass.
+//! [`load`] runs these steps in order, each a function with a typed input and output, bounded and
+//! done once per call:
+//! 1. **Validate** ([`validate`], [`cuda_device`]) every request before any byte is read: the key
+//!    exists and is a tensor, the region lies in its global shape, the destination has
+//!    `prod(sizes) * itemsize` bytes, and the saved chunks cover the region (found through a
+//!    per-tensor [`plan::ChunkIndex`]); the requests name at most one CUDA device, usable here.
+//!    Validation returns each request's [`Tensor`] (its entry's dtype, global shape and chunks)
+//!    with the [`Piece`]s that cover the requests ([`Validated`]), carried to the later steps.
+//! 2. **Items** ([`items`]): the saved chunks the pieces need, each once, with their data files and
+//!    which save-time CRC-32s this load checks ([`Items`]); [`open`] opens every data file and
+//!    checks every item lies inside it ([`Source`]).
+//! 3. **Buffers and threads** ([`resources`]): the staging pool and the read threads
+//!    ([`Resources`]; sizes chosen by [`buffer_bytes`] and [`read_threads`]).
+//! 4. **Locate** ([`locate_all`]) each needed item's tensor data in its data file from the item's
+//!    first and last bytes (torch.save zip headers and central directory; a few KiB per item), so
+//!    that only the needed bytes are read ([`Layout`]).
+//! 5. **Plan** ([`plan_load`], pure: [`box_copies`], [`checks`], [`group_reads`] over
+//!    [`plan::reads`]): one strided box copy per (chunk, request), byte ranges coalesced into reads
+//!    of at most one staging buffer (holes under [`GAP_BYTES`] read through); large contiguous host
+//!    copies are read straight into the destination ([`Plan`]).
+//! 6. **Read** ([`Exec::run`]) in parallel (`pread`, or ranged GETs bounded by `timeout` on object
+//!    stores), copy out of each buffer (memcpy, or host-to-device copies on a side stream while the
+//!    next reads fill other buffers), and check CRC-32s as the bytes pass. A [`Kept`] guard holds
+//!    the buffers whose host-to-device copies may still run: finished or dropped, it waits for the
+//!    copies and only then returns the buffers to the pool.
+//! 7. **Report** ([`report`]): the [`LoadStats`].
 //!
 //! Integrity: where the save recorded CRC-32s, every item one request needs whole is checked: its
 //! bytes are hashed as they land (in the buffer, or in the destination of a direct read), per
@@ -30,8 +43,9 @@
 
 mod plan;
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::collections::{HashMap, VecDeque};
+use std::ops::Range;
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::CudaEvent;
@@ -39,6 +53,7 @@ use rayon::prelude::*;
 
 use crate::error::{Error, Result, Stopped};
 use crate::format::archive::{stored_tensor_in, HeadTail};
+use crate::format::dtype::DType;
 use crate::format::metadata::{volume, Chunk, Entry};
 use crate::gpu::{self, DeviceCopier};
 use crate::reader::{Checkpoint, Recorded};
@@ -56,7 +71,7 @@ pub const GAP_BYTES: u64 = 1 << 20;
 /// Smallest contiguous copy read straight into a host destination; smaller ones are coalesced
 /// with their neighbours through a buffer (one large read beats many small ones).
 pub const DIRECT_MIN_BYTES: u64 = 1 << 20;
-/// Buffer size of a load into host memory only (see [`load`]'s choice of buffers).
+/// Buffer size of a load into host memory only (see [`buffer_bytes`]).
 pub const HOST_BUFFER_BYTES: usize = 4 << 20;
 /// Default staging budget of a load: 32 buffers of 64 MiB (2 GiB), enough reads in flight to keep
 /// an NVMe device or the page cache busy while the previous buffers are copied out: a load into
@@ -137,10 +152,31 @@ pub struct LoadStats {
     pub items_unchecked: u64,
 }
 
-/// A needed item: chunk `chunk` of the entry of `key`.
+/// A request's tensor as validation found it: its entry's key, dtype, global shape and chunks
+/// (by reference into the checkpoint's metadata).
+#[derive(Clone, Copy, Debug)]
+pub struct Tensor<'a> {
+    pub key: &'a str,
+    pub dtype: DType,
+    pub global_shape: &'a [u64],
+    pub chunks: &'a [Chunk],
+}
+
+/// Validated requests ([`validate`]): the tensor of each request (by request index), and the
+/// pieces that cover the requests, in request order.
+#[derive(Debug)]
+pub struct Validated<'a> {
+    pub tensors: Vec<Tensor<'a>>,
+    pub pieces: Vec<Piece>,
+}
+
+/// A needed item: chunk `index` of the tensor `key`.
 struct Item<'a> {
     key: &'a str,
+    dtype: DType,
     chunk: &'a Chunk,
+    /// The chunk's index in its entry's chunk list.
+    index: usize,
     file: usize,
     /// A request needs the whole chunk (the item is then read whole, and can be checked).
     whole: bool,
@@ -153,12 +189,23 @@ struct Item<'a> {
     blocks: Option<&'a Recorded>,
 }
 
+/// The items a load needs ([`items`]), each once, and their data files.
+struct Items<'a> {
+    items: Vec<Item<'a>>,
+    /// The item (index into `items`) of each piece.
+    of_piece: Vec<usize>,
+    /// The data files by index ([`Item::file`]): their `relative_path` in `.metadata`.
+    files: Vec<&'a str>,
+    /// Items with a recorded CRC-32 but no block CRC-32s that are only partly needed: not checked.
+    unchecked: u64,
+}
+
 /// Bytes of a data file whose CRC-32 this load checks: a whole item, or one block of an item's
 /// payload.
 struct Check<'a> {
     item: usize,
     rec: &'a Recorded,
-    range: std::ops::Range<u64>,
+    range: Range<u64>,
     /// The block's index in its payload; None for a whole item.
     block: Option<u64>,
 }
@@ -168,7 +215,7 @@ struct Check<'a> {
 struct Layout {
     base: u64,
     strides: Vec<u64>,
-    payload: std::ops::Range<u64>,
+    payload: Range<u64>,
 }
 
 /// The data files of one load, open for positioned reads, by index.
@@ -206,6 +253,43 @@ impl Source<'_> {
     }
 }
 
+/// The staging pool and the read threads of one load ([`resources`]).
+struct Resources {
+    pool: Arc<StagingPool>,
+    readers: Arc<rayon::ThreadPool>,
+}
+
+/// The box copies of a load ([`box_copies`]).
+struct Copies<'a> {
+    copies: Vec<plan::Copy>,
+    /// The item of each copy.
+    copy_item: Vec<usize>,
+    /// The pieces of transformed items, each with its item: decoded by the reader, not read in
+    /// place.
+    transformed: Vec<(&'a Piece, usize)>,
+}
+
+/// The copies and reads of a load ([`plan_load`]), and the ranges whose CRC-32s it checks.
+struct Plan<'a> {
+    /// As [`Copies`], with the direct ones marked.
+    copies: Vec<plan::Copy>,
+    copy_item: Vec<usize>,
+    transformed: Vec<(&'a Piece, usize)>,
+    /// Sorted by file, then offset.
+    checks: Vec<Check<'a>>,
+    /// The indices in `checks` of each file's checks.
+    checks_by_file: Vec<Range<usize>>,
+    reads: Vec<plan::Read>,
+}
+
+/// Where one request's bytes go: host memory at an address, or CUDA memory at an address, written
+/// through the load's copier.
+#[derive(Clone, Copy)]
+enum Dest<'a> {
+    Host(u64),
+    Device(&'a DeviceCopier, u64),
+}
+
 fn corrupt(path: std::path::PathBuf, reason: String) -> Error {
     Error::Corrupt { path, reason }
 }
@@ -218,67 +302,100 @@ fn item_name(key: &str, c: &Chunk) -> String {
     )
 }
 
-/// Validates `reqs` against the checkpoint and returns their pieces.
+/// Validates `reqs` against the checkpoint and returns each one's tensor with their pieces.
 ///
 /// Errors: [`Error::MissingKey`]; [`Error::InvalidArgument`] for a byte object, a region outside
 /// the global shape or a wrong byte count; [`Error::Validation`] for a region the chunks do not
 /// cover.
-pub fn plan_pieces(ck: &Checkpoint, reqs: &[Request]) -> Result<Vec<Piece>> {
+pub fn validate<'a>(ck: &'a Checkpoint, reqs: &[Request]) -> Result<Validated<'a>> {
     let mut indexes: HashMap<&str, ChunkIndex> = HashMap::new();
-    let mut pieces = Vec::new();
+    let mut out = Validated {
+        tensors: Vec::with_capacity(reqs.len()),
+        pieces: Vec::new(),
+    };
     for (r, q) in reqs.iter().enumerate() {
-        let key = q.key.as_str();
-        let Some(entry) = ck.metadata.entries.get(key) else {
-            return Err(Error::MissingKey {
-                key: key.to_string(),
-                dir: ck.dir().to_path_buf(),
-            });
-        };
-        let Entry::Tensor {
+        let t = tensor_of(ck, &q.key)?;
+        check_request(&t, q)?;
+        let index = indexes
+            .entry(t.key)
+            .or_insert_with(|| ChunkIndex::new(t.chunks, t.global_shape.len()));
+        plan::pieces_of(
+            t.key,
+            r,
+            t.chunks,
+            index,
+            &q.offsets,
+            &q.sizes,
+            &mut out.pieces,
+        )?;
+        out.tensors.push(t);
+    }
+    Ok(out)
+}
+
+/// The tensor of `key`.
+///
+/// Errors: [`Error::MissingKey`]; [`Error::InvalidArgument`] for a byte object.
+fn tensor_of<'a>(ck: &'a Checkpoint, key: &str) -> Result<Tensor<'a>> {
+    let Some((key, entry)) = ck.metadata.entries.get_key_value(key) else {
+        return Err(Error::MissingKey {
+            key: key.to_string(),
+            dir: ck.dir().to_path_buf(),
+        });
+    };
+    match entry {
+        Entry::Tensor {
             dtype,
             global_shape,
             chunks,
-        } = entry
-        else {
-            return Err(Error::InvalidArgument(format!(
-                "{key} is a byte object, not a tensor"
-            )));
-        };
-        let n = global_shape.len();
-        let inside = q.offsets.len() == n
-            && q.sizes.len() == n
-            && (0..n).all(|d| {
-                q.offsets[d]
-                    .checked_add(q.sizes[d])
-                    .is_some_and(|e| e <= global_shape[d])
-            });
-        if !inside {
-            return Err(Error::InvalidArgument(format!(
-                "{key}: region {:?}+{:?} is outside the global shape {global_shape:?}",
-                q.offsets, q.sizes
-            )));
-        }
-        let want = volume(&q.sizes).and_then(|v| v.checked_mul(dtype.itemsize()));
-        if want != Some(q.nbytes) {
-            return Err(Error::InvalidArgument(format!(
-                "{key}: region {:?} of {} needs {} bytes, the destination has {}",
-                q.sizes,
-                dtype.torch_name(),
-                want.map_or("too many".into(), |w| w.to_string()),
-                q.nbytes
-            )));
-        }
-        if q.nbytes > 0 && q.ptr == 0 {
-            return Err(Error::InvalidArgument(format!(
-                "{key}: null destination pointer"
-            )));
-        }
-        let index = indexes
-            .entry(key)
-            .or_insert_with(|| ChunkIndex::new(chunks, n));
-        plan::pieces_of(key, r, chunks, index, &q.offsets, &q.sizes, &mut pieces)?;
+        } => Ok(Tensor {
+            key,
+            dtype: *dtype,
+            global_shape,
+            chunks,
+        }),
+        Entry::Bytes { .. } => Err(Error::InvalidArgument(format!(
+            "{key} is a byte object, not a tensor"
+        ))),
     }
-    Ok(pieces)
+}
+
+/// Checks request `q` of tensor `t`: its region lies in the global shape, its destination has the
+/// region's bytes and is not null. Pure.
+///
+/// Errors: [`Error::InvalidArgument`].
+fn check_request(t: &Tensor, q: &Request) -> Result<()> {
+    let key = t.key;
+    let n = t.global_shape.len();
+    let inside = q.offsets.len() == n
+        && q.sizes.len() == n
+        && (0..n).all(|d| {
+            q.offsets[d]
+                .checked_add(q.sizes[d])
+                .is_some_and(|e| e <= t.global_shape[d])
+        });
+    if !inside {
+        return Err(Error::InvalidArgument(format!(
+            "{key}: region {:?}+{:?} is outside the global shape {:?}",
+            q.offsets, q.sizes, t.global_shape
+        )));
+    }
+    let want = volume(&q.sizes).and_then(|v| v.checked_mul(t.dtype.itemsize()));
+    if want != Some(q.nbytes) {
+        return Err(Error::InvalidArgument(format!(
+            "{key}: region {:?} of {} needs {} bytes, the destination has {}",
+            q.sizes,
+            t.dtype.torch_name(),
+            want.map_or("too many".into(), |w| w.to_string()),
+            q.nbytes
+        )));
+    }
+    if q.nbytes > 0 && q.ptr == 0 {
+        return Err(Error::InvalidArgument(format!(
+            "{key}: null destination pointer"
+        )));
+    }
+    Ok(())
 }
 
 /// Checks that the region `offsets`/`sizes` (elements) of tensor `key` can be read: inside the
@@ -286,12 +403,12 @@ pub fn plan_pieces(ck: &Checkpoint, reqs: &[Request]) -> Result<Vec<Piece>> {
 /// caller allocates the destination: a hostile `.metadata` claiming `[3, 4e11]` then gives this
 /// error, not an allocation of 1.2e12 elements.
 ///
-/// Errors: as [`plan_pieces`] ([`Error::MissingKey`], [`Error::InvalidArgument`],
+/// Errors: as [`validate`] ([`Error::MissingKey`], [`Error::InvalidArgument`],
 /// [`Error::Validation`] for a region not covered).
 pub fn check_region(ck: &Checkpoint, key: &str, offsets: &[u64], sizes: &[u64]) -> Result<()> {
     let itemsize = match ck.entry(key)? {
         Entry::Tensor { dtype, .. } => dtype.itemsize(),
-        Entry::Bytes { .. } => 1, // plan_pieces names it a byte object
+        Entry::Bytes { .. } => 1, // validate names it a byte object
     };
     let request = Request {
         key: key.to_string(),
@@ -305,14 +422,14 @@ pub fn check_region(ck: &Checkpoint, key: &str, offsets: &[u64], sizes: &[u64]) 
         ptr: 1,
         device: None,
     };
-    plan_pieces(ck, std::slice::from_ref(&request)).map(|_| ())
+    validate(ck, std::slice::from_ref(&request)).map(|_| ())
 }
 
 /// Reads the region `offsets`/`sizes` (elements) of tensor `key` into `out` (C order,
 /// `prod(sizes) * itemsize` bytes), assembled from every chunk that overlaps it, through the
 /// reader's mapped files (each item checked once per open checkpoint): a one-request load on the
 /// calling thread, without staging, for tools (`diff`, `to-hf`, `Checkpoint.read`). The request is
-/// validated, and its chunks found, by [`plan_pieces`] before any byte is read.
+/// validated, and its chunks found, by [`validate`] before any byte is read.
 ///
 /// Errors: [`Error::MissingKey`]; [`Error::InvalidArgument`] for a byte object, a region outside
 /// the global shape or a wrong `out` length; [`Error::Validation`] naming a part of the region
@@ -332,12 +449,9 @@ pub fn read_region(
         nbytes: out.len() as u64,
         device: None,
     };
-    let pieces = plan_pieces(ck, std::slice::from_ref(&request))?;
-    let Entry::Tensor { dtype, .. } = ck.entry(key)? else {
-        unreachable!("plan_pieces accepts tensors only")
-    };
-    let item = dtype.itemsize();
-    for p in pieces {
+    let valid = validate(ck, std::slice::from_ref(&request))?;
+    let item = valid.tensors[0].dtype.itemsize();
+    for p in valid.pieces {
         ck.with_chunk(key, p.chunk, |data, c| {
             let t = &data.tensor;
             copy_box(
@@ -375,20 +489,80 @@ fn read_pool(threads: usize) -> Result<Arc<rayon::ThreadPool>> {
     Ok(p)
 }
 
-/// Loads every request (see the module docs). Returns when every host destination is filled and
-/// every host-to-device copy has completed and is ordered before `opts.cuda_stream`.
+/// Loads every request (see the module docs for its steps). Returns when every host destination
+/// is filled and every host-to-device copy has completed and is ordered before
+/// `opts.cuda_stream`.
 ///
 /// # Safety
 /// Every request's `ptr..ptr+nbytes` must be memory the caller owns (host, or CUDA memory of
 /// `device`), stays allocated, and that nothing else reads or writes until this returns.
 ///
-/// Errors: those of [`plan_pieces`]; [`Error::Gpu`] when a CUDA destination is given without a
+/// Errors: those of [`validate`]; [`Error::Gpu`] when a CUDA destination is given without a
 /// usable CUDA driver, or requests name several devices; [`Error::Corrupt`] naming key, file and
 /// offset for a missing or truncated data file, an undecodable item or a CRC-32 mismatch;
 /// [`Error::Io`] / [`Error::Remote`].
 pub unsafe fn load(ck: &Checkpoint, reqs: &[Request], opts: &LoadOptions) -> Result<LoadStats> {
     let t0 = Instant::now();
-    let pieces = plan_pieces(ck, reqs)?;
+    let valid = validate(ck, reqs)?;
+    let device = cuda_device(reqs)?;
+    let found = items(ck, &valid, opts.check_crc)?;
+    let source = open(ck, &found, opts.timeout)?;
+    let res = resources(opts, device)?;
+    let counters = Counters::default();
+    let layouts = locate_all(ck, &source, &found.items, &res.readers, &counters)?;
+    let max_read = res.pool.buffer_size as u64;
+    let plan = plan_load(ck, reqs, &valid.pieces, &found, &layouts, max_read)?;
+    let plan_seconds = t0.elapsed().as_secs_f64();
+
+    let copier = match device {
+        Some(d) => Some(DeviceCopier::new(d, opts.cuda_stream)?),
+        None => None,
+    };
+    let kept = Kept {
+        pool: &res.pool,
+        copier: copier.as_ref(),
+        stream: opts.cuda_stream,
+        buffers: Mutex::new(VecDeque::new()),
+    };
+    let dests = destinations(reqs, copier.as_ref());
+    let exec = Exec {
+        ck,
+        reqs,
+        dests: &dests,
+        items: &found.items,
+        source: &source,
+        plan: &plan,
+        pool: &res.pool,
+        kept: &kept,
+        counters: &counters,
+    };
+    let outcome = exec.run(&res.readers);
+    let finished = kept.finish();
+    outcome?;
+    finished?;
+    Ok(report(reqs.len(), &found, &counters, plan_seconds, t0))
+}
+
+/// The one CUDA device the requests name, if any, checked usable here.
+///
+/// Errors: [`Error::InvalidArgument`] when they name several; [`Error::Gpu`] when no CUDA driver
+/// or device is usable.
+fn cuda_device(reqs: &[Request]) -> Result<Option<u32>> {
+    let device = one_device(reqs)?;
+    if let Some(d) = device {
+        if !gpu::available() {
+            return Err(Error::Gpu(format!(
+                "a destination is on CUDA device {d}, but no CUDA driver or device is usable here"
+            )));
+        }
+    }
+    Ok(device)
+}
+
+/// The one CUDA device the requests name, if any. Pure.
+///
+/// Errors: [`Error::InvalidArgument`] when they name several.
+fn one_device(reqs: &[Request]) -> Result<Option<u32>> {
     let mut devices: Vec<u32> = reqs.iter().filter_map(|r| r.device).collect();
     devices.sort_unstable();
     devices.dedup();
@@ -397,82 +571,111 @@ pub unsafe fn load(ck: &Checkpoint, reqs: &[Request], opts: &LoadOptions) -> Res
             "requests name CUDA devices {devices:?}; one call loads into one device (and the host)"
         )));
     }
-    let device = devices.first().copied();
-    if let Some(d) = device {
-        if !gpu::available() {
-            return Err(Error::Gpu(format!(
-                "a destination is on CUDA device {d}, but no CUDA driver or device is usable here"
-            )));
-        }
-    }
+    Ok(devices.first().copied())
+}
 
-    // Items and files.
-    let mut items: Vec<Item> = Vec::new();
-    let mut item_of: HashMap<(&str, usize), usize> = HashMap::new();
-    let mut piece_item = Vec::with_capacity(pieces.len());
-    let mut files: Vec<&str> = Vec::new();
-    let mut file_of: HashMap<&str, usize> = HashMap::new();
-    for p in &pieces {
-        let key = reqs[p.req].key.as_str();
-        let Some(Entry::Tensor { chunks, .. }) = ck.metadata.entries.get(key) else {
-            unreachable!("validated by plan_pieces")
-        };
-        let id = *item_of.entry((key, p.chunk)).or_insert_with(|| {
-            let chunk = &chunks[p.chunk];
-            let rel = chunk.storage.relative_path.as_str();
-            let nf = files.len();
-            let file = *file_of.entry(rel).or_insert(nf);
-            if file == nf {
-                files.push(rel);
-            }
-            items.push(Item {
-                key,
-                chunk,
-                file,
-                whole: false,
-                transformed: ck
-                    .metadata
-                    .transforms
-                    .contains_key(&(key.to_string(), Some(chunk.offsets.clone()))),
-                check: None,
-                blocks: None,
-            });
-            items.len() - 1
-        });
-        let c = items[id].chunk;
-        items[id].whole |= p.lo == c.offsets
-            && p.hi
-                .iter()
-                .zip(&c.offsets)
-                .zip(&c.sizes)
-                .all(|((&h, &o), &n)| h == o + n);
-        piece_item.push(id);
-    }
-    let mut stats = LoadStats {
-        requests: reqs.len(),
-        ..Default::default()
-    };
-    for it in items.iter_mut() {
+/// The items the pieces of `valid` need, with their data files, and which save-time CRC-32s this
+/// load checks (none unless `check_crc`): an item read whole by its CRC-32; an item read in part
+/// by the block CRC-32s of the blocks it reads, where the save recorded some; else, when only part
+/// of it is needed, it is counted unchecked.
+///
+/// Errors: [`Error::Corrupt`] when the checksum sidecar places an item elsewhere than `.metadata`.
+fn items<'a>(ck: &'a Checkpoint, valid: &Validated<'a>, check_crc: bool) -> Result<Items<'a>> {
+    let mut found = collect_items(valid, &ck.metadata.transforms);
+    for it in found.items.iter_mut() {
         let rec = ck.placed_record(it.key, Some(&it.chunk.offsets), &it.chunk.storage)?;
         match rec {
-            Some(rec) if opts.check_crc && it.whole && !it.transformed => it.check = Some(rec),
+            Some(rec) if check_crc && it.whole && !it.transformed => it.check = Some(rec),
             Some(rec)
-                if opts.check_crc
+                if check_crc
                     && !it.transformed
                     && ck.block_bytes().is_some()
                     && !rec.blocks.is_empty() =>
             {
                 it.blocks = Some(rec)
             }
-            Some(_) if opts.check_crc && !it.whole => stats.items_unchecked += 1,
+            Some(_) if check_crc && !it.whole => found.unchecked += 1,
             _ => {}
         }
     }
+    Ok(found)
+}
 
-    // Open every file and check every item lies inside it, before reading anything.
-    let first_item_in = |f: usize| items.iter().find(|i| i.file == f).expect("file of an item");
-    let mut handles = Vec::with_capacity(files.len());
-    for (f, rel) in files.iter().enumerate() {
+/// The items of `valid`'s pieces, each once, in the order first needed, with their data files in
+/// the same order; an item is transformed when `transforms` (`.metadata`'s, keyed by key and chunk
+/// offsets) names it. No CRC-32 is chosen yet. Pure.
+fn collect_items<'a>(
+    valid: &Validated<'a>,
+    transforms: &HashMap<(String, Option<Vec<u64>>), Vec<String>>,
+) -> Items<'a> {
+    let mut found = Items {
+        items: Vec::new(),
+        of_piece: Vec::with_capacity(valid.pieces.len()),
+        files: Vec::new(),
+        unchecked: 0,
+    };
+    let mut item_of: HashMap<(&str, usize), usize> = HashMap::new();
+    let mut file_of: HashMap<&str, usize> = HashMap::new();
+    for p in &valid.pieces {
+        let t = &valid.tensors[p.req];
+        let id = *item_of.entry((t.key, p.chunk)).or_insert_with(|| {
+            let chunk = &t.chunks[p.chunk];
+            let rel = chunk.storage.relative_path.as_str();
+            let nf = found.files.len();
+            let file = *file_of.entry(rel).or_insert(nf);
+            if file == nf {
+                found.files.push(rel);
+            }
+            found.items.push(Item {
+                key: t.key,
+                dtype: t.dtype,
+                chunk,
+                index: p.chunk,
+                file,
+                whole: false,
+                transformed: transforms
+                    .contains_key(&(t.key.to_string(), Some(chunk.offsets.clone()))),
+                check: None,
+                blocks: None,
+            });
+            found.items.len() - 1
+        });
+        let it = &mut found.items[id];
+        it.whole |= is_whole(p, it.chunk);
+        found.of_piece.push(id);
+    }
+    found
+}
+
+/// Whether piece `p` is all of chunk `c`.
+fn is_whole(p: &Piece, c: &Chunk) -> bool {
+    p.lo == c.offsets
+        && p.hi
+            .iter()
+            .zip(&c.offsets)
+            .zip(&c.sizes)
+            .all(|((&h, &o), &n)| h == o + n)
+}
+
+/// Opens every data file of `found` for positioned reads (each object-store request bounded by
+/// `timeout`) and checks every item lies inside its file, before anything is read.
+///
+/// Errors: [`Error::Corrupt`] naming the first item of a file that has no `storage_data` entry, is
+/// missing or cannot be opened, and as [`check_inside`]; [`Error::Remote`].
+fn open<'a>(
+    ck: &'a Checkpoint,
+    found: &'a Items<'a>,
+    timeout: Option<Duration>,
+) -> Result<Source<'a>> {
+    let first_item_in = |f: usize| {
+        found
+            .items
+            .iter()
+            .find(|i| i.file == f)
+            .expect("file of an item")
+    };
+    let mut handles = Vec::with_capacity(found.files.len());
+    for (f, rel) in found.files.iter().enumerate() {
         let it = first_item_in(f);
         if rel.is_empty() {
             return Err(corrupt(
@@ -502,15 +705,22 @@ pub unsafe fn load(ck: &Checkpoint, reqs: &[Request], opts: &LoadOptions) -> Res
             ),
             other => other,
         })?;
-        handles.push(file.with_timeout(opts.timeout));
+        handles.push(file.with_timeout(timeout));
     }
     let sizes: Vec<u64> = handles.iter().map(DataSource::len).collect();
-    let source = Source {
+    check_inside(ck, &found.items, &sizes)?;
+    Ok(Source {
         ck,
-        rels: &files,
+        rels: &found.files,
         files: handles,
-    };
-    for it in &items {
+    })
+}
+
+/// Checks that every item lies inside its data file, of `sizes[file]` bytes. Pure.
+///
+/// Errors: [`Error::Corrupt`] naming the item and the file's size (truncated).
+fn check_inside(ck: &Checkpoint, items: &[Item], sizes: &[u64]) -> Result<()> {
+    for it in items {
         let s = &it.chunk.storage;
         if s.offset
             .checked_add(s.length)
@@ -526,68 +736,141 @@ pub unsafe fn load(ck: &Checkpoint, reqs: &[Request], opts: &LoadOptions) -> Res
             ));
         }
     }
+    Ok(())
+}
 
+/// The staging pool (`opts.staging_budget`, in buffers of [`buffer_bytes`], pinned for `device`)
+/// and the read threads ([`read_threads`]) of a load.
+///
+/// Errors: [`Error::InvalidArgument`] for a budget of 0 or read threads that cannot start;
+/// [`Error::Gpu`] as [`staging::pool`].
+fn resources(opts: &LoadOptions, device: Option<u32>) -> Result<Resources> {
     let budget = opts.staging_budget.unwrap_or(DEFAULT_LOAD_BUDGET_BYTES);
     if budget == 0 {
         return Err(Error::InvalidArgument(
             "staging_budget_bytes must be > 0 (None: the default)".into(),
         ));
     }
+    let pool = staging::pool(budget, buffer_bytes(device), device)?;
+    let cores = std::thread::available_parallelism().map_or(8, |n| n.get());
+    let threads = read_threads(opts.threads, device, cores, pool.capacity());
+    let readers = read_pool(threads)?;
+    Ok(Resources { pool, readers })
+}
+
+/// The staging buffer size of a load into host memory only (`device` None), or into CUDA memory
+/// of `device` and host memory. Pure.
+fn buffer_bytes(device: Option<u32>) -> usize {
     // Host destinations take large contiguous pieces in place (DIRECT_MIN_BYTES); the buffers
     // only carry strided boxes (a resharded TP slice) and coalesced small reads, so small ones
     // keep a CPU load's extra memory a few percent of what it reads (64 MiB buffers made a
     // resharded CPU load peak 0.27x above the bytes it requested; Megatron's own is 0.07x).
     // CUDA destinations keep large pinned buffers: host-to-device copies want large transfers.
-    let buffer = match device {
+    match device {
         Some(_) => DEFAULT_BUFFER_BYTES,
         None => HOST_BUFFER_BYTES,
-    };
-    let pool = staging::pool(budget, buffer, device)?;
-    let max_read = pool.buffer_size as u64;
+    }
+}
+
+/// Reads in flight: `requested` (None: from the host's `cores`), at most the staging pool's
+/// `buffers`, at least 1. Pure.
+fn read_threads(
+    requested: Option<usize>,
+    device: Option<u32>,
+    cores: usize,
+    buffers: usize,
+) -> usize {
     // Reads in flight: enough to keep NVMe queues and the page cache's copy busy (16 on a 16-core
     // H200 host reached the disk's sequential ceiling cold and 27 GB/s warm, BENCHMARKS.md), and
     // no more than the pool's buffers, which each read holds (see `Exec::buffer`). A read into
     // CUDA memory also waits for its buffer's earlier host-to-device copy, so there more reads
     // than cores keep the cores copying: 24 on a 16-core H100 host loaded 16.9 GB in 0.459 s
     // against 0.473 s with 16 (BENCHMARKS.md, "GPU load closer to the copy floor").
-    let cores = std::thread::available_parallelism().map_or(8, |n| n.get());
     let default_threads = match device {
         Some(_) => (cores * 3 / 2).clamp(4, 24),
         None => cores.clamp(4, 16),
     };
-    let threads = opts
-        .threads
-        .unwrap_or(default_threads)
-        .min(pool.capacity())
-        .max(1);
-    let readers = read_pool(threads)?;
-    let counters = Counters::default();
+    requested.unwrap_or(default_threads).min(buffers).max(1)
+}
 
-    // Locate the tensor data of every item that is read in place.
-    let layouts: Vec<Option<Layout>> = readers.install(|| {
+/// The layout of every item read in place (None for a transformed one, which the reader decodes
+/// whole), located on `readers` in parallel.
+///
+/// Errors: as [`locate`].
+fn locate_all(
+    ck: &Checkpoint,
+    source: &Source,
+    items: &[Item],
+    readers: &rayon::ThreadPool,
+    counters: &Counters,
+) -> Result<Vec<Option<Layout>>> {
+    readers.install(|| {
         items
             .par_iter()
             .map(|it| {
                 if it.transformed {
                     return Ok(None);
                 }
-                locate(ck, &source, it, &counters).map(Some)
+                locate(ck, source, it, counters).map(Some)
             })
             .collect::<Result<_>>()
-    })?;
+    })
+}
 
-    // Box copies, reads.
+/// The plan of a load: the box copies of `pieces` (cut to `max_read`), the ranges whose CRC-32s it
+/// checks, and the reads that bring both.
+///
+/// Errors: as [`checks`].
+fn plan_load<'a>(
+    ck: &Checkpoint,
+    reqs: &[Request],
+    pieces: &'a [Piece],
+    found: &Items<'a>,
+    layouts: &[Option<Layout>],
+    max_read: u64,
+) -> Result<Plan<'a>> {
+    let Copies {
+        mut copies,
+        copy_item,
+        transformed,
+    } = box_copies(reqs, pieces, found, layouts, max_read);
+    let checks = checks(ck, &found.items, layouts, &copies, &copy_item)?;
+    let (reads, checks_by_file) = group_reads(
+        &mut copies,
+        &checks,
+        &found.items,
+        reqs,
+        found.files.len(),
+        max_read,
+    );
+    Ok(Plan {
+        copies,
+        copy_item,
+        transformed,
+        checks,
+        checks_by_file,
+        reads,
+    })
+}
+
+/// The box copies of the pieces of items read in place, each cut into copies whose span is at
+/// most `max_read` bytes, with the item of each; and the pieces of transformed items, with theirs.
+/// Pure.
+fn box_copies<'p>(
+    reqs: &[Request],
+    pieces: &'p [Piece],
+    found: &Items,
+    layouts: &[Option<Layout>],
+    max_read: u64,
+) -> Copies<'p> {
     let mut copies: Vec<plan::Copy> = Vec::new();
     let mut copy_item: Vec<usize> = Vec::new();
-    let mut transformed_pieces = Vec::new();
-    for (p, &id) in pieces.iter().zip(&piece_item) {
-        let it = &items[id];
+    let mut transformed = Vec::new();
+    for (p, &id) in pieces.iter().zip(&found.of_piece) {
+        let it = &found.items[id];
         let Some(layout) = &layouts[id] else {
-            transformed_pieces.push((p, id));
+            transformed.push((p, id));
             continue;
-        };
-        let Some(Entry::Tensor { dtype, .. }) = ck.metadata.entries.get(it.key) else {
-            unreachable!("validated by plan_pieces")
         };
         let q = &reqs[p.req];
         let bc = BoxCopy::new(
@@ -598,7 +881,7 @@ pub unsafe fn load(ck: &Checkpoint, reqs: &[Request], opts: &LoadOptions) -> Res
             &q.sizes,
             &p.lo,
             &p.hi,
-            dtype.itemsize(),
+            it.dtype.itemsize(),
         );
         let mut parts = Vec::new();
         bc.split(max_read, &mut parts);
@@ -612,19 +895,32 @@ pub unsafe fn load(ck: &Checkpoint, reqs: &[Request], opts: &LoadOptions) -> Res
             copy_item.push(id);
         }
     }
-    let checks = checks(ck, &items, &layouts, &copies, &copy_item)?;
-    let items_checked = items
-        .iter()
-        .filter(|it| it.check.is_some() || it.blocks.is_some())
-        .count() as u64;
-    // The checked bytes are read too: whole items, and partial reads widened to whole blocks.
-    let extra: Vec<(usize, std::ops::Range<u64>)> = checks
+    Copies {
+        copies,
+        copy_item,
+        transformed,
+    }
+}
+
+/// The reads of a load ([`plan::reads`], which also marks the direct copies): of the copies'
+/// bytes and of the checked ranges, which are read too (whole items, and partial reads widened to
+/// whole blocks); and, for each of the `nfiles` files, the range of its checks in `checks` (sorted
+/// by file, then offset), so that a read hashes the parts of those it overlaps. Pure.
+fn group_reads(
+    copies: &mut [plan::Copy],
+    checks: &[Check],
+    items: &[Item],
+    reqs: &[Request],
+    nfiles: usize,
+    max_read: u64,
+) -> (Vec<plan::Read>, Vec<Range<usize>>) {
+    let extra: Vec<(usize, Range<u64>)> = checks
         .iter()
         .map(|c| (items[c.item].file, c.range.clone()))
         .collect();
     let host: Vec<bool> = reqs.iter().map(|r| r.device.is_none()).collect();
     let reads = plan::reads(
-        &mut copies,
+        copies,
         &extra,
         &host,
         plan::ReadShape {
@@ -633,74 +929,51 @@ pub unsafe fn load(ck: &Checkpoint, reqs: &[Request], opts: &LoadOptions) -> Res
             direct_min: DIRECT_MIN_BYTES,
         },
     );
-    // Checked ranges per file, sorted by offset (`checks` is sorted by file, then offset): a read
-    // hashes the parts of those it overlaps.
-    let checks_by_file: Vec<std::ops::Range<usize>> = (0..files.len())
+    let file_of = |c: &Check| items[c.item].file;
+    let checks_by_file = (0..nfiles)
         .map(|f| {
-            let file_of = |c: &Check| items[c.item].file;
             checks.partition_point(|c| file_of(c) < f)..checks.partition_point(|c| file_of(c) <= f)
         })
         .collect();
-    stats.plan_seconds = t0.elapsed().as_secs_f64();
+    (reads, checks_by_file)
+}
 
-    let copier = match device {
-        Some(d) => Some(DeviceCopier::new(d, opts.cuda_stream)?),
-        None => None,
-    };
-    let exec = Exec {
-        ck,
-        reqs,
-        items: &items,
-        source: &source,
-        copies: &copies,
-        copy_item: &copy_item,
-        checks: &checks,
-        checks_by_file: &checks_by_file,
-        pool: &pool,
-        copier: copier.as_ref(),
-        pending: Mutex::new(std::collections::VecDeque::new()),
-        counters: &counters,
-    };
-    // The reads run on the pool while this thread watches for Ctrl-C (a load of hundreds of GB
-    // must stop within a read, not at its end): reads not yet started then fail as Interrupted.
-    // A Ctrl-C already seen (during planning) stops the load before its first read.
-    let (outcome, _) = crate::interrupt::watching(|cancel| {
-        readers.install(|| {
-            reads
-                .par_iter()
-                .with_max_len(1)
-                .map(|r| {
-                    if cancel.load(std::sync::atomic::Ordering::Relaxed) {
-                        return Err(Error::Interrupted(Stopped::Load));
-                    }
-                    exec.read(r)
-                })
-                .collect::<Result<Vec<Vec<Segment>>>>()
+/// Each request's destination. `copier` is the copier of the one CUDA device the requests name
+/// ([`cuda_device`]), None when they name none: the one place where a device request meets it.
+fn destinations<'a>(reqs: &[Request], copier: Option<&'a DeviceCopier>) -> Vec<Dest<'a>> {
+    reqs.iter()
+        .map(|q| match (q.device, copier) {
+            (None, _) => Dest::Host(q.ptr),
+            (Some(_), Some(c)) => Dest::Device(c, q.ptr),
+            (Some(_), None) => unreachable!("a copier exists for device requests"),
         })
-    });
-    let outcome = outcome.and_then(|segments| {
-        for (p, id) in &transformed_pieces {
-            exec.transformed(p, *id)?;
-        }
-        exec.verify(segments.into_iter().flatten().collect())
-    });
-    // Copies still in flight read staging buffers and write destinations: always wait for them.
-    let finished = match &copier {
-        Some(c) => c.finish_into(opts.cuda_stream),
-        None => Ok(()),
-    };
-    // Buffers kept for their copies go back to the pool only now that the copies are done (or
-    // failed), so that no other user of the process's pool overwrites one under a copy.
-    for (b, _) in exec.pending.lock().unwrap().drain(..) {
-        pool.give_back(b);
+        .collect()
+}
+
+/// What a load did: its `requests`, the bytes and reads `counters` counted, the items `found`
+/// checks and leaves unchecked, and its times since `t0`.
+fn report(
+    requests: usize,
+    found: &Items,
+    counters: &Counters,
+    plan_seconds: f64,
+    t0: Instant,
+) -> LoadStats {
+    use std::sync::atomic::Ordering::Relaxed;
+    let items_checked = found
+        .items
+        .iter()
+        .filter(|it| it.check.is_some() || it.blocks.is_some())
+        .count() as u64;
+    LoadStats {
+        bytes_read: counters.bytes.load(Relaxed),
+        read_ops: counters.ops.load(Relaxed),
+        requests,
+        plan_seconds,
+        items_checked,
+        items_unchecked: found.unchecked,
+        seconds: t0.elapsed().as_secs_f64(),
     }
-    outcome?;
-    finished?;
-    stats.items_checked = items_checked;
-    stats.bytes_read = counters.bytes.load(std::sync::atomic::Ordering::Relaxed);
-    stats.read_ops = counters.ops.load(std::sync::atomic::Ordering::Relaxed);
-    stats.seconds = t0.elapsed().as_secs_f64();
-    Ok(stats)
 }
 
 #[derive(Default)]
@@ -723,9 +996,7 @@ impl Counters {
 /// Errors: [`Error::Corrupt`] naming key, file and offset.
 fn locate(ck: &Checkpoint, source: &Source, it: &Item, counters: &Counters) -> Result<Layout> {
     let s = &it.chunk.storage;
-    let Some(Entry::Tensor { dtype, .. }) = ck.metadata.entries.get(it.key) else {
-        unreachable!("validated by plan_pieces")
-    };
+    let dtype = it.dtype;
     let what = || item_name(it.key, it.chunk);
     let mut last_err = String::new();
     for window in PROBE_BYTES {
@@ -757,7 +1028,7 @@ fn locate(ck: &Checkpoint, source: &Source, it: &Item, counters: &Counters) -> R
                 continue;
             }
         };
-        let reason = if t.dtype != *dtype {
+        let reason = if t.dtype != dtype {
             Some(format!(
                 "item holds {} but .metadata says {}",
                 t.dtype.torch_name(),
@@ -867,19 +1138,58 @@ struct Segment {
 struct Exec<'a> {
     ck: &'a Checkpoint,
     reqs: &'a [Request],
+    /// The destination of each request.
+    dests: &'a [Dest<'a>],
     items: &'a [Item<'a>],
     source: &'a Source<'a>,
-    copies: &'a [plan::Copy],
-    copy_item: &'a [usize],
-    checks: &'a [Check<'a>],
-    /// The indices in `checks` of each file's checks.
-    checks_by_file: &'a [std::ops::Range<usize>],
+    plan: &'a Plan<'a>,
     pool: &'a StagingPool,
-    copier: Option<&'a DeviceCopier>,
-    /// Staging buffers whose host-to-device copies may still run, oldest first, each with the
-    /// event that completes after them. Kept out of the pool until the end of the load.
-    pending: Mutex<std::collections::VecDeque<(HostBuffer, CudaEvent)>>,
+    kept: &'a Kept<'a>,
     counters: &'a Counters,
+}
+
+/// Staging buffers whose host-to-device copies may still run, oldest first, each with the event
+/// that completes after them: kept out of the pool until the end of the load. A guard: finished
+/// ([`Kept::finish`]) or dropped (a read panicked), it waits for every copy of the load, ordered
+/// before the caller's `stream`, and only then gives the buffers back to the pool, so that no
+/// other user of the process's pool overwrites one under a copy.
+struct Kept<'a> {
+    pool: &'a StagingPool,
+    /// Taken once the copies were waited for.
+    copier: Option<&'a DeviceCopier>,
+    stream: u64,
+    buffers: Mutex<VecDeque<(HostBuffer, CudaEvent)>>,
+}
+
+impl Kept<'_> {
+    /// Waits for the load's copies and gives the kept buffers back to the pool.
+    ///
+    /// Errors: [`Error::Gpu`] as [`DeviceCopier::finish_into`]; the buffers go back either way.
+    fn finish(mut self) -> Result<()> {
+        // Copies still in flight read staging buffers and write destinations: always wait for
+        // them (the drop that follows gives the buffers back).
+        match self.copier.take() {
+            Some(c) => c.finish_into(self.stream),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for Kept<'_> {
+    fn drop(&mut self) {
+        if let Some(c) = self.copier.take() {
+            let _ = c.finish_into(self.stream);
+        }
+        // Buffers kept for their copies go back to the pool only now that the copies are done (or
+        // failed).
+        let buffers = self
+            .buffers
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner);
+        for (b, _) in buffers.drain(..) {
+            self.pool.give_back(b);
+        }
+    }
 }
 
 /// A staging buffer taken for one read: the pool's, or a one-off one for a read longer than the
@@ -909,20 +1219,52 @@ impl Drop for Buf<'_> {
 }
 
 impl Exec<'_> {
+    /// Runs the plan's reads on `readers`, then loads the pieces of transformed items, then checks
+    /// the CRC-32s of what was read ([`Exec::verify`]).
+    ///
+    /// Errors: [`Error::Interrupted`] on Ctrl-C; as [`Exec::read`], [`Exec::transformed`] and
+    /// [`Exec::verify`].
+    fn run(&self, readers: &rayon::ThreadPool) -> Result<()> {
+        // The reads run on the pool while this thread watches for Ctrl-C (a load of hundreds of GB
+        // must stop within a read, not at its end): reads not yet started then fail as
+        // Interrupted. A Ctrl-C already seen (during planning) stops the load before its first
+        // read.
+        let (outcome, _) = crate::interrupt::watching(|cancel| {
+            readers.install(|| {
+                self.plan
+                    .reads
+                    .par_iter()
+                    .with_max_len(1)
+                    .map(|r| {
+                        if cancel.load(std::sync::atomic::Ordering::Relaxed) {
+                            return Err(Error::Interrupted(Stopped::Load));
+                        }
+                        self.read(r)
+                    })
+                    .collect::<Result<Vec<Vec<Segment>>>>()
+            })
+        });
+        let segments = outcome?;
+        for (p, id) in &self.plan.transformed {
+            self.transformed(p, *id)?;
+        }
+        self.verify(segments.into_iter().flatten().collect())
+    }
+
     /// Runs one read and its copy-outs; returns the CRC-32 segments it hashed.
     fn read(&self, r: &plan::Read) -> Result<Vec<Segment>> {
         let len = (r.range.end - r.range.start) as usize;
         // Names the first item the read serves, for a truncation found while reading.
         let what = || match r.copies.first() {
             Some(&c) => {
-                let it = &self.items[self.copy_item[c]];
+                let it = &self.items[self.plan.copy_item[c]];
                 item_name(it.key, it.chunk)
             }
             None => format!("bytes {}..{} of checked items", r.range.start, r.range.end),
         };
         let mut segments = Vec::new();
         if let Some(ci) = r.direct {
-            let c = &self.copies[ci];
+            let c = &self.plan.copies[ci];
             let q = &self.reqs[c.req];
             // SAFETY: validated: the copy lies inside the request's destination, which the caller
             // lends us exclusively (load's contract); direct copies go to host memory only.
@@ -938,30 +1280,27 @@ impl Exec<'_> {
         };
         let bytes = &mut buf.bytes()[..len];
         self.read_hashed(r, bytes, &what, &mut segments)?;
-        let mut uploaded = false;
+        let mut uploaded = None;
         for &ci in &r.copies {
-            let c = &self.copies[ci];
-            let q = &self.reqs[c.req];
+            let c = &self.plan.copies[ci];
             let src = &bytes[(c.copy.src - r.range.start) as usize..];
             // SAFETY: as above; the copy lies inside both the read and the destination.
             unsafe {
-                match (q.device, self.copier) {
-                    (None, _) => copy_host(&c.copy, src.as_ptr(), q.ptr as *mut u8),
-                    (Some(_), Some(copier)) => {
-                        upload(copier, &c.copy, src.as_ptr(), q.ptr)?;
-                        uploaded = true;
+                match self.dests[c.req] {
+                    Dest::Host(ptr) => copy_host(&c.copy, src.as_ptr(), ptr as *mut u8),
+                    Dest::Device(copier, ptr) => {
+                        upload(copier, &c.copy, src.as_ptr(), ptr)?;
+                        uploaded = Some(copier);
                     }
-                    (Some(_), None) => unreachable!("a copier exists for device requests"),
                 }
             }
         }
-        if uploaded {
-            let copier = self.copier.expect("uploaded");
+        if let Some(copier) = uploaded {
             let ev = copier.record()?;
             match &mut buf {
                 Buf::Pooled(_, b) => {
                     let b = b.take().expect("held");
-                    self.pending.lock().unwrap().push_back((b, ev));
+                    self.kept.buffers.lock().unwrap().push_back((b, ev));
                 }
                 // A one-off buffer is freed on return: its copies must be done by then.
                 Buf::Owned(_) => gpu::wait(&ev)?,
@@ -1006,7 +1345,7 @@ impl Exec<'_> {
     /// reads in flight, which is at most the pool's capacity: `take` cannot wait forever on
     /// buffers this load keeps.
     fn buffer(&self) -> Result<Buf<'_>> {
-        let kept = self.pending.lock().unwrap().pop_front();
+        let kept = self.kept.buffers.lock().unwrap().pop_front();
         Ok(match kept {
             Some((b, ev)) => {
                 let held = Buf::Pooled(self.pool, Some(b));
@@ -1019,15 +1358,9 @@ impl Exec<'_> {
 
     /// Hashes the parts of checked ranges that a read of bytes `range` of file `file` brought
     /// into `bytes`.
-    fn hash(
-        &self,
-        file: usize,
-        range: &std::ops::Range<u64>,
-        bytes: &[u8],
-        out: &mut Vec<Segment>,
-    ) {
-        let ids = self.checks_by_file[file].clone();
-        let checks = &self.checks[ids.clone()];
+    fn hash(&self, file: usize, range: &Range<u64>, bytes: &[u8], out: &mut Vec<Segment>) {
+        let ids = self.plan.checks_by_file[file].clone();
+        let checks = &self.plan.checks[ids.clone()];
         let first = checks.partition_point(|c| c.range.end <= range.start);
         for (k, c) in checks.iter().enumerate().skip(first) {
             if c.range.start >= range.end {
@@ -1051,15 +1384,8 @@ impl Exec<'_> {
     fn transformed(&self, p: &Piece, id: usize) -> Result<()> {
         let it = &self.items[id];
         let q = &self.reqs[p.req];
-        let Some(Entry::Tensor { dtype, chunks, .. }) = self.ck.metadata.entries.get(it.key) else {
-            unreachable!("validated by plan_pieces")
-        };
-        let index = chunks
-            .iter()
-            .position(|c| std::ptr::eq(c, it.chunk))
-            .expect("chunk of its entry");
-        let (data, c) = self.ck.chunk(it.key, index)?;
-        let item = dtype.itemsize();
+        let (data, c) = self.ck.chunk(it.key, it.index)?;
+        let item = it.dtype.itemsize();
         let shape: Vec<u64> = p.lo.iter().zip(&p.hi).map(|(a, b)| b - a).collect();
         let mut boxed = vec![0u8; (volume(&shape).unwrap_or(0) * item) as usize];
         copy_box(
@@ -1082,12 +1408,12 @@ impl Exec<'_> {
         let bc = BoxCopy::new(0, &strides, &p.lo, &q.offsets, &q.sizes, &p.lo, &p.hi, item);
         // SAFETY: the box lies inside `boxed` and the destination (validated).
         unsafe {
-            match (q.device, self.copier) {
-                (Some(_), Some(copier)) => {
-                    upload(copier, &bc, boxed.as_ptr(), q.ptr)?;
+            match self.dests[p.req] {
+                Dest::Device(copier, ptr) => {
+                    upload(copier, &bc, boxed.as_ptr(), ptr)?;
                     gpu::wait(&copier.record()?)?; // `boxed` is freed on return
                 }
-                _ => copy_host(&bc, boxed.as_ptr(), q.ptr as *mut u8),
+                Dest::Host(ptr) => copy_host(&bc, boxed.as_ptr(), ptr as *mut u8),
             }
         }
         Ok(())
@@ -1100,7 +1426,7 @@ impl Exec<'_> {
     fn verify(&self, mut segments: Vec<Segment>) -> Result<()> {
         segments.sort_by_key(|s| (s.check, s.offset));
         let mut at = 0;
-        for (k, c) in self.checks.iter().enumerate() {
+        for (k, c) in self.plan.checks.iter().enumerate() {
             let mut crc = crc32fast::Hasher::new();
             let mut next = c.range.start;
             while at < segments.len() && segments[at].check == k {
@@ -1198,7 +1524,6 @@ unsafe fn upload(copier: &DeviceCopier, c: &BoxCopy, src: *const u8, dst: u64) -
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::format::dtype::DType;
     use crate::save::{save_rank, SaveOptions};
     use crate::storage::Location;
     use crate::writer::{Payload, TensorChunk};
@@ -1299,7 +1624,7 @@ mod tests {
     #[test]
     fn bad_requests_are_refused_before_reading() {
         let (_dir, ck) = saved();
-        let mut buf = vec![0u8; 48];
+        let mut buf = [0u8; 48];
         let run = |r: Request| unsafe { load(&ck, &[r], &small()) };
         let e = run(request("nope", [0, 0], [1, 1], &mut buf[..1])).unwrap_err();
         assert!(
@@ -1404,5 +1729,400 @@ mod tests {
                 && reason.contains(&format!("passes the end of the file ({} bytes; truncated)", len - 100))),
             "{e}"
         );
+    }
+
+    fn uint8() -> DType {
+        DType::from_torch_name("torch.uint8").unwrap()
+    }
+
+    /// A chunk at `offsets` of `sizes` stored at bytes `at..at+len` of data file `rel`.
+    fn chunk(rel: &str, at: u64, len: u64, offsets: &[u64], sizes: &[u64]) -> Chunk {
+        Chunk {
+            offsets: offsets.to_vec(),
+            sizes: sizes.to_vec(),
+            storage: crate::format::metadata::StorageInfo {
+                relative_path: rel.into(),
+                offset: at,
+                length: len,
+            },
+        }
+    }
+
+    fn piece(req: usize, chunk: usize, lo: [u64; 2], hi: [u64; 2]) -> Piece {
+        Piece {
+            req,
+            chunk,
+            lo: lo.to_vec(),
+            hi: hi.to_vec(),
+        }
+    }
+
+    /// A host request for `ptr` (never dereferenced by the pure steps).
+    fn request_at(key: &str, offsets: [u64; 2], sizes: [u64; 2], ptr: u64) -> Request {
+        Request {
+            key: key.into(),
+            offsets: offsets.to_vec(),
+            sizes: sizes.to_vec(),
+            ptr,
+            nbytes: sizes.iter().product(),
+            device: None,
+        }
+    }
+
+    /// An item of chunk `index` of `key`, read in place, nothing checked yet.
+    fn item<'a>(key: &'a str, c: &'a Chunk, index: usize, file: usize) -> Item<'a> {
+        Item {
+            key,
+            dtype: uint8(),
+            chunk: c,
+            index,
+            file,
+            whole: false,
+            transformed: false,
+            check: None,
+            blocks: None,
+        }
+    }
+
+    /// Validation returns each request's tensor by reference into `.metadata`, and the pieces
+    /// that cover each request, split at the chunks' border.
+    #[test]
+    fn validate_carries_each_requests_tensor_and_its_pieces() {
+        let (_dir, ck) = saved();
+        let reqs = [
+            request_at("w", [3, 0], [2, 6], 8),
+            request_at("w", [0, 2], [4, 1], 8),
+        ];
+        let v = validate(&ck, &reqs).unwrap();
+        let Entry::Tensor {
+            global_shape,
+            chunks,
+            ..
+        } = ck.entry("w").unwrap()
+        else {
+            panic!("w is a tensor")
+        };
+        assert_eq!(v.tensors.len(), 2);
+        for t in &v.tensors {
+            assert_eq!((t.key, t.dtype), ("w", uint8()));
+            assert!(std::ptr::eq(t.chunks, chunks.as_slice()));
+            assert!(std::ptr::eq(t.global_shape, global_shape.as_slice()));
+        }
+        let mut got: Vec<_> = v
+            .pieces
+            .iter()
+            .map(|p| {
+                (
+                    p.req,
+                    chunks[p.chunk].offsets.clone(),
+                    p.lo.clone(),
+                    p.hi.clone(),
+                )
+            })
+            .collect();
+        got.sort();
+        assert_eq!(
+            got,
+            vec![
+                (0, vec![0, 0], vec![3, 0], vec![4, 6]),
+                (0, vec![4, 0], vec![4, 0], vec![5, 6]),
+                (1, vec![0, 0], vec![0, 2], vec![4, 3]),
+            ]
+        );
+    }
+
+    /// A request is checked against its tensor alone: region, byte count, pointer.
+    #[test]
+    fn check_request_refuses_each_bad_request() {
+        let chunks = [chunk("f", 0, 0, &[0, 0], &[8, 6])];
+        let t = Tensor {
+            key: "w",
+            dtype: DType::from_torch_name("torch.bfloat16").unwrap(),
+            global_shape: &[8, 6],
+            chunks: &chunks,
+        };
+        let mut q = request_at("w", [7, 0], [1, 6], 8);
+        q.nbytes = 12;
+        check_request(&t, &q).unwrap();
+        let refused = |q: &Request, want: &str| {
+            let e = check_request(&t, q).unwrap_err();
+            assert!(
+                matches!(&e, Error::InvalidArgument(m) if m.contains(want)),
+                "{want}: {e}"
+            );
+        };
+        let mut outside = q.clone();
+        outside.offsets = vec![8, 0];
+        refused(
+            &outside,
+            "w: region [8, 0]+[1, 6] is outside the global shape [8, 6]",
+        );
+        let mut huge = q.clone();
+        huge.offsets = vec![u64::MAX, 0];
+        refused(&huge, "is outside the global shape");
+        let mut short = q.clone();
+        short.nbytes = 6;
+        refused(
+            &short,
+            "w: region [1, 6] of bfloat16 needs 12 bytes, the destination has 6",
+        );
+        let mut null = q.clone();
+        null.ptr = 0;
+        refused(&null, "w: null destination pointer");
+        // An empty region needs no memory.
+        let empty = Request {
+            sizes: vec![0, 6],
+            nbytes: 0,
+            ptr: 0,
+            ..q
+        };
+        check_request(&t, &empty).unwrap();
+    }
+
+    #[test]
+    fn one_device_per_load() {
+        let mut reqs = vec![request_at("w", [0, 0], [1, 1], 8); 3];
+        assert_eq!(one_device(&reqs).unwrap(), None);
+        reqs[0].device = Some(1);
+        reqs[2].device = Some(1);
+        assert_eq!(one_device(&reqs).unwrap(), Some(1));
+        reqs[1].device = Some(0);
+        let e = one_device(&reqs).unwrap_err();
+        assert!(
+            matches!(&e, Error::InvalidArgument(m) if m.contains("requests name CUDA devices [0, 1]; one call loads into one device")),
+            "{e}"
+        );
+    }
+
+    /// Each item once, in the order first needed, with its files once; an item is whole when
+    /// some piece is all of it, and transformed when `.metadata` names a transform for it.
+    #[test]
+    fn collect_items_finds_each_item_and_file_once() {
+        let chunks = [
+            chunk("a", 0, 100, &[0, 0], &[4, 6]),
+            chunk("b", 0, 100, &[4, 0], &[4, 6]),
+            chunk("a", 100, 100, &[8, 0], &[4, 6]),
+        ];
+        let t = Tensor {
+            key: "w",
+            dtype: uint8(),
+            global_shape: &[12, 6],
+            chunks: &chunks,
+        };
+        let valid = Validated {
+            tensors: vec![t, t],
+            pieces: vec![
+                piece(0, 1, [5, 0], [6, 6]),
+                piece(0, 0, [0, 0], [4, 6]),
+                piece(1, 1, [4, 0], [5, 6]),
+                piece(1, 2, [8, 0], [12, 6]),
+            ],
+        };
+        let mut transforms = HashMap::new();
+        transforms.insert(
+            ("w".to_string(), Some(vec![8, 0])),
+            vec!["stream.zstd/1".to_string()],
+        );
+        let found = collect_items(&valid, &transforms);
+        assert_eq!(found.of_piece, [0, 1, 0, 2]);
+        assert_eq!(found.files, ["b", "a"]);
+        let got: Vec<_> = found
+            .items
+            .iter()
+            .map(|it| (it.key, it.index, it.file, it.whole, it.transformed))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("w", 1, 0, false, false),
+                ("w", 0, 1, true, false),
+                ("w", 2, 1, true, true),
+            ]
+        );
+        assert!(found
+            .items
+            .iter()
+            .all(|it| it.check.is_none() && it.blocks.is_none()));
+        assert!(std::ptr::eq(found.items[2].chunk, &chunks[2]));
+    }
+
+    /// An item read whole is checked by its CRC-32, one read in part by its block CRC-32s; with
+    /// `check_crc` off nothing is.
+    #[test]
+    fn items_choose_what_each_item_is_checked_by() {
+        let (_dir, ck) = saved();
+        assert!(
+            ck.block_bytes().is_some(),
+            "this save records block CRC-32s"
+        );
+        let whole = [request_at("w", [0, 0], [8, 6], 8)];
+        let part = [request_at("w", [2, 1], [4, 2], 8)];
+        let checked = |reqs: &[Request], check_crc: bool| {
+            let valid = validate(&ck, reqs).unwrap();
+            let found = items(&ck, &valid, check_crc).unwrap();
+            let by: Vec<(bool, bool)> = found
+                .items
+                .iter()
+                .map(|it| (it.check.is_some(), it.blocks.is_some()))
+                .collect();
+            (by, found.unchecked)
+        };
+        assert_eq!(checked(&whole, true), (vec![(true, false); 2], 0));
+        assert_eq!(checked(&part, true), (vec![(false, true); 2], 0));
+        assert_eq!(checked(&part, false), (vec![(false, false); 2], 0));
+    }
+
+    #[test]
+    fn check_inside_names_an_item_past_the_end_of_its_file() {
+        let (_dir, ck) = saved();
+        let chunks = [
+            chunk("a", 0, 100, &[0, 0], &[4, 6]),
+            chunk("b", 50, 100, &[4, 0], &[4, 6]),
+        ];
+        let items = [item("w", &chunks[0], 0, 0), item("w", &chunks[1], 1, 1)];
+        check_inside(&ck, &items, &[100, 150]).unwrap();
+        let e = check_inside(&ck, &items, &[100, 149]).unwrap_err();
+        assert!(
+            matches!(&e, Error::Corrupt { path, reason } if path.ends_with("b")
+                && reason.contains("w chunk [4, 0] (item at offset 50, 100 bytes): passes the end of the file (149 bytes; truncated)")),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn buffers_and_threads_follow_the_destinations() {
+        assert_eq!(buffer_bytes(None), HOST_BUFFER_BYTES);
+        assert_eq!(buffer_bytes(Some(0)), DEFAULT_BUFFER_BYTES);
+        // From the cores: 4 to 16 into host memory, 1.5 per core (4 to 24) into CUDA memory.
+        assert_eq!(read_threads(None, None, 2, 32), 4);
+        assert_eq!(read_threads(None, None, 12, 32), 12);
+        assert_eq!(read_threads(None, None, 64, 32), 16);
+        assert_eq!(read_threads(None, Some(0), 12, 32), 18);
+        assert_eq!(read_threads(None, Some(0), 64, 32), 24);
+        // Never more than the pool's buffers, never none; as asked otherwise.
+        assert_eq!(read_threads(None, Some(0), 64, 8), 8);
+        assert_eq!(read_threads(Some(40), None, 4, 32), 32);
+        assert_eq!(read_threads(Some(0), None, 4, 32), 1);
+        assert_eq!(read_threads(Some(3), None, 64, 32), 3);
+    }
+
+    /// Pieces of items read in place become box copies cut to the largest read, each with its
+    /// item; pieces of transformed items are left to the reader.
+    #[test]
+    fn box_copies_cut_pieces_and_set_aside_transformed_ones() {
+        let chunks = [
+            chunk("a", 0, 100, &[0, 0], &[4, 6]),
+            chunk("a", 100, 100, &[4, 0], &[4, 6]),
+        ];
+        let mut items = vec![item("w", &chunks[0], 0, 0), item("w", &chunks[1], 1, 0)];
+        items[1].transformed = true;
+        let found = Items {
+            items,
+            of_piece: vec![0, 1],
+            files: vec!["a"],
+            unchecked: 0,
+        };
+        let layouts = [
+            Some(Layout {
+                base: 60,
+                strides: vec![6, 1],
+                payload: 60..84,
+            }),
+            None,
+        ];
+        let pieces = [piece(0, 0, [0, 0], [4, 6]), piece(0, 1, [4, 0], [5, 6])];
+        let reqs = [request_at("w", [0, 0], [5, 6], 8)];
+        let c = box_copies(&reqs, &pieces, &found, &layouts, 10);
+        let got: Vec<(u64, u64, u64, usize)> = c
+            .copies
+            .iter()
+            .map(|c| (c.copy.src, c.copy.dst, c.copy.run, c.file))
+            .collect();
+        assert_eq!(got, [(60, 0, 10, 0), (70, 10, 10, 0), (80, 20, 4, 0)]);
+        assert_eq!(c.copy_item, [0, 0, 0]);
+        assert_eq!(c.transformed.len(), 1);
+        assert!(std::ptr::eq(c.transformed[0].0, &pieces[1]) && c.transformed[0].1 == 1);
+    }
+
+    /// Checked ranges are read too, and each file's checks are found by range.
+    #[test]
+    fn group_reads_reads_checked_ranges_and_indexes_them_by_file() {
+        let chunks = [
+            chunk("a", 0, 100, &[0, 0], &[4, 6]),
+            chunk("b", 0, 100, &[0, 6], &[4, 6]),
+        ];
+        let items = [item("w", &chunks[0], 0, 0), item("w", &chunks[1], 1, 1)];
+        let rec = Recorded {
+            fqn: "w".into(),
+            offsets: Some(vec![0, 0]),
+            relative_path: "a".into(),
+            offset: 0,
+            length: 100,
+            crc32: 0,
+            blocks: vec![],
+        };
+        let check = |item: usize, range: Range<u64>| Check {
+            item,
+            rec: &rec,
+            range,
+            block: None,
+        };
+        // Sorted by file, then offset: none in file 0, two in file 1.
+        let checks = [check(1, 0..40), check(1, 60..100)];
+        let mut copies = vec![plan::Copy {
+            file: 0,
+            req: 0,
+            copy: BoxCopy {
+                src: 10,
+                dst: 0,
+                run: 20,
+                dims: vec![],
+            },
+            direct: false,
+        }];
+        let reqs = [request_at("w", [0, 0], [4, 12], 8)];
+        let (reads, by_file) = group_reads(&mut copies, &checks, &items, &reqs, 2, 1000);
+        assert_eq!(by_file, [0..0, 0..2]);
+        let got: Vec<(usize, Range<u64>, Vec<usize>)> = reads
+            .into_iter()
+            .map(|r| (r.file, r.range, r.copies))
+            .collect();
+        // The hole of 20 bytes between the checked ranges is read through (GAP_BYTES).
+        assert_eq!(got, [(0, 10..30, vec![0]), (1, 0..100, vec![])]);
+    }
+
+    /// The report counts what was read and which items were checked.
+    #[test]
+    fn report_counts_reads_and_checked_items() {
+        let chunks = [chunk("a", 0, 100, &[0, 0], &[4, 6])];
+        let rec = Recorded {
+            fqn: "w".into(),
+            offsets: Some(vec![0, 0]),
+            relative_path: "a".into(),
+            offset: 0,
+            length: 100,
+            crc32: 0,
+            blocks: vec![],
+        };
+        let mut items: Vec<Item> = (0..3).map(|k| item("w", &chunks[0], k, 0)).collect();
+        items[0].check = Some(&rec);
+        items[2].blocks = Some(&rec);
+        let found = Items {
+            items,
+            of_piece: vec![],
+            files: vec!["a"],
+            unchecked: 4,
+        };
+        let counters = Counters::default();
+        counters.add(100);
+        counters.add(28);
+        let t0 = Instant::now();
+        let r = report(5, &found, &counters, 0.25, t0);
+        assert_eq!(
+            (r.bytes_read, r.read_ops, r.requests, r.plan_seconds),
+            (128, 2, 5, 0.25)
+        );
+        assert_eq!((r.items_checked, r.items_unchecked), (2, 4));
+        assert!(r.seconds >= 0.0);
     }
 }
