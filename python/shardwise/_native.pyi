@@ -481,6 +481,9 @@ class SaveHandle:
     @property
     def staged_bytes(self) -> int:
         """Payload bytes staged (tensor bytes of this rank's main replicas)."""
+    @property
+    def outcome_delivered(self) -> bool:
+        """Whether a ``wait`` has returned this save's outcome (its report, or raised its error)."""
     def done(self) -> bool:
         """Whether the save has finished (committed or failed)."""
     def wait(self, timeout_s: float | None = None) -> SaveReport:
