@@ -17,14 +17,19 @@ The command line does the same: ``shardwise merge STEP_DIR``.
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from . import _native
+
+if TYPE_CHECKING:
+    from ._native import RankLocalMergeSummary
 
 __all__ = ["finish"]
 
 
-def finish(checkpoint_id, *, world_size: Optional[int] = None, timeout_s: float = 600.0) -> dict:
+def finish(
+    checkpoint_id, *, world_size: Optional[int] = None, timeout_s: float = 600.0
+) -> RankLocalMergeSummary:
     """Commits the global ``.metadata`` of a ``use_collectives=False`` DCP save in
     ``checkpoint_id`` (a directory or an object-store URL).
 
@@ -46,7 +51,8 @@ def finish(checkpoint_id, *, world_size: Optional[int] = None, timeout_s: float 
         timeout_s: bound in seconds on that wait and on each object-store request.
 
     Returns:
-        dict: ``ranks``, ``keys``, ``tensor_chunks``, ``byte_objects``, ``replicas_dropped``,
+        A dict (a ``RankLocalMergeSummary``): ``ranks``, ``keys``, ``tensor_chunks``,
+        ``byte_objects``, ``replicas_dropped``,
         ``metadata_bytes`` (bytes), ``already_merged`` (the same ``.metadata`` was there) and
         ``replaced_stale`` (an earlier save's ``.metadata`` was replaced).
 

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import os
-from typing import Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 from . import _native
+
+if TYPE_CHECKING:
+    from ._native import DiffReport
 
 
 def diff(a, b, *, atol: float = 0.0, rtol: float = 0.0, keys: Optional[Iterable[str]] = None,
          exclude: Optional[Iterable[str]] = None, hf_config=None, arch: Optional[str] = None,
-         allow_unmapped: bool = False, workers: Optional[int] = None) -> dict:
+         allow_unmapped: bool = False, workers: Optional[int] = None) -> DiffReport:
     """Compares checkpoints ``a`` and ``b`` key by key, as ``shardwise diff`` does.
 
     Each side is a checkpoint directory or object-store URL (torch_dist / DCP, any layout: tensors
@@ -19,9 +22,10 @@ def diff(a, b, *, atol: float = 0.0, rtol: float = 0.0, keys: Optional[Iterable[
     defaults to the folder's ``config.json``). ``keys`` / ``exclude`` are glob patterns (``*``,
     ``?``). An element is within tolerance when ``|a - b| <= atol + rtol * max(|a|, |b|)``.
 
-    Returns the report: ``{"equal", "close", "different", "only_in_a", "only_in_b", "unreadable"``
-    (counts), ``"keys": [{"key", "status", "dtype_a", "dtype_b", "shape_a", "shape_b", "elements",
-    "mismatched", "max_abs", "max_rel", "message"}], "exit_code"}``, ``status`` being ``equal``,
+    Returns the report (a ``DiffReport``): ``{"a", "b", "mode", "atol", "rtol"``, the counts
+    ``"equal", "close", "different", "only_in_a", "only_in_b", "unreadable", "skipped_keys"``,
+    ``"exit_code", "keys": [{"key", "status", "kind", "dtype_a", "dtype_b", "shape_a", "shape_b",
+    "elements", "mismatched", "max_abs", "max_rel", "message"}]}``, ``status`` being ``equal``,
     ``close``, ``different``, ``only_in_a``, ``only_in_b`` or ``unreadable`` and ``exit_code`` what
     the command would return (0 same, 1 different, 2 unreadable).
 

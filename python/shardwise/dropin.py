@@ -8,7 +8,7 @@ import contextlib
 import functools
 import os
 import warnings
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from ._fs import is_url
 from ._native import InvalidArgumentError
@@ -209,8 +209,8 @@ def install(*, load: bool = True, **save_kwargs) -> None:
 
     replacement = functools.partial(dist_checkpointing_save, **save_kwargs)
     functools.update_wrapper(replacement, dist_checkpointing_save)
-    routes = {"save": replacement}
-    load_routes = {"load": dist_checkpointing_load, "load_common_state_dict": dist_checkpointing_load_common_state_dict}
+    routes: dict[str, Callable[..., Any]] = {"save": replacement}
+    load_routes: dict[str, Callable[..., Any]] = {"load": dist_checkpointing_load, "load_common_state_dict": dist_checkpointing_load_common_state_dict}
     if load:
         routes.update(load_routes)
     for mod in (mdc, mser):
@@ -311,7 +311,7 @@ def _verify_checkpoint(checkpoint_dir) -> None:
     if check is not None:
         check(checkpoint_dir)
     else:  # 0.13-0.18: the same checks, then the default strategies of the saved backend
-        validation.verify_checkpoint_and_load_strategy(checkpoint_dir)
+        validation.verify_checkpoint_and_load_strategy(checkpoint_dir)  # type: ignore[attr-defined]
 
 
 _LOAD_PARAMS = {"sharded_strategy", "common_strategy", "validate_access_integrity", "strict", "verify_integrity", "process_group"}

@@ -52,6 +52,7 @@ import contextlib
 import functools
 import pickle
 import traceback
+from typing import Any, Callable, TypeVar, cast
 
 from . import _native
 from ._native import MissingKeyError, ShardwiseError
@@ -66,6 +67,8 @@ _TORCH_WRAPPED = {
 _MEGATRON_OWN = ("KeyMismatchError",)
 
 _COMPAT: dict[type, type] = {}
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
 class UnsafeObjectError(ShardwiseError, pickle.UnpicklingError):
@@ -137,8 +140,10 @@ def compatible(err: BaseException) -> BaseException:
     return new.with_traceback(err.__traceback__)
 
 
-def megatron_compatible(function):
-    """Decorator for the direct API: shardwise errors leave ``function`` as :func:`compatible` ones."""
+def megatron_compatible(function: _F) -> _F:
+    """Decorator for the direct API: shardwise errors leave ``function`` as :func:`compatible` ones.
+    Typed as returning ``function`` itself, so that its signature (and its overloads) stay visible
+    to type checkers."""
 
     @functools.wraps(function)
     def wrapper(*args, **kwargs):
@@ -150,7 +155,7 @@ def megatron_compatible(function):
                 raise
             raise new from e.__cause__
 
-    return wrapper
+    return cast(_F, wrapper)
 
 
 def as_megatron(err: BaseException, operation: str) -> BaseException:

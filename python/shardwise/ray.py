@@ -13,9 +13,12 @@ called with Ray's defaults (a local cluster)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from . import _native
+
+if TYPE_CHECKING:
+    from ._native import FromHfSummary, ToHfSummary
 
 
 def _parts(parts: int) -> int:
@@ -24,15 +27,16 @@ def _parts(parts: int) -> int:
     return parts
 
 
-def _to_hf_part(src: str, dst: str, **options) -> dict:
+def _to_hf_part(src: str, dst: str, **options) -> ToHfSummary:
     return _native.to_hf(src, dst, **options)
 
 
-def _from_hf_part(src: str, dst: str, **options) -> dict:
+def _from_hf_part(src: str, dst: str, **options) -> FromHfSummary:
     return _native.from_hf(src, dst, **options)
 
 
-def _run(convert, src: str, dst: str, parts: int, max_retries: int, options: dict[str, Any]) -> list[dict]:
+def _run(convert: Callable[..., Any], src: str, dst: str, parts: int, max_retries: int,
+         options: dict[str, Any]) -> list[Any]:
     import ray
 
     if "part" in options:
@@ -45,7 +49,7 @@ def _run(convert, src: str, dst: str, parts: int, max_retries: int, options: dic
     return ray.get(refs)
 
 
-def to_hf(ckpt_dir: str, out_dir: str, *, parts: int, max_retries: int = 3, **options) -> list[dict]:
+def to_hf(ckpt_dir: str, out_dir: str, *, parts: int, max_retries: int = 3, **options) -> list[ToHfSummary]:
     """``shardwise.to_hf(ckpt_dir, out_dir, part=f"{i}/{parts}", **options)`` for every ``i``, each a
     Ray task (``num_cpus=1``; a task whose worker dies is retried up to ``max_retries`` times).
 
@@ -57,7 +61,7 @@ def to_hf(ckpt_dir: str, out_dir: str, *, parts: int, max_retries: int = 3, **op
     return _run(_to_hf_part, str(ckpt_dir), str(out_dir), parts, max_retries, options)
 
 
-def from_hf(hf_dir: str, ckpt_dir: str, *, parts: int, max_retries: int = 3, **options) -> list[dict]:
+def from_hf(hf_dir: str, ckpt_dir: str, *, parts: int, max_retries: int = 3, **options) -> list[FromHfSummary]:
     """``shardwise.from_hf(hf_dir, ckpt_dir, part=f"{i}/{parts}", **options)`` for every ``i``, each a
     Ray task, as :func:`to_hf` does. Returns the parts' summaries in part order."""
     return _run(_from_hf_part, str(hf_dir), str(ckpt_dir), parts, max_retries, options)

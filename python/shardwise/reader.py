@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 from . import _native
+
+if TYPE_CHECKING:
+    from ._native import KeyMetadata
 
 Index = Union[int, slice, tuple]
 
@@ -60,7 +63,7 @@ class Reader:
         """All keys, sorted."""
         return self._ckpt.keys()
 
-    def metadata(self, key: str) -> dict:
+    def metadata(self, key: str) -> KeyMetadata:
         """``{"kind": "tensor", "dtype": str, "global_shape": [int], "chunks": [...]}`` (offsets and
         sizes in elements, ``offset``/``length`` in bytes within ``relative_path``), or
         ``{"kind": "object", ...}``. Raises ``InvalidArgumentError`` for an unknown key."""

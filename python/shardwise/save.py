@@ -19,12 +19,20 @@ import sys
 import threading
 import zlib
 from collections import defaultdict
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union, overload
 
 from . import _native
 from ._fs import is_url
 from ._native import InvalidArgumentError
 from .megatron_errors import megatron_compatible
+
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    from ._native import SaveHandle, SaveReport, StagingReservation
+
+    # A checkpoint directory as save() takes it: os.fsdecode'd, so it need not be UTF-8.
+    _PathArg: TypeAlias = Union[str, bytes, os.PathLike[str], os.PathLike[bytes]]
 
 
 # Per-process count of strict *_all loads of each directory. All ranks of an SPMD job make the same
@@ -213,10 +221,47 @@ class DPBalance:
         return zlib.crc32(ident) % size == rank
 
 
-@megatron_compatible
+# The report, or with async_save=True a SaveHandle: told apart for type checkers by the literal.
+@overload
 def save(
     sharded_state_dict: dict,
-    checkpoint_dir: str,
+    checkpoint_dir: _PathArg,
+    *,
+    rank: Optional[int] = None,
+    world_size: Optional[int] = None,
+    timeout_s: float = 600.0,
+    content_metadata: Optional[dict] = None,
+    save_id: Optional[str] = None,
+    merge_rank: Optional[int] = 0,
+    wait_for_commit: bool = True,
+    overwrite: bool = False,
+    async_save: Literal[False] = False,
+    staging_budget_bytes: Optional[int] = None,
+    balance_dp: Optional[DPBalance] = None,
+    verify_integrity: bool = False,
+) -> SaveReport: ...
+@overload
+def save(
+    sharded_state_dict: dict,
+    checkpoint_dir: _PathArg,
+    *,
+    rank: Optional[int] = None,
+    world_size: Optional[int] = None,
+    timeout_s: float = 600.0,
+    content_metadata: Optional[dict] = None,
+    save_id: Optional[str] = None,
+    merge_rank: Optional[int] = 0,
+    wait_for_commit: bool = True,
+    overwrite: bool = False,
+    async_save: Literal[True],
+    staging_budget_bytes: Optional[int] = None,
+    balance_dp: Optional[DPBalance] = None,
+    verify_integrity: bool = False,
+) -> SaveHandle: ...
+@overload
+def save(
+    sharded_state_dict: dict,
+    checkpoint_dir: _PathArg,
     *,
     rank: Optional[int] = None,
     world_size: Optional[int] = None,
@@ -230,7 +275,27 @@ def save(
     staging_budget_bytes: Optional[int] = None,
     balance_dp: Optional[DPBalance] = None,
     verify_integrity: bool = False,
-) -> dict:
+) -> Union[SaveReport, SaveHandle]: ...
+
+
+@megatron_compatible
+def save(
+    sharded_state_dict: dict,
+    checkpoint_dir: _PathArg,
+    *,
+    rank: Optional[int] = None,
+    world_size: Optional[int] = None,
+    timeout_s: float = 600.0,
+    content_metadata: Optional[dict] = None,
+    save_id: Optional[str] = None,
+    merge_rank: Optional[int] = 0,
+    wait_for_commit: bool = True,
+    overwrite: bool = False,
+    async_save: bool = False,
+    staging_budget_bytes: Optional[int] = None,
+    balance_dp: Optional[DPBalance] = None,
+    verify_integrity: bool = False,
+) -> Union[SaveReport, SaveHandle]:
     """Save this rank's part of a Megatron sharded state dict, with no collective communication.
 
     Accepts what ``megatron.core.dist_checkpointing.save`` accepts: ``ShardedTensor`` (including
@@ -287,11 +352,13 @@ def save(
             ``dist_checkpointing.load(..., verify_integrity=True)`` checks. Every rank must agree.
 
     Returns:
-        A dict report: ``rank``, ``save_id``, ``data_file``, ``data_bytes`` (this rank's bytes),
-        ``write_s`` and ``rendezvous_s`` (seconds), ``committed``, and ``commit``: on the merging
-        rank the merge's report, with the fields of ``shardwise merge --json`` (``already_committed``,
-        ``keys``, ``tensor_chunks``, ``byte_objects``, ``data_bytes`` and ``metadata_bytes`` of the
-        whole checkpoint, ``took_over_dead_merger``), None on the other ranks.
+        A dict report (a ``SaveReport``): ``rank``, ``save_id``, ``data_file``, ``data_bytes`` (this
+        rank's bytes), ``write_s`` and ``rendezvous_s`` (seconds), ``committed``, and ``commit``: on
+        the merging rank the merge's report, with the fields of ``shardwise merge --json``
+        (``already_committed``, ``keys``, ``tensor_chunks``, ``byte_objects``, ``data_bytes`` and
+        ``metadata_bytes`` of the whole checkpoint, ``took_over_dead_merger``), None on the other
+        ranks. With ``async_save=True`` a :class:`shardwise.SaveHandle`, whose ``wait()`` returns
+        that report.
 
     Raises:
         UnsupportedDtypeError: a tensor dtype DCP cannot store here (complex, uint16, ...).
@@ -323,7 +390,7 @@ def save(
     rank, world_size = _rank_and_world(rank, world_size)
     checkpoint_dir = os.fsdecode(checkpoint_dir)  # str, bytes or PathLike; need not be UTF-8
     derived_save_id = save_id is None
-    if derived_save_id:
+    if save_id is None:
         save_id = default_save_id(checkpoint_dir)
     # Every argument is checked here, before the state dict is touched or a file written.
     options = _native.SaveOptions(
@@ -402,7 +469,9 @@ def save(
     return report
 
 
-def reserve_staging(rank_bytes_or_state_dict, *, staging_budget_bytes: Optional[int] = None) -> dict:
+def reserve_staging(
+    rank_bytes_or_state_dict, *, staging_budget_bytes: Optional[int] = None
+) -> StagingReservation:
     """Start pinning this process's staging pool now, in a background thread, so that the first
     ``save(async_save=True)`` stalls only for its copies (issue 27: pinning ~0.75 s per GiB made the
     first async save of a 16 GiB rank stall 12.2 s, 37x the device-to-host copy). Returns at once.
@@ -420,9 +489,9 @@ def reserve_staging(rank_bytes_or_state_dict, *, staging_budget_bytes: Optional[
             the host bound).
 
     Returns:
-        A dict: ``pinned`` (False when there is no CUDA device: host saves need no reservation, and
-        nothing is done), ``rank_bytes`` (counted), ``budget_bytes``, ``buffer_bytes``, ``buffers`` (the
-        pool's capacity).
+        A dict (a ``StagingReservation``): ``pinned`` (False when there is no CUDA device: host saves
+        need no reservation, and nothing is done), ``rank_bytes`` (counted), ``budget_bytes``,
+        ``buffer_bytes``, ``buffers`` (the pool's capacity).
 
     Raises:
         InvalidArgumentError: a negative or non-integer byte count or budget.
@@ -435,10 +504,12 @@ def reserve_staging(rank_bytes_or_state_dict, *, staging_budget_bytes: Optional[
 
         rank_bytes = 0
         for sh in nested_values(rank_bytes_or_state_dict):
-            if isinstance(sh, (ShardedTensor, ShardedTensorFactory)) and is_main_replica(sh.replica_id):
-                rank_bytes += sh.data.numel() * sh.data.element_size()
-                if device is None and sh.data.device.type == "cuda":
-                    device = sh.data.device.index
+            # A tensor whose data is None (not allocated yet) has nothing to stage.
+            data = sh.data if isinstance(sh, (ShardedTensor, ShardedTensorFactory)) else None
+            if data is not None and is_main_replica(sh.replica_id):
+                rank_bytes += data.numel() * data.element_size()
+                if device is None and data.device.type == "cuda":
+                    device = data.device.index
     else:
         rank_bytes = rank_bytes_or_state_dict
         import torch

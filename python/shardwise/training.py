@@ -7,13 +7,16 @@ import os
 import re
 import shutil
 import threading
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union, cast, overload
 
 from . import _native
 from ._fs import atomic_write, is_url
 from ._native import InvalidArgumentError
 from .megatron_errors import megatron_compatible
 from .save import _rank_and_world, _replace_pending, save
+
+if TYPE_CHECKING:
+    from ._native import CheckpointReport, SaveHandle, SaveReport
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 _ITER_DIR = re.compile(r"^iter_(\d{7,})$")
@@ -203,6 +206,58 @@ def _unchanged_since(save_root: str, iteration: int, on_unchanged: str) -> Optio
     return prev
 
 
+# The report, or with async_save=True (one of save_kwargs) a CheckpointHandle: told apart for type
+# checkers by the literal.
+@overload
+def save_checkpoint(
+    save_root: str,
+    iteration: int,
+    sharded_state_dict: dict,
+    common_state: Optional[dict] = None,
+    *,
+    rank: Optional[int] = None,
+    world_size: Optional[int] = None,
+    timeout_s: float = 600.0,
+    keep_last: Optional[int] = None,
+    merge_rank: int = 0,
+    on_unchanged: str = "warn",
+    async_save: Literal[False] = False,
+    **save_kwargs: Any,
+) -> CheckpointReport: ...
+@overload
+def save_checkpoint(
+    save_root: str,
+    iteration: int,
+    sharded_state_dict: dict,
+    common_state: Optional[dict] = None,
+    *,
+    rank: Optional[int] = None,
+    world_size: Optional[int] = None,
+    timeout_s: float = 600.0,
+    keep_last: Optional[int] = None,
+    merge_rank: int = 0,
+    on_unchanged: str = "warn",
+    async_save: Literal[True],
+    **save_kwargs: Any,
+) -> CheckpointHandle: ...
+@overload
+def save_checkpoint(
+    save_root: str,
+    iteration: int,
+    sharded_state_dict: dict,
+    common_state: Optional[dict] = None,
+    *,
+    rank: Optional[int] = None,
+    world_size: Optional[int] = None,
+    timeout_s: float = 600.0,
+    keep_last: Optional[int] = None,
+    merge_rank: int = 0,
+    on_unchanged: str = "warn",
+    async_save: bool = False,
+    **save_kwargs: Any,
+) -> Union[CheckpointReport, CheckpointHandle]: ...
+
+
 @megatron_compatible
 def save_checkpoint(
     save_root: str,
@@ -216,8 +271,8 @@ def save_checkpoint(
     keep_last: Optional[int] = None,
     merge_rank: int = 0,
     on_unchanged: str = "warn",
-    **save_kwargs,
-) -> dict:
+    **save_kwargs: Any,
+) -> Union[CheckpointReport, CheckpointHandle]:
     """One training-loop checkpoint, collective-free: ``save_root/iter_{iteration:07d}``, then the
     tracker, then retention, in that order (Megatron's order, reference §1.1/§1.7).
 
@@ -248,7 +303,7 @@ def save_checkpoint(
     Returns:
         :func:`save`'s report, plus ``checkpoint_dir``, and on the merging rank ``tracker`` (the
         iteration written), ``deleted`` (paths removed by retention) and ``unchanged_since`` (the
-        earlier iteration whose tensors this save repeats, or None). With
+        earlier iteration whose tensors this save repeats, or None): a ``CheckpointReport``. With
         ``async_save=True``: a :class:`CheckpointHandle` as soon as this rank's tensors are staged;
         its ``wait()`` returns that report once the save committed and the tracker moved.
 
@@ -288,7 +343,8 @@ def save_checkpoint(
         **save_kwargs,
     )
 
-    def finish(report: dict) -> dict:
+    def finish(saved: SaveReport) -> CheckpointReport:
+        report = cast("CheckpointReport", saved)
         report["checkpoint_dir"] = ckpt
         if rank == merge_rank:
             report["unchanged_since"] = _unchanged_since(save_root, iteration, on_unchanged)
@@ -298,8 +354,8 @@ def save_checkpoint(
         return report
 
     if not save_kwargs.get("async_save"):
-        return finish(dict(result))
-    handle = CheckpointHandle(result, finish)
+        return finish(cast("SaveReport", result).copy())
+    handle = CheckpointHandle(cast("SaveHandle", result), finish)
     # The tracker must move at exit too: wait for this handle, not the save's.
     _replace_pending(result, handle, ckpt, timeout_s)
     return handle
@@ -316,10 +372,10 @@ class CheckpointHandle:
     unwaited handle is waited for at interpreter exit (see :func:`save`).
     """
 
-    def __init__(self, handle, finish):
+    def __init__(self, handle: SaveHandle, finish: Callable[[SaveReport], CheckpointReport]):
         self._handle = handle
         self._finish = finish
-        self._report = None
+        self._report: Optional[CheckpointReport] = None
         self._lock = threading.Lock()
         self.stall_s = handle.stall_s
         self.staged_bytes = handle.staged_bytes
@@ -333,10 +389,10 @@ class CheckpointHandle:
         return self._report is not None or self._handle.outcome_delivered
 
     @megatron_compatible
-    def wait(self, timeout_s: Optional[float] = None) -> dict:
+    def wait(self, timeout_s: Optional[float] = None) -> CheckpointReport:
         with self._lock:
             if self._report is None:
-                self._report = self._finish(dict(self._handle.wait(timeout_s)))
+                self._report = self._finish(self._handle.wait(timeout_s).copy())
             return self._report
 
     def __repr__(self) -> str:

@@ -23,6 +23,7 @@ Environment knobs, read once in :func:`custom_init`:
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from .. import megatron as _swm
 from .._native import InvalidArgumentError, check_seconds
@@ -41,7 +42,7 @@ def custom_init(args) -> None:
     fmt = getattr(args, "ckpt_format", "torch_dist")
     if fmt != "torch_dist":
         raise InvalidArgumentError(f"shardwise writes --ckpt-format torch_dist; this run uses {fmt!r}")
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     try:
         timeout_s = float(os.environ.get("SHARDWISE_TIMEOUT_S", "1800"))
     except ValueError:
