@@ -39,8 +39,10 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use crate::commit::part::{Dims, FileRecord, ObjectView, RankPart, TensorView, PART_FORMAT};
-use crate::commit::validate::Fold;
+use crate::commit::part::{
+    Dims, FileRecord, ObjectView, PartItems, RankPart, TensorView, PART_FORMAT,
+};
+use crate::commit::validate::{self, Fold};
 use crate::commit::wait::Backoff;
 use crate::error::{fmt_ranks, Error, Result};
 use crate::format::metadata::{emit_metadata_from, Entry, MetadataSource};
@@ -172,6 +174,11 @@ struct RankItems {
 /// (see the module docs). `world_size`: the number of ranks that saved, when known; with it, waits
 /// up to `timeout` for the rank-local files of every rank.
 ///
+/// The steps: wait for every rank ([`wait_for_ranks`], with `world_size`) → one listing, and the
+/// ranks it must hold ([`ranks_to_merge`], pure) → each rank's file read and checked
+/// ([`rank_items`]), its replicas of lower ranks' items dropped ([`Replicas::keep`], pure) and
+/// the rest folded ([`fold_ranks`]) → the `.metadata` encoded and published ([`publish`]).
+///
 /// Errors: [`Error::InvalidArgument`] when `loc` holds no rank-local metadata;
 /// [`Error::Validation`] for every refusal of the module docs (naming ranks, keys, files;
 /// nothing committed); [`Error::Corrupt`] for a rank-local file that is not DCP metadata; storage
@@ -182,7 +189,41 @@ pub fn merge(loc: &Location, world_size: Option<u32>, timeout: Duration) -> Resu
         wait_for_ranks(loc, w, timeout)?;
     }
     let (files, _) = loc.list("")?;
-    let by_name: HashMap<&str, &Listed> = files.iter().map(|f| (f.name.as_str(), f)).collect();
+    let ranks = ranks_to_merge(loc, &files, world_size)?;
+    let Folded {
+        global,
+        replicas_dropped,
+    } = fold_ranks(loc, &ranks, &files)?;
+    let meta = emit_metadata_from(&global);
+    let (tensor_chunks, byte_objects) = global.counts();
+    let mut summary = Summary {
+        ranks: ranks.len() as u32,
+        keys: global.keys(),
+        tensor_chunks,
+        byte_objects,
+        replicas_dropped,
+        metadata_bytes: meta.len() as u64,
+        already_merged: false,
+        replaced_stale: false,
+    };
+    // Every rank-local file merged here is newer than the .metadata there: that one describes an
+    // earlier save whose data files these ranks rewrote; replacing it (atomically) loses nothing.
+    let stale = stale_metadata(&files).len() == ranks.len();
+    match publish(loc, meta, stale)? {
+        Published::Created => {}
+        Published::ReplacedStale => summary.replaced_stale = true,
+        Published::AlreadyMerged => summary.already_merged = true,
+    }
+    Ok(summary)
+}
+
+/// The ranks whose `__{rank}.metadata` the listing `files` of `loc` holds, sorted, once they are
+/// every rank `0..n` (`n`: `world_size` when given, else one past the highest) and no other rank
+/// left data files. Pure (`loc` only names the directory in errors).
+///
+/// Errors: [`Error::InvalidArgument`] when there is no rank-local file; [`Error::Validation`] for
+/// ranks beyond `world_size`, ranks missing, or data files of ranks without metadata.
+fn ranks_to_merge(loc: &Location, files: &[Listed], world_size: Option<u32>) -> Result<Vec<u32>> {
     let mut ranks: Vec<u32> = files
         .iter()
         .filter_map(|f| metadata_rank(&f.name))
@@ -230,14 +271,56 @@ pub fn merge(loc: &Location, world_size: Option<u32>, timeout: Duration) -> Resu
             fmt_ranks(&unfinished)
         )));
     }
+    Ok(ranks)
+}
 
+/// What [`fold_ranks`] gives: the global index, validated, and how many replicas were dropped.
+struct Folded {
+    global: validate::Global,
+    replicas_dropped: usize,
+}
+
+/// Reads the rank-local file of each of `ranks` (in order), keeps its items that are not replicas
+/// of a lower rank's, and folds them into the global index.
+///
+/// Errors: as [`rank_items`]; [`Error::Validation`] of the fold (nothing committed).
+fn fold_ranks(loc: &Location, ranks: &[u32], files: &[Listed]) -> Result<Folded> {
+    let by_name: HashMap<&str, &Listed> = files.iter().map(|f| (f.name.as_str(), f)).collect();
     let fold = Fold::default();
     let mut parts = Vec::with_capacity(ranks.len());
-    let mut seen_chunks: HashSet<(String, Vec<u64>, Vec<u64>, String, Vec<u64>)> = HashSet::new();
-    let mut seen_objects: HashSet<String> = HashSet::new();
-    let mut replicas_dropped = 0;
-    for &rank in &ranks {
-        let items = rank_items(loc, rank, &by_name)?;
+    let mut replicas = Replicas::default();
+    for &rank in ranks {
+        let kept = replicas.keep(rank_items(loc, rank, &by_name)?);
+        fold.add_part(&kept.part, kept.views())?;
+        parts.push(kept.part);
+    }
+    let global = fold.finish(&parts).map_err(|e| match e {
+        Error::Validation(m) => Error::Validation(format!("{m}; nothing committed")),
+        other => other,
+    })?;
+    Ok(Folded {
+        global,
+        replicas_dropped: replicas.dropped,
+    })
+}
+
+/// The items seen so far, in rank order, to keep an exact replica once, from the lowest rank (as
+/// DCP's `dedup_save_plans` keeps one copy): a tensor chunk by key, offsets, sizes, dtype and
+/// global shape; a byte object by key.
+#[derive(Default)]
+struct Replicas {
+    chunks: HashSet<ChunkKey>,
+    objects: HashSet<String>,
+    /// Items dropped as replicas.
+    dropped: usize,
+}
+
+/// What makes two tensor chunks replicas: key, offsets, sizes, dtype, global shape.
+type ChunkKey = (String, Vec<u64>, Vec<u64>, String, Vec<u64>);
+
+impl Replicas {
+    /// `items` without the replicas of items seen before (which it then counts as seen). Pure.
+    fn keep(&mut self, items: RankItems) -> RankItems {
         let mut kept = RankItems {
             part: items.part,
             tensors: Vec::new(),
@@ -251,20 +334,27 @@ pub fn merge(loc: &Location, world_size: Option<u32>, timeout: Duration) -> Resu
                 t.dtype.clone(),
                 t.shape.clone(),
             );
-            if seen_chunks.insert(replica) {
+            if self.chunks.insert(replica) {
                 kept.tensors.push(t);
             } else {
-                replicas_dropped += 1;
+                self.dropped += 1;
             }
         }
         for o in items.objects {
-            if seen_objects.insert(o.fqn.clone()) {
+            if self.objects.insert(o.fqn.clone()) {
                 kept.objects.push(o);
             } else {
-                replicas_dropped += 1;
+                self.dropped += 1;
             }
         }
-        let tensors = kept
+        kept
+    }
+}
+
+impl RankItems {
+    /// The items as the fold reads a shardwise part's (no CRC-32s: DCP records none).
+    fn views(&self) -> PartItems<'_> {
+        let tensors = self
             .tensors
             .iter()
             .map(|t| TensorView {
@@ -280,7 +370,7 @@ pub fn merge(loc: &Location, world_size: Option<u32>, timeout: Duration) -> Resu
                 blocks: Vec::new(),
             })
             .collect();
-        let objects = kept
+        let objects = self
             .objects
             .iter()
             .map(|o| ObjectView {
@@ -292,46 +382,48 @@ pub fn merge(loc: &Location, world_size: Option<u32>, timeout: Duration) -> Resu
                 crc32: 0,
             })
             .collect();
-        fold.add_part(&kept.part, (tensors, objects))?;
-        parts.push(kept.part);
+        (tensors, objects)
     }
-    let global = fold.finish(&parts).map_err(|e| match e {
-        Error::Validation(m) => Error::Validation(format!("{m}; nothing committed")),
-        other => other,
-    })?;
-    let meta = emit_metadata_from(&global);
-    let (tensor_chunks, byte_objects) = global.counts();
-    let mut summary = Summary {
-        ranks: ranks.len() as u32,
-        keys: global.keys(),
-        tensor_chunks,
-        byte_objects,
-        replicas_dropped,
-        metadata_bytes: meta.len() as u64,
-        already_merged: false,
-        replaced_stale: false,
-    };
-    // Every rank-local file merged here is newer than the .metadata there: that one describes an
-    // earlier save whose data files these ranks rewrote; replacing it (atomically) loses nothing.
-    let stale = stale_metadata(&files).len() == ranks.len();
+}
+
+/// How [`publish`] left `.metadata`.
+#[derive(Debug, PartialEq)]
+enum Published {
+    /// Created: there was none.
+    Created,
+    /// A stale one (an earlier save's) was replaced.
+    ReplacedStale,
+    /// Byte-identical to the merge already (an earlier or racing merge).
+    AlreadyMerged,
+}
+
+/// Publishes the merged `.metadata` `meta`: replacing a `stale` one, else only if absent.
+///
+/// Errors: [`Error::Validation`] when a different `.metadata` is there and not stale (left as it
+/// is); storage errors.
+fn publish(loc: &Location, meta: Vec<u8>, stale: bool) -> Result<Published> {
     if stale {
         loc.write(METADATA_FILE, meta)?;
-        summary.replaced_stale = true;
-    } else if !loc.write_new(METADATA_FILE, meta.clone())? {
-        if loc.read(METADATA_FILE)?.as_deref() != Some(&meta[..]) {
-            return Err(Error::Validation(format!(
-                "{loc} already holds a .metadata that is not the merge of its rank-local metadata \
-                 and not older than all of them (another save's, or a merge of other files): it \
-                 is left as it is and nothing is committed; torch loads that .metadata, not the \
-                 rank-local files, so remove it if it belongs to an older save"
-            )));
-        }
-        summary.already_merged = true;
+        return Ok(Published::ReplacedStale);
     }
-    Ok(summary)
+    if loc.write_new(METADATA_FILE, meta.clone())? {
+        return Ok(Published::Created);
+    }
+    if loc.read(METADATA_FILE)?.as_deref() != Some(&meta[..]) {
+        return Err(Error::Validation(format!(
+            "{loc} already holds a .metadata that is not the merge of its rank-local metadata \
+             and not older than all of them (another save's, or a merge of other files): it \
+             is left as it is and nothing is committed; torch loads that .metadata, not the \
+             rank-local files, so remove it if it belongs to an older save"
+        )));
+    }
+    Ok(Published::AlreadyMerged)
 }
 
 /// Reads and checks rank `rank`'s `__{rank}.metadata`: the part of its data files and its items.
+///
+/// Errors: [`Error::Validation`] when it vanished, uses stream transforms, or as
+/// [`rank_entries`]; [`Error::Corrupt`] when it is not DCP metadata; storage errors.
 fn rank_items(loc: &Location, rank: u32, listed: &HashMap<&str, &Listed>) -> Result<RankItems> {
     let name = format!("__{rank}.metadata");
     let path = loc.path_of(&name);
@@ -351,43 +443,39 @@ fn rank_items(loc: &Location, rank: u32, listed: &HashMap<&str, &Listed>) -> Res
              as ZStandard), which the merged .metadata cannot describe; nothing committed"
         )));
     }
-    let meta_age = listed.get(name.as_str()).map_or(0.0, |l| l.age_s);
-    let mut files: Vec<FileRecord> = Vec::new();
-    let mut file_ids: BTreeMap<String, u32> = BTreeMap::new();
-    let mut file_of = |rel: &str, key: &str, offset: u64, length: u64| -> Result<u32> {
-        if let Some(&id) = file_ids.get(rel) {
-            let size = files[id as usize].size;
-            return in_file(rank, key, rel, offset, length, size).map(|_| id);
-        }
-        // `read_metadata` has refused any path leaving the directory.
-        let Some(f) = listed.get(rel) else {
-            return Err(Error::Validation(format!(
-                "rank {rank}: key {key} is stored in {rel}, which is missing; nothing committed"
-            )));
-        };
-        // A rank writes every data file before its metadata (`write_data`, then `finish`): a data
-        // file modified after it was rewritten by a later save.
-        if f.age_s + 1e-3 < meta_age {
-            return Err(Error::Validation(format!(
-                "rank {rank}: {rel} was modified {:.3}s after {name}: a later save rewrote it, so \
-                 {name} describes other bytes (two saves mixed); nothing committed",
-                meta_age - f.age_s
-            )));
-        }
-        in_file(rank, key, rel, offset, length, f.size)?;
-        let id = files.len() as u32;
-        files.push(FileRecord {
-            name: rel.to_string(),
-            size: f.size,
-            stamp: String::new(),
-            sha256: None,
-        });
-        file_ids.insert(rel.to_string(), id);
-        Ok(id)
+    let mut files = DataFiles::new(rank, &name, listed);
+    let (tensors, objects) = rank_entries(rank, &md.entries, &mut files)?;
+    let part = RankPart {
+        format: PART_FORMAT,
+        save_id: String::new(),
+        rank,
+        world_size: 0,
+        megatron: false,
+        published_at_ns: 0,
+        publisher: String::new(),
+        files: files.files,
+        tensors: Vec::new(),
+        objects: Vec::new(),
+        common: None,
     };
+    Ok(RankItems {
+        part,
+        tensors,
+        objects,
+    })
+}
+
+/// Rank `rank`'s items, from the entries of its metadata, each placed in `files`. Pure.
+///
+/// Errors: [`Error::Validation`] for an item without a storage entry, or as [`DataFiles::id`].
+fn rank_entries(
+    rank: u32,
+    entries: &BTreeMap<String, Entry>,
+    files: &mut DataFiles,
+) -> Result<(Vec<TensorItem>, Vec<ObjectItem>)> {
     let mut tensors = Vec::new();
     let mut objects = Vec::new();
-    for (fqn, entry) in &md.entries {
+    for (fqn, entry) in entries {
         match entry {
             Entry::Tensor {
                 dtype,
@@ -403,7 +491,7 @@ fn rank_items(loc: &Location, rank: u32, listed: &HashMap<&str, &Listed>) -> Res
                             c.offsets
                         )));
                     }
-                    let file = file_of(&s.relative_path, fqn, s.offset, s.length)?;
+                    let file = files.id(&s.relative_path, fqn, s.offset, s.length)?;
                     tensors.push(TensorItem {
                         fqn: fqn.clone(),
                         dtype: dtype.torch_name().to_string(),
@@ -422,7 +510,7 @@ fn rank_items(loc: &Location, rank: u32, listed: &HashMap<&str, &Listed>) -> Res
                         "rank {rank}: byte object {fqn} has no storage_data entry; nothing committed"
                     )));
                 }
-                let file = file_of(&s.relative_path, fqn, s.offset, s.length)?;
+                let file = files.id(&s.relative_path, fqn, s.offset, s.length)?;
                 objects.push(ObjectItem {
                     fqn: fqn.clone(),
                     file,
@@ -432,24 +520,70 @@ fn rank_items(loc: &Location, rank: u32, listed: &HashMap<&str, &Listed>) -> Res
             }
         }
     }
-    let part = RankPart {
-        format: PART_FORMAT,
-        save_id: String::new(),
-        rank,
-        world_size: 0,
-        megatron: false,
-        published_at_ns: 0,
-        publisher: String::new(),
-        files,
-        tensors: Vec::new(),
-        objects: Vec::new(),
-        common: None,
-    };
-    Ok(RankItems {
-        part,
-        tensors,
-        objects,
-    })
+    Ok((tensors, objects))
+}
+
+/// The data files one rank's items are in, as its part lists them (in the order first named),
+/// each checked against the directory listing when first named.
+struct DataFiles<'a> {
+    rank: u32,
+    /// The rank's `__{rank}.metadata`, and its age in seconds (0 when not listed).
+    name: &'a str,
+    meta_age: f64,
+    listed: &'a HashMap<&'a str, &'a Listed>,
+    files: Vec<FileRecord>,
+    ids: BTreeMap<String, u32>,
+}
+
+impl<'a> DataFiles<'a> {
+    fn new(rank: u32, name: &'a str, listed: &'a HashMap<&'a str, &'a Listed>) -> DataFiles<'a> {
+        DataFiles {
+            rank,
+            name,
+            meta_age: listed.get(name).map_or(0.0, |l| l.age_s),
+            listed,
+            files: Vec::new(),
+            ids: BTreeMap::new(),
+        }
+    }
+
+    /// The index of file `rel`, which holds key `key`'s item at `offset` (`length` bytes). Pure.
+    ///
+    /// Errors: [`Error::Validation`] when the file is not listed, was modified after the rank's
+    /// metadata, or ends before the item does.
+    fn id(&mut self, rel: &str, key: &str, offset: u64, length: u64) -> Result<u32> {
+        let rank = self.rank;
+        if let Some(&id) = self.ids.get(rel) {
+            let size = self.files[id as usize].size;
+            return in_file(rank, key, rel, offset, length, size).map(|_| id);
+        }
+        // `read_metadata` has refused any path leaving the directory.
+        let Some(f) = self.listed.get(rel) else {
+            return Err(Error::Validation(format!(
+                "rank {rank}: key {key} is stored in {rel}, which is missing; nothing committed"
+            )));
+        };
+        // A rank writes every data file before its metadata (`write_data`, then `finish`): a data
+        // file modified after it was rewritten by a later save.
+        if f.age_s + 1e-3 < self.meta_age {
+            let name = self.name;
+            return Err(Error::Validation(format!(
+                "rank {rank}: {rel} was modified {:.3}s after {name}: a later save rewrote it, so \
+                 {name} describes other bytes (two saves mixed); nothing committed",
+                self.meta_age - f.age_s
+            )));
+        }
+        in_file(rank, key, rel, offset, length, f.size)?;
+        let id = self.files.len() as u32;
+        self.files.push(FileRecord {
+            name: rel.to_string(),
+            size: f.size,
+            stamp: String::new(),
+            sha256: None,
+        });
+        self.ids.insert(rel.to_string(), id);
+        Ok(id)
+    }
 }
 
 fn in_file(rank: u32, key: &str, rel: &str, offset: u64, length: u64, size: u64) -> Result<()> {
@@ -472,6 +606,286 @@ mod tests {
             size: 1,
             age_s,
         }
+    }
+
+    /// The error of `r`, as "InvalidArgument: m" or "Validation: m".
+    fn message<T>(r: Result<T>) -> String {
+        match r {
+            Err(Error::InvalidArgument(m)) => format!("InvalidArgument: {m}"),
+            Err(Error::Validation(m)) => format!("Validation: {m}"),
+            Err(other) => panic!("{other}"),
+            Ok(_) => panic!("no error"),
+        }
+    }
+
+    #[test]
+    fn ranks_to_merge_are_every_rank_below_n_and_no_other() {
+        let loc = Location::local(std::path::Path::new("/ck"));
+        let files =
+            |names: &[&str]| -> Vec<Listed> { names.iter().map(|n| listed(n, 1.0)).collect() };
+        let two = files(&[
+            "__1.metadata",
+            "__0_0.distcp",
+            "__0.metadata",
+            "__1_0.distcp",
+        ]);
+        assert_eq!(ranks_to_merge(&loc, &two, None).unwrap(), [0, 1]);
+        assert_eq!(ranks_to_merge(&loc, &two, Some(2)).unwrap(), [0, 1]);
+        assert!(
+            message(ranks_to_merge(&loc, &files(&["__0_0.distcp"]), None))
+                .starts_with("InvalidArgument: /ck holds no rank-local DCP metadata (__0.metadata")
+        );
+        assert_eq!(
+            message(ranks_to_merge(&loc, &two, Some(1))),
+            "Validation: /ck: ranks 1 have rank-local metadata, beyond world_size 1: files of \
+             another save; nothing committed"
+        );
+        assert_eq!(
+            message(ranks_to_merge(&loc, &two, Some(4))),
+            "Validation: /ck: __{rank}.metadata of ranks 2-3 is missing (present: ranks 0-1): \
+             those ranks did not finish their save; nothing committed"
+        );
+        let gap = files(&["__0.metadata", "__2.metadata"]);
+        assert!(message(ranks_to_merge(&loc, &gap, None)).contains("of ranks 1 is missing"));
+        let unfinished = files(&[
+            "__0.metadata",
+            "__1.metadata",
+            "__2_0.distcp",
+            "__2_1.distcp",
+        ]);
+        assert_eq!(
+            message(ranks_to_merge(&loc, &unfinished, None)),
+            "Validation: /ck: ranks 2 wrote data files (__{rank}_*.distcp) but no \
+             __{rank}.metadata: their save did not finish, or they belong to another save; \
+             nothing committed"
+        );
+    }
+
+    fn tensor(fqn: &str, offsets: Vec<u64>, dtype: &str) -> TensorItem {
+        TensorItem {
+            fqn: fqn.into(),
+            dtype: dtype.into(),
+            shape: vec![4],
+            sizes: vec![2],
+            offsets,
+            file: 0,
+            offset: 0,
+            length: 2,
+        }
+    }
+
+    fn items(rank: u32, tensors: Vec<TensorItem>, objects: &[&str]) -> RankItems {
+        RankItems {
+            part: RankPart {
+                format: PART_FORMAT,
+                save_id: String::new(),
+                rank,
+                world_size: 0,
+                megatron: false,
+                published_at_ns: 0,
+                publisher: String::new(),
+                files: vec![],
+                tensors: vec![],
+                objects: vec![],
+                common: None,
+            },
+            tensors,
+            objects: objects
+                .iter()
+                .map(|o| ObjectItem {
+                    fqn: o.to_string(),
+                    file: 0,
+                    offset: 0,
+                    length: 1,
+                })
+                .collect(),
+        }
+    }
+
+    /// An exact replica is kept once, from the first rank that has it; a chunk that differs in
+    /// offsets or dtype is not a replica (the fold judges it).
+    #[test]
+    fn replicas_are_kept_once_from_the_lowest_rank() {
+        let mut replicas = Replicas::default();
+        let r0 = replicas.keep(items(
+            0,
+            vec![tensor("w", vec![0], "torch.float32")],
+            &["step"],
+        ));
+        assert_eq!(
+            (r0.tensors.len(), r0.objects.len(), replicas.dropped),
+            (1, 1, 0)
+        );
+        let r1 = replicas.keep(items(
+            1,
+            vec![
+                tensor("w", vec![0], "torch.float32"),
+                tensor("w", vec![2], "torch.float32"),
+                tensor("w", vec![0], "torch.bfloat16"),
+            ],
+            &["step", "rng"],
+        ));
+        assert_eq!(r1.part.rank, 1);
+        let kept: Vec<(&[u64], &str)> = r1
+            .tensors
+            .iter()
+            .map(|t| (&t.offsets[..], &t.dtype[..]))
+            .collect();
+        assert_eq!(
+            kept,
+            [(&[2][..], "torch.float32"), (&[0][..], "torch.bfloat16")]
+        );
+        assert_eq!(
+            r1.objects.iter().map(|o| &o.fqn[..]).collect::<Vec<_>>(),
+            ["rng"]
+        );
+        assert_eq!(replicas.dropped, 2);
+        let (tensors, objects) = r1.views();
+        assert_eq!(
+            (tensors[0].fqn, tensors[0].crc32, objects[0].fqn),
+            ("w", 0, "rng")
+        );
+    }
+
+    /// A data file is checked once, when first named (there, not modified after the rank's
+    /// metadata), and every item against its size; files are numbered in the order first named.
+    #[test]
+    fn data_files_are_checked_and_numbered_as_first_named() {
+        let entries = [
+            listed("__0.metadata", 5.0),
+            Listed {
+                name: "__0_0.distcp".into(),
+                size: 100,
+                age_s: 6.0,
+            },
+            Listed {
+                name: "__0_1.distcp".into(),
+                size: 10,
+                age_s: 5.0,
+            },
+            Listed {
+                name: "__0_2.distcp".into(),
+                size: 10,
+                age_s: 4.0,
+            },
+        ];
+        let listed: HashMap<&str, &Listed> = entries.iter().map(|f| (f.name.as_str(), f)).collect();
+        let mut files = DataFiles::new(0, "__0.metadata", &listed);
+        assert_eq!(files.id("__0_0.distcp", "a", 0, 50).unwrap(), 0);
+        assert_eq!(files.id("__0_1.distcp", "b", 0, 10).unwrap(), 1);
+        assert_eq!(files.id("__0_0.distcp", "c", 50, 50).unwrap(), 0);
+        assert_eq!(
+            message(files.id("__0_0.distcp", "d", 60, 41)),
+            "Validation: rank 0: key d at offset 60 length 41 passes the end of __0_0.distcp \
+             (100 bytes); nothing committed"
+        );
+        assert!(message(files.id("__0_1.distcp", "e", u64::MAX, 2)).contains("passes the end"));
+        assert_eq!(
+            message(files.id("__0_9.distcp", "f", 0, 1)),
+            "Validation: rank 0: key f is stored in __0_9.distcp, which is missing; nothing committed"
+        );
+        assert_eq!(
+            message(files.id("__0_2.distcp", "g", 0, 1)),
+            "Validation: rank 0: __0_2.distcp was modified 1.000s after __0.metadata: a later save \
+             rewrote it, so __0.metadata describes other bytes (two saves mixed); nothing committed"
+        );
+        let names: Vec<(&str, u64)> = files.files.iter().map(|f| (&f.name[..], f.size)).collect();
+        assert_eq!(names, [("__0_0.distcp", 100), ("__0_1.distcp", 10)]);
+    }
+
+    /// Each chunk of a tensor and each byte object becomes an item in its file; one without a
+    /// storage entry is refused.
+    #[test]
+    fn rank_entries_place_every_item() {
+        use crate::format::dtype::DType;
+        use crate::format::metadata::{Chunk, StorageInfo};
+        let entries = [
+            listed("__1.metadata", 1.0),
+            Listed {
+                name: "__1_0.distcp".into(),
+                size: 64,
+                age_s: 1.0,
+            },
+        ];
+        let listed: HashMap<&str, &Listed> = entries.iter().map(|f| (f.name.as_str(), f)).collect();
+        let at = |offset: u64, rel: &str| StorageInfo {
+            relative_path: rel.into(),
+            offset,
+            length: 8,
+        };
+        let chunk = |o: u64, rel: &str| Chunk {
+            offsets: vec![o],
+            sizes: vec![2],
+            storage: at(8 * o, rel),
+        };
+        let tensor = |chunks| Entry::Tensor {
+            dtype: DType::from_torch_name("torch.float32").unwrap(),
+            global_shape: vec![4],
+            chunks,
+        };
+        let mut md = BTreeMap::new();
+        md.insert(
+            "w".to_string(),
+            tensor(vec![chunk(0, "__1_0.distcp"), chunk(2, "__1_0.distcp")]),
+        );
+        md.insert(
+            "step".to_string(),
+            Entry::Bytes {
+                storage: at(40, "__1_0.distcp"),
+            },
+        );
+        let mut files = DataFiles::new(1, "__1.metadata", &listed);
+        let (tensors, objects) = rank_entries(1, &md, &mut files).unwrap();
+        let placed: Vec<(&str, &[u64], u32, u64)> = tensors
+            .iter()
+            .map(|t| (&t.fqn[..], &t.offsets[..], t.file, t.offset))
+            .collect();
+        assert_eq!(placed, [("w", &[0][..], 0, 0), ("w", &[2][..], 0, 16)]);
+        assert_eq!(
+            (tensors[0].dtype.as_str(), &tensors[0].shape[..]),
+            ("float32", &[4][..])
+        );
+        assert_eq!((objects[0].fqn.as_str(), objects[0].offset), ("step", 40));
+        assert_eq!(files.files.len(), 1);
+
+        let mut no_storage = BTreeMap::new();
+        no_storage.insert("w".to_string(), tensor(vec![chunk(0, "")]));
+        let mut files = DataFiles::new(1, "__1.metadata", &listed);
+        assert_eq!(
+            message(rank_entries(1, &no_storage, &mut files)),
+            "Validation: rank 1: key w chunk at offsets [0] has no storage_data entry; nothing committed"
+        );
+        let mut no_storage = BTreeMap::new();
+        no_storage.insert("step".to_string(), Entry::Bytes { storage: at(0, "") });
+        assert_eq!(
+            message(rank_entries(1, &no_storage, &mut files)),
+            "Validation: rank 1: byte object step has no storage_data entry; nothing committed"
+        );
+    }
+
+    /// `.metadata` is created if absent, left when identical, refused when another, and replaced
+    /// when stale.
+    #[test]
+    fn publish_creates_keeps_refuses_or_replaces_the_metadata() {
+        let dir = tempfile::tempdir().unwrap();
+        let loc = Location::local(dir.path());
+        assert_eq!(
+            publish(&loc, b"m1".to_vec(), false).unwrap(),
+            Published::Created
+        );
+        assert_eq!(
+            publish(&loc, b"m1".to_vec(), false).unwrap(),
+            Published::AlreadyMerged
+        );
+        assert!(message(publish(&loc, b"m2".to_vec(), false)).contains(
+            "already holds a .metadata that is not the merge of its rank-local metadata"
+        ));
+        assert_eq!(loc.read(METADATA_FILE).unwrap(), Some(b"m1".to_vec()));
+        assert_eq!(
+            publish(&loc, b"m2".to_vec(), true).unwrap(),
+            Published::ReplacedStale
+        );
+        assert_eq!(loc.read(METADATA_FILE).unwrap(), Some(b"m2".to_vec()));
     }
 
     #[test]

@@ -12,14 +12,28 @@
 //! - [`liveness`]: publication times and whether a publishing process still runs;
 //! - [`manifest`]: megatron-core 0.19's `integrity.json`, built from the parts.
 //!
-//! Commit order (local): checksum sidecar, rank 0's staged `common.pt` renamed into place,
-//! `.metadata` (tmp + rename), `metadata.json` (Megatron saves), then the `COMMITTED` record; a
-//! directory is committed only once that record matches its `.metadata` ([`state`]). The sidecar
-//! and `.metadata` are encoded at once and streamed to storage as they are made
-//! ([`Location::create_streamed`]); `.metadata` is published under its name only in its turn. A save with
-//! `overwrite` writes its data under file names the committed checkpoint does not use, so the old
-//! checkpoint stays loadable until the new `.metadata` replaces it; its files are removed after
-//! the commit.
+//! The commit is a sequence of named steps, called in order by [`commit_unguarded`]; the numbers
+//! are those of the steps table in docs/guarantees.md, which says what a crash at each one leaves:
+//!
+//! 5. (Locally, [`merge`] has taken the `COMMITTING` lock.) [`collect_and_validate`]: a current
+//!    part of every rank, each folded into the global index as it is read, the whole validated,
+//!    and every data file still the one its part names; [`common_state`] (pure): a Megatron save
+//!    has a `common.pt`.
+//! 6. [`encode`]: the checksum sidecar and `.metadata`, encoded at once and streamed to storage as
+//!    they are made ([`Location::create_streamed`]): the sidecar is published, `.metadata` only
+//!    staged (written and fsynced under a temporary name); then [`place_common`]: rank 0's staged
+//!    `common.pt` renamed into place; then [`publish_metadata`]: `.metadata` under its name (rename
+//!    and directory fsync; object store: created only if absent).
+//! 7. [`write_megatron_files`]: `metadata.json` (Megatron saves), then `integrity.json` (saves with
+//!    `integrity`; otherwise one left by a checkpoint this commit replaces is removed).
+//! 8. [`write_record`]: the `COMMITTED` record, then a directory fsync; a directory is committed
+//!    only once that record matches its `.metadata` ([`state`]). Then [`tidy`]: temporary files of
+//!    killed writers, the state of other saves and data files the commit does not name go.
+//!
+//! A step that fails ends the commit: [`commit`] publishes `FAILED` with the reason, and a
+//! `.metadata` still staged is removed (nothing committed). A save with `overwrite` writes its
+//! data under file names the committed checkpoint does not use, so the old checkpoint stays
+//! loadable until the new `.metadata` replaces it; its files are removed after the commit.
 //!
 //! On an object store the same names are objects. Parts, `.metadata` and `COMMITTED` are created
 //! only-if-absent: a duplicate rank is refused instead of silently replacing a part, and of racing
@@ -38,6 +52,7 @@ pub mod state;
 pub mod validate;
 pub mod wait;
 
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
@@ -45,12 +60,13 @@ use crate::format::metadata::{write_metadata, MetadataSource};
 use crate::format::sidecar::{self, Checksums, CHECKSUMS_FILE};
 use crate::format::METADATA_FILE;
 use crate::format::{COMMON_FILE, MEGATRON_METADATA_JSON, METADATA_JSON_FILE};
-use crate::storage::{Location, Mode};
+use crate::storage::{Location, Mode, Staged};
 use liveness::now_ns;
 use lock::{CommitLock, Lock};
 use manifest::Manifest;
 use part::{
-    check_save_id, marker_rel, publish_failed, read_failed, save_rel, Marker, RankPart, STATE_DIR,
+    check_save_id, marker_rel, publish_failed, read_failed, save_rel, FileRecord, Marker, RankPart,
+    STATE_DIR,
 };
 pub use record::CommitSummary;
 use record::{not_committed, read_commit_record, CommitRecord, Digest, Digester};
@@ -259,6 +275,16 @@ enum Publish {
     Racing,
 }
 
+impl Publish {
+    /// How `.metadata` is published: replacing an earlier attempt's (locked), or only if absent.
+    fn mode(self) -> Mode {
+        match self {
+            Publish::Locked => Mode::Replace,
+            Publish::Racing => Mode::CreateNew,
+        }
+    }
+}
+
 /// The commit itself, by the lock holder (local) or by every merger (object store). On failure it
 /// publishes `FAILED` with the reason, so waiting ranks fail fast.
 fn commit(
@@ -280,6 +306,8 @@ fn commit(
     result
 }
 
+/// The commit in the order of the module docs, each step a function; [`commit`] publishes `FAILED`
+/// when one fails.
 fn commit_unguarded(
     loc: &Location,
     save_id: &str,
@@ -288,12 +316,61 @@ fn commit_unguarded(
     fresh: &Freshness,
     publish: Publish,
 ) -> Result<CommitSummary> {
-    use rayon::prelude::*;
+    let Validated {
+        parts,
+        counts,
+        global,
+    } = collect_and_validate(loc, save_id, world_size, timeout, fresh)?;
+    let CommonState { megatron, common } = common_state(&parts)?;
+    let common_digest = common_digest(loc, common)?;
+    let mut integrity = Manifest::of_parts(&parts)?;
+    let meta = encode(loc, save_id, &global, publish, integrity.is_some())?;
+    let record = commit_record(
+        save_id,
+        &parts,
+        &counts,
+        &global,
+        meta.digest,
+        common_digest,
+        megatron,
+    );
+    drop(global);
+    complete_manifest(&mut integrity, meta.sha256, megatron);
+    place_common(loc, common)?;
+    publish_metadata(loc, meta.staged, meta.digest)?;
+    write_megatron_files(loc, megatron, integrity)?;
+    let record = match write_record(loc, save_id, record, publish)? {
+        Recorded::Ours(record) => record,
+        Recorded::Theirs(summary) => return Ok(summary),
+    };
+    tidy(loc, save_id, &record);
+    Ok(record.summary)
+}
 
+/// Step 5's outcome: a current part of every rank, folded into the global index and validated.
+struct Validated {
+    parts: Vec<RankPart>,
+    /// Each rank's (tensor chunks, byte objects), for the record's layout.
+    counts: BTreeMap<u32, (usize, usize)>,
+    global: validate::Global,
+}
+
+/// Step 5: waits for a current part of every rank, folds each into the index as it is read (then
+/// drops its items), validates the whole, and checks that no data file changed since its part.
+///
+/// Errors: as [`collect_parts`] and [`validate::Fold::finish`]; [`Error::Validation`] naming the
+/// rank whose data file changed.
+fn collect_and_validate(
+    loc: &Location,
+    save_id: &str,
+    world_size: u32,
+    timeout: Duration,
+    fresh: &Freshness,
+) -> Result<Validated> {
     // Each part is folded into the index as it is read, then dropped; its item counts are kept
     // for the record's layout.
     let fold = validate::Fold::default();
-    let counts = std::sync::Mutex::new(std::collections::BTreeMap::new());
+    let counts = std::sync::Mutex::new(BTreeMap::new());
     let parts = collect_parts(loc, save_id, world_size, timeout, fresh, &|p, items| {
         let n = (items.0.len(), items.1.len());
         counts
@@ -304,7 +381,21 @@ fn commit_unguarded(
     })?;
     let counts = counts.into_inner().unwrap_or_else(|e| e.into_inner());
     let global = fold.finish(&parts)?;
-    // A data file may have been rewritten while the merger waited for the last part.
+    check_data_files_unchanged(loc, &parts)?;
+    Ok(Validated {
+        parts,
+        counts,
+        global,
+    })
+}
+
+/// A data file may have been rewritten while the merger waited for the last part: each part's
+/// files must still be the ones it published (whatever the part's age).
+///
+/// Errors: [`Error::Validation`] naming the rank and why; storage errors.
+fn check_data_files_unchanged(loc: &Location, parts: &[RankPart]) -> Result<()> {
+    use rayon::prelude::*;
+
     let any = Freshness {
         since_ns: None,
         failed_since_ns: 0,
@@ -314,7 +405,21 @@ fn commit_unguarded(
         .try_for_each(|p| match stale_reason(loc, p, &any)? {
             None => Ok(()),
             Some(why) => Err(Error::Validation(format!("rank {}: {why}", p.rank))),
-        })?;
+        })
+}
+
+/// Whether the parts are a Megatron save, and the `common.pt` one of them wrote.
+#[derive(Debug, PartialEq)]
+struct CommonState<'p> {
+    megatron: bool,
+    common: Option<&'p FileRecord>,
+}
+
+/// The common state the commit publishes: a Megatron save (the first part says) must have one.
+/// Pure.
+///
+/// Errors: [`Error::Validation`] for a Megatron save without `common.pt`.
+fn common_state(parts: &[RankPart]) -> Result<CommonState<'_>> {
     let megatron = parts.first().is_some_and(|p| p.megatron);
     let common = parts.iter().find_map(|p| p.common.as_ref());
     if megatron && common.is_none() {
@@ -322,24 +427,44 @@ fn commit_unguarded(
             "no rank wrote common.pt (Megatron loaders require it)".into(),
         ));
     }
-    let common_digest = match common {
-        Some(c) => {
-            let bytes = match loc.read(&c.name)? {
-                Some(b) => b,
-                None => loc.read(COMMON_FILE)?.unwrap_or_default(),
-            };
-            Some(Digest::of(&bytes))
-        }
-        None => None,
+    Ok(CommonState { megatron, common })
+}
+
+/// The digest of `common`'s bytes, read where it is staged, or in place (an earlier attempt of
+/// this commit renamed it already, or an object store writes it there).
+///
+/// Errors: storage errors.
+fn common_digest(loc: &Location, common: Option<&FileRecord>) -> Result<Option<Digest>> {
+    let Some(c) = common else {
+        return Ok(None);
     };
-    let mut integrity = Manifest::of_parts(&parts)?;
-    // The sidecar and `.metadata` are encoded at once, on two threads, each written to storage as
-    // it is made (at scale each is about 1 GB): `.metadata` is staged, and published below in the
-    // commit order.
-    let mode = match publish {
-        Publish::Locked => Mode::Replace,
-        Publish::Racing => Mode::CreateNew,
+    let bytes = match loc.read(&c.name)? {
+        Some(b) => b,
+        None => loc.read(COMMON_FILE)?.unwrap_or_default(),
     };
+    Ok(Some(Digest::of(&bytes)))
+}
+
+/// What [`encode`] gives: `.metadata`, made and durable but not yet under its name, with its digest
+/// (and SHA-256 when the commit writes a manifest).
+struct Encoded<'a> {
+    staged: Staged<'a>,
+    digest: Digest,
+    sha256: Option<String>,
+}
+
+/// Step 6: the checksum sidecar and `.metadata` are encoded at once, on two threads, each
+/// written to storage as it is made (at scale each is about 1 GB). The sidecar is published;
+/// `.metadata` is staged, and published in its turn ([`publish_metadata`]).
+///
+/// Errors: storage errors (the sidecar's first).
+fn encode<'a>(
+    loc: &'a Location,
+    save_id: &str,
+    global: &validate::Global,
+    publish: Publish,
+    sha256: bool,
+) -> Result<Encoded<'a>> {
     let (sums, meta) = std::thread::scope(|s| {
         let sums = s.spawn(|| -> Result<()> {
             let rel = marker_rel(save_id, CHECKSUMS_FILE);
@@ -348,9 +473,9 @@ fn commit_unguarded(
             sink.finish()?.publish().map(|_| ())
         });
         let meta = (|| -> Result<_> {
-            let mut sink = loc.create_streamed(METADATA_FILE, mode)?;
-            let mut digest = Digester::new(integrity.is_some());
-            write_metadata(&global, &mut |b| {
+            let mut sink = loc.create_streamed(METADATA_FILE, publish.mode())?;
+            let mut digest = Digester::new(sha256);
+            write_metadata(global, &mut |b| {
                 digest.update(b);
                 sink.write(b)
             })?;
@@ -362,18 +487,22 @@ fn commit_unguarded(
         (sums, meta)
     });
     sums?;
-    let (meta, (meta_digest, meta_sha)) = meta?;
-    let mut record = commit_record(
-        save_id,
-        &parts,
-        &counts,
-        &global,
-        meta_digest,
-        common_digest,
-        megatron,
-    );
-    drop(global);
-    if let (Some(m), Some(sha)) = (&mut integrity, meta_sha) {
+    let (staged, (digest, sha256)) = meta?;
+    Ok(Encoded {
+        staged,
+        digest,
+        sha256,
+    })
+}
+
+/// Adds the commit's own top-level files to the manifest, when the save asked for one: `.metadata`
+/// (`meta_sha256`) and, for Megatron saves, `metadata.json`. Pure.
+fn complete_manifest(
+    integrity: &mut Option<Manifest>,
+    meta_sha256: Option<String>,
+    megatron: bool,
+) {
+    if let (Some(m), Some(sha)) = (integrity, meta_sha256) {
         m.add(METADATA_FILE, sha);
         if megatron {
             m.add(
@@ -382,29 +511,69 @@ fn commit_unguarded(
             );
         }
     }
-    let committed_rel = Marker::Committed.rel(save_id);
-    // Staged where it can be renamed into place (see `attempt`), so an overwritten checkpoint
-    // keeps its common state until this commit.
+}
+
+/// Step 6: rank 0's `common.pt` renamed into place from where it was staged (see
+/// `attempt`), so an overwritten checkpoint keeps its common state until this commit. Nothing to
+/// do when it was written in place (object stores) or an earlier attempt renamed it.
+///
+/// Errors: storage errors.
+fn place_common(loc: &Location, common: Option<&FileRecord>) -> Result<()> {
     if let Some(c) = common.filter(|c| c.name != COMMON_FILE && loc.exists(&c.name)) {
         loc.rename(&c.name, COMMON_FILE)?;
     }
-    if !meta.publish()? {
+    Ok(())
+}
+
+/// Step 6: `.metadata` published under its name (locally a rename and a directory fsync).
+///
+/// Errors: storage errors; [`Error::Validation`] when racing (object store) and a different
+/// `.metadata` is already there.
+fn publish_metadata(loc: &Location, staged: Staged, digest: Digest) -> Result<()> {
+    if !staged.publish()? {
         // Racing (object store): a merger of the same parts made the same bytes; anything else
         // is another save's (compared by size and CRC-32, as a record is with its `.metadata`).
         let there = loc.read(METADATA_FILE)?.map(|b| Digest::of(&b));
-        if there != Some(meta_digest) {
+        if there != Some(digest) {
             return Err(Error::Validation(format!(
                 "{loc} already holds a different .metadata (another save's); nothing committed"
             )));
         }
     }
+    Ok(())
+}
+
+/// Step 7: `metadata.json` (Megatron saves), then the manifest.
+///
+/// Errors: storage errors.
+fn write_megatron_files(loc: &Location, megatron: bool, integrity: Option<Manifest>) -> Result<()> {
     if megatron {
         loc.write(
             METADATA_JSON_FILE,
             MEGATRON_METADATA_JSON.as_bytes().to_vec(),
         )?;
     }
-    write_integrity(loc, integrity.map(|m| m.encode()).transpose()?)?;
+    write_integrity(loc, integrity.map(|m| m.encode()).transpose()?)
+}
+
+/// Who created the `COMMITTED` record ([`write_record`]).
+enum Recorded {
+    /// This merger: the record it wrote.
+    Ours(CommitRecord),
+    /// A racing merger (object store), first: the summary of its commit.
+    Theirs(CommitSummary),
+}
+
+/// Step 8: the `COMMITTED` record, stamped with the files as they now are, then a directory fsync.
+///
+/// Errors: storage errors.
+fn write_record(
+    loc: &Location,
+    save_id: &str,
+    mut record: CommitRecord,
+    publish: Publish,
+) -> Result<Recorded> {
+    let committed_rel = Marker::Committed.rel(save_id);
     record.stamp_files(loc)?;
     let record_bytes = record.to_json()?;
     match publish {
@@ -413,24 +582,34 @@ fn commit_unguarded(
         Publish::Racing => {
             if !loc.write_new(&committed_rel, record_bytes)? {
                 // A racing merger created the marker first: the commit is its.
-                return Ok(read_commit_record(loc, save_id)
-                    .map(|r| CommitSummary {
-                        already_committed: true,
-                        ..r.summary
-                    })
-                    .unwrap_or(CommitSummary {
-                        already_committed: true,
-                        ..Default::default()
-                    }));
+                return Ok(Recorded::Theirs(theirs(read_commit_record(loc, save_id))));
             }
         }
     }
     loc.sync_dir()?;
+    Ok(Recorded::Ours(record))
+}
+
+/// The summary a merger that lost the race reports: the winner's record's, if it can be read.
+/// Pure.
+fn theirs(record: Option<CommitRecord>) -> CommitSummary {
+    record
+        .map(|r| CommitSummary {
+            already_committed: true,
+            ..r.summary
+        })
+        .unwrap_or(CommitSummary {
+            already_committed: true,
+            ..Default::default()
+        })
+}
+
+/// Step 8: what the commit made dead weight goes. Best effort.
+fn tidy(loc: &Location, save_id: &str, record: &CommitRecord) {
     // Every rank of this save has published its part, so no writer of it is still writing here;
     // what is left are temporary files of processes killed mid-write.
     loc.sweep_temp_files();
-    remove_superseded(loc, save_id, &record);
-    Ok(record.summary)
+    remove_superseded(loc, save_id, record);
 }
 
 /// Writes the manifest, or removes one left by a checkpoint this commit replaces (its digests
@@ -447,7 +626,7 @@ fn write_integrity(loc: &Location, bytes: Option<Vec<u8>>) -> Result<()> {
 fn commit_record(
     save_id: &str,
     parts: &[RankPart],
-    counts: &std::collections::BTreeMap<u32, (usize, usize)>,
+    counts: &BTreeMap<u32, (usize, usize)>,
     global: &validate::Global,
     meta: Digest,
     common: Option<Digest>,
@@ -732,6 +911,172 @@ mod tests {
             !loc.exists(&Marker::Committing.rel("s")),
             "the lock is gone"
         );
+    }
+
+    /// A part of rank `rank` without items: data file `__{rank}_0.distcp` (with a digest when
+    /// `sha`), and `common` as the name of its `common.pt`.
+    fn bare_part(rank: u32, megatron: bool, common: Option<&str>, sha: bool) -> RankPart {
+        let file = |name: &str| FileRecord {
+            name: name.into(),
+            size: 1,
+            stamp: String::new(),
+            sha256: sha.then(|| "ab".repeat(32)),
+        };
+        RankPart {
+            format: part::PART_FORMAT,
+            save_id: "s".into(),
+            rank,
+            world_size: 2,
+            megatron,
+            published_at_ns: 0,
+            publisher: String::new(),
+            files: vec![file(&format!("__{rank}_0.distcp"))],
+            tensors: vec![],
+            objects: vec![],
+            common: common.map(file),
+        }
+    }
+
+    /// A Megatron save needs a `common.pt` (any rank's, the first found); another save may have
+    /// one or not.
+    #[test]
+    fn common_state_requires_common_pt_of_megatron_saves_only() {
+        let parts = [
+            bare_part(0, true, None, false),
+            bare_part(1, true, Some("c1"), false),
+        ];
+        let state = common_state(&parts).unwrap();
+        assert!(state.megatron);
+        assert_eq!(state.common.map(|c| c.name.as_str()), Some("c1"));
+        let none = [bare_part(0, true, None, false)];
+        let e = common_state(&none).unwrap_err();
+        assert!(
+            matches!(&e, Error::Validation(m) if m == "no rank wrote common.pt (Megatron loaders require it)"),
+            "{e}"
+        );
+        let plain = [bare_part(0, false, None, false)];
+        assert_eq!(
+            common_state(&plain).unwrap(),
+            CommonState {
+                megatron: false,
+                common: None
+            }
+        );
+        assert!(!common_state(&[]).unwrap().megatron);
+    }
+
+    /// The manifest's file names, as encoded.
+    fn manifest_names(m: &Manifest) -> Vec<String> {
+        let json: serde_json::Value = serde_json::from_slice(&m.encode().unwrap()).unwrap();
+        json["files"].as_object().unwrap().keys().cloned().collect()
+    }
+
+    /// The commit adds `.metadata` (and `metadata.json` for Megatron saves) to a manifest, and
+    /// nothing when the save asked for none.
+    #[test]
+    fn complete_manifest_adds_the_commits_own_files() {
+        let parts = [bare_part(0, true, Some(COMMON_FILE), true)];
+        let sha = Some("cd".repeat(32));
+        let mut megatron = Manifest::of_parts(&parts).unwrap();
+        complete_manifest(&mut megatron, sha.clone(), true);
+        assert_eq!(
+            manifest_names(megatron.as_ref().unwrap()),
+            [
+                METADATA_FILE,
+                "__0_0.distcp",
+                COMMON_FILE,
+                METADATA_JSON_FILE
+            ]
+        );
+        let mut plain = Manifest::of_parts(&parts).unwrap();
+        complete_manifest(&mut plain, sha.clone(), false);
+        assert_eq!(
+            manifest_names(plain.as_ref().unwrap()),
+            [METADATA_FILE, "__0_0.distcp", COMMON_FILE]
+        );
+        let mut none = None;
+        complete_manifest(&mut none, sha, true);
+        assert!(none.is_none());
+    }
+
+    /// A merger that lost the race reports the winner's counts, or only that it is committed when
+    /// the winner's record cannot be read.
+    #[test]
+    fn a_merger_that_lost_the_race_reports_the_winners_commit() {
+        let summary = CommitSummary {
+            keys: 3,
+            tensor_chunks: 7,
+            ..Default::default()
+        };
+        let record = CommitRecord {
+            save_id: "s".into(),
+            committed_at_ns: 1,
+            metadata: Digest::of(b"m"),
+            common: None,
+            megatron: false,
+            files: vec![],
+            summary: summary.clone(),
+            metadata_stamp: None,
+            common_stamp: None,
+            layout: None,
+        };
+        assert_eq!(
+            theirs(Some(record)),
+            CommitSummary {
+                already_committed: true,
+                ..summary
+            }
+        );
+        assert_eq!(
+            theirs(None),
+            CommitSummary {
+                already_committed: true,
+                ..Default::default()
+            }
+        );
+        assert_eq!(
+            (Publish::Locked.mode(), Publish::Racing.mode()),
+            (Mode::Replace, Mode::CreateNew)
+        );
+    }
+
+    /// Racing on an object store, a merger finds `.metadata` there: the same bytes finish the
+    /// commit, other bytes (another save's) refuse it and are left as they are.
+    #[test]
+    fn publish_metadata_accepts_only_identical_bytes_already_there() {
+        let loc = memory("publish");
+        let staged = |bytes: &[u8]| {
+            let mut sink = loc.create_streamed(METADATA_FILE, Mode::CreateNew).unwrap();
+            sink.write(bytes).unwrap();
+            sink.finish().unwrap()
+        };
+        publish_metadata(&loc, staged(b"meta"), Digest::of(b"meta")).unwrap();
+        publish_metadata(&loc, staged(b"meta"), Digest::of(b"meta")).unwrap();
+        let e = publish_metadata(&loc, staged(b"other"), Digest::of(b"other")).unwrap_err();
+        assert!(
+            matches!(&e, Error::Validation(m) if m.ends_with("already holds a different .metadata (another save's); nothing committed")),
+            "{e}"
+        );
+        assert_eq!(loc.read(METADATA_FILE).unwrap(), Some(b"meta".to_vec()));
+    }
+
+    /// The staged `common.pt` is renamed into place; one already in place (an object store's, or
+    /// renamed by an earlier attempt) is left.
+    #[test]
+    fn place_common_renames_the_staged_common_pt_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let loc = Location::local(dir.path());
+        let staged = marker_rel("s", COMMON_FILE);
+        loc.write(&staged, b"PK new".to_vec()).unwrap();
+        let part = bare_part(0, true, Some(&staged), false);
+        place_common(&loc, part.common.as_ref()).unwrap();
+        assert_eq!(loc.read(COMMON_FILE).unwrap(), Some(b"PK new".to_vec()));
+        assert!(!loc.exists(&staged));
+        place_common(&loc, part.common.as_ref()).unwrap();
+        let in_place = bare_part(0, true, Some(COMMON_FILE), false);
+        place_common(&loc, in_place.common.as_ref()).unwrap();
+        place_common(&loc, None).unwrap();
+        assert_eq!(loc.read(COMMON_FILE).unwrap(), Some(b"PK new".to_vec()));
     }
 
     /// A data file rewritten after its part was published is not merged: the merge waits past the
