@@ -138,7 +138,7 @@ The checkpoint is in {ckpt}. Try:
   .venv/bin/shardwise status {ckpt}
   .venv/bin/python -c "import shardwise; r = shardwise.open('{ckpt}'); print(r); print(r.read('embedding.word_embeddings.weight').shape)"
   make test        # every test: cargo test + pytest (torch, megatron-core, gloo processes)
-The README covers the Python API (shardwise.megatron.save, the drop-in install()), to-hf and object stores.""")
+The README has a quick start; docs/megatron.md covers the Python API (shardwise.megatron.save, the drop-in install()), docs/hf.md to-hf and from-hf, docs/object-storage.md object stores.""")
     sys.exit(0 if ok else 1)
 
 
