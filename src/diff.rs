@@ -816,8 +816,9 @@ fn diff_hf(
     Ok(out)
 }
 
-/// A Hugging Face safetensors folder: `*.safetensors` files (with or without
-/// `model.safetensors.index.json`), mapped.
+/// A Hugging Face safetensors folder, read as transformers' loaders and `from-hf` read it: the
+/// files `model.safetensors.index.json` names, each tensor where the index puts it, or
+/// `model.safetensors` alone; mapped.
 struct HfFolder {
     dir: PathBuf,
     tensors: BTreeMap<String, HfEntry>,
@@ -825,6 +826,8 @@ struct HfFolder {
 
 struct HfEntry {
     file: std::sync::Arc<Mmap>,
+    /// The weight file's name in the folder.
+    file_name: String,
     dtype: DType,
     shape: Vec<u64>,
     /// Byte range of the data in the file.
@@ -833,29 +836,32 @@ struct HfEntry {
 }
 
 impl HfFolder {
-    fn files(dir: &Path) -> Vec<PathBuf> {
-        let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
-            .into_iter()
-            .flatten()
-            .flatten()
-            .map(|e| e.path())
-            .filter(|p| p.extension().is_some_and(|x| x == "safetensors") && p.is_file())
-            .collect();
-        v.sort();
-        v
-    }
-
+    /// Whether `dir` looks like an HF folder (an index or a `*.safetensors` file), to be opened
+    /// as one rather than as a checkpoint.
     fn is_one(dir: &Path) -> bool {
-        !Self::files(dir).is_empty()
+        dir.join(hf::INDEX).is_file()
+            || std::fs::read_dir(dir)
+                .into_iter()
+                .flatten()
+                .flatten()
+                .any(|e| {
+                    let p = e.path();
+                    p.extension().is_some_and(|x| x == "safetensors") && p.is_file()
+                })
     }
 
-    /// Maps every `*.safetensors` file of `dir` and reads its header (safetensors crate format).
+    /// Maps the weight files of `dir` ([`hf::weight_files`]) and reads their headers (safetensors
+    /// crate format); files the index does not name are not read (a stale shard of an earlier
+    /// export is no part of the model).
     ///
-    /// Errors: [`Error::Corrupt`] for a malformed header or a tensor named in two files, a dtype
-    /// with no DCP name; [`Error::Io`].
+    /// Errors: [`Error::InvalidArgument`] for a folder without an index or `model.safetensors`,
+    /// or an index naming a missing file; [`Error::Validation`] for an index that puts a tensor in
+    /// a file that does not hold it; [`Error::Corrupt`] for a malformed header or a tensor named in
+    /// two files, a dtype with no DCP name; [`Error::Io`].
     fn open(dir: &Path) -> Result<HfFolder> {
-        let mut tensors = BTreeMap::new();
-        for path in Self::files(dir) {
+        let mut tensors: BTreeMap<String, HfEntry> = BTreeMap::new();
+        for file_name in hf::weight_files(dir)? {
+            let path = dir.join(&file_name);
             let f = crate::storage::open_regular(&path).map_err(Error::io("open", &path))?;
             // SAFETY: read-only mapping of a file we do not write; a concurrent writer could only
             // produce wrong values, which the comparison reports.
@@ -875,6 +881,7 @@ impl HfFolder {
                 let (s, e) = info.data_offsets;
                 let entry = HfEntry {
                     file: map.clone(),
+                    file_name: file_name.clone(),
                     dtype,
                     shape: info.shape.iter().map(|&d| d as u64).collect(),
                     start: data + s,
@@ -888,6 +895,7 @@ impl HfFolder {
                 }
             }
         }
+        hf::check_index(dir, |name| tensors.get(name).map(|t| t.file_name.as_str()))?;
         Ok(HfFolder {
             dir: dir.to_path_buf(),
             tensors,

@@ -5,6 +5,7 @@ GPTModels saved by Megatron's own torch_dist (TP=2, the shared ``tp2dp2`` run) a
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -153,6 +154,42 @@ def test_diff_checkpoint_against_its_to_hf_output(tp2dp2, hf_config, tmp_path):
     st.write_bytes(bytes(b))
     r = cli("diff", base / "shardwise", out, "--allow-unmapped")
     assert r.returncode == 1 and r.stdout.count("DIFFERENT ") == 1, r.stdout + r.stderr
+
+
+def test_diff_reads_an_hf_folder_through_its_index_as_loaders_do(tp2dp2, hf_config, tmp_path):
+    """diff reads an HF folder as transformers and from-hf do, through model.safetensors.index.json:
+    an index naming a missing file, misplacing a tensor or naming none is never "equal"; a stale
+    shard the index does not name is ignored, as loaders ignore it."""
+    base, _ = tp2dp2
+    out = tmp_path / "hf"
+    shardwise.to_hf(str(base / "megatron"), str(out), hf_config=str(hf_config), max_shard_size="100KB",
+                     allow_unmapped=True)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) >= 2
+
+    def with_index(name, weight_map, extra=None):
+        d = tmp_path / name
+        shutil.copytree(out, d)
+        (d / "model.safetensors.index.json").write_text(json.dumps({**index, "weight_map": weight_map}))
+        if extra:
+            shutil.copy(out / files[0], d / extra)
+        return d
+
+    first = sorted(index["weight_map"])[0]
+    missing = with_index("missing", {**index["weight_map"], first: "model-99999-of-99999.safetensors"})
+    with pytest.raises(shardwise.InvalidArgumentError, match="which is not a file"):
+        shardwise.diff(base / "megatron", missing, allow_unmapped=True)
+    other = next(f for f in files if f != index["weight_map"][first])
+    moved = with_index("moved", {**index["weight_map"], first: other})
+    with pytest.raises(shardwise.ValidationError, match=f"puts {re.escape(first)} in {re.escape(other)}"):
+        shardwise.diff(base / "megatron", moved, allow_unmapped=True)
+    empty = with_index("empty", {})
+    assert shardwise.diff(base / "megatron", empty, allow_unmapped=True)["exit_code"] != 0
+    r = cli("diff", base / "megatron", empty, "--allow-unmapped")
+    assert r.returncode != 0 and "equal" in r.stdout and " 0 only in A" not in r.stdout, r.stdout + r.stderr
+    stale = with_index("stale", index["weight_map"], extra="model-00099-of-00099.safetensors")
+    assert shardwise.diff(base / "megatron", stale, allow_unmapped=True)["exit_code"] == 0
 
 
 # --- damage found by read, to-hf and verify ------------------------------------------------------

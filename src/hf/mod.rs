@@ -39,11 +39,13 @@ use crate::format::METADATA_FILE;
 use crate::reader::Checkpoint;
 use crate::storage::{create_dir_all, Location};
 
+pub(crate) use from_hf::{check_index, weight_files};
 pub use from_hf::{from_hf, parse_max_file_size, FromHfOptions, FromHfSummary, Impl};
 pub use output::Part;
 pub(crate) use plan::{read_hf_tensor, HfTensor, Plan};
 pub(crate) use spec::Post;
 pub(crate) use write::dtype_of_st;
+pub(crate) use write::INDEX;
 
 /// The HF-side parsers of untrusted bytes, as [`crate::fuzzing`] drives them: each must return,
 /// never panic, hang or allocate by a number it has not checked.

@@ -38,7 +38,7 @@ use crate::storage::Location;
 use crate::writer::{ByteObject, Payload, TensorChunk};
 
 pub use plan::Impl;
-pub(crate) use source::parse_untrusted;
+pub(crate) use source::{check_index, parse_untrusted, weight_files};
 
 /// Options of a conversion.
 #[derive(Clone, Debug)]

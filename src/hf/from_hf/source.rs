@@ -19,8 +19,9 @@ use super::super::write::dtype_of_st;
 use crate::error::{Error, Result};
 use crate::format::dtype::DType;
 
-/// The index file of a sharded folder, and the single file of an unsharded one.
-const INDEX: &str = "model.safetensors.index.json";
+use super::super::write::INDEX;
+
+/// The single weight file of an unsharded folder (the index is [`INDEX`]).
 const SINGLE: &str = "model.safetensors";
 
 /// Where a stored tensor's bytes are: file index, absolute byte offset, length.
@@ -218,18 +219,9 @@ impl HfSource {
             }
             handles.push(file);
         }
-        if let Some(map) = index_map(dir)? {
-            for (name, f) in &map {
-                match stored.get(name) {
-                    Some(t) if files[t.span.file] == *f => {}
-                    _ => {
-                        return Err(Error::Validation(format!(
-                            "{INDEX} puts {name} in {f}, which does not hold it"
-                        )))
-                    }
-                }
-            }
-        }
+        check_index(dir, |name| {
+            stored.get(name).map(|t| files[t.span.file].as_str())
+        })?;
         let not_converted: Vec<String> = config
             .get("quantization_config")
             .and_then(|q| q.get("modules_to_not_convert"))
@@ -425,8 +417,30 @@ fn convert_float(
     Ok(())
 }
 
-/// The weight files of `dir`: those the index names (sorted, each once), or `model.safetensors`.
-fn weight_files(dir: &Path) -> Result<Vec<String>> {
+/// Checks that every tensor the index of `dir` names is in the file it names (`holder(name)`: the
+/// weight file that holds `name`, None if none does); a folder without an index passes.
+///
+/// Errors: [`Error::Validation`] naming the first tensor the index misplaces; the index's errors.
+pub(crate) fn check_index<'a>(dir: &Path, holder: impl Fn(&str) -> Option<&'a str>) -> Result<()> {
+    let Some(map) = index_map(dir)? else {
+        return Ok(());
+    };
+    for (name, f) in &map {
+        if holder(name) != Some(f.as_str()) {
+            return Err(Error::Validation(format!(
+                "{INDEX} puts {name} in {f}, which does not hold it"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The weight files of `dir`, as transformers' loaders find them: those the index names (sorted,
+/// each once), or `model.safetensors`.
+///
+/// Errors: [`Error::InvalidArgument`] for an index naming a file that is not in the folder, or a
+/// folder with neither; [`Error::Validation`] for a name outside the folder; the index's errors.
+pub(crate) fn weight_files(dir: &Path) -> Result<Vec<String>> {
     match index_map(dir)? {
         Some(map) => {
             let files: BTreeSet<String> = map.into_values().collect();
