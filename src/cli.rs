@@ -177,10 +177,12 @@ enum Command {
         /// Dtype of the written tensors: bf16, fp16 or fp32 (quantized weights are dequantized into it).
         #[arg(long, default_value = "bf16")]
         dtype: String,
-        /// Megatron-LM's --transformer-impl of the model that will load the checkpoint:
-        /// transformer_engine fuses each norm into the linear after it
-        /// (self_attention.linear_qkv.layer_norm_weight, ...), local keeps input_layernorm and
-        /// pre_mlp_layernorm.
+        /// Megatron-LM's --transformer-impl of the model that will load the checkpoint (stored in
+        /// the args): transformer_engine fuses each norm into the linear after it
+        /// (self_attention.linear_qkv.layer_norm_weight, ...); local keeps them separate modules,
+        /// but megatron-core's local GPT spec saves a linear_qkv attention's two norms under the
+        /// fused names on every layer, so a dense model's keys are the same; they differ for MoE
+        /// layers' pre-MLP norm and MLA's q/kv norms.
         #[arg(long, default_value = "transformer_engine", value_parser = ["transformer_engine", "local"])]
         transformer_impl: String,
         /// Megatron-LM's --moe-grouped-gemm (recorded in the stored args; the keys are the same).
