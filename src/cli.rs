@@ -60,7 +60,7 @@ enum Command {
         torch_compat: Option<String>,
         /// Bound in seconds on each object-store request, its retries included (default: 30 s
         /// per attempt, retried for SHARDWISE_RETRY_TIMEOUT_S, 60 s).
-        #[arg(long, value_name = "S")]
+        #[arg(long, value_name = "S", allow_negative_numbers = true)]
         timeout: Option<f64>,
     },
     /// Saves in a directory: save id, rank parts and their age, missing ranks, commit state, layout.
@@ -157,7 +157,7 @@ enum Command {
         json: bool,
         /// Bound in seconds on each object-store request, its retries included (default: 30 s
         /// per attempt, retried for SHARDWISE_RETRY_TIMEOUT_S, 60 s).
-        #[arg(long, value_name = "S")]
+        #[arg(long, value_name = "S", allow_negative_numbers = true)]
         timeout: Option<f64>,
     },
     /// Convert a Hugging Face folder (config.json and safetensors, also block-FP8 or MXFP4) into a
@@ -263,7 +263,7 @@ enum Command {
         world_size: Option<u32>,
         /// Seconds to wait for missing parts; also the bound of each object-store request, its
         /// retries included (0: the default bound, 30 s per attempt retried for 60 s).
-        #[arg(long, default_value_t = 0.0)]
+        #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
         timeout: f64,
         #[arg(long, help = JSON_HELP)]
         json: bool,
@@ -1468,10 +1468,10 @@ struct DiffArgs {
     #[arg(long, value_name = "PATTERN")]
     exclude: Vec<String>,
     /// Absolute tolerance: |a - b| <= atol + rtol * max(|a|, |b|).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     atol: f64,
     /// Relative tolerance.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     rtol: f64,
     /// HF config.json of the to-hf mapping (default: the HF folder's own config.json).
     #[arg(long)]

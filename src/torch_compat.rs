@@ -38,10 +38,17 @@ use crate::storage::Location;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
 pub struct Torch(pub u32, pub u32);
 
+/// The oldest and the newest torch release whose DCP `.metadata` classes shardwise knows (read
+/// from each wheel's `torch/distributed/checkpoint/metadata.py`, dcp-format.md): a claim about a
+/// release outside them would be a guess.
+pub const OLDEST_KNOWN: Torch = Torch(2, 3);
+pub const NEWEST_KNOWN: Torch = Torch(2, 15);
+
 impl Torch {
     /// Parses `2.3`, `2.3.1` or `2.15.0+cu132`.
     ///
-    /// Errors: [`Error::InvalidArgument`] for anything else, or a release before 2.3.
+    /// Errors: [`Error::InvalidArgument`] for anything else, or a release before
+    /// [`OLDEST_KNOWN`] or after [`NEWEST_KNOWN`].
     pub fn parse(s: &str) -> Result<Torch> {
         let bad = || {
             Error::InvalidArgument(format!(
@@ -52,9 +59,9 @@ impl Torch {
         let major = it.next().and_then(|m| m.parse().ok()).ok_or_else(bad)?;
         let minor = it.next().and_then(|m| m.parse().ok()).ok_or_else(bad)?;
         let t = Torch(major, minor);
-        if t < Torch(2, 3) {
+        if t < OLDEST_KNOWN || t > NEWEST_KNOWN {
             return Err(Error::InvalidArgument(format!(
-                "--torch-compat {s}: shardwise knows the DCP format from torch 2.3 on"
+                "--torch-compat {s}: shardwise knows the DCP format of torch {OLDEST_KNOWN} to {NEWEST_KNOWN}; for another release, load the checkpoint with that torch itself"
             )));
         }
         Ok(t)
@@ -531,7 +538,7 @@ mod tests {
         assert_eq!(Torch::parse("2.3").unwrap(), Torch(2, 3));
         assert_eq!(Torch::parse("2.14.1").unwrap(), Torch(2, 14));
         assert_eq!(Torch::parse("2.15.0+cu132").unwrap(), Torch(2, 15));
-        for bad in ["2", "x.1", "2.2", "1.13"] {
+        for bad in ["2", "x.1", "2.2", "1.13", "2.16", "3.0", "9.9"] {
             assert!(Torch::parse(bad).is_err(), "{bad}");
         }
     }

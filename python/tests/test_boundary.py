@@ -196,6 +196,14 @@ def test_load_merge_barrier_and_tools_refuse_bad_numbers(tmp_path):
     # The CLI follows the same rule (timeout_from_secs) and never panics.
     r = cli("merge", d, "--save-id", "x", "--world-size", "1", "--timeout", "1e19")
     assert r.returncode == 1 and "timeout" in r.stderr and "panicked" not in r.stderr, r.stderr
+    # A negative number is a bad value, refused with the rule's message (exit 1; diff's bad command
+    # line is 2), not an unknown flag.
+    for args, code, says in ((("merge", d, "--save-id", "x", "--world-size", "1", "--timeout", "-1"), 1, "got -1"),
+                             (("verify", d, "--timeout", "-1"), 1, "got -1"),
+                             (("diff", d, d, "--atol", "-1"), 2, "must be numbers >= 0")):
+        r = cli(*args)
+        assert r.returncode == code and says in r.stderr, (args, r.returncode, r.stderr)
+        assert "unexpected argument" not in r.stderr and "panicked" not in r.stderr, (args, r.stderr)
 
 
 # --- reports: one serde type each, the CLI's --json fields ------------------------------------------
