@@ -55,13 +55,17 @@ def functions(path: Path):
     """``(name, first line, lines)`` of each function in ``path`` (nested ones too)."""
     lines = path.read_text().splitlines()
     state, depth, open_fns, found = {"block": False}, 0, [], []
-    pending = None
+    pending, nest = None, 0  # nest: ( and [ open in a pending signature (`[T; 2]` holds a `;`)
     for no, raw in enumerate(lines, 1):
         m = FN.match(raw)
         if m and not state["block"]:
-            pending = (m.group(1), no)
+            pending, nest = (m.group(1), no), 0
         code = strip(raw, state)
         for c in code:
+            if c in "([":
+                nest += 1
+            elif c in ")]":
+                nest -= 1
             if c == "{":
                 depth += 1
                 if pending:
@@ -72,7 +76,7 @@ def functions(path: Path):
                     name, start, _ = open_fns.pop()
                     found.append((name, start, no - start + 1))
                 depth -= 1
-            elif c == ";" and pending:
+            elif c == ";" and pending and nest <= 0:
                 pending = None  # a declaration without a body (trait method)
     return found
 
