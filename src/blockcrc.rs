@@ -46,7 +46,7 @@ pub fn covering(r: &Range<u64>, block: u64) -> Range<u64> {
 pub struct PieceCrc {
     /// Index of the item (tensor) in the caller's list.
     pub item: usize,
-    pub at: u64,
+    pub(crate) at: u64,
     parts: Vec<(u64, Hasher)>,
 }
 

@@ -55,9 +55,9 @@ use crate::storage::{Listed, Location};
 pub struct Summary {
     /// Number of ranks whose `__{rank}.metadata` was merged.
     pub ranks: u32,
-    pub keys: usize,
+    pub(crate) keys: usize,
     pub tensor_chunks: usize,
-    pub byte_objects: usize,
+    pub(crate) byte_objects: usize,
     /// Exact replicas written by more than one rank, kept once.
     pub replicas_dropped: usize,
     pub metadata_bytes: u64,

@@ -138,7 +138,7 @@ pub fn first_names(names: &[String], max: usize) -> String {
     format!("{}{more}", shown.join(", "))
 }
 
-pub fn fmt_ranks(ranks: &[u32]) -> String {
+pub(crate) fn fmt_ranks(ranks: &[u32]) -> String {
     let mut out: Vec<String> = Vec::new();
     let mut i = 0;
     while i < ranks.len() {

@@ -102,10 +102,6 @@ impl DeviceCopier {
         Ok(DeviceCopier { ctx, stream })
     }
 
-    pub fn context(&self) -> &Arc<CudaContext> {
-        &self.ctx
-    }
-
     /// Queues a copy of `dst.len()` bytes from device address `src`.
     ///
     /// # Safety

@@ -17,7 +17,7 @@ pub fn set_interrupt_check(check: fn() -> bool) {
 }
 
 /// Whether the process was asked to stop (Ctrl-C seen by the check [`set_interrupt_check`] set).
-pub(crate) fn interrupted() -> bool {
+pub fn interrupted() -> bool {
     INTERRUPT_CHECK.get().is_some_and(|f| f())
 }
 
@@ -31,7 +31,7 @@ const POLL: Duration = Duration::from_millis(20);
 ///
 /// Why a second thread: the Python binding's check runs signal handlers only on Python's main
 /// thread (the caller here), never on a pool's workers. A panic in `work` is resumed here.
-pub(crate) fn watching<T: Send>(work: impl FnOnce(&AtomicBool) -> T + Send) -> (T, bool) {
+pub fn watching<T: Send>(work: impl FnOnce(&AtomicBool) -> T + Send) -> (T, bool) {
     let stop = AtomicBool::new(interrupted());
     let caller = std::thread::current();
     let out = std::thread::scope(|scope| {

@@ -98,9 +98,9 @@ pub struct Request {
     pub key: String,
     pub offsets: Vec<u64>,
     pub sizes: Vec<u64>,
-    pub ptr: u64,
-    pub nbytes: u64,
-    pub device: Option<u32>,
+    pub(crate) ptr: u64,
+    pub(crate) nbytes: u64,
+    pub(crate) device: Option<u32>,
 }
 
 /// Options of [`load`].
@@ -139,7 +139,7 @@ pub struct LoadStats {
     /// Read operations (planned reads, probes included): one GET each from an object store, a
     /// loop of [`READ_STEP_BYTES`] `pread`s from a local file.
     pub read_ops: u64,
-    pub requests: usize,
+    pub(crate) requests: usize,
     /// Wall time of the whole call, in seconds.
     pub seconds: f64,
     /// Wall time of validation, item location and planning, in seconds.
@@ -159,7 +159,7 @@ pub struct Tensor<'a> {
     pub key: &'a str,
     pub dtype: DType,
     pub global_shape: &'a [u64],
-    pub chunks: &'a [Chunk],
+    pub(crate) chunks: &'a [Chunk],
 }
 
 /// Validated requests ([`validate`]): the tensor of each request (by request index), and the
@@ -167,7 +167,7 @@ pub struct Tensor<'a> {
 #[derive(Debug)]
 pub struct Validated<'a> {
     pub tensors: Vec<Tensor<'a>>,
-    pub pieces: Vec<Piece>,
+    pub(crate) pieces: Vec<Piece>,
 }
 
 /// A needed item: chunk `index` of the tensor `key`.

@@ -116,8 +116,8 @@ impl Drop for ItemBytes {
 
 /// A chunk's stored tensor together with the item bytes it lives in.
 pub struct ChunkData {
-    pub tensor: StoredTensor,
-    pub blob: ItemBytes,
+    pub(crate) tensor: StoredTensor,
+    pub(crate) blob: ItemBytes,
 }
 
 impl ChunkData {

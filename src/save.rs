@@ -66,11 +66,11 @@ pub struct SaveReport {
     pub rank: u32,
     pub save_id: String,
     pub data_file: Option<String>,
-    pub data_bytes: u64,
-    pub write_s: f64,
-    pub rendezvous_s: f64,
+    pub(crate) data_bytes: u64,
+    pub(crate) write_s: f64,
+    pub(crate) rendezvous_s: f64,
     pub committed: bool,
-    pub commit: Option<CommitSummary>,
+    pub(crate) commit: Option<CommitSummary>,
 }
 
 /// Saves this rank's chunks and objects (and `common.pt` when `common` is given) and takes part in

@@ -64,11 +64,11 @@ pub struct HostBuffer {
 unsafe impl Send for HostBuffer {}
 
 impl HostBuffer {
-    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+    pub(crate) fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: ptr/len describe an allocation owned by the pool and lent exclusively to us.
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
     }
-    pub fn as_slice(&self) -> &[u8] {
+    pub(crate) fn as_slice(&self) -> &[u8] {
         // SAFETY: as above.
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
     }
@@ -98,7 +98,7 @@ pub struct StagingPool {
     memory: Memory,
     /// (address, bytes) of every allocated buffer, for Drop.
     all: Mutex<Vec<(usize, usize)>>,
-    pub buffer_size: usize,
+    pub(crate) buffer_size: usize,
 }
 
 /// Buffers a pool allocates when it is created: two, so that copies overlap writes from the
@@ -199,10 +199,6 @@ impl StagingPool {
         self.all.lock().unwrap().len()
     }
 
-    pub fn is_pinned(&self) -> bool {
-        matches!(self.memory, Memory::Pinned(_))
-    }
-
     /// Raises the capacity to `count` buffers (never lowers it).
     pub fn grow_to(&self, count: usize) {
         let mut g = self.grown.lock().unwrap();
@@ -231,7 +227,7 @@ impl StagingPool {
         }
     }
 
-    pub fn give_back(&self, b: HostBuffer) {
+    pub(crate) fn give_back(&self, b: HostBuffer) {
         self.grown.lock().unwrap().free.push(b);
         self.returned.notify_one();
     }

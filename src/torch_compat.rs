@@ -42,7 +42,7 @@ pub struct Torch(pub u32, pub u32);
 /// from each wheel's `torch/distributed/checkpoint/metadata.py`, dcp-format.md): a claim about a
 /// release outside them would be a guess.
 pub const OLDEST_KNOWN: Torch = Torch(2, 3);
-pub const NEWEST_KNOWN: Torch = Torch(2, 15);
+pub(crate) const NEWEST_KNOWN: Torch = Torch(2, 15);
 
 impl Torch {
     /// Parses `2.3`, `2.3.1` or `2.15.0+cu132`.
@@ -77,7 +77,7 @@ impl std::fmt::Display for Torch {
 /// One reason a torch release cannot read the checkpoint.
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]
 pub struct Blocker {
-    pub reason: String,
+    pub(crate) reason: String,
     /// `rewrite-metadata` removes it.
     pub rewritable: bool,
 }
@@ -85,9 +85,9 @@ pub struct Blocker {
 /// Whether `target` reads the checkpoint.
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]
 pub struct Compat {
-    pub torch: Torch,
-    pub readable: bool,
-    pub blockers: Vec<Blocker>,
+    pub(crate) torch: Torch,
+    pub(crate) readable: bool,
+    pub(crate) blockers: Vec<Blocker>,
 }
 
 /// What the `.metadata` pickle uses that limits the torch releases reading it.
@@ -415,10 +415,10 @@ impl Emitter {
 /// What [`rewrite`] did.
 #[derive(Clone, Debug, Serialize)]
 pub struct Rewritten {
-    pub torch: Torch,
+    pub(crate) torch: Torch,
     /// `.metadata` already read in `torch`: nothing was written.
     pub unchanged: bool,
-    pub metadata_bytes_before: u64,
+    pub(crate) metadata_bytes_before: u64,
     pub metadata_bytes: u64,
     /// What the rewrite removed.
     pub removed: Vec<String>,

@@ -44,14 +44,14 @@ pub struct Problem {
     pub key: String,
     pub file: Option<String>,
     pub offset: Option<u64>,
-    pub message: String,
+    pub(crate) message: String,
 }
 
 /// What `verify` found.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct Report {
-    pub keys: usize,
-    pub items: usize,
+    pub(crate) keys: usize,
+    pub(crate) items: usize,
     /// Items whose CRC-32 was checked against the sidecar (0 in quick mode).
     pub sidecar_checked: usize,
     /// True when item data was not read (`--quick`).

@@ -69,7 +69,7 @@ pub struct ByteObject<'a> {
 pub struct Placed {
     pub offset: u64,
     pub length: u64,
-    pub crc32: u32,
+    pub(crate) crc32: u32,
     /// CRC-32s of the blocks of a tensor's payload ([`crate::blockcrc`]); empty for objects.
     pub blocks: Vec<u32>,
 }
@@ -78,7 +78,7 @@ pub struct Placed {
 pub struct Written {
     pub tensors: Vec<Placed>,
     pub objects: Vec<Placed>,
-    pub file_size: u64,
+    pub(crate) file_size: u64,
     /// SHA-256 of the whole file, when asked for (`digest`).
     pub sha256: Option<[u8; 32]>,
 }
@@ -204,7 +204,7 @@ pub fn check_chunk(c: &TensorChunk) -> Result<()> {
 /// How to stage payloads through host buffers (required for device payloads; for host payloads it
 /// lets the caller reuse its memory as soon as `on_staged` runs).
 pub struct Staging<'s> {
-    pub pool: &'s crate::staging::StagingPool,
+    pub(crate) pool: &'s crate::staging::StagingPool,
     /// The caller's current CUDA stream per device (`CUstream` as an integer).
     pub caller_streams: &'s std::collections::HashMap<u32, u64>,
     /// Called once every payload byte has been copied into host buffers; from then on the writer no

@@ -17,7 +17,7 @@ use crate::storage::{Listed, Location};
 
 const MAGIC: &[u8; 8] = b"SWPART02";
 pub const PART_FORMAT: u32 = 2;
-pub const STATE_DIR: &str = ".shardwise";
+pub(crate) const STATE_DIR: &str = ".shardwise";
 
 /// A file a rank wrote: its name inside the checkpoint, its size in bytes and its storage identity
 /// ([`Location::stamp`]) when the rank published its part.
@@ -252,9 +252,9 @@ pub struct TensorView<'a> {
     pub file: u32,
     pub offset: u64,
     pub length: u64,
-    pub crc32: u32,
+    pub(crate) crc32: u32,
     #[serde(default)]
-    pub blocks: Vec<u32>,
+    pub(crate) blocks: Vec<u32>,
 }
 
 /// [`ObjectRecord`] borrowed from a part file's bytes.
@@ -265,7 +265,7 @@ pub struct ObjectView<'a> {
     pub file: u32,
     pub offset: u64,
     pub length: u64,
-    pub crc32: u32,
+    pub(crate) crc32: u32,
 }
 
 impl<'a> From<&'a TensorRecord> for TensorView<'a> {
@@ -425,8 +425,8 @@ pub fn listed_parts(loc: &Location, save_id: &str) -> Result<Vec<(u32, Listed)>>
 /// writer's clock), so that a waiter can tell a marker of its own attempt from an earlier one's.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub struct Failed {
-    pub at_ns: u64,
-    pub reason: String,
+    pub(crate) at_ns: u64,
+    pub(crate) reason: String,
 }
 
 /// Publishes `FAILED` for `save_id` (replacing an earlier one). Best effort: the caller is already

@@ -15,10 +15,10 @@ pub struct CommitSummary {
     /// The save had already been committed (by a racing merger or an earlier merge); the counts
     /// are then that commit's.
     pub already_committed: bool,
-    pub keys: usize,
+    pub(crate) keys: usize,
     pub tensor_chunks: usize,
-    pub byte_objects: usize,
-    pub data_bytes: u64,
+    pub(crate) byte_objects: usize,
+    pub(crate) data_bytes: u64,
     pub metadata_bytes: u64,
     /// The `COMMITTING` lock of a merger that had died was taken over.
     pub took_over_dead_merger: bool,
@@ -28,11 +28,11 @@ pub struct CommitSummary {
 #[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub struct Digest {
     pub size: u64,
-    pub crc32: u32,
+    pub(crate) crc32: u32,
 }
 
 impl Digest {
-    pub fn of(bytes: &[u8]) -> Digest {
+    pub(crate) fn of(bytes: &[u8]) -> Digest {
         Digest {
             size: bytes.len() as u64,
             crc32: crc32fast::hash(bytes),
@@ -49,7 +49,7 @@ pub struct Digester {
 }
 
 impl Digester {
-    pub fn new(sha256: bool) -> Digester {
+    pub(crate) fn new(sha256: bool) -> Digester {
         Digester {
             size: 0,
             crc: crc32fast::Hasher::new(),
@@ -57,7 +57,7 @@ impl Digester {
         }
     }
 
-    pub fn update(&mut self, bytes: &[u8]) {
+    pub(crate) fn update(&mut self, bytes: &[u8]) {
         self.size += bytes.len() as u64;
         self.crc.update(bytes);
         if let Some(s) = &mut self.sha256 {
@@ -91,7 +91,7 @@ pub struct CommitRecord {
     pub megatron: bool,
     /// The data files (name inside the checkpoint, size in bytes).
     pub files: Vec<(String, u64)>,
-    pub summary: CommitSummary,
+    pub(crate) summary: CommitSummary,
     /// The storage stamps ([`Location::stamp`]: size and mtime in ns locally, the ETag on object
     /// stores) of `.metadata` and `common.pt` right after this commit wrote them. While a file
     /// keeps its stamp, its digest above holds without reading the file (issue 27: `status`,
@@ -100,7 +100,7 @@ pub struct CommitRecord {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub metadata_stamp: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub common_stamp: Option<String>,
+    pub(crate) common_stamp: Option<String>,
     /// What each rank's part held, so that `status` of a committed save reads this record, not
     /// the parts (their item records grow with the chunks: 0.93 MiB of parts for a 4.7 MiB
     /// `.metadata`, issue 37). Absent in records written before it was added: the parts are
@@ -125,7 +125,7 @@ pub struct SaveLayout {
 pub struct RankLayout {
     pub rank: u32,
     pub tensor_chunks: usize,
-    pub byte_objects: usize,
+    pub(crate) byte_objects: usize,
     pub bytes: u64,
     pub files: Vec<String>,
     /// It wrote `common.pt`.

@@ -57,8 +57,8 @@ impl Blob for [u8] {
 /// The first and the last bytes of an item of `size` bytes.
 pub struct HeadTail<'a> {
     pub size: usize,
-    pub head: &'a [u8],
-    pub tail: &'a [u8],
+    pub(crate) head: &'a [u8],
+    pub(crate) tail: &'a [u8],
 }
 
 impl Blob for HeadTail<'_> {
@@ -224,7 +224,7 @@ pub fn bad_record_crcs(blob: &[u8], recs: &[Record]) -> Vec<String> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StoredTensor {
     pub dtype: DType,
-    pub shape: Vec<u64>,
+    pub(crate) shape: Vec<u64>,
     /// Strides in elements.
     pub strides: Vec<u64>,
     /// Offset of element 0 in the storage, in elements.

@@ -84,7 +84,7 @@ pub type FxBuildHasher = std::hash::BuildHasherDefault<FxHasher>;
 /// memo entries (`BINGET`) when `reuse` is on, which keeps a `.metadata` with millions of chunks
 /// small. `data.pkl` is emitted with `reuse` off, mirroring a pickler that sees each object once.
 pub struct Pickler {
-    pub buf: Vec<u8>,
+    pub(crate) buf: Vec<u8>,
     next_memo: u32,
     reuse: bool,
     strings: HashMap<String, u32, FxBuildHasher>,
@@ -298,13 +298,13 @@ impl Pickler {
     pub fn build(&mut self) {
         self.buf.push(BUILD);
     }
-    pub fn reduce(&mut self) {
+    pub(crate) fn reduce(&mut self) {
         self.buf.push(REDUCE);
     }
     pub fn newobj(&mut self) {
         self.buf.push(NEWOBJ);
     }
-    pub fn binpersid(&mut self) {
+    pub(crate) fn binpersid(&mut self) {
         self.buf.push(BINPERSID);
     }
 }

@@ -24,7 +24,7 @@ pub struct ItemChecksum {
     pub offset: u64,
     /// Bytes.
     pub length: u64,
-    pub crc32: u32,
+    pub(crate) crc32: u32,
     /// CRC-32s of the blocks of a tensor's payload ([`crate::blockcrc`], [`Checksums::block_bytes`]
     /// each); empty for byte objects and in sidecars of shardwise before block CRCs.
     #[serde(default)]
@@ -35,7 +35,7 @@ pub struct ItemChecksum {
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub struct Checksums {
     pub save_id: String,
-    pub items: Vec<ItemChecksum>,
+    pub(crate) items: Vec<ItemChecksum>,
     /// Payload bytes per block CRC-32 ([`crate::blockcrc::BLOCK_BYTES`]); 0 in sidecars of
     /// shardwise before block CRCs.
     #[serde(default)]
@@ -50,8 +50,8 @@ pub struct ItemRef<'a> {
     pub relative_path: &'a str,
     pub offset: u64,
     pub length: u64,
-    pub crc32: u32,
-    pub blocks: &'a [u32],
+    pub(crate) crc32: u32,
+    pub(crate) blocks: &'a [u32],
 }
 
 fn encode_error(e: impl std::fmt::Display) -> Error {

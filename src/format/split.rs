@@ -90,11 +90,11 @@ impl Leaf {
 /// `memo_base..memo_base + memo_len` it sets, and whether its container is a dict.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Batch {
-    pub start: usize,
-    pub end: usize,
-    pub memo_base: u32,
-    pub memo_len: u32,
-    pub dict: bool,
+    pub(crate) start: usize,
+    pub(crate) end: usize,
+    pub(crate) memo_base: u32,
+    pub(crate) memo_len: u32,
+    pub(crate) dict: bool,
 }
 
 /// Which batches to decode apart: each at least `min_bytes` and at most `max_bytes` long, never
@@ -103,8 +103,8 @@ pub struct Batch {
 /// outer one's bytes (more parts to decode in parallel), else the outer one.
 #[derive(Clone, Copy, Debug)]
 pub struct Sizes {
-    pub min_bytes: usize,
-    pub max_bytes: usize,
+    pub(crate) min_bytes: usize,
+    pub(crate) max_bytes: usize,
 }
 
 impl Sizes {

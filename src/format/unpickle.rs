@@ -100,8 +100,8 @@ fn take_children(v: &mut Value, out: &mut Vec<Value>) {
 
 #[derive(Debug)]
 pub struct ObjectValue {
-    pub class: Value,
-    pub args: Value,
+    pub(crate) class: Value,
+    pub(crate) args: Value,
     pub state: RefCell<Option<Value>>,
 }
 
@@ -112,7 +112,7 @@ impl Value {
             _ => None,
         }
     }
-    pub fn as_int(&self) -> Option<i128> {
+    pub(crate) fn as_int(&self) -> Option<i128> {
         match self {
             Value::Int(i) => Some(*i),
             Value::Bool(b) => Some(*b as i128),

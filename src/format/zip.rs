@@ -33,7 +33,7 @@ struct Record<'a> {
 #[derive(Clone, Debug)]
 pub struct ArchiveLayout {
     pub prefix: Vec<u8>,
-    pub payload_len: u64,
+    pub(crate) payload_len: u64,
     /// The suffix encoded with a payload CRC of 0, and where in it the payload CRC goes (the data
     /// descriptor of `data/0` and its central directory entry): `suffix()` patches those 8 bytes
     /// instead of encoding the archive again.

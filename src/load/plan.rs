@@ -15,8 +15,8 @@ pub struct Piece {
     pub req: usize,
     /// Index of the chunk in its entry's chunk list.
     pub chunk: usize,
-    pub lo: Vec<u64>,
-    pub hi: Vec<u64>,
+    pub(crate) lo: Vec<u64>,
+    pub(crate) hi: Vec<u64>,
 }
 
 /// The chunks of one tensor, sorted along one dimension: `overlapping` binary-searches the
@@ -319,10 +319,10 @@ fn overlapping_pair(pieces: &[Piece]) -> Option<(usize, usize)> {
 /// request's destination.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BoxCopy {
-    pub src: u64,
-    pub dst: u64,
-    pub run: u64,
-    pub dims: Vec<(u64, u64, u64)>,
+    pub(crate) src: u64,
+    pub(crate) dst: u64,
+    pub(crate) run: u64,
+    pub(crate) dims: Vec<(u64, u64, u64)>,
 }
 
 impl BoxCopy {

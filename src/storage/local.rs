@@ -177,7 +177,7 @@ pub fn create_dir_all(dir: &Path) -> Result<()> {
 /// A data file opened for parallel positioned writes; its writeback starts while it is written
 /// ([`Writeback`]).
 pub struct DataFile {
-    pub path: PathBuf,
+    pub(crate) path: PathBuf,
     file: Arc<File>,
     writeback: Writeback,
 }
