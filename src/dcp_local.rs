@@ -55,11 +55,15 @@ use crate::storage::{Listed, Location};
 pub struct Summary {
     /// Number of ranks whose `__{rank}.metadata` was merged.
     pub ranks: u32,
-    pub(crate) keys: usize,
+    /// Keys in the merged `.metadata`.
+    pub keys: usize,
+    /// Tensor chunks in the merged `.metadata`.
     pub tensor_chunks: usize,
-    pub(crate) byte_objects: usize,
+    /// Byte objects in the merged `.metadata`.
+    pub byte_objects: usize,
     /// Exact replicas written by more than one rank, kept once.
     pub replicas_dropped: usize,
+    /// Size of the merged `.metadata` in bytes.
     pub metadata_bytes: u64,
     /// `.metadata` was already there, byte-identical to the merge (an earlier or racing merge).
     pub already_merged: bool,

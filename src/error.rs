@@ -3,6 +3,7 @@
 
 use std::path::PathBuf;
 
+/// The result of every fallible call of the crate; `E` defaults to [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// What Ctrl-C stopped ([`Error::Interrupted`]), for its message.
@@ -25,6 +26,8 @@ impl Stopped {
     }
 }
 
+/// Every error of the crate. Each variant's message is the one users see (the CLI prints it; the
+/// Python binding raises it as the exception its doc names).
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// A tensor dtype the DCP writer does not support (complex, uint16/32/64, float4, ...).
@@ -40,7 +43,12 @@ pub enum Error {
 
     /// A requested key is not in the checkpoint.
     #[error("no key {key:?} in the checkpoint {dir}")]
-    MissingKey { key: String, dir: PathBuf },
+    MissingKey {
+        /// The key asked for.
+        key: String,
+        /// The checkpoint directory.
+        dir: PathBuf,
+    },
 
     /// Inputs that do not fit together: a save being merged (overlapping or missing chunks, shape,
     /// dtype or world_size disagreements between ranks; nothing was committed), a region a
@@ -59,11 +67,17 @@ pub enum Error {
         fmt_stale(stale)
     )]
     MissingRanks {
+        /// The checkpoint directory.
         dir: PathBuf,
+        /// The save attempt.
         save_id: String,
+        /// Number of ranks of the save.
         world_size: u32,
+        /// Ranks without a current part, ascending.
         missing: Vec<u32>,
+        /// The bound that passed, in seconds.
         timeout_s: f64,
+        /// Ranks whose part was ignored, with why.
         stale: Vec<(u32, String)>,
     },
 
@@ -74,8 +88,11 @@ pub enum Error {
     /// The merging rank reported a failure, or no commit appeared within the timeout.
     #[error("save {save_id} in {dir} was not committed: {reason}")]
     NotCommitted {
+        /// The checkpoint directory.
         dir: PathBuf,
+        /// The save attempt.
         save_id: String,
+        /// The merger's failure, or the timeout.
         reason: String,
     },
 
@@ -88,23 +105,34 @@ pub enum Error {
     /// An I/O operation failed on `path`.
     #[error("{op} {path}: {source}")]
     Io {
+        /// What was being done (`write`, `open`, ...).
         op: &'static str,
+        /// The file or directory.
         path: PathBuf,
+        /// The operating system's error.
         source: std::io::Error,
     },
 
     /// An object-store request failed on `url` after its retries (or was refused, e.g. 403).
     #[error("{op} {url}: {source}")]
     Remote {
+        /// What was being done (`put`, `get`, ...).
         op: &'static str,
+        /// The object's URL.
         url: String,
+        /// The object store's error.
         source: Box<object_store::Error>,
     },
 
     /// An I/O operation of one rank's save failed (full disk, permissions, object store down);
     /// `source` is the [`Error::Io`] or [`Error::Remote`]. The rank removed its partial data file; nothing was committed.
     #[error("rank {rank}: {source}; nothing committed")]
-    RankStorage { rank: u32, source: Box<Error> },
+    RankStorage {
+        /// The rank whose save failed.
+        rank: u32,
+        /// The storage error.
+        source: Box<Error>,
+    },
 
     /// The CUDA driver is missing or a CUDA call failed.
     #[error("CUDA: {0}")]
@@ -112,17 +140,23 @@ pub enum Error {
 
     /// A file that should be a shardwise part or checkpoint file is malformed.
     #[error("corrupt file {path}: {reason}")]
-    Corrupt { path: PathBuf, reason: String },
+    Corrupt {
+        /// The malformed file.
+        path: PathBuf,
+        /// What is wrong in it.
+        reason: String,
+    },
 }
 
 impl Error {
+    /// A `map_err` closure that wraps an I/O error of `op` on `path` as [`Error::Io`].
     pub fn io(op: &'static str, path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> Error {
         let path = path.into();
         move |source| Error::Io { op, path, source }
     }
 }
 
-/// Formats a sorted rank list compactly: `[0, 2, 3, 4, 7]` → `0, 2-4, 7`.
+/// The ignored parts of [`Error::MissingRanks`], each as `; ignored the part of rank R: why`.
 fn fmt_stale(stale: &[(u32, String)]) -> String {
     stale
         .iter()
@@ -138,7 +172,8 @@ pub fn first_names(names: &[String], max: usize) -> String {
     format!("{}{more}", shown.join(", "))
 }
 
-pub(crate) fn fmt_ranks(ranks: &[u32]) -> String {
+/// Formats a sorted rank list compactly: `[0, 2, 3, 4, 7]` → `0, 2-4, 7`.
+pub fn fmt_ranks(ranks: &[u32]) -> String {
     let mut out: Vec<String> = Vec::new();
     let mut i = 0;
     while i < ranks.len() {

@@ -95,12 +95,18 @@ const PROBE_BYTES: [u64; 2] = [4 << 10, 1 << 20];
 /// `device`.
 #[derive(Clone, Debug)]
 pub struct Request {
+    /// The tensor's key.
     pub key: String,
+    /// Global offsets of the region in elements.
     pub offsets: Vec<u64>,
+    /// Shape of the region in elements.
     pub sizes: Vec<u64>,
-    pub(crate) ptr: u64,
-    pub(crate) nbytes: u64,
-    pub(crate) device: Option<u32>,
+    /// Address of the destination memory (host, or CUDA memory of `device`).
+    pub ptr: u64,
+    /// Size of the destination in bytes: `prod(sizes) * itemsize`.
+    pub nbytes: u64,
+    /// CUDA device of the destination; `None` for host memory.
+    pub device: Option<u32>,
 }
 
 /// Options of [`load`].
@@ -156,8 +162,11 @@ pub struct LoadStats {
 /// (by reference into the checkpoint's metadata).
 #[derive(Clone, Copy, Debug)]
 pub struct Tensor<'a> {
+    /// The tensor's key.
     pub key: &'a str,
+    /// Its dtype in the checkpoint.
     pub dtype: DType,
+    /// Its global shape in elements.
     pub global_shape: &'a [u64],
     pub(crate) chunks: &'a [Chunk],
 }
@@ -166,6 +175,7 @@ pub struct Tensor<'a> {
 /// pieces that cover the requests, in request order.
 #[derive(Debug)]
 pub struct Validated<'a> {
+    /// The tensor of each request, by request index.
     pub tensors: Vec<Tensor<'a>>,
     pub(crate) pieces: Vec<Piece>,
 }

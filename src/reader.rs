@@ -41,6 +41,7 @@ pub const COMMON_STATE_PREFIX: &str = "common_state";
 pub struct Checkpoint {
     loc: Location,
     dir: PathBuf,
+    /// The parsed `.metadata`.
     pub metadata: CheckpointMetadata,
     files: Mutex<HashMap<String, Arc<Mapped>>>,
     /// Save-time CRC-32s: key -> records sorted by chunk offsets (None, a byte object, first).
@@ -58,6 +59,7 @@ pub struct Checkpoint {
 pub struct CommonState {
     /// `common.pt` or the key of the `common_state` object.
     pub source: String,
+    /// The torch.save bytes (not unpickled here).
     pub bytes: Vec<u8>,
 }
 
@@ -81,8 +83,11 @@ impl Mapped {
 /// An item's bytes: a window on a mapped file, the body of a ranged GET, or decoded bytes when a
 /// stream transform applied.
 pub enum ItemBytes {
+    /// A range of a memory-mapped local file.
     Mapped(Arc<Mapped>, std::ops::Range<usize>),
+    /// The body of a ranged GET.
     Fetched(bytes::Bytes),
+    /// Bytes decoded by a stream transform (`stream.zstd/1`).
     Owned(Vec<u8>),
 }
 
@@ -240,6 +245,7 @@ impl Checkpoint {
         &self.dir
     }
 
+    /// Where the checkpoint is.
     pub fn location(&self) -> &Location {
         &self.loc
     }

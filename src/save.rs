@@ -27,7 +27,9 @@ use crate::writer::{check_chunk, write_rank, ByteObject, Staging, TensorChunk, W
 pub struct SaveOptions {
     /// Checkpoint directory (created if absent) or object-store prefix.
     pub location: Location,
+    /// This rank, `< world_size`.
     pub rank: u32,
+    /// Number of ranks that save.
     pub world_size: u32,
     /// Identifies this save attempt; identical on every rank, different for every attempt (or the
     /// base of such ids, see `derived_save_id`).
@@ -56,19 +58,26 @@ pub struct SaveOptions {
 
 /// A byte object with its optional ShardedObject position.
 pub struct ObjectItem<'a> {
+    /// The object's bytes and key.
     pub object: ByteObject<'a>,
+    /// Its ShardedObject position, when it is one.
     pub shard: Option<ObjectShard>,
 }
 
 /// What one rank's save did; sizes in bytes, times in seconds.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct SaveReport {
+    /// The rank.
     pub rank: u32,
+    /// The save attempt (the directory's next attempt when the id was derived).
     pub save_id: String,
+    /// Its data file's name, when it wrote one.
     pub data_file: Option<String>,
-    pub(crate) data_bytes: u64,
+    /// Bytes of this rank's data file.
+    pub data_bytes: u64,
     pub(crate) write_s: f64,
     pub(crate) rendezvous_s: f64,
+    /// `.metadata` was committed when the call returned.
     pub committed: bool,
     pub(crate) commit: Option<CommitSummary>,
 }

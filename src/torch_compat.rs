@@ -77,7 +77,8 @@ impl std::fmt::Display for Torch {
 /// One reason a torch release cannot read the checkpoint.
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]
 pub struct Blocker {
-    pub(crate) reason: String,
+    /// What stops that release from reading the checkpoint.
+    pub reason: String,
     /// `rewrite-metadata` removes it.
     pub rewritable: bool,
 }
@@ -86,8 +87,10 @@ pub struct Blocker {
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]
 pub struct Compat {
     pub(crate) torch: Torch,
-    pub(crate) readable: bool,
-    pub(crate) blockers: Vec<Blocker>,
+    /// The release reads the checkpoint as it is.
+    pub readable: bool,
+    /// Why not, when it does not.
+    pub blockers: Vec<Blocker>,
 }
 
 /// What the `.metadata` pickle uses that limits the torch releases reading it.
@@ -418,7 +421,9 @@ pub struct Rewritten {
     pub(crate) torch: Torch,
     /// `.metadata` already read in `torch`: nothing was written.
     pub unchanged: bool,
-    pub(crate) metadata_bytes_before: u64,
+    /// Size of `.metadata` before the rewrite in bytes.
+    pub metadata_bytes_before: u64,
+    /// Size of the rewritten `.metadata` in bytes.
     pub metadata_bytes: u64,
     /// What the rewrite removed.
     pub removed: Vec<String>,

@@ -42,20 +42,26 @@ use crate::storage::Location;
 pub struct Problem {
     /// The item's key, or the file's name (`common.pt`, `metadata.json`) for a file outside DCP.
     pub key: String,
+    /// The data file, for a problem in an item.
     pub file: Option<String>,
+    /// The item's byte offset in that file.
     pub offset: Option<u64>,
-    pub(crate) message: String,
+    /// What is wrong.
+    pub message: String,
 }
 
 /// What `verify` found.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct Report {
-    pub(crate) keys: usize,
-    pub(crate) items: usize,
+    /// Keys checked.
+    pub keys: usize,
+    /// Items (chunks and byte objects) checked.
+    pub items: usize,
     /// Items whose CRC-32 was checked against the sidecar (0 in quick mode).
     pub sidecar_checked: usize,
     /// True when item data was not read (`--quick`).
     pub quick: bool,
+    /// Every problem found; empty when the checkpoint is whole.
     pub problems: Vec<Problem>,
 }
 

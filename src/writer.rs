@@ -22,6 +22,7 @@ const PIECE_BYTES: usize = 8 << 20;
 pub struct TensorChunk<'a> {
     /// DCP key (Megatron's ShardedTensor `key`).
     pub fqn: String,
+    /// dtype of the elements.
     pub dtype: DType,
     /// Global shape in elements, including prepended axes.
     pub global_shape: Vec<u64>,
@@ -39,7 +40,14 @@ pub enum Payload<'a> {
     /// Host memory.
     Host(&'a [u8]),
     /// `len` bytes at device address `ptr` on CUDA device `device`; read through staging only.
-    Device { ptr: u64, len: u64, device: u32 },
+    Device {
+        /// CUDA device address of the first byte.
+        ptr: u64,
+        /// Size in bytes.
+        len: u64,
+        /// CUDA device ordinal.
+        device: u32,
+    },
 }
 
 impl Payload<'_> {
@@ -51,6 +59,7 @@ impl Payload<'_> {
         }
     }
 
+    /// Whether the payload holds no bytes.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -59,7 +68,9 @@ impl Payload<'_> {
 /// One byte object to save: `bytes` must already be a complete torch.save archive
 /// (dcp-format.md §2.3); `fqn` is its DCP key (Megatron's ShardedObject `unique_key`).
 pub struct ByteObject<'a> {
+    /// DCP key (Megatron's ShardedObject `unique_key`).
     pub fqn: String,
+    /// The complete torch.save archive.
     pub bytes: &'a [u8],
 }
 
@@ -67,7 +78,9 @@ pub struct ByteObject<'a> {
 /// (recorded in the part and the checksum sidecar; DCP itself has no checksum).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Placed {
+    /// Byte offset of the item in the file.
     pub offset: u64,
+    /// Length of the item in bytes.
     pub length: u64,
     pub(crate) crc32: u32,
     /// CRC-32s of the blocks of a tensor's payload ([`crate::blockcrc`]); empty for objects.
@@ -76,7 +89,9 @@ pub struct Placed {
 
 /// Where each item landed, tensors then objects in input order.
 pub struct Written {
+    /// Each tensor chunk's place, in input order.
     pub tensors: Vec<Placed>,
+    /// Each byte object's place, in input order.
     pub objects: Vec<Placed>,
     pub(crate) file_size: u64,
     /// SHA-256 of the whole file, when asked for (`digest`).
@@ -204,7 +219,8 @@ pub fn check_chunk(c: &TensorChunk) -> Result<()> {
 /// How to stage payloads through host buffers (required for device payloads; for host payloads it
 /// lets the caller reuse its memory as soon as `on_staged` runs).
 pub struct Staging<'s> {
-    pub(crate) pool: &'s crate::staging::StagingPool,
+    /// The host buffers payloads are staged through.
+    pub pool: &'s crate::staging::StagingPool,
     /// The caller's current CUDA stream per device (`CUstream` as an integer).
     pub caller_streams: &'s std::collections::HashMap<u32, u64>,
     /// Called once every payload byte has been copied into host buffers; from then on the writer no

@@ -16,15 +16,21 @@ use crate::error::{Error, Result};
 use crate::storage::{Listed, Location};
 
 const MAGIC: &[u8; 8] = b"SWPART02";
+/// Version of the part format this build writes (the `SWPART02` magic's number).
 pub const PART_FORMAT: u32 = 2;
-pub(crate) const STATE_DIR: &str = ".shardwise";
+/// The directory of shardwise's state inside a checkpoint (parts, markers, staged `common.pt`).
+pub const STATE_DIR: &str = ".shardwise";
 
 /// A file a rank wrote: its name inside the checkpoint, its size in bytes and its storage identity
 /// ([`Location::stamp`]) when the rank published its part.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub struct FileRecord {
+    /// File name inside the checkpoint directory.
     pub name: String,
+    /// Size in bytes.
     pub size: u64,
+    /// Storage identity when the part was published ([`Location::stamp`]): a later change of the
+    /// file shows as a different stamp.
     pub stamp: String,
     /// SHA-256 (hex) of the file's bytes as written, when the save writes megatron-core 0.19's
     /// integrity manifest ([`super::manifest`]).
@@ -36,13 +42,21 @@ pub struct FileRecord {
 /// where its archive is (index into `RankPart::files`, byte offset, length).
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub struct TensorRecord {
+    /// DCP key (Megatron's ShardedTensor `key`).
     pub fqn: String,
+    /// torch dtype name, e.g. `torch.bfloat16`.
     pub dtype: String,
+    /// Global shape in elements.
     pub global_shape: Vec<u64>,
+    /// Global offsets of the chunk in elements, one per dimension.
     pub offsets: Vec<u64>,
+    /// Chunk shape in elements.
     pub sizes: Vec<u64>,
+    /// Index into [`RankPart::files`] of the file that holds the chunk's archive.
     pub file: u32,
+    /// Byte offset of the archive in that file.
     pub offset: u64,
+    /// Length of the archive in bytes.
     pub length: u64,
     /// CRC-32 of the item's bytes.
     pub crc32: u32,
@@ -55,18 +69,26 @@ pub struct TensorRecord {
 /// A Megatron ShardedObject's position: base `key`, `global_shape` and `global_offset`.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub struct ObjectShard {
+    /// Megatron's base key (ShardedObject `key`).
     pub key: String,
+    /// Global shape of the object's sharding grid.
     pub global_shape: Vec<u64>,
+    /// Position of this shard in that grid.
     pub global_offset: Vec<u64>,
 }
 
 /// One byte object in a part.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub struct ObjectRecord {
+    /// DCP key (Megatron's ShardedObject `unique_key`).
     pub fqn: String,
+    /// The ShardedObject's position, when the object is a Megatron ShardedObject.
     pub shard: Option<ObjectShard>,
+    /// Index into [`RankPart::files`] of the file that holds the object.
     pub file: u32,
+    /// Byte offset of the object in that file.
     pub offset: u64,
+    /// Length of the object in bytes.
     pub length: u64,
     /// CRC-32 of the item's bytes.
     pub crc32: u32,
@@ -75,9 +97,13 @@ pub struct ObjectRecord {
 /// Everything one rank contributes to a save.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub struct RankPart {
+    /// Part format version ([`PART_FORMAT`]).
     pub format: u32,
+    /// The save attempt the part belongs to.
     pub save_id: String,
+    /// The publishing rank.
     pub rank: u32,
+    /// Number of ranks of the save.
     pub world_size: u32,
     /// Write Megatron's `metadata.json` on commit (every rank of a save must agree).
     pub megatron: bool,
@@ -86,8 +112,11 @@ pub struct RankPart {
     /// The publishing process ([`super::liveness::publisher`]): tells a rank's own earlier attempt from a second
     /// process saving as the same rank.
     pub publisher: String,
+    /// The files this rank wrote (its data file).
     pub files: Vec<FileRecord>,
+    /// Its tensor chunks.
     pub tensors: Vec<TensorRecord>,
+    /// Its byte objects.
     pub objects: Vec<ObjectRecord>,
     /// `common.pt` (staged under the save's directory), when this rank wrote it.
     pub common: Option<FileRecord>,
@@ -244,13 +273,21 @@ pub struct PartView<'a> {
 /// [`TensorRecord`] borrowed from a part file's bytes.
 #[derive(Debug, Deserialize)]
 pub struct TensorView<'a> {
+    /// See [`TensorRecord::fqn`].
     pub fqn: &'a str,
+    /// See [`TensorRecord::dtype`].
     pub dtype: &'a str,
+    /// Global shape in elements.
     pub global_shape: Dims,
+    /// Global offsets in elements.
     pub offsets: Dims,
+    /// Chunk shape in elements.
     pub sizes: Dims,
+    /// Index into the part's files.
     pub file: u32,
+    /// Byte offset of the archive in that file.
     pub offset: u64,
+    /// Length of the archive in bytes.
     pub length: u64,
     pub(crate) crc32: u32,
     #[serde(default)]
@@ -260,10 +297,15 @@ pub struct TensorView<'a> {
 /// [`ObjectRecord`] borrowed from a part file's bytes.
 #[derive(Debug, Deserialize)]
 pub struct ObjectView<'a> {
+    /// See [`ObjectRecord::fqn`].
     pub fqn: &'a str,
+    /// See [`ObjectRecord::shard`].
     pub shard: Option<ObjectShard>,
+    /// Index into the part's files.
     pub file: u32,
+    /// Byte offset of the object in that file.
     pub offset: u64,
+    /// Length of the object in bytes.
     pub length: u64,
     pub(crate) crc32: u32,
 }
@@ -330,7 +372,9 @@ pub fn decode_part_items(
 /// A shape, offsets or sizes: up to four dimensions inline, more on the heap.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Dims {
+    /// Up to four values, the first `n` (the `u8`) of the array.
     Inline(u8, [u64; 4]),
+    /// More than four values.
     Heap(Vec<u64>),
 }
 
@@ -426,7 +470,8 @@ pub fn listed_parts(loc: &Location, save_id: &str) -> Result<Vec<(u32, Listed)>>
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub struct Failed {
     pub(crate) at_ns: u64,
-    pub(crate) reason: String,
+    /// Why the save failed (the merger's error message).
+    pub reason: String,
 }
 
 /// Publishes `FAILED` for `save_id` (replacing an earlier one). Best effort: the caller is already

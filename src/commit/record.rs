@@ -15,10 +15,15 @@ pub struct CommitSummary {
     /// The save had already been committed (by a racing merger or an earlier merge); the counts
     /// are then that commit's.
     pub already_committed: bool,
-    pub(crate) keys: usize,
+    /// Keys in `.metadata`.
+    pub keys: usize,
+    /// Tensor chunks in `.metadata`.
     pub tensor_chunks: usize,
-    pub(crate) byte_objects: usize,
-    pub(crate) data_bytes: u64,
+    /// Byte objects in `.metadata`.
+    pub byte_objects: usize,
+    /// Bytes of the data files the checkpoint reads.
+    pub data_bytes: u64,
+    /// Size of `.metadata` in bytes.
     pub metadata_bytes: u64,
     /// The `COMMITTING` lock of a merger that had died was taken over.
     pub took_over_dead_merger: bool,
@@ -27,6 +32,7 @@ pub struct CommitSummary {
 /// Size in bytes and CRC-32 of a file's whole content.
 #[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub struct Digest {
+    /// Size in bytes.
     pub size: u64,
     pub(crate) crc32: u32,
 }
@@ -81,9 +87,11 @@ impl Digester {
 /// `.shardwise/S/COMMITTED` (JSON): what the commit of save `S` wrote.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct CommitRecord {
+    /// The save attempt that committed.
     pub save_id: String,
     /// Wall-clock time of the commit, ns since the Unix epoch (the merger's clock).
     pub committed_at_ns: u64,
+    /// `.metadata` as committed.
     pub metadata: Digest,
     /// `common.pt`, when the save has one.
     pub common: Option<Digest>,
@@ -123,10 +131,15 @@ pub struct SaveLayout {
 /// checkpoint, total size in bytes).
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct RankLayout {
+    /// The rank.
     pub rank: u32,
+    /// Its tensor chunks.
     pub tensor_chunks: usize,
-    pub(crate) byte_objects: usize,
+    /// Its byte objects.
+    pub byte_objects: usize,
+    /// Total size of its files in bytes.
     pub bytes: u64,
+    /// Its files, names inside the checkpoint.
     pub files: Vec<String>,
     /// It wrote `common.pt`.
     pub common: bool,
@@ -161,6 +174,7 @@ pub enum FileNow {
     Holds,
     /// Other bytes: their digest.
     Differs(Digest),
+    /// The file is gone.
     Missing,
 }
 

@@ -31,13 +31,21 @@ use crate::storage::Location;
 pub enum CheckpointState {
     /// `.metadata` and every file it needs are there. `record` is the commit's, `None` for a
     /// checkpoint written by torch or Megatron.
-    Committed { record: Option<CommitRecord> },
+    Committed {
+        /// The commit's record (`.shardwise/S/COMMITTED`).
+        record: Option<CommitRecord>,
+    },
     /// No checkpoint: no `.metadata`, or one that a merger left before committing.
-    NotCommitted { reason: String },
+    NotCommitted {
+        /// Why: no `.metadata`, or the merger's state.
+        reason: String,
+    },
     /// A checkpoint was committed here but is no longer whole (`.metadata` or a file it needs was
     /// removed, replaced or truncated). `repairable` names the save whose parts can rebuild it.
     Damaged {
+        /// Why the checkpoint is not whole.
         reason: String,
+        /// The save whose parts can rebuild it (`shardwise merge --repair`), if any.
         repairable: Option<String>,
     },
 }
@@ -360,22 +368,27 @@ pub fn files_in_use(loc: &Location, state: &CheckpointState) -> Result<Vec<Strin
 /// The state of one save (`.shardwise/<save_id>`), for `shardwise status`.
 #[derive(Clone, Debug, PartialEq)]
 pub enum SaveState {
+    /// The save committed.
     Committed,
     /// A live merger holds the `COMMITTING` lock.
     Merging,
     /// The merger died holding the lock (`holder`: its pid and host); `shardwise merge` takes over.
     Interrupted {
+        /// The dead merger's pid and host.
         holder: String,
     },
     /// The merger gave up; `mergeable` when every rank's part is now present and its data files
     /// are unchanged, so `shardwise merge` would commit.
     Failed {
+        /// The merger's reason.
         reason: String,
+        /// Every part is present and its data files unchanged: `shardwise merge` would commit.
         mergeable: bool,
     },
     /// Waiting for parts (see [`crate::commit::wait::missing_ranks`]); `stale` parts describe
     /// files that changed since they were published.
     Incomplete {
+        /// Ranks whose part was ignored, with why (an earlier attempt's, or its data file changed).
         stale: Vec<(u32, String)>,
     },
 }

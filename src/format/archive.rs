@@ -18,9 +18,11 @@ fn bad<T>(msg: impl Into<String>) -> R<T> {
 /// One STORED record of the archive.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Record {
+    /// The record's name inside the archive (`<archive>/data.pkl`, `<archive>/data/0`, ...).
     pub name: String,
     /// Byte range of the record's data inside the blob.
     pub start: usize,
+    /// Its data's length in bytes.
     pub len: usize,
     /// CRC-32 recorded in the central directory (0 when the writer left it out).
     pub crc: u32,
@@ -56,6 +58,7 @@ impl Blob for [u8] {
 
 /// The first and the last bytes of an item of `size` bytes.
 pub struct HeadTail<'a> {
+    /// The item's size in bytes.
     pub size: usize,
     pub(crate) head: &'a [u8],
     pub(crate) tail: &'a [u8],
@@ -223,6 +226,7 @@ pub fn bad_record_crcs(blob: &[u8], recs: &[Record]) -> Vec<String> {
 /// A decoded tensor item: what `torch.load` would rebuild, as a view on the archive's storage.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StoredTensor {
+    /// The tensor's dtype.
     pub dtype: DType,
     pub(crate) shape: Vec<u64>,
     /// Strides in elements.

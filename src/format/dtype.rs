@@ -8,23 +8,40 @@ use crate::error::{Error, Result};
 /// A tensor dtype supported by the DCP writer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum DType {
+    /// `torch.float32`.
     F32,
+    /// `torch.float64`.
     F64,
+    /// `torch.float16`.
     F16,
+    /// `torch.bfloat16`.
     BF16,
+    /// `torch.int64`.
     I64,
+    /// `torch.int32`.
     I32,
+    /// `torch.int16`.
     I16,
+    /// `torch.int8`.
     I8,
+    /// `torch.uint8`.
     U8,
+    /// `torch.bool`.
     Bool,
+    /// `torch.float8_e4m3fn`.
     F8E4M3FN,
+    /// `torch.float8_e5m2`.
     F8E5M2,
     // Read-only: found in checkpoints torch wrote, never written by shardwise (see `writable`).
+    /// `torch.complex64` (read only).
     C64,
+    /// `torch.complex128` (read only).
     C128,
+    /// `torch.uint16` (read only).
     U16,
+    /// `torch.uint32` (read only).
     U32,
+    /// `torch.uint64` (read only).
     U64,
 }
 

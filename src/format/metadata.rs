@@ -18,8 +18,11 @@ const FS: &str = "torch.distributed.checkpoint.filesystem";
 /// `length` of its self-contained torch.save archive (`_StorageInfo`).
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct StorageInfo {
+    /// File name inside the checkpoint directory.
     pub relative_path: String,
+    /// Byte offset of the archive in the file.
     pub offset: u64,
+    /// Length of the archive in bytes.
     pub length: u64,
 }
 
@@ -27,20 +30,29 @@ pub struct StorageInfo {
 /// (`ChunkStorageMetadata`), and where its archive is stored.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Chunk {
+    /// Global offsets in elements, one per dimension.
     pub offsets: Vec<u64>,
+    /// Chunk shape in elements.
     pub sizes: Vec<u64>,
+    /// Where the chunk's archive is stored.
     pub storage: StorageInfo,
 }
 
 /// One key of the checkpoint (`TensorStorageMetadata` or `BytesStorageMetadata`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Entry {
+    /// A tensor (`TensorStorageMetadata`) and its saved chunks.
     Tensor {
+        /// The tensor's dtype.
         dtype: DType,
+        /// Global shape in elements.
         global_shape: Vec<u64>,
+        /// The saved chunks, in `.metadata`'s order.
         chunks: Vec<Chunk>,
     },
+    /// A byte object (`BytesStorageMetadata`).
     Bytes {
+        /// Where the object's bytes are.
         storage: StorageInfo,
     },
 }

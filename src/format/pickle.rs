@@ -106,6 +106,7 @@ impl Pickler {
         p
     }
 
+    /// Ends the pickle (`STOP`) and returns its bytes.
     pub fn finish(mut self) -> Vec<u8> {
         self.buf.push(STOP);
         self.buf
@@ -235,6 +236,7 @@ impl Pickler {
         }
     }
 
+    /// `NONE`.
     pub fn none(&mut self) {
         self.buf.push(NONE);
     }
@@ -245,10 +247,12 @@ impl Pickler {
         self.buf.extend_from_slice(&v.to_be_bytes());
     }
 
+    /// `NEWTRUE` / `NEWFALSE`.
     pub fn bool(&mut self, v: bool) {
         self.buf.push(if v { NEWTRUE } else { NEWFALSE });
     }
 
+    /// `MARK`: starts a variable-length group.
     pub fn mark(&mut self) {
         self.buf.push(MARK);
     }
@@ -280,27 +284,34 @@ impl Pickler {
         self.tuple(values.len());
     }
 
+    /// `EMPTY_TUPLE`.
     pub fn empty_tuple(&mut self) {
         self.buf.push(EMPTY_TUPLE);
     }
+    /// `EMPTY_DICT`.
     pub fn empty_dict(&mut self) {
         self.buf.push(EMPTY_DICT);
     }
+    /// `EMPTY_LIST`.
     pub fn empty_list(&mut self) {
         self.buf.push(EMPTY_LIST);
     }
+    /// `SETITEMS`: the pairs since the last mark go into the dict below them.
     pub fn setitems(&mut self) {
         self.buf.push(SETITEMS);
     }
+    /// `APPENDS`: the items since the last mark go into the list below them.
     pub fn appends(&mut self) {
         self.buf.push(APPENDS);
     }
+    /// `BUILD`: applies the state on the stack to the object below it.
     pub fn build(&mut self) {
         self.buf.push(BUILD);
     }
     pub(crate) fn reduce(&mut self) {
         self.buf.push(REDUCE);
     }
+    /// `NEWOBJ`: `cls.__new__(cls, *args)` of the class and argument tuple on the stack.
     pub fn newobj(&mut self) {
         self.buf.push(NEWOBJ);
     }

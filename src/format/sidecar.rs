@@ -17,8 +17,11 @@ pub const CHECKSUMS_FILE: &str = "checksums";
 /// CRC-32 of one item's bytes as written; `offsets` is `None` for byte objects.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub struct ItemChecksum {
+    /// DCP key of the item.
     pub fqn: String,
+    /// Chunk offsets in elements (tensors).
     pub offsets: Option<Vec<u64>>,
+    /// File name inside the checkpoint directory.
     pub relative_path: String,
     /// Byte offset of the item in its file.
     pub offset: u64,
@@ -34,8 +37,10 @@ pub struct ItemChecksum {
 /// The sidecar written at commit.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub struct Checksums {
+    /// The save attempt that committed.
     pub save_id: String,
-    pub(crate) items: Vec<ItemChecksum>,
+    /// Every item of the checkpoint, with its CRC-32s.
+    pub items: Vec<ItemChecksum>,
     /// Payload bytes per block CRC-32 ([`crate::blockcrc::BLOCK_BYTES`]); 0 in sidecars of
     /// shardwise before block CRCs.
     #[serde(default)]
@@ -45,10 +50,15 @@ pub struct Checksums {
 /// [`ItemChecksum`] borrowed, for encoding without copying a merge's strings.
 #[derive(Serialize)]
 pub struct ItemRef<'a> {
+    /// See [`ItemChecksum::fqn`].
     pub fqn: &'a str,
+    /// See [`ItemChecksum::offsets`].
     pub offsets: Option<&'a [u64]>,
+    /// See [`ItemChecksum::relative_path`].
     pub relative_path: &'a str,
+    /// Byte offset of the item in its file.
     pub offset: u64,
+    /// Bytes.
     pub length: u64,
     pub(crate) crc32: u32,
     pub(crate) blocks: &'a [u32],

@@ -29,11 +29,17 @@
 pub enum Leaf {
     /// Anything else (a container, an object, a call, bytes, a float): not shareable.
     Opaque,
+    /// `None`.
     None,
+    /// A bool.
     Bool(bool),
+    /// An int that fits in 64 bits.
     Int(i64),
+    /// A string, not yet checked as UTF-8.
     Str {
+        /// Its byte offset in the input.
         at: u32,
+        /// Its length in bytes.
         len: u32,
     },
     /// Index into [`Plan`]'s globals.
@@ -124,6 +130,7 @@ pub struct Plan<'a> {
     /// Bit `i`: memo key `i` is read by a `GET` somewhere.
     read: Vec<u64>,
     globals: Vec<(&'a [u8], &'a [u8])>,
+    /// The batches the value stream is cut into, in input order.
     pub batches: Vec<Batch>,
 }
 
@@ -164,10 +171,15 @@ impl<'a> Plan<'a> {
 /// A [`Leaf`] resolved against the input.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LeafValue<'a> {
+    /// `None`.
     None,
+    /// A bool.
     Bool(bool),
+    /// An int.
     Int(i64),
+    /// A string.
     Str(&'a str),
+    /// A global: module and name.
     Global(&'a str, &'a str),
 }
 

@@ -21,14 +21,23 @@ use crate::format::split::{Batch, LeafValue, Plan};
 /// mutations through them behave as `pickle.load` would, without copying.
 #[derive(Clone, Debug)]
 pub enum Value {
+    /// `None`.
     None,
+    /// A bool.
     Bool(bool),
+    /// An int (pickle's `LONG` values beyond 128 bits are refused).
     Int(i128),
+    /// A float.
     Float(f64),
+    /// A str.
     Str(Rc<str>),
+    /// A bytes object.
     Bytes(Rc<[u8]>),
+    /// A tuple.
     Tuple(Rc<Vec<Value>>),
+    /// A list (shared and mutable, as in Python).
     List(Rc<RefCell<Vec<Value>>>),
+    /// A dict, as its pairs in insertion order.
     Dict(Rc<RefCell<Vec<(Value, Value)>>>),
     /// `module.name`, never imported.
     Global(Rc<(String, String)>),
@@ -98,14 +107,18 @@ fn take_children(v: &mut Value, out: &mut Vec<Value>) {
     }
 }
 
+/// An object made by `REDUCE` or `NEWOBJ`: its class and arguments, never called, and the state
+/// `BUILD` gave it.
 #[derive(Debug)]
 pub struct ObjectValue {
     pub(crate) class: Value,
     pub(crate) args: Value,
+    /// The state set by `BUILD` (what `__setstate__` would receive).
     pub state: RefCell<Option<Value>>,
 }
 
 impl Value {
+    /// The string, when the value is a str.
     pub fn as_str(&self) -> Option<&str> {
         match self {
             Value::Str(s) => Some(s),
@@ -193,17 +206,25 @@ pub fn err<T>(msg: impl Into<String>) -> R<T> {
 /// handle (an `Rc`, an index). Strings and bytes are borrowed from the input (`'a`). A method that
 /// gets a value of the wrong kind (`APPEND` on a dict) returns an error naming it.
 pub trait Build<'a> {
+    /// The value handle.
     type V: Clone;
+    /// `None`.
     fn none(&mut self) -> Self::V;
+    /// A bool.
     fn bool(&mut self, b: bool) -> Self::V;
+    /// An int.
     fn int(&mut self, i: i128) -> Self::V;
+    /// A float.
     fn float(&mut self, f: f64) -> Self::V;
+    /// A str borrowed from the input.
     fn str(&mut self, s: &'a str) -> Self::V;
+    /// A bytes object borrowed from the input.
     fn bytes(&mut self, b: &'a [u8]) -> Self::V;
     /// A tuple of `items` (also `FROZENSET`).
     fn tuple(&mut self, items: std::vec::Drain<'_, Self::V>) -> R<Self::V>;
     /// An empty list (also `EMPTY_SET`).
     fn empty_list(&mut self) -> R<Self::V>;
+    /// An empty dict.
     fn empty_dict(&mut self) -> R<Self::V>;
     /// `list.extend(items)` (`APPEND`, `APPENDS`, `ADDITEMS`).
     fn append(&mut self, list: &Self::V, items: std::vec::Drain<'_, Self::V>) -> R<()>;

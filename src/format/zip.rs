@@ -32,6 +32,8 @@ struct Record<'a> {
 /// then `suffix(crc32 of payload)`. `len()` is the archive's exact size in bytes.
 #[derive(Clone, Debug)]
 pub struct ArchiveLayout {
+    /// The archive's bytes before the payload: the records before it and the payload's local
+    /// header.
     pub prefix: Vec<u8>,
     pub(crate) payload_len: u64,
     /// The suffix encoded with a payload CRC of 0, and where in it the payload CRC goes (the data
@@ -96,6 +98,7 @@ impl ArchiveLayout {
         self.prefix.len() as u64 + self.payload_len + self.suffix_template.len() as u64
     }
 
+    /// Always false: an archive has headers even around an empty payload.
     pub fn is_empty(&self) -> bool {
         false
     }

@@ -120,6 +120,7 @@ impl DataSource {
         self.len
     }
 
+    /// Whether the file was empty when opened.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
@@ -199,7 +200,9 @@ impl DataSource {
 /// A whole file's bytes as [`Location::read_held`] holds them: a read-only memory map of a local
 /// file, or the bytes read (an object, or an empty file, which cannot be mapped).
 pub enum Held {
+    /// A read-only memory map of a local file.
     Map(memmap2::Mmap),
+    /// The bytes read.
     Read(Vec<u8>),
 }
 

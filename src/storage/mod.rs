@@ -24,6 +24,7 @@ use crate::error::{Error, Result};
 /// A file directly under a listed directory.
 #[derive(Clone, Debug)]
 pub struct Listed {
+    /// The file's name.
     pub name: String,
     /// Bytes.
     pub size: u64,
@@ -34,7 +35,9 @@ pub struct Listed {
 /// A checkpoint directory, local or in an object store.
 #[derive(Clone, Debug)]
 pub enum Location {
+    /// A local directory.
     Local(PathBuf),
+    /// An object-store prefix.
     Remote(Arc<remote::Remote>),
 }
 
@@ -76,6 +79,7 @@ impl Location {
         }
     }
 
+    /// The local directory `dir`.
     pub fn local(dir: &Path) -> Location {
         Location::Local(dir.to_path_buf())
     }
