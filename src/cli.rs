@@ -1,4 +1,5 @@
-//! The `shardwise` command line: inspect, verify, status and merge checkpoints.
+//! The `shardwise` command line: inspect, verify, status and merge checkpoints; the status model
+//! it prints is [`crate::status`]'s.
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
@@ -11,14 +12,14 @@ use clap::{Parser, Subcommand};
 use indicatif::HumanBytes;
 use serde::Serialize;
 
-use crate::commit::part::{listed_parts, read_part, save_rel, Marker, RankPart, STATE_DIR};
-use crate::commit::record::{read_commit_record, SaveLayout};
-use crate::commit::state::{checkpoint_state, orphaned_data_files, save_state, CheckpointState};
-use crate::commit::wait::{missing_ranks, timeout_from_secs, Freshness};
+use crate::commit::part::{Marker, STATE_DIR};
+use crate::commit::state::{checkpoint_state, CheckpointState};
+use crate::commit::wait::{timeout_from_secs, Freshness};
 use crate::error::{fmt_ranks, Error, Result};
 use crate::format::metadata::Entry;
 use crate::format::METADATA_FILE;
 use crate::reader::Checkpoint;
+use crate::status::{format_name, read_parts, save_ids, status_report, StatusReport};
 use crate::storage::Location;
 
 const EXIT_CODES: &str = "Exit codes:\n  0  success (verify: no problem found)\n  1  the operation failed, or verify found problems\n  2  bad command line\n  130  interrupted (Ctrl-C) during a wait; nothing committed\n  141  stdout was closed early (e.g. `| head`); nothing more is printed";
@@ -646,15 +647,6 @@ fn inspect(dir: &Location, json: bool) -> Outcome {
     Ok(0)
 }
 
-/// The checkpoint format, in words, from the class of its pickled `.metadata`.
-pub fn format_name(class: &str) -> &'static str {
-    if class.ends_with(".MCoreMetadata") {
-        "Megatron-Core torch_dist"
-    } else {
-        "PyTorch DCP"
-    }
-}
-
 fn verify(
     dir: &Location,
     json: bool,
@@ -814,232 +806,6 @@ fn problem_lines(problems: &[crate::verify::Problem]) -> Vec<String> {
         }
     }
     lines
-}
-
-fn save_ids(dir: &Location) -> Result<Vec<String>> {
-    // Missing, not a directory and not allowed to look are three different answers, which
-    // resolving the directory gives (listing a missing one would read as "no saves").
-    dir.canonical()?;
-    crate::commit::state::save_ids(dir)
-}
-
-/// `(rank, part or error, age in seconds)` of every part file of a save.
-fn read_parts(dir: &Location, save_id: &str) -> Vec<(u32, Result<RankPart>, f64)> {
-    let listed = listed_parts(dir, save_id).unwrap_or_default();
-    let mut out: Vec<_> = listed
-        .into_iter()
-        .map(|(r, f)| {
-            let rel = format!("{}/{}", save_rel(save_id), f.name);
-            (r, read_part(dir, &rel), f.age_s)
-        })
-        .collect();
-    out.sort_by_key(|(r, _, _)| *r);
-    out
-}
-
-#[derive(Serialize)]
-struct RankStatus {
-    rank: u32,
-    age_s: f64,
-    tensor_chunks: usize,
-    byte_objects: usize,
-    bytes: u64,
-    files: Vec<String>,
-    common: bool,
-    error: Option<String>,
-}
-
-#[derive(Serialize)]
-struct SaveStatus {
-    save_id: String,
-    /// committed, merging, interrupted, failed or incomplete.
-    state: &'static str,
-    /// The state in words, with the reason and what to do.
-    detail: String,
-    world_size: u32,
-    present: usize,
-    missing: Vec<u32>,
-    ranks: Vec<RankStatus>,
-    /// Tensor keys of the save.
-    key_count: usize,
-    /// Each tensor key's layout; only when asked (`--keys`): on a committed save it costs a read
-    /// of every part.
-    keys: Vec<KeyLayout>,
-}
-
-/// A tensor key as the parts of a save describe it (fields named as in `inspect --json`).
-#[derive(Serialize)]
-struct KeyLayout {
-    key: String,
-    dtype: String,
-    global_shape: Vec<u64>,
-    /// Chunks published for this key.
-    chunks: usize,
-    /// Ranks that published them, ascending.
-    ranks: Vec<u32>,
-}
-
-/// The state of `dir` and of each save in it: what `shardwise status` shows; with `keys`, each
-/// save's tensor keys too. A committed save's ranks come from its `COMMITTED` record (a few KiB,
-/// whatever the number of chunks); its parts, whose item records grow with the chunks, are read
-/// only for `keys`, for a save not committed, or for a record without a layout (older shardwise).
-///
-/// Errors: storage errors when `dir` or its state directory cannot be read.
-pub(crate) fn status_report(dir: &Location, keys: bool) -> Result<(CheckpointState, StatusReport)> {
-    let checkpoint = checkpoint_state(dir)?;
-    let orphans = orphaned_data_files(dir)?;
-    let mut saves = Vec::new();
-    for id in save_ids(dir)? {
-        let recorded = if keys {
-            None
-        } else {
-            read_commit_record(dir, &id).and_then(|r| r.layout)
-        };
-        let (world_size, present, ranks, key_count, layout) = match recorded {
-            Some(l) => {
-                let (present, ranks) = ranks_of_record(dir, &id, &l)?;
-                (
-                    l.ranks.len() as u32,
-                    present,
-                    ranks,
-                    l.tensor_keys,
-                    Vec::new(),
-                )
-            }
-            None => {
-                let parts = read_parts(dir, &id);
-                let world_size = parts
-                    .iter()
-                    .find_map(|(_, p, _)| p.as_ref().ok().map(|p| p.world_size))
-                    .unwrap_or(0);
-                let (ranks, layout) = ranks_of_parts(&parts);
-                let key_count = layout.len();
-                let layout = if keys { layout } else { Vec::new() };
-                (world_size, parts.len(), ranks, key_count, layout)
-            }
-        };
-        let state = save_state(dir, &id, world_size)?;
-        let missing = if world_size > 0 {
-            missing_ranks(dir, &id, world_size)?
-        } else {
-            Vec::new()
-        };
-        saves.push(SaveStatus {
-            save_id: id,
-            state: state.name(),
-            detail: state.describe(),
-            world_size,
-            present,
-            missing,
-            ranks,
-            key_count,
-            keys: layout,
-        });
-    }
-    let (state, reason) = match &checkpoint {
-        CheckpointState::Committed { .. } => ("committed", None),
-        CheckpointState::NotCommitted { reason } => ("not_committed", Some(reason.clone())),
-        CheckpointState::Damaged { reason, .. } => ("damaged", Some(reason.clone())),
-    };
-    let report = StatusReport {
-        dir: dir.to_string(),
-        checkpoint: state,
-        reason,
-        orphaned_data_files: orphans,
-        saves,
-    };
-    Ok((checkpoint, report))
-}
-
-/// The parts present (listed, not read) of committed save `id` and each one's rank as its commit
-/// `layout` recorded it, with the part's age.
-///
-/// Errors: storage errors when the save's directory cannot be listed.
-fn ranks_of_record(
-    dir: &Location,
-    id: &str,
-    layout: &SaveLayout,
-) -> Result<(usize, Vec<RankStatus>)> {
-    let ages: BTreeMap<u32, f64> = listed_parts(dir, id)?
-        .into_iter()
-        .map(|(r, f)| (r, f.age_s))
-        .collect();
-    let ranks = layout
-        .ranks
-        .iter()
-        .filter_map(|r| {
-            Some(RankStatus {
-                rank: r.rank,
-                age_s: *ages.get(&r.rank)?,
-                tensor_chunks: r.tensor_chunks,
-                byte_objects: r.byte_objects,
-                bytes: r.bytes,
-                files: r.files.clone(),
-                common: r.common,
-                error: None,
-            })
-        })
-        .collect();
-    Ok((ages.len(), ranks))
-}
-
-/// Each part's rank status, and the tensor keys the parts describe (in key order).
-fn ranks_of_parts(parts: &[(u32, Result<RankPart>, f64)]) -> (Vec<RankStatus>, Vec<KeyLayout>) {
-    let mut layout: BTreeMap<&str, KeyLayout> = BTreeMap::new();
-    let mut ranks = Vec::new();
-    for (rank, p, age_s) in parts {
-        match p {
-            Err(e) => ranks.push(RankStatus {
-                rank: *rank,
-                age_s: *age_s,
-                tensor_chunks: 0,
-                byte_objects: 0,
-                bytes: 0,
-                files: Vec::new(),
-                common: false,
-                error: Some(e.to_string()),
-            }),
-            Ok(p) => {
-                for t in &p.tensors {
-                    let e = layout.entry(&t.fqn).or_insert_with(|| KeyLayout {
-                        key: t.fqn.clone(),
-                        dtype: t.dtype.clone(),
-                        global_shape: t.global_shape.clone(),
-                        chunks: 0,
-                        ranks: Vec::new(),
-                    });
-                    e.chunks += 1;
-                    if e.ranks.last() != Some(rank) {
-                        e.ranks.push(*rank);
-                    }
-                }
-                ranks.push(RankStatus {
-                    rank: *rank,
-                    age_s: *age_s,
-                    tensor_chunks: p.tensors.len(),
-                    byte_objects: p.objects.len(),
-                    bytes: p.files.iter().map(|f| f.size).sum(),
-                    files: p.files.iter().map(|f| f.name.clone()).collect(),
-                    common: p.common.is_some(),
-                    error: None,
-                })
-            }
-        }
-    }
-    (ranks, layout.into_values().collect())
-}
-
-/// What `shardwise status --json` prints (README, "JSON output"), and `shardwise.status` returns.
-#[derive(Serialize)]
-pub(crate) struct StatusReport {
-    dir: String,
-    /// committed, not_committed or damaged.
-    checkpoint: &'static str,
-    /// Why it is not committed or damaged; null when committed.
-    reason: Option<String>,
-    /// Data files no part and no commit names (ranks that died before publishing).
-    orphaned_data_files: Vec<String>,
-    saves: Vec<SaveStatus>,
 }
 
 fn status(dir: &Location, keys: bool, json: bool, repair: bool) -> Outcome {

@@ -310,7 +310,7 @@ pub(super) fn status(
     keys: bool,
 ) -> PyResult<Bound<'_, PyAny>> {
     let (_, report) = py
-        .detach(|| crate::cli::status_report(&location(&checkpoint_dir)?, keys))
+        .detach(|| crate::status::status_report(&location(&checkpoint_dir)?, keys))
         .map_err(to_py)?;
     to_dict(py, &report)
 }
