@@ -411,26 +411,40 @@ where
     I: IntoIterator<Item = T>,
     T: Into<OsString> + Clone,
 {
-    let cli = match Cli::try_parse_from(args) {
-        Ok(c) => c,
-        Err(e) if !e.use_stderr() => {
+    match parse(args) {
+        Ok(cli) => exit_code(dispatch(cli.command)),
+        Err(code) => code,
+    }
+}
+
+/// The command line `args` holds, or the exit code once `--help` / `--version` is printed (0) or
+/// a bad command line is reported (2).
+fn parse<I, T>(args: I) -> std::result::Result<Cli, i32>
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    Cli::try_parse_from(args).map_err(|e| {
+        if !e.use_stderr() {
             let _ = e.print(); // --help, --version
             return 0;
         }
-        Err(e) => {
-            // One line, as every other error: clap's first line (its usage and tip lines dropped).
-            let text = e.render().to_string();
-            let first = text.lines().next().unwrap_or_default();
-            let message = first.strip_prefix("error: ").unwrap_or(first);
-            let _ = writeln!(
-                std::io::stderr(),
-                "shardwise: error: {} (see --help)",
-                shown(message)
-            );
-            return 2;
-        }
-    };
-    let result = (|| match cli.command {
+        // One line, as every other error: clap's first line (its usage and tip lines dropped).
+        let text = e.render().to_string();
+        let first = text.lines().next().unwrap_or_default();
+        let message = first.strip_prefix("error: ").unwrap_or(first);
+        let _ = writeln!(
+            std::io::stderr(),
+            "shardwise: error: {} (see --help)",
+            shown(message)
+        );
+        2
+    })
+}
+
+/// Runs `command`: its arguments turned into the library's values, then its function.
+fn dispatch(command: Command) -> Outcome {
+    match command {
         Command::Inspect { dir, json } => inspect(&location(&dir)?, json),
         Command::Verify {
             dir,
@@ -481,8 +495,12 @@ where
             let opts = f.options()?;
             to_hf(&bounded(&f.dir, f.timeout)?, &f.out, &opts, f.json)
         }
-    })();
-    match result {
+    }
+}
+
+/// The exit code of a command's outcome, its error told on stderr as one line.
+fn exit_code(outcome: Outcome) -> i32 {
+    match outcome {
         Ok(code) => code,
         Err(Stop::Pipe) => EXIT_PIPE,
         Err(Stop::Fail(e @ Error::Interrupted(_))) => {
@@ -1327,9 +1345,17 @@ mod tests {
     use crate::hf::{Impl, Quantize, QuantizeFormat};
 
     fn command(args: &[&str]) -> Command {
-        Cli::try_parse_from(std::iter::once("shardwise").chain(args.iter().copied()))
-            .unwrap()
+        parse(std::iter::once("shardwise").chain(args.iter().copied()))
+            .unwrap_or_else(|code| panic!("{args:?}: exit code {code}"))
             .command
+    }
+
+    #[test]
+    fn a_bad_command_line_and_help_are_exit_codes() {
+        assert_eq!(parse(["shardwise", "bogus"]).err(), Some(2));
+        assert_eq!(parse(["shardwise", "status"]).err(), Some(2));
+        assert_eq!(parse(["shardwise", "--version"]).err(), Some(0));
+        assert!(matches!(command(&["status", "d"]), Command::Status { .. }));
     }
 
     /// The flags left out are the library's defaults; the names are parsed by the library.
