@@ -1,4 +1,5 @@
-//! The `shardwise` command line: inspect, verify, status and merge checkpoints.
+//! The `shardwise` command line: inspect, verify, status and merge checkpoints; the status model
+//! it prints is [`crate::status`]'s.
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
@@ -11,14 +12,15 @@ use clap::{Parser, Subcommand};
 use indicatif::HumanBytes;
 use serde::Serialize;
 
-use crate::commit::part::{listed_parts, read_part, save_rel, Marker, RankPart, STATE_DIR};
-use crate::commit::record::{read_commit_record, SaveLayout};
-use crate::commit::state::{checkpoint_state, orphaned_data_files, save_state, CheckpointState};
-use crate::commit::wait::{missing_ranks, timeout_from_secs, Freshness};
+use crate::commit::part::{Marker, STATE_DIR};
+use crate::commit::state::{checkpoint_state, CheckpointState};
+use crate::commit::wait::{timeout_from_secs, Freshness};
 use crate::error::{fmt_ranks, Error, Result};
 use crate::format::metadata::Entry;
 use crate::format::METADATA_FILE;
+use crate::hf::{FromHfOptions, FromHfRequest, HfOptions, ToHfRequest};
 use crate::reader::Checkpoint;
+use crate::status::{format_name, read_parts, save_ids, status_report, StatusReport};
 use crate::storage::Location;
 
 const EXIT_CODES: &str = "Exit codes:\n  0  success (verify: no problem found)\n  1  the operation failed, or verify found problems\n  2  bad command line\n  130  interrupted (Ctrl-C) during a wait; nothing committed\n  141  stdout was closed early (e.g. `| head`); nothing more is printed";
@@ -82,153 +84,14 @@ enum Command {
     /// Convert a checkpoint to Hugging Face safetensors, streaming: only the byte ranges each HF tensor
     /// needs are read, and memory stays at about threads x the largest HF tensor.
     #[command(name = "to-hf", after_help = EXIT_CODES)]
-    ToHf {
-        /// Checkpoint directory or URL (torch_dist / DCP).
-        dir: PathBuf,
-        /// Output directory for model-0000k-of-0000n.safetensors and model.safetensors.index.json.
-        out: PathBuf,
-        /// HF config.json: hyperparameters (checked against the checkpoint's stored args) and
-        /// copied to the output. Without it the args give the hyperparameters, --arch is
-        /// required, and the config.json written is built from the args.
-        #[arg(long)]
-        hf_config: Option<PathBuf>,
-        /// Architecture (llama, qwen2, qwen3, qwen3_moe, mixtral, ...); default: the config's model_type.
-        #[arg(long)]
-        arch: Option<String>,
-        /// Output dtype: bf16, fp16 or fp32 (default: as stored).
-        #[arg(long)]
-        dtype: Option<String>,
-        /// Largest output file, e.g. 5GB (files are also split so that no safetensors header
-        /// passes 90 MB; safetensors opens at most 100 MB).
-        #[arg(long, default_value = "5GB")]
-        max_shard_size: String,
-        /// Worker threads reading, converting and writing tensors in parallel (default: the
-        /// number of CPUs); memory is about workers x the largest HF tensor.
-        #[arg(long, visible_alias = "threads", value_name = "N")]
-        workers: Option<usize>,
-        /// Write only part i of n (0-based) of the conversion, for a conversion split over
-        /// processes or machines sharing the output folder: every part computes the same shard
-        /// plan and writes shards k with k % n == i; the part that finds every part done writes
-        /// config.json and commits the index (create-if-absent). Run all n parts with the same
-        /// arguments.
-        #[arg(long, value_name = "I/N")]
-        part: Option<String>,
-        /// Replace an earlier conversion in a non-empty output folder: its index, weight files
-        /// and config.json go, other files stay. The new shards are staged first; the old index
-        /// is removed only after they are all written, the new index written last.
-        #[arg(long)]
-        overwrite: bool,
-        /// The original HF release of a multimodal model (a config.json with a text_config, e.g.
-        /// Qwen3.5's): its vision tower (model.visual.*) is copied byte for byte, after its
-        /// names and shapes are checked against the config's vision_config; the text model is
-        /// written under model.language_model.*, as save_pretrained writes it.
-        #[arg(long, value_name = "DIR")]
-        base_hf: Option<PathBuf>,
-        /// For a multimodal config: write the text model alone (model.*) with the text model's
-        /// own config.json (e.g. Qwen3_5MoeForCausalLM).
-        #[arg(long)]
-        text_only: bool,
-        /// Convert without the checkpoint's MTP layers (mtp.layers.*); the config.json written
-        /// then declares none.
-        #[arg(long)]
-        drop_mtp: bool,
-        /// The tokenizer folder whose files (tokenizer.json, tokenizer_config.json, ...,
-        /// generation_config.json) are copied beside the weights; default the checkpoint's
-        /// tokenizer/ (Megatron-LM after 0.19 saves one there), when it has one.
-        #[arg(long, value_name = "DIR")]
-        tokenizer: Option<PathBuf>,
-        /// Write the weights quantized as the official releases store them: fp8-block (e4m3
-        /// weights with float32 weight_scale_inv per 128x128 block; embeddings, lm_head, norms,
-        /// routers, gates, biases and small projections stay in the output dtype), mxfp4
-        /// (gpt_oss's experts as *_blocks / *_scales), nvfp4 (weight-only NVFP4, as
-        /// llm-compressor's NVFP4A16) or mxfp8 (compressed-tensors' mxfp8-quantized). config.json
-        /// gets the matching quantization_config. NVFP4 W4A4 (nvfp4-w4a4) is refused: its
-        /// activation scales need calibration data.
-        #[arg(long, value_name = "FORMAT")]
-        quantize: Option<String>,
-        /// The layout of --quantize nvfp4: compressed-tensors (default; vLLM, SGLang,
-        /// transformers) or modelopt (W4A16_NVFP4 with hf_quant_config.json, for TensorRT-LLM).
-        #[arg(long, value_name = "LAYOUT")]
-        quantize_format: Option<String>,
-        /// Skip checkpoint keys that no rule maps instead of failing.
-        #[arg(long)]
-        allow_unmapped: bool,
-        #[arg(long, help = JSON_HELP)]
-        json: bool,
-        /// Bound in seconds on each object-store request, its retries included (default: 30 s
-        /// per attempt, retried for SHARDWISE_RETRY_TIMEOUT_S, 60 s).
-        #[arg(long, value_name = "S", allow_negative_numbers = true)]
-        timeout: Option<f64>,
-    },
+    ToHf(ToHfFlags),
     /// Convert a Hugging Face folder (config.json and safetensors, also block-FP8 or MXFP4) into a
     /// Megatron torch_dist checkpoint, by the to-hf mapping read in reverse: no GPU, no process
     /// group, no model code. MTP layers are converted (mtp.layers.*), a multimodal folder's text
     /// model too (its vision tower is left out; to-hf --base-hf puts it back). Memory stays at
     /// about a group of tensors (1 GiB, or the largest tensor) plus one HF tensor per worker.
     #[command(name = "from-hf", after_help = EXIT_CODES)]
-    FromHf {
-        /// HF folder: config.json and model.safetensors or model.safetensors.index.json with its files.
-        hf_dir: PathBuf,
-        /// Output checkpoint directory (absent or empty; a local directory).
-        ckpt_dir: PathBuf,
-        /// Architecture (llama, qwen2, qwen3, qwen3_moe, mixtral, ...); default: config.json's model_type.
-        #[arg(long)]
-        arch: Option<String>,
-        /// Dtype of the written tensors: bf16, fp16 or fp32 (quantized weights are dequantized into it).
-        #[arg(long, default_value = "bf16")]
-        dtype: String,
-        /// Megatron-LM's --transformer-impl of the model that will load the checkpoint (stored in
-        /// the args): transformer_engine fuses each norm into the linear after it
-        /// (self_attention.linear_qkv.layer_norm_weight, ...); local keeps them separate modules,
-        /// but megatron-core's local GPT spec saves a linear_qkv attention's two norms under the
-        /// fused names on every layer, so a dense model's keys are the same; they differ for MoE
-        /// layers' pre-MLP norm and MLA's q/kv norms.
-        #[arg(long, default_value = "transformer_engine", value_parser = ["transformer_engine", "local"])]
-        transformer_impl: String,
-        /// Megatron-LM's --moe-grouped-gemm (recorded in the stored args; the keys are the same).
-        #[arg(long)]
-        moe_grouped_gemm: bool,
-        /// Megatron-LM's --make-vocab-size-divisible-by: with --tensor-model-parallel-size, the
-        /// vocabulary is padded to a multiple of their product (the padding rows repeat the last row).
-        #[arg(long, default_value_t = 128)]
-        make_vocab_size_divisible_by: u64,
-        #[arg(long, default_value_t = 1)]
-        tensor_model_parallel_size: u64,
-        /// The iteration stored in the common state.
-        #[arg(long, default_value_t = 0)]
-        iteration: u64,
-        /// Also write latest_checkpointed_iteration.txt in CKPT_DIR's parent (CKPT_DIR must be
-        /// named release for iteration 0, iter_0000123 for --iteration 123), after the commit.
-        #[arg(long)]
-        tracker: bool,
-        /// Worker threads converting tensors in parallel (default: the number of CPUs).
-        #[arg(long, visible_alias = "threads", value_name = "N")]
-        workers: Option<usize>,
-        /// The largest data file, e.g. 1GB (a larger tensor gets a file of its own), or auto:
-        /// the largest tensor's size. Each worker holds one file's tensors in memory until it is
-        /// written, so peak memory is about (workers + 2) x max(this, the largest tensor).
-        #[arg(long, default_value = "auto")]
-        max_file_size: String,
-        /// Write only part i of n (0-based), for a conversion split over processes or machines
-        /// sharing CKPT_DIR: every part computes the same data files and writes those k with
-        /// k % n == i; the part that finds every part published commits. Run all n parts with
-        /// the same arguments; the files are byte-identical to a one-process conversion.
-        #[arg(long, value_name = "I/N")]
-        part: Option<String>,
-        /// Replace a checkpoint in CKPT_DIR (it stays loadable until the new commit).
-        #[arg(long)]
-        overwrite: bool,
-        /// Skip HF tensors that no rule reads instead of failing.
-        #[arg(long)]
-        allow_unmapped: bool,
-        /// Convert without the folder's MTP layers (the checkpoint's args then say
-        /// mtp_num_layers None). Without it, a folder holding MTP layers converts them all or
-        /// fails.
-        #[arg(long)]
-        drop_mtp: bool,
-        #[arg(long, help = JSON_HELP)]
-        json: bool,
-    },
+    FromHf(FromHfFlags),
     /// Compare two checkpoints key by key, across layouts (TP/PP/EP) and storage, or a checkpoint with
     /// an HF safetensors folder through the to-hf mapping.
     #[command(after_help = DIFF_EXIT_CODES)]
@@ -273,6 +136,197 @@ enum Command {
         #[arg(long)]
         repair: bool,
     },
+}
+
+/// `to-hf`'s command line; [`ToHfFlags::options`] hands it to the library.
+#[derive(clap::Args, Debug)]
+struct ToHfFlags {
+    /// Checkpoint directory or URL (torch_dist / DCP).
+    dir: PathBuf,
+    /// Output directory for model-0000k-of-0000n.safetensors and model.safetensors.index.json.
+    out: PathBuf,
+    /// HF config.json: hyperparameters (checked against the checkpoint's stored args) and
+    /// copied to the output. Without it the args give the hyperparameters, --arch is
+    /// required, and the config.json written is built from the args.
+    #[arg(long)]
+    hf_config: Option<PathBuf>,
+    /// Architecture (llama, qwen2, qwen3, qwen3_moe, mixtral, ...); default: the config's model_type.
+    #[arg(long)]
+    arch: Option<String>,
+    /// Output dtype: bf16, fp16 or fp32 (default: as stored).
+    #[arg(long)]
+    dtype: Option<String>,
+    /// Largest output file, e.g. 5GB (files are also split so that no safetensors header
+    /// passes 90 MB; safetensors opens at most 100 MB).
+    #[arg(long, default_value_t = ToHfRequest::default().max_shard_size)]
+    max_shard_size: String,
+    /// Worker threads reading, converting and writing tensors in parallel (default: the
+    /// number of CPUs); memory is about workers x the largest HF tensor.
+    #[arg(long, visible_alias = "threads", value_name = "N")]
+    workers: Option<usize>,
+    /// Write only part i of n (0-based) of the conversion, for a conversion split over
+    /// processes or machines sharing the output folder: every part computes the same shard
+    /// plan and writes shards k with k % n == i; the part that finds every part done writes
+    /// config.json and commits the index (create-if-absent). Run all n parts with the same
+    /// arguments.
+    #[arg(long, value_name = "I/N")]
+    part: Option<String>,
+    /// Replace an earlier conversion in a non-empty output folder: its index, weight files
+    /// and config.json go, other files stay. The new shards are staged first; the old index
+    /// is removed only after they are all written, the new index written last.
+    #[arg(long)]
+    overwrite: bool,
+    /// The original HF release of a multimodal model (a config.json with a text_config, e.g.
+    /// Qwen3.5's): its vision tower (model.visual.*) is copied byte for byte, after its
+    /// names and shapes are checked against the config's vision_config; the text model is
+    /// written under model.language_model.*, as save_pretrained writes it.
+    #[arg(long, value_name = "DIR")]
+    base_hf: Option<PathBuf>,
+    /// For a multimodal config: write the text model alone (model.*) with the text model's
+    /// own config.json (e.g. Qwen3_5MoeForCausalLM).
+    #[arg(long)]
+    text_only: bool,
+    /// Convert without the checkpoint's MTP layers (mtp.layers.*); the config.json written
+    /// then declares none.
+    #[arg(long)]
+    drop_mtp: bool,
+    /// The tokenizer folder whose files (tokenizer.json, tokenizer_config.json, ...,
+    /// generation_config.json) are copied beside the weights; default the checkpoint's
+    /// tokenizer/ (Megatron-LM after 0.19 saves one there), when it has one.
+    #[arg(long, value_name = "DIR")]
+    tokenizer: Option<PathBuf>,
+    /// Write the weights quantized as the official releases store them: fp8-block (e4m3
+    /// weights with float32 weight_scale_inv per 128x128 block; embeddings, lm_head, norms,
+    /// routers, gates, biases and small projections stay in the output dtype), mxfp4
+    /// (gpt_oss's experts as *_blocks / *_scales), nvfp4 (weight-only NVFP4, as
+    /// llm-compressor's NVFP4A16) or mxfp8 (compressed-tensors' mxfp8-quantized). config.json
+    /// gets the matching quantization_config. NVFP4 W4A4 (nvfp4-w4a4) is refused: its
+    /// activation scales need calibration data.
+    #[arg(long, value_name = "FORMAT")]
+    quantize: Option<String>,
+    /// The layout of --quantize nvfp4: compressed-tensors (default; vLLM, SGLang,
+    /// transformers) or modelopt (W4A16_NVFP4 with hf_quant_config.json, for TensorRT-LLM).
+    #[arg(long, value_name = "LAYOUT")]
+    quantize_format: Option<String>,
+    /// Skip checkpoint keys that no rule maps instead of failing.
+    #[arg(long)]
+    allow_unmapped: bool,
+    #[arg(long, help = JSON_HELP)]
+    json: bool,
+    /// Bound in seconds on each object-store request, its retries included (default: 30 s
+    /// per attempt, retried for SHARDWISE_RETRY_TIMEOUT_S, 60 s).
+    #[arg(long, value_name = "S", allow_negative_numbers = true)]
+    timeout: Option<f64>,
+}
+
+/// `from-hf`'s command line; [`FromHfFlags::options`] hands it to the library.
+#[derive(clap::Args, Debug)]
+struct FromHfFlags {
+    /// HF folder: config.json and model.safetensors or model.safetensors.index.json with its files.
+    hf_dir: PathBuf,
+    /// Output checkpoint directory (absent or empty; a local directory).
+    ckpt_dir: PathBuf,
+    /// Architecture (llama, qwen2, qwen3, qwen3_moe, mixtral, ...); default: config.json's model_type.
+    #[arg(long)]
+    arch: Option<String>,
+    /// Dtype of the written tensors: bf16, fp16 or fp32 (quantized weights are dequantized into it).
+    #[arg(long, default_value_t = FromHfRequest::default().dtype)]
+    dtype: String,
+    /// Megatron-LM's --transformer-impl of the model that will load the checkpoint (stored in
+    /// the args): transformer_engine fuses each norm into the linear after it
+    /// (self_attention.linear_qkv.layer_norm_weight, ...); local keeps them separate modules,
+    /// but megatron-core's local GPT spec saves a linear_qkv attention's two norms under the
+    /// fused names on every layer, so a dense model's keys are the same; they differ for MoE
+    /// layers' pre-MLP norm and MLA's q/kv norms.
+    #[arg(long, default_value_t = FromHfRequest::default().transformer_impl, value_parser = ["transformer_engine", "local"])]
+    transformer_impl: String,
+    /// Megatron-LM's --moe-grouped-gemm (recorded in the stored args; the keys are the same).
+    #[arg(long)]
+    moe_grouped_gemm: bool,
+    /// Megatron-LM's --make-vocab-size-divisible-by: with --tensor-model-parallel-size, the
+    /// vocabulary is padded to a multiple of their product (the padding rows repeat the last row).
+    #[arg(long, default_value_t = FromHfRequest::default().make_vocab_size_divisible_by)]
+    make_vocab_size_divisible_by: u64,
+    #[arg(long, default_value_t = FromHfRequest::default().tensor_model_parallel_size)]
+    tensor_model_parallel_size: u64,
+    /// The iteration stored in the common state.
+    #[arg(long, default_value_t = FromHfRequest::default().iteration)]
+    iteration: u64,
+    /// Also write latest_checkpointed_iteration.txt in CKPT_DIR's parent (CKPT_DIR must be
+    /// named release for iteration 0, iter_0000123 for --iteration 123), after the commit.
+    #[arg(long)]
+    tracker: bool,
+    /// Worker threads converting tensors in parallel (default: the number of CPUs).
+    #[arg(long, visible_alias = "threads", value_name = "N")]
+    workers: Option<usize>,
+    /// The largest data file, e.g. 1GB (a larger tensor gets a file of its own), or auto:
+    /// the largest tensor's size. Each worker holds one file's tensors in memory until it is
+    /// written, so peak memory is about (workers + 2) x max(this, the largest tensor).
+    #[arg(long, default_value_t = FromHfRequest::default().max_file_size)]
+    max_file_size: String,
+    /// Write only part i of n (0-based), for a conversion split over processes or machines
+    /// sharing CKPT_DIR: every part computes the same data files and writes those k with
+    /// k % n == i; the part that finds every part published commits. Run all n parts with
+    /// the same arguments; the files are byte-identical to a one-process conversion.
+    #[arg(long, value_name = "I/N")]
+    part: Option<String>,
+    /// Replace a checkpoint in CKPT_DIR (it stays loadable until the new commit).
+    #[arg(long)]
+    overwrite: bool,
+    /// Skip HF tensors that no rule reads instead of failing.
+    #[arg(long)]
+    allow_unmapped: bool,
+    /// Convert without the folder's MTP layers (the checkpoint's args then say
+    /// mtp_num_layers None). Without it, a folder holding MTP layers converts them all or
+    /// fails.
+    #[arg(long)]
+    drop_mtp: bool,
+    #[arg(long, help = JSON_HELP)]
+    json: bool,
+}
+
+impl ToHfFlags {
+    /// The conversion's options, parsed and checked by the library.
+    fn options(&self) -> Result<HfOptions> {
+        HfOptions::from_user(ToHfRequest {
+            hf_config: self.hf_config.clone(),
+            arch: self.arch.clone(),
+            dtype: self.dtype.clone(),
+            max_shard_size: self.max_shard_size.clone(),
+            workers: self.workers,
+            allow_unmapped: self.allow_unmapped,
+            overwrite: self.overwrite,
+            part: self.part.clone(),
+            base_hf: self.base_hf.clone(),
+            text_only: self.text_only,
+            drop_mtp: self.drop_mtp,
+            tokenizer: self.tokenizer.clone(),
+            quantize: self.quantize.clone(),
+            quantize_format: self.quantize_format.clone(),
+        })
+    }
+}
+
+impl FromHfFlags {
+    /// The conversion's options, parsed and checked by the library.
+    fn options(&self) -> Result<FromHfOptions> {
+        FromHfOptions::from_user(FromHfRequest {
+            arch: self.arch.clone(),
+            dtype: self.dtype.clone(),
+            transformer_impl: self.transformer_impl.clone(),
+            moe_grouped_gemm: self.moe_grouped_gemm,
+            make_vocab_size_divisible_by: self.make_vocab_size_divisible_by,
+            tensor_model_parallel_size: self.tensor_model_parallel_size,
+            iteration: self.iteration,
+            tracker: self.tracker,
+            workers: self.workers,
+            max_file_size: self.max_file_size.clone(),
+            part: self.part.clone(),
+            overwrite: self.overwrite,
+            allow_unmapped: self.allow_unmapped,
+            drop_mtp: self.drop_mtp,
+        })
+    }
 }
 
 /// How a command stops short of success.
@@ -357,26 +411,40 @@ where
     I: IntoIterator<Item = T>,
     T: Into<OsString> + Clone,
 {
-    let cli = match Cli::try_parse_from(args) {
-        Ok(c) => c,
-        Err(e) if !e.use_stderr() => {
+    match parse(args) {
+        Ok(cli) => exit_code(dispatch(cli.command)),
+        Err(code) => code,
+    }
+}
+
+/// The command line `args` holds, or the exit code once `--help` / `--version` is printed (0) or
+/// a bad command line is reported (2).
+fn parse<I, T>(args: I) -> std::result::Result<Cli, i32>
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    Cli::try_parse_from(args).map_err(|e| {
+        if !e.use_stderr() {
             let _ = e.print(); // --help, --version
             return 0;
         }
-        Err(e) => {
-            // One line, as every other error: clap's first line (its usage and tip lines dropped).
-            let text = e.render().to_string();
-            let first = text.lines().next().unwrap_or_default();
-            let message = first.strip_prefix("error: ").unwrap_or(first);
-            let _ = writeln!(
-                std::io::stderr(),
-                "shardwise: error: {} (see --help)",
-                shown(message)
-            );
-            return 2;
-        }
-    };
-    let result = (|| match cli.command {
+        // One line, as every other error: clap's first line (its usage and tip lines dropped).
+        let text = e.render().to_string();
+        let first = text.lines().next().unwrap_or_default();
+        let message = first.strip_prefix("error: ").unwrap_or(first);
+        let _ = writeln!(
+            std::io::stderr(),
+            "shardwise: error: {} (see --help)",
+            shown(message)
+        );
+        2
+    })
+}
+
+/// Runs `command`: its arguments turned into the library's values, then its function.
+fn dispatch(command: Command) -> Outcome {
+    match command {
         Command::Inspect { dir, json } => inspect(&location(&dir)?, json),
         Command::Verify {
             dir,
@@ -422,79 +490,17 @@ where
             repair,
         ),
         Command::Diff(args) => diff(args),
-        Command::FromHf {
-            hf_dir,
-            ckpt_dir,
-            arch,
-            dtype,
-            transformer_impl,
-            moe_grouped_gemm,
-            make_vocab_size_divisible_by,
-            tensor_model_parallel_size,
-            iteration,
-            tracker,
-            workers,
-            max_file_size,
-            part,
-            overwrite,
-            allow_unmapped,
-            drop_mtp,
-            json,
-        } => {
-            let mut opts = crate::hf::FromHfOptions::from_user(&dtype, &transformer_impl, workers)?;
-            opts.max_file_bytes = crate::hf::parse_max_file_size(&max_file_size)?;
-            opts.arch = arch;
-            opts.moe_grouped_gemm = moe_grouped_gemm;
-            opts.make_vocab_size_divisible_by = make_vocab_size_divisible_by;
-            opts.tensor_model_parallel_size = tensor_model_parallel_size;
-            opts.iteration = iteration;
-            opts.tracker = tracker;
-            opts.part = part.as_deref().map(crate::hf::Part::parse).transpose()?;
-            opts.overwrite = overwrite;
-            opts.allow_unmapped = allow_unmapped;
-            opts.drop_mtp = drop_mtp;
-            from_hf(&hf_dir, &ckpt_dir, &opts, json)
+        Command::FromHf(f) => from_hf(&f.hf_dir, &f.ckpt_dir, &f.options()?, f.json),
+        Command::ToHf(f) => {
+            let opts = f.options()?;
+            to_hf(&bounded(&f.dir, f.timeout)?, &f.out, &opts, f.json)
         }
-        Command::ToHf {
-            dir,
-            out,
-            hf_config,
-            arch,
-            dtype,
-            max_shard_size,
-            workers,
-            part,
-            overwrite,
-            allow_unmapped,
-            base_hf,
-            text_only,
-            drop_mtp,
-            tokenizer,
-            quantize,
-            quantize_format,
-            json,
-            timeout,
-        } => {
-            let mut opts = crate::hf::HfOptions::from_user(
-                hf_config,
-                arch,
-                dtype.as_deref(),
-                &max_shard_size,
-                workers,
-                allow_unmapped,
-            )?;
-            opts.overwrite = overwrite;
-            opts.part = part.as_deref().map(crate::hf::Part::parse).transpose()?;
-            opts.base_hf = base_hf;
-            opts.text_only = text_only;
-            opts.drop_mtp = drop_mtp;
-            opts.tokenizer = tokenizer;
-            opts.quantize = quantize;
-            opts.quantize_format = quantize_format;
-            to_hf(&bounded(&dir, timeout)?, &out, &opts, json)
-        }
-    })();
-    match result {
+    }
+}
+
+/// The exit code of a command's outcome, its error told on stderr as one line.
+fn exit_code(outcome: Outcome) -> i32 {
+    match outcome {
         Ok(code) => code,
         Err(Stop::Pipe) => EXIT_PIPE,
         Err(Stop::Fail(e @ Error::Interrupted(_))) => {
@@ -644,15 +650,6 @@ fn inspect(dir: &Location, json: bool) -> Outcome {
         format_name(&ckpt.metadata.class)
     );
     Ok(0)
-}
-
-/// The checkpoint format, in words, from the class of its pickled `.metadata`.
-pub fn format_name(class: &str) -> &'static str {
-    if class.ends_with(".MCoreMetadata") {
-        "Megatron-Core torch_dist"
-    } else {
-        "PyTorch DCP"
-    }
 }
 
 fn verify(
@@ -814,232 +811,6 @@ fn problem_lines(problems: &[crate::verify::Problem]) -> Vec<String> {
         }
     }
     lines
-}
-
-fn save_ids(dir: &Location) -> Result<Vec<String>> {
-    // Missing, not a directory and not allowed to look are three different answers, which
-    // resolving the directory gives (listing a missing one would read as "no saves").
-    dir.canonical()?;
-    crate::commit::state::save_ids(dir)
-}
-
-/// `(rank, part or error, age in seconds)` of every part file of a save.
-fn read_parts(dir: &Location, save_id: &str) -> Vec<(u32, Result<RankPart>, f64)> {
-    let listed = listed_parts(dir, save_id).unwrap_or_default();
-    let mut out: Vec<_> = listed
-        .into_iter()
-        .map(|(r, f)| {
-            let rel = format!("{}/{}", save_rel(save_id), f.name);
-            (r, read_part(dir, &rel), f.age_s)
-        })
-        .collect();
-    out.sort_by_key(|(r, _, _)| *r);
-    out
-}
-
-#[derive(Serialize)]
-struct RankStatus {
-    rank: u32,
-    age_s: f64,
-    tensor_chunks: usize,
-    byte_objects: usize,
-    bytes: u64,
-    files: Vec<String>,
-    common: bool,
-    error: Option<String>,
-}
-
-#[derive(Serialize)]
-struct SaveStatus {
-    save_id: String,
-    /// committed, merging, interrupted, failed or incomplete.
-    state: &'static str,
-    /// The state in words, with the reason and what to do.
-    detail: String,
-    world_size: u32,
-    present: usize,
-    missing: Vec<u32>,
-    ranks: Vec<RankStatus>,
-    /// Tensor keys of the save.
-    key_count: usize,
-    /// Each tensor key's layout; only when asked (`--keys`): on a committed save it costs a read
-    /// of every part.
-    keys: Vec<KeyLayout>,
-}
-
-/// A tensor key as the parts of a save describe it (fields named as in `inspect --json`).
-#[derive(Serialize)]
-struct KeyLayout {
-    key: String,
-    dtype: String,
-    global_shape: Vec<u64>,
-    /// Chunks published for this key.
-    chunks: usize,
-    /// Ranks that published them, ascending.
-    ranks: Vec<u32>,
-}
-
-/// The state of `dir` and of each save in it: what `shardwise status` shows; with `keys`, each
-/// save's tensor keys too. A committed save's ranks come from its `COMMITTED` record (a few KiB,
-/// whatever the number of chunks); its parts, whose item records grow with the chunks, are read
-/// only for `keys`, for a save not committed, or for a record without a layout (older shardwise).
-///
-/// Errors: storage errors when `dir` or its state directory cannot be read.
-pub(crate) fn status_report(dir: &Location, keys: bool) -> Result<(CheckpointState, StatusReport)> {
-    let checkpoint = checkpoint_state(dir)?;
-    let orphans = orphaned_data_files(dir)?;
-    let mut saves = Vec::new();
-    for id in save_ids(dir)? {
-        let recorded = if keys {
-            None
-        } else {
-            read_commit_record(dir, &id).and_then(|r| r.layout)
-        };
-        let (world_size, present, ranks, key_count, layout) = match recorded {
-            Some(l) => {
-                let (present, ranks) = ranks_of_record(dir, &id, &l)?;
-                (
-                    l.ranks.len() as u32,
-                    present,
-                    ranks,
-                    l.tensor_keys,
-                    Vec::new(),
-                )
-            }
-            None => {
-                let parts = read_parts(dir, &id);
-                let world_size = parts
-                    .iter()
-                    .find_map(|(_, p, _)| p.as_ref().ok().map(|p| p.world_size))
-                    .unwrap_or(0);
-                let (ranks, layout) = ranks_of_parts(&parts);
-                let key_count = layout.len();
-                let layout = if keys { layout } else { Vec::new() };
-                (world_size, parts.len(), ranks, key_count, layout)
-            }
-        };
-        let state = save_state(dir, &id, world_size)?;
-        let missing = if world_size > 0 {
-            missing_ranks(dir, &id, world_size)?
-        } else {
-            Vec::new()
-        };
-        saves.push(SaveStatus {
-            save_id: id,
-            state: state.name(),
-            detail: state.describe(),
-            world_size,
-            present,
-            missing,
-            ranks,
-            key_count,
-            keys: layout,
-        });
-    }
-    let (state, reason) = match &checkpoint {
-        CheckpointState::Committed { .. } => ("committed", None),
-        CheckpointState::NotCommitted { reason } => ("not_committed", Some(reason.clone())),
-        CheckpointState::Damaged { reason, .. } => ("damaged", Some(reason.clone())),
-    };
-    let report = StatusReport {
-        dir: dir.to_string(),
-        checkpoint: state,
-        reason,
-        orphaned_data_files: orphans,
-        saves,
-    };
-    Ok((checkpoint, report))
-}
-
-/// The parts present (listed, not read) of committed save `id` and each one's rank as its commit
-/// `layout` recorded it, with the part's age.
-///
-/// Errors: storage errors when the save's directory cannot be listed.
-fn ranks_of_record(
-    dir: &Location,
-    id: &str,
-    layout: &SaveLayout,
-) -> Result<(usize, Vec<RankStatus>)> {
-    let ages: BTreeMap<u32, f64> = listed_parts(dir, id)?
-        .into_iter()
-        .map(|(r, f)| (r, f.age_s))
-        .collect();
-    let ranks = layout
-        .ranks
-        .iter()
-        .filter_map(|r| {
-            Some(RankStatus {
-                rank: r.rank,
-                age_s: *ages.get(&r.rank)?,
-                tensor_chunks: r.tensor_chunks,
-                byte_objects: r.byte_objects,
-                bytes: r.bytes,
-                files: r.files.clone(),
-                common: r.common,
-                error: None,
-            })
-        })
-        .collect();
-    Ok((ages.len(), ranks))
-}
-
-/// Each part's rank status, and the tensor keys the parts describe (in key order).
-fn ranks_of_parts(parts: &[(u32, Result<RankPart>, f64)]) -> (Vec<RankStatus>, Vec<KeyLayout>) {
-    let mut layout: BTreeMap<&str, KeyLayout> = BTreeMap::new();
-    let mut ranks = Vec::new();
-    for (rank, p, age_s) in parts {
-        match p {
-            Err(e) => ranks.push(RankStatus {
-                rank: *rank,
-                age_s: *age_s,
-                tensor_chunks: 0,
-                byte_objects: 0,
-                bytes: 0,
-                files: Vec::new(),
-                common: false,
-                error: Some(e.to_string()),
-            }),
-            Ok(p) => {
-                for t in &p.tensors {
-                    let e = layout.entry(&t.fqn).or_insert_with(|| KeyLayout {
-                        key: t.fqn.clone(),
-                        dtype: t.dtype.clone(),
-                        global_shape: t.global_shape.clone(),
-                        chunks: 0,
-                        ranks: Vec::new(),
-                    });
-                    e.chunks += 1;
-                    if e.ranks.last() != Some(rank) {
-                        e.ranks.push(*rank);
-                    }
-                }
-                ranks.push(RankStatus {
-                    rank: *rank,
-                    age_s: *age_s,
-                    tensor_chunks: p.tensors.len(),
-                    byte_objects: p.objects.len(),
-                    bytes: p.files.iter().map(|f| f.size).sum(),
-                    files: p.files.iter().map(|f| f.name.clone()).collect(),
-                    common: p.common.is_some(),
-                    error: None,
-                })
-            }
-        }
-    }
-    (ranks, layout.into_values().collect())
-}
-
-/// What `shardwise status --json` prints (README, "JSON output"), and `shardwise.status` returns.
-#[derive(Serialize)]
-pub(crate) struct StatusReport {
-    dir: String,
-    /// committed, not_committed or damaged.
-    checkpoint: &'static str,
-    /// Why it is not committed or damaged; null when committed.
-    reason: Option<String>,
-    /// Data files no part and no commit names (ranks that died before publishing).
-    orphaned_data_files: Vec<String>,
-    saves: Vec<SaveStatus>,
 }
 
 fn status(dir: &Location, keys: bool, json: bool, repair: bool) -> Outcome {
@@ -1318,7 +1089,7 @@ fn merge_rank_local(
     Ok(0)
 }
 
-fn from_hf(hf: &Path, out: &Path, opts: &crate::hf::FromHfOptions, json: bool) -> Outcome {
+fn from_hf(hf: &Path, out: &Path, opts: &FromHfOptions, json: bool) -> Outcome {
     let bar = progress(
         indicatif::ProgressBar::new_spinner(),
         "from-hf {spinner} {binary_bytes} converted {binary_bytes_per_sec} {elapsed}",
@@ -1385,7 +1156,7 @@ fn from_hf(hf: &Path, out: &Path, opts: &crate::hf::FromHfOptions, json: bool) -
     Ok(0)
 }
 
-fn to_hf(dir: &Location, out: &Path, opts: &crate::hf::HfOptions, json: bool) -> Outcome {
+fn to_hf(dir: &Location, out: &Path, opts: &HfOptions, json: bool) -> Outcome {
     let bar = progress(
         indicatif::ProgressBar::new_spinner(),
         "to-hf {spinner} {binary_bytes} written {binary_bytes_per_sec} {elapsed}",
@@ -1468,10 +1239,10 @@ struct DiffArgs {
     #[arg(long, value_name = "PATTERN")]
     exclude: Vec<String>,
     /// Absolute tolerance: |a - b| <= atol + rtol * max(|a|, |b|).
-    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    #[arg(long, default_value_t = crate::diff::DiffRequest::default().atol, allow_negative_numbers = true)]
     atol: f64,
     /// Relative tolerance.
-    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    #[arg(long, default_value_t = crate::diff::DiffRequest::default().rtol, allow_negative_numbers = true)]
     rtol: f64,
     /// HF config.json of the to-hf mapping (default: the HF folder's own config.json).
     #[arg(long)]
@@ -1495,29 +1266,17 @@ struct DiffArgs {
 
 fn diff(args: DiffArgs) -> Outcome {
     let report = (|| {
-        if !(args.atol >= 0.0 && args.rtol >= 0.0) {
-            return Err(Error::InvalidArgument(
-                "--atol and --rtol must be numbers >= 0".into(),
-            ));
-        }
-        let threads =
-            crate::workers::count("--threads", args.threads, crate::diff::default_threads())?;
-        let opts = crate::diff::DiffOptions {
+        let request = crate::diff::DiffRequest {
             atol: args.atol,
             rtol: args.rtol,
             keys: args.keys.clone(),
             exclude: args.exclude.clone(),
-            hf: crate::hf::HfOptions::from_user(
-                args.hf_config.clone(),
-                args.arch.clone(),
-                None,
-                "5GB",
-                Some(threads),
-                args.allow_unmapped,
-            )?,
-            slab_bytes: 32 << 20,
-            threads,
+            hf_config: args.hf_config.clone(),
+            arch: args.arch.clone(),
+            allow_unmapped: args.allow_unmapped,
+            threads: args.threads,
         };
+        let opts = crate::diff::DiffOptions::from_user(request, crate::diff::Spelling::Flags)?;
         crate::diff::diff(&location(&args.a)?, &location(&args.b)?, &opts)
     })();
     let report = match report {
@@ -1577,4 +1336,104 @@ fn diff(args: DiffArgs) -> Outcome {
         }
     );
     Ok(report.exit_code)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::format::dtype::DType;
+    use crate::hf::{Impl, Quantize, QuantizeFormat};
+
+    fn command(args: &[&str]) -> Command {
+        parse(std::iter::once("shardwise").chain(args.iter().copied()))
+            .unwrap_or_else(|code| panic!("{args:?}: exit code {code}"))
+            .command
+    }
+
+    #[test]
+    fn a_bad_command_line_and_help_are_exit_codes() {
+        assert_eq!(parse(["shardwise", "bogus"]).err(), Some(2));
+        assert_eq!(parse(["shardwise", "status"]).err(), Some(2));
+        assert_eq!(parse(["shardwise", "--version"]).err(), Some(0));
+        assert!(matches!(command(&["status", "d"]), Command::Status { .. }));
+    }
+
+    /// The flags left out are the library's defaults; the names are parsed by the library.
+    #[test]
+    fn from_hf_flags_become_the_library_options() {
+        let Command::FromHf(f) = command(&["from-hf", "hf", "ck"]) else {
+            panic!("from-hf")
+        };
+        let o = f.options().unwrap();
+        let d = FromHfOptions::from_user(FromHfRequest::default()).unwrap();
+        assert_eq!((o.dtype, d.dtype), (DType::BF16, DType::BF16));
+        assert_eq!(o.transformer_impl, Impl::TransformerEngine);
+        assert_eq!(
+            (o.make_vocab_size_divisible_by, o.tensor_model_parallel_size),
+            (d.make_vocab_size_divisible_by, d.tensor_model_parallel_size)
+        );
+        assert_eq!(
+            (o.iteration, o.max_file_bytes, o.threads),
+            (0, 0, d.threads)
+        );
+        let Command::FromHf(f) = command(&[
+            "from-hf",
+            "hf",
+            "ck",
+            "--dtype",
+            "fp32",
+            "--transformer-impl",
+            "local",
+            "--part",
+            "1/2",
+            "--max-file-size",
+            "1KB",
+        ]) else {
+            panic!("from-hf")
+        };
+        let o = f.options().unwrap();
+        assert_eq!((o.dtype, o.transformer_impl), (DType::F32, Impl::Local));
+        assert_eq!(o.part.map(|p| (p.index, p.count)), Some((1, 2)));
+        assert_eq!(o.max_file_bytes, 1000);
+        let Command::FromHf(f) = command(&["from-hf", "hf", "ck", "--dtype", "fp64"]) else {
+            panic!("from-hf")
+        };
+        let e = f.options().unwrap_err().to_string();
+        assert!(e.contains("dtype \"fp64\": use bf16, fp16 or fp32"), "{e}");
+    }
+
+    #[test]
+    fn to_hf_flags_become_the_library_options() {
+        let Command::ToHf(f) = command(&["to-hf", "ck", "out"]) else {
+            panic!("to-hf")
+        };
+        let o = f.options().unwrap();
+        let d = HfOptions::from_user(ToHfRequest::default()).unwrap();
+        assert_eq!((o.dtype, o.max_shard_bytes), (None, d.max_shard_bytes));
+        assert_eq!((o.quantize, o.quantize_format), (None, None));
+        let Command::ToHf(f) = command(&[
+            "to-hf",
+            "ck",
+            "out",
+            "--dtype",
+            "bf16",
+            "--quantize",
+            "nvfp4",
+            "--quantize-format",
+            "modelopt",
+        ]) else {
+            panic!("to-hf")
+        };
+        let o = f.options().unwrap();
+        assert_eq!(o.dtype, Some(DType::BF16));
+        assert_eq!(
+            (o.quantize, o.quantize_format),
+            (Some(Quantize::Nvfp4), Some(QuantizeFormat::ModelOpt))
+        );
+        let Command::ToHf(f) = command(&["to-hf", "ck", "out", "--quantize", "int4"]) else {
+            panic!("to-hf")
+        };
+        let e = f.options().unwrap_err().to_string();
+        assert!(e.contains("--quantize \"int4\": use fp8-block"), "{e}");
+    }
 }

@@ -54,6 +54,64 @@ pub struct DiffOptions {
     pub threads: usize,
 }
 
+/// `diff`'s options as the user gives them, the CLI's flags and Python's keywords alike:
+/// [`DiffOptions::from_user`] checks them, the one place for both.
+#[derive(Clone, Debug, Default)]
+pub struct DiffRequest {
+    pub atol: f64,
+    pub rtol: f64,
+    pub keys: Vec<String>,
+    pub exclude: Vec<String>,
+    /// The to-hf mapping's config.json and architecture, and whether it skips unmapped keys.
+    pub hf_config: Option<PathBuf>,
+    pub arch: Option<String>,
+    pub allow_unmapped: bool,
+    /// Worker threads; None: [`default_threads`].
+    pub threads: Option<usize>,
+}
+
+/// How error messages name the options: as the CLI's flags (`--atol`, `--threads`) or as
+/// Python's keywords (`atol`, `workers`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Spelling {
+    Flags,
+    Keywords,
+}
+
+impl DiffOptions {
+    /// The options `user` asks for, checked: tolerances >= 0, the worker count, the to-hf
+    /// mapping's options; 32 MiB slabs.
+    ///
+    /// Errors: [`Error::InvalidArgument`] naming the options as `spelling` does.
+    pub fn from_user(user: DiffRequest, spelling: Spelling) -> Result<DiffOptions> {
+        let (tolerances, threads) = match spelling {
+            Spelling::Flags => ("--atol and --rtol", "--threads"),
+            Spelling::Keywords => ("atol and rtol", "workers"),
+        };
+        if !(user.atol >= 0.0 && user.rtol >= 0.0) {
+            return Err(Error::InvalidArgument(format!(
+                "{tolerances} must be numbers >= 0"
+            )));
+        }
+        let threads = crate::workers::count(threads, user.threads, default_threads())?;
+        Ok(DiffOptions {
+            atol: user.atol,
+            rtol: user.rtol,
+            keys: user.keys,
+            exclude: user.exclude,
+            hf: HfOptions::from_user(hf::ToHfRequest {
+                hf_config: user.hf_config,
+                arch: user.arch,
+                workers: Some(threads),
+                allow_unmapped: user.allow_unmapped,
+                ..Default::default()
+            })?,
+            slab_bytes: 32 << 20,
+            threads,
+        })
+    }
+}
+
 /// The verdict on one key.
 #[derive(Clone, Copy, Debug, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
@@ -924,6 +982,41 @@ impl HfFolder {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The tolerance and worker rules, named as the CLI's flags or Python's keywords.
+    #[test]
+    fn options_from_user_check_tolerances_and_workers() {
+        let ok = DiffOptions::from_user(DiffRequest::default(), Spelling::Flags).unwrap();
+        assert_eq!(
+            (ok.threads, ok.hf.threads),
+            (default_threads(), default_threads())
+        );
+        assert_eq!(ok.slab_bytes, 32 << 20);
+        let negative = DiffRequest {
+            rtol: -1.0,
+            ..Default::default()
+        };
+        for (spelling, want) in [
+            (Spelling::Flags, "--atol and --rtol must be numbers >= 0"),
+            (Spelling::Keywords, "atol and rtol must be numbers >= 0"),
+        ] {
+            let e = DiffOptions::from_user(negative.clone(), spelling).unwrap_err();
+            assert_eq!(e.to_string(), format!("invalid argument: {want}"));
+        }
+        let nan = DiffRequest {
+            atol: f64::NAN,
+            ..Default::default()
+        };
+        assert!(DiffOptions::from_user(nan, Spelling::Flags).is_err());
+        let none = DiffRequest {
+            threads: Some(0),
+            ..Default::default()
+        };
+        let e = DiffOptions::from_user(none.clone(), Spelling::Flags).unwrap_err();
+        assert!(e.to_string().contains("--threads 0: at least one"), "{e}");
+        let e = DiffOptions::from_user(none, Spelling::Keywords).unwrap_err();
+        assert!(e.to_string().contains("workers 0: at least one"), "{e}");
+    }
 
     #[test]
     fn globs() {

@@ -18,6 +18,7 @@ pub mod load;
 pub mod reader;
 pub mod save;
 pub mod staging;
+pub mod status;
 pub mod storage;
 pub mod torch_compat;
 pub mod verify;

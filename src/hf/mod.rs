@@ -40,9 +40,12 @@ use crate::reader::Checkpoint;
 use crate::storage::{create_dir_all, Location};
 
 pub(crate) use from_hf::{check_index, weight_files};
-pub use from_hf::{from_hf, parse_max_file_size, FromHfOptions, FromHfSummary, Impl};
+pub use from_hf::{
+    from_hf, parse_max_file_size, FromHfOptions, FromHfRequest, FromHfSummary, Impl,
+};
 pub use output::Part;
 pub(crate) use plan::{read_hf_tensor, HfTensor, Plan};
+pub use quant::{Quantize, QuantizeFormat};
 pub(crate) use spec::Post;
 pub(crate) use write::dtype_of_st;
 pub(crate) use write::INDEX;
@@ -67,6 +70,89 @@ pub(crate) mod untrusted {
         };
         if let Ok(d) = super::spec::Dims::from_config(&v, None) {
             let _ = d.check_held(64, "the fuzzed folder");
+        }
+    }
+}
+
+/// `to-hf`'s options as the user gives them, the CLI's flags and Python's keywords alike:
+/// [`HfOptions::from_user`] parses and checks them, the one place for both. The default is
+/// the CLI's and Python's.
+#[derive(Clone, Debug)]
+pub struct ToHfRequest {
+    pub hf_config: Option<PathBuf>,
+    pub arch: Option<String>,
+    /// [`WrittenDtype`]'s names; None: as stored.
+    pub dtype: Option<String>,
+    /// A size like `5GB` ([`parse_size`]).
+    pub max_shard_size: String,
+    /// None: the number of CPUs.
+    pub workers: Option<usize>,
+    pub allow_unmapped: bool,
+    pub overwrite: bool,
+    /// `i/n` ([`Part::parse`]).
+    pub part: Option<String>,
+    pub base_hf: Option<PathBuf>,
+    pub text_only: bool,
+    pub drop_mtp: bool,
+    pub tokenizer: Option<PathBuf>,
+    /// [`Quantize`]'s names.
+    pub quantize: Option<String>,
+    /// [`QuantizeFormat`]'s names.
+    pub quantize_format: Option<String>,
+}
+
+impl Default for ToHfRequest {
+    fn default() -> ToHfRequest {
+        ToHfRequest {
+            hf_config: None,
+            arch: None,
+            dtype: None,
+            max_shard_size: "5GB".into(),
+            workers: None,
+            allow_unmapped: false,
+            overwrite: false,
+            part: None,
+            base_hf: None,
+            text_only: false,
+            drop_mtp: false,
+            tokenizer: None,
+            quantize: None,
+            quantize_format: None,
+        }
+    }
+}
+
+/// A dtype the conversions write, as the user names it: `bf16`, `fp16` or `fp32` (or
+/// `bfloat16`, `float16`, `float32`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WrittenDtype {
+    Bf16,
+    Fp16,
+    Fp32,
+}
+
+impl std::str::FromStr for WrittenDtype {
+    type Err = Error;
+
+    /// Errors: [`Error::InvalidArgument`] for another name.
+    fn from_str(name: &str) -> Result<WrittenDtype> {
+        match name {
+            "bf16" | "bfloat16" => Ok(WrittenDtype::Bf16),
+            "fp16" | "float16" => Ok(WrittenDtype::Fp16),
+            "fp32" | "float32" => Ok(WrittenDtype::Fp32),
+            other => Err(Error::InvalidArgument(format!(
+                "dtype {other:?}: use bf16, fp16 or fp32"
+            ))),
+        }
+    }
+}
+
+impl From<WrittenDtype> for DType {
+    fn from(d: WrittenDtype) -> DType {
+        match d {
+            WrittenDtype::Bf16 => DType::BF16,
+            WrittenDtype::Fp16 => DType::F16,
+            WrittenDtype::Fp32 => DType::F32,
         }
     }
 }
@@ -102,53 +188,41 @@ pub struct HfOptions {
     /// The tokenizer folder to copy (`--tokenizer DIR`); None: `<checkpoint>/tokenizer/` when
     /// the checkpoint is a local folder that has one.
     pub tokenizer: Option<PathBuf>,
-    /// `--quantize`: `fp8-block` (block-scaled FP8, see [`quant`]) or `mxfp4` (gpt_oss's
-    /// experts), `nvfp4` (weight-only NVFP4) or `mxfp8`; None writes every tensor in the output
-    /// dtype.
-    pub quantize: Option<String>,
-    /// `--quantize-format`: `compressed-tensors` (the default) or `modelopt` (`nvfp4` only).
-    pub quantize_format: Option<String>,
+    /// `--quantize`: block-scaled FP8 (see [`quant`]), gpt_oss's MXFP4 experts, weight-only
+    /// NVFP4 or MXFP8; None writes every tensor in the output dtype.
+    pub quantize: Option<Quantize>,
+    /// `--quantize-format`: compressed-tensors (the default) or modelopt (`nvfp4` only).
+    pub quantize_format: Option<QuantizeFormat>,
 }
 
 impl HfOptions {
-    /// Options from user-facing values: `dtype` as bf16/fp16/fp32, `max_shard_size` like "5GB",
-    /// `threads` defaulting to the number of CPUs.
+    /// The options `user` asks for, parsed and checked: the dtype, the sizes, the worker count
+    /// (default: the number of CPUs), the part and the quantization's names.
     ///
-    /// Errors: [`Error::InvalidArgument`] for a bad dtype or size.
-    pub fn from_user(
-        config: Option<PathBuf>,
-        arch: Option<String>,
-        dtype: Option<&str>,
-        max_shard_size: &str,
-        threads: Option<usize>,
-        allow_unmapped: bool,
-    ) -> Result<HfOptions> {
-        let dtype = match dtype {
-            None => None,
-            Some("bf16" | "bfloat16") => Some(DType::BF16),
-            Some("fp16" | "float16") => Some(DType::F16),
-            Some("fp32" | "float32") => Some(DType::F32),
-            Some(other) => {
-                return Err(Error::InvalidArgument(format!(
-                    "dtype {other:?}: use bf16, fp16 or fp32"
-                )))
-            }
-        };
+    /// Errors: [`Error::InvalidArgument`] for a bad value, in the order of the fields.
+    pub fn from_user(user: ToHfRequest) -> Result<HfOptions> {
         Ok(HfOptions {
-            config,
-            arch,
-            dtype,
-            max_shard_bytes: parse_size(max_shard_size)?,
-            threads: crate::workers::count("--workers", threads, crate::workers::cpus())?,
-            allow_unmapped,
-            overwrite: false,
-            part: None,
-            base_hf: None,
-            text_only: false,
-            drop_mtp: false,
-            tokenizer: None,
-            quantize: None,
-            quantize_format: None,
+            config: user.hf_config,
+            arch: user.arch,
+            dtype: user
+                .dtype
+                .map(|d| d.parse::<WrittenDtype>().map(DType::from))
+                .transpose()?,
+            max_shard_bytes: parse_size(&user.max_shard_size)?,
+            threads: crate::workers::count("--workers", user.workers, crate::workers::cpus())?,
+            allow_unmapped: user.allow_unmapped,
+            overwrite: user.overwrite,
+            part: user.part.as_deref().map(Part::parse).transpose()?,
+            base_hf: user.base_hf,
+            text_only: user.text_only,
+            drop_mtp: user.drop_mtp,
+            tokenizer: user.tokenizer,
+            quantize: user.quantize.as_deref().map(str::parse).transpose()?,
+            quantize_format: user
+                .quantize_format
+                .as_deref()
+                .map(str::parse)
+                .transpose()?,
         })
     }
 }
@@ -256,15 +330,16 @@ pub fn to_hf(
     })
 }
 
-/// The quantization `opts` ask for, parsed before anything is read.
+/// The quantization `opts` ask for, checked before anything is read.
 ///
-/// Errors: [`Error::InvalidArgument`] for an unknown scheme or layout, or a layout without a
-/// scheme.
+/// Errors: [`Error::InvalidArgument`] for a layout the scheme is not written in, or a layout
+/// without a scheme.
 fn quant_scheme(opts: &HfOptions) -> Result<Option<quant::Scheme>> {
-    match (opts.quantize.as_deref(), opts.quantize_format.as_deref()) {
+    match (opts.quantize, opts.quantize_format) {
         (Some(q), f) => Ok(Some(quant::Scheme::from_user(q, f)?)),
         (None, Some(f)) => Err(Error::InvalidArgument(format!(
-            "--quantize-format {f:?} without --quantize: it names the layout of a quantized output"
+            "--quantize-format {:?} without --quantize: it names the layout of a quantized output",
+            f.to_string()
         ))),
         (None, None) => Ok(None),
     }
@@ -860,6 +935,108 @@ pub fn parse_size(s: &str) -> Result<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The user's names and sizes become typed options; every bad value is refused with its
+    /// message.
+    #[test]
+    fn options_from_user_parse_every_name_once() {
+        let d = HfOptions::from_user(ToHfRequest::default()).unwrap();
+        assert_eq!(
+            (d.dtype, d.max_shard_bytes, d.part),
+            (None, 5_000_000_000, None)
+        );
+        assert_eq!((d.quantize, d.quantize_format), (None, None));
+        for (name, dtype) in [
+            ("bf16", DType::BF16),
+            ("bfloat16", DType::BF16),
+            ("fp16", DType::F16),
+            ("float16", DType::F16),
+            ("fp32", DType::F32),
+            ("float32", DType::F32),
+        ] {
+            assert_eq!(
+                name.parse::<WrittenDtype>().map(DType::from).unwrap(),
+                dtype
+            );
+        }
+        let o = HfOptions::from_user(ToHfRequest {
+            dtype: Some("fp16".into()),
+            part: Some("1/3".into()),
+            quantize: Some("mxfp8".into()),
+            quantize_format: Some("compressed-tensors".into()),
+            ..Default::default()
+        })
+        .unwrap();
+        assert_eq!(o.dtype, Some(DType::F16));
+        assert_eq!(o.part.map(|p| (p.index, p.count)), Some((1, 3)));
+        assert_eq!(o.quantize, Some(Quantize::Mxfp8));
+        assert_eq!(o.quantize_format, Some(QuantizeFormat::CompressedTensors));
+        let refused = |r: ToHfRequest| HfOptions::from_user(r).unwrap_err().to_string();
+        let e = refused(ToHfRequest {
+            dtype: Some("fp64".into()),
+            ..Default::default()
+        });
+        assert!(e.ends_with("dtype \"fp64\": use bf16, fp16 or fp32"), "{e}");
+        let e = refused(ToHfRequest {
+            quantize: Some("int4".into()),
+            ..Default::default()
+        });
+        assert!(
+            e.ends_with("--quantize \"int4\": use fp8-block, mxfp4, nvfp4 or mxfp8"),
+            "{e}"
+        );
+        let e = refused(ToHfRequest {
+            quantize: Some("w4a4".into()),
+            ..Default::default()
+        });
+        assert!(
+            e.contains("--quantize \"w4a4\" needs calibration data"),
+            "{e}"
+        );
+        let e = refused(ToHfRequest {
+            quantize_format: Some("gguf".into()),
+            ..Default::default()
+        });
+        assert!(
+            e.ends_with("--quantize-format \"gguf\": use compressed-tensors or modelopt"),
+            "{e}"
+        );
+        let e = refused(ToHfRequest {
+            workers: Some(0),
+            ..Default::default()
+        });
+        assert!(e.contains("--workers 0"), "{e}");
+    }
+
+    /// A layout goes with a scheme written in it, and never without a scheme.
+    #[test]
+    fn quantize_format_goes_with_its_scheme() {
+        let scheme = |q: Option<Quantize>, f: Option<QuantizeFormat>| {
+            let mut o = HfOptions::from_user(ToHfRequest::default()).unwrap();
+            (o.quantize, o.quantize_format) = (q, f);
+            quant_scheme(&o).map_err(|e| e.to_string())
+        };
+        let modelopt = Some(QuantizeFormat::ModelOpt);
+        assert_eq!(scheme(None, None), Ok(None));
+        assert_eq!(
+            scheme(Some(Quantize::Nvfp4), modelopt),
+            Ok(Some(quant::Scheme::Nvfp4(quant::Nvfp4Layout::ModelOpt)))
+        );
+        assert_eq!(
+            scheme(
+                Some(Quantize::Mxfp8),
+                Some(QuantizeFormat::CompressedTensors)
+            ),
+            Ok(Some(quant::Scheme::Mxfp8))
+        );
+        let e = scheme(Some(Quantize::Mxfp8), modelopt).unwrap_err();
+        assert!(
+            e.contains("--quantize-format \"modelopt\" with --quantize mxfp8: nvfp4"),
+            "{e}"
+        );
+        let e = scheme(None, modelopt).unwrap_err();
+        assert!(e.ends_with("--quantize-format \"modelopt\" without --quantize: it names the layout of a quantized output"), "{e}");
+    }
 
     #[test]
     fn sizes_parse() {

@@ -318,36 +318,109 @@ pub(crate) fn ignored_modules<'a>(kept: impl IntoIterator<Item = &'a str>) -> Ve
 /// them likewise ("Model Free PTQ cannot calibrate activations", `entrypoints/model_free/validate.py`).
 const NEEDS_CALIBRATION: &[&str] = &["nvfp4-w4a4", "w4a4", "nvfp4a4", "nvfp4-a4"];
 
+/// `--quantize`: the quantized form to-hf writes the weights in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Quantize {
+    /// `fp8-block`: e4m3 weights with [`FP8_BLOCK`] blocks of float32 `weight_scale_inv`.
+    Fp8Block,
+    /// `mxfp4`: gpt_oss's experts as `*_blocks` / `*_scales`.
+    Mxfp4,
+    /// `nvfp4`: weight-only NVFP4 ([`nvfp4`]).
+    Nvfp4,
+    /// `mxfp8`: compressed-tensors' `mxfp8-quantized` ([`mxfp8`]).
+    Mxfp8,
+}
+
+impl std::str::FromStr for Quantize {
+    type Err = Error;
+
+    /// Errors: [`Error::InvalidArgument`] for another name, or a variant that needs calibration
+    /// ([`NEEDS_CALIBRATION`], naming it as the missing input).
+    fn from_str(name: &str) -> Result<Quantize> {
+        match name {
+            "fp8-block" => Ok(Quantize::Fp8Block),
+            "mxfp4" => Ok(Quantize::Mxfp4),
+            "nvfp4" => Ok(Quantize::Nvfp4),
+            "mxfp8" => Ok(Quantize::Mxfp8),
+            n if NEEDS_CALIBRATION.contains(&n) => Err(Error::InvalidArgument(format!(
+                "--quantize {n:?} needs calibration data: NVFP4 W4A4 stores input_scale, the global scale of each linear's activations, measured by running the model on calibration samples, and to-hf reads only the checkpoint's files; --quantize nvfp4 writes weight-only NVFP4 (W4A16_NVFP4 / NVFP4A16), whose scales come from the weights alone"
+            ))),
+            other => Err(Error::InvalidArgument(format!(
+                "--quantize {other:?}: use fp8-block, mxfp4, nvfp4 or mxfp8"
+            ))),
+        }
+    }
+}
+
+impl std::fmt::Display for Quantize {
+    /// The name `--quantize` takes.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Quantize::Fp8Block => "fp8-block",
+            Quantize::Mxfp4 => "mxfp4",
+            Quantize::Nvfp4 => "nvfp4",
+            Quantize::Mxfp8 => "mxfp8",
+        })
+    }
+}
+
+/// `--quantize-format`: the layout a quantized output is written in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QuantizeFormat {
+    /// `compressed-tensors` (the default; vLLM, SGLang, transformers).
+    CompressedTensors,
+    /// `modelopt`: ModelOpt's `W4A16_NVFP4` with `hf_quant_config.json` (TensorRT-LLM).
+    ModelOpt,
+}
+
+impl std::str::FromStr for QuantizeFormat {
+    type Err = Error;
+
+    /// Errors: [`Error::InvalidArgument`] for another name.
+    fn from_str(name: &str) -> Result<QuantizeFormat> {
+        match name {
+            "compressed-tensors" => Ok(QuantizeFormat::CompressedTensors),
+            "modelopt" => Ok(QuantizeFormat::ModelOpt),
+            other => Err(Error::InvalidArgument(format!(
+                "--quantize-format {other:?}: use compressed-tensors or modelopt"
+            ))),
+        }
+    }
+}
+
+impl std::fmt::Display for QuantizeFormat {
+    /// The name `--quantize-format` takes.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            QuantizeFormat::CompressedTensors => "compressed-tensors",
+            QuantizeFormat::ModelOpt => "modelopt",
+        })
+    }
+}
+
 impl Scheme {
     /// The scheme of `--quantize` (`fp8-block`: [`FP8_BLOCK`] blocks; `mxfp4`; `nvfp4`; `mxfp8`)
-    /// and `--quantize-format` (`compressed-tensors`, the default, or `modelopt` for `nvfp4`).
+    /// in `--quantize-format` (`compressed-tensors`, the default, or `modelopt` for `nvfp4`).
     ///
-    /// Errors: [`Error::InvalidArgument`] for another name, a variant that needs calibration
-    /// ([`NEEDS_CALIBRATION`], naming it as the missing input), or a format the scheme is not
-    /// written in.
-    pub(crate) fn from_user(name: &str, format: Option<&str>) -> Result<Scheme> {
-        let scheme = match name {
-            "fp8-block" => Scheme::Fp8Block(FP8_BLOCK),
-            "mxfp4" => Scheme::Mxfp4,
-            "nvfp4" => Scheme::Nvfp4(Nvfp4Layout::CompressedTensors),
-            "mxfp8" => Scheme::Mxfp8,
-            n if NEEDS_CALIBRATION.contains(&n) => {
-                return Err(Error::InvalidArgument(format!(
-                    "--quantize {n:?} needs calibration data: NVFP4 W4A4 stores input_scale, the global scale of each linear's activations, measured by running the model on calibration samples, and to-hf reads only the checkpoint's files; --quantize nvfp4 writes weight-only NVFP4 (W4A16_NVFP4 / NVFP4A16), whose scales come from the weights alone"
-                )))
-            }
-            other => {
-                return Err(Error::InvalidArgument(format!(
-                    "--quantize {other:?}: use fp8-block, mxfp4, nvfp4 or mxfp8"
-                )))
-            }
+    /// Errors: [`Error::InvalidArgument`] for a format the scheme is not written in.
+    pub(crate) fn from_user(quantize: Quantize, format: Option<QuantizeFormat>) -> Result<Scheme> {
+        let scheme = match quantize {
+            Quantize::Fp8Block => Scheme::Fp8Block(FP8_BLOCK),
+            Quantize::Mxfp4 => Scheme::Mxfp4,
+            Quantize::Nvfp4 => Scheme::Nvfp4(Nvfp4Layout::CompressedTensors),
+            Quantize::Mxfp8 => Scheme::Mxfp8,
         };
         match (scheme, format) {
             (s, None) => Ok(s),
-            (Scheme::Nvfp4(_), Some("modelopt")) => Ok(Scheme::Nvfp4(Nvfp4Layout::ModelOpt)),
-            (Scheme::Nvfp4(_) | Scheme::Mxfp8, Some("compressed-tensors")) => Ok(scheme),
+            (Scheme::Nvfp4(_), Some(QuantizeFormat::ModelOpt)) => {
+                Ok(Scheme::Nvfp4(Nvfp4Layout::ModelOpt))
+            }
+            (Scheme::Nvfp4(_) | Scheme::Mxfp8, Some(QuantizeFormat::CompressedTensors)) => {
+                Ok(scheme)
+            }
             (_, Some(f)) => Err(Error::InvalidArgument(format!(
-                "--quantize-format {f:?} with --quantize {name}: nvfp4 is written as compressed-tensors (the default) or modelopt, mxfp8 as compressed-tensors; fp8-block and mxfp4 have their releases' one layout"
+                "--quantize-format {:?} with --quantize {quantize}: nvfp4 is written as compressed-tensors (the default) or modelopt, mxfp8 as compressed-tensors; fp8-block and mxfp4 have their releases' one layout",
+                f.to_string()
             ))),
         }
     }
@@ -1352,7 +1425,7 @@ mod tests {
 
     #[test]
     fn what_is_quantized_and_how_it_is_stored() {
-        let fp8 = Scheme::from_user("fp8-block", None).unwrap();
+        let fp8 = Scheme::from_user(Quantize::Fp8Block, None).unwrap();
         for kept in [
             "model.embed_tokens.weight",
             "lm_head.weight",
@@ -1409,7 +1482,7 @@ mod tests {
             "model.layers.0.self_attn.q_proj.weight",
             &[8, 8]
         ));
-        assert!(Scheme::from_user("int4", None).is_err());
+        assert!("int4".parse::<Quantize>().is_err());
         // FP8: codes then the scale grid; MXFP4: the transposed parameter's blocks and scales.
         assert_eq!(
             stored("w.weight", &[300, 129], fp8),

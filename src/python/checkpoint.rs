@@ -137,7 +137,7 @@ impl PyCheckpoint {
 
     /// The checkpoint format in words (`PyTorch DCP` or `Megatron-Core torch_dist`).
     fn format_name(&self) -> &'static str {
-        crate::cli::format_name(&self.inner.metadata.class)
+        crate::status::format_name(&self.inner.metadata.class)
     }
 
     /// Sorted keys (tensor fqns and byte-object keys).

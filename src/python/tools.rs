@@ -8,7 +8,7 @@ use pyo3::types::PyBytes;
 
 use super::args::{opt_positive, opt_seconds, positive, seconds};
 use super::report::to_dict;
-use super::{location, to_py, InvalidArgumentError};
+use super::{location, to_py};
 use crate::commit::wait::Freshness;
 
 /// Converts checkpoint `checkpoint_dir` to HF safetensors in `out_dir`; see `shardwise to-hf`.
@@ -47,28 +47,23 @@ pub(super) fn to_hf(
     quantize: Option<String>,
     quantize_format: Option<String>,
 ) -> PyResult<Py<PyAny>> {
-    let workers = opt_positive("workers", workers)?;
-    let mut opts = crate::hf::HfOptions::from_user(
+    let opts = crate::hf::HfOptions::from_user(crate::hf::ToHfRequest {
         hf_config,
         arch,
-        dtype.as_deref(),
-        max_shard_size,
-        workers,
+        dtype,
+        max_shard_size: max_shard_size.into(),
+        workers: opt_positive("workers", workers)?,
         allow_unmapped,
-    )
+        overwrite,
+        part,
+        base_hf,
+        text_only,
+        drop_mtp,
+        tokenizer,
+        quantize,
+        quantize_format,
+    })
     .map_err(to_py)?;
-    opts.overwrite = overwrite;
-    opts.part = part
-        .as_deref()
-        .map(crate::hf::Part::parse)
-        .transpose()
-        .map_err(to_py)?;
-    opts.base_hf = base_hf;
-    opts.text_only = text_only;
-    opts.drop_mtp = drop_mtp;
-    opts.tokenizer = tokenizer;
-    opts.quantize = quantize;
-    opts.quantize_format = quantize_format;
     let s = py
         .detach(|| {
             let loc = location(&checkpoint_dir)?;
@@ -106,23 +101,23 @@ pub(super) fn from_hf(
     allow_unmapped: bool,
     drop_mtp: bool,
 ) -> PyResult<Py<PyAny>> {
-    let mut opts =
-        crate::hf::FromHfOptions::from_user(dtype, transformer_impl, workers).map_err(to_py)?;
-    opts.max_file_bytes = crate::hf::parse_max_file_size(max_file_size).map_err(to_py)?;
-    opts.arch = arch;
-    opts.moe_grouped_gemm = moe_grouped_gemm;
-    opts.make_vocab_size_divisible_by = make_vocab_size_divisible_by;
-    opts.tensor_model_parallel_size = tensor_model_parallel_size;
-    opts.iteration = iteration;
-    opts.tracker = tracker;
-    opts.part = part
-        .as_deref()
-        .map(crate::hf::Part::parse)
-        .transpose()
-        .map_err(to_py)?;
-    opts.overwrite = overwrite;
-    opts.allow_unmapped = allow_unmapped;
-    opts.drop_mtp = drop_mtp;
+    let opts = crate::hf::FromHfOptions::from_user(crate::hf::FromHfRequest {
+        arch,
+        dtype: dtype.into(),
+        transformer_impl: transformer_impl.into(),
+        moe_grouped_gemm,
+        make_vocab_size_divisible_by,
+        tensor_model_parallel_size,
+        iteration,
+        tracker,
+        workers,
+        max_file_size: max_file_size.into(),
+        part,
+        overwrite,
+        allow_unmapped,
+        drop_mtp,
+    })
+    .map_err(to_py)?;
     let s = py
         .detach(|| crate::hf::from_hf(&hf_dir, &ckpt_dir, &opts, &|_| {}))
         .map_err(to_py)?;
@@ -150,34 +145,18 @@ pub(super) fn diff<'py>(
     allow_unmapped: bool,
     workers: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyAny>> {
-    if !(atol >= 0.0 && rtol >= 0.0) {
-        return Err(InvalidArgumentError::new_err(
-            "atol and rtol must be numbers >= 0",
-        ));
-    }
-    let threads = crate::workers::count(
-        "workers",
-        opt_positive("workers", workers)?,
-        crate::diff::default_threads(),
-    )
-    .map_err(to_py)?;
-    let opts = crate::diff::DiffOptions {
+    let request = crate::diff::DiffRequest {
         atol,
         rtol,
         keys,
         exclude,
-        hf: crate::hf::HfOptions::from_user(
-            hf_config,
-            arch,
-            None,
-            "5GB",
-            Some(threads),
-            allow_unmapped,
-        )
-        .map_err(to_py)?,
-        slab_bytes: 32 << 20,
-        threads,
+        hf_config,
+        arch,
+        allow_unmapped,
+        threads: opt_positive("workers", workers)?,
     };
+    let opts = crate::diff::DiffOptions::from_user(request, crate::diff::Spelling::Keywords)
+        .map_err(to_py)?;
     let report = py
         .detach(|| crate::diff::diff(&location(&a)?, &location(&b)?, &opts))
         .map_err(to_py)?;
@@ -310,7 +289,7 @@ pub(super) fn status(
     keys: bool,
 ) -> PyResult<Bound<'_, PyAny>> {
     let (_, report) = py
-        .detach(|| crate::cli::status_report(&location(&checkpoint_dir)?, keys))
+        .detach(|| crate::status::status_report(&location(&checkpoint_dir)?, keys))
         .map_err(to_py)?;
     to_dict(py, &report)
 }

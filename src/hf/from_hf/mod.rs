@@ -28,6 +28,7 @@ use sha2::{Digest, Sha256};
 
 use super::output::{check_outside, not_empty, Part};
 use super::spec::Dims;
+use super::WrittenDtype;
 use crate::commit::part::ObjectShard;
 use crate::commit::wait::{missing_ranks, Freshness};
 use crate::error::{first_names, Error, Result, Stopped};
@@ -77,51 +78,89 @@ pub struct FromHfOptions {
 }
 
 impl FromHfOptions {
-    /// Options from user-facing values: `dtype` bf16/fp16/fp32, `transformer_impl`
-    /// `transformer_engine` or `local`.
+    /// The options `user` asks for, parsed and checked: the dtype, the transformer impl, the
+    /// worker count (default: the number of CPUs), the largest file and the part.
     ///
     /// Errors: [`Error::InvalidArgument`] for a bad value.
-    pub fn from_user(
-        dtype: &str,
-        transformer_impl: &str,
-        threads: Option<usize>,
-    ) -> Result<FromHfOptions> {
-        let dtype = match dtype {
-            "bf16" | "bfloat16" => DType::BF16,
-            "fp16" | "float16" => DType::F16,
-            "fp32" | "float32" => DType::F32,
-            other => {
-                return Err(Error::InvalidArgument(format!(
-                    "dtype {other:?}: use bf16, fp16 or fp32"
-                )))
-            }
-        };
-        let transformer_impl = match transformer_impl {
-            "transformer_engine" => Impl::TransformerEngine,
-            "local" => Impl::Local,
-            other => {
-                return Err(Error::InvalidArgument(format!(
-                    "transformer_impl {other:?}: use transformer_engine or local"
-                )))
-            }
-        };
-        let threads = crate::workers::count("--workers", threads, crate::workers::cpus())?;
+    pub fn from_user(user: FromHfRequest) -> Result<FromHfOptions> {
         Ok(FromHfOptions {
+            dtype: user.dtype.parse::<WrittenDtype>()?.into(),
+            transformer_impl: user.transformer_impl.parse()?,
+            threads: crate::workers::count("--workers", user.workers, crate::workers::cpus())?,
+            max_file_bytes: parse_max_file_size(&user.max_file_size)?,
+            part: user.part.as_deref().map(Part::parse).transpose()?,
+            arch: user.arch,
+            moe_grouped_gemm: user.moe_grouped_gemm,
+            make_vocab_size_divisible_by: user.make_vocab_size_divisible_by,
+            tensor_model_parallel_size: user.tensor_model_parallel_size,
+            iteration: user.iteration,
+            tracker: user.tracker,
+            allow_unmapped: user.allow_unmapped,
+            drop_mtp: user.drop_mtp,
+            overwrite: user.overwrite,
+        })
+    }
+}
+
+/// `from-hf`'s options as the user gives them, the CLI's flags and Python's keywords alike:
+/// [`FromHfOptions::from_user`] parses and checks them, the one place for both. The default is
+/// the CLI's and Python's.
+#[derive(Clone, Debug)]
+pub struct FromHfRequest {
+    pub arch: Option<String>,
+    /// [`WrittenDtype`]'s names.
+    pub dtype: String,
+    /// [`Impl`]'s names: `transformer_engine` or `local`.
+    pub transformer_impl: String,
+    pub moe_grouped_gemm: bool,
+    pub make_vocab_size_divisible_by: u64,
+    pub tensor_model_parallel_size: u64,
+    pub iteration: u64,
+    pub tracker: bool,
+    /// None: the number of CPUs.
+    pub workers: Option<usize>,
+    /// A size or `auto` ([`parse_max_file_size`]).
+    pub max_file_size: String,
+    /// `i/n` ([`Part::parse`]).
+    pub part: Option<String>,
+    pub overwrite: bool,
+    pub allow_unmapped: bool,
+    pub drop_mtp: bool,
+}
+
+impl Default for FromHfRequest {
+    fn default() -> FromHfRequest {
+        FromHfRequest {
             arch: None,
-            dtype,
-            transformer_impl,
+            dtype: "bf16".into(),
+            transformer_impl: "transformer_engine".into(),
             moe_grouped_gemm: false,
             make_vocab_size_divisible_by: 128,
             tensor_model_parallel_size: 1,
             iteration: 0,
             tracker: false,
-            threads,
-            max_file_bytes: 0,
+            workers: None,
+            max_file_size: "auto".into(),
+            part: None,
+            overwrite: false,
             allow_unmapped: false,
             drop_mtp: false,
-            overwrite: false,
-            part: None,
-        })
+        }
+    }
+}
+
+impl std::str::FromStr for Impl {
+    type Err = Error;
+
+    /// Errors: [`Error::InvalidArgument`] for a name other than `transformer_engine` and `local`.
+    fn from_str(name: &str) -> Result<Impl> {
+        match name {
+            "transformer_engine" => Ok(Impl::TransformerEngine),
+            "local" => Ok(Impl::Local),
+            other => Err(Error::InvalidArgument(format!(
+                "transformer_impl {other:?}: use transformer_engine or local"
+            ))),
+        }
     }
 }
 
@@ -864,6 +903,45 @@ fn save_id(src: &source::HfSource, opts: &FromHfOptions, d: &Dims) -> Result<Str
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn options_from_user_parse_every_name_once() {
+        let d = FromHfOptions::from_user(FromHfRequest::default()).unwrap();
+        assert_eq!(
+            (d.dtype, d.transformer_impl),
+            (DType::BF16, Impl::TransformerEngine)
+        );
+        assert_eq!(
+            (d.make_vocab_size_divisible_by, d.tensor_model_parallel_size),
+            (128, 1)
+        );
+        assert_eq!((d.iteration, d.max_file_bytes, d.part), (0, 0, None));
+        assert_eq!("local".parse::<Impl>().unwrap(), Impl::Local);
+        let refused = |r: FromHfRequest| FromHfOptions::from_user(r).unwrap_err().to_string();
+        let e = refused(FromHfRequest {
+            transformer_impl: "megatron".into(),
+            ..Default::default()
+        });
+        assert!(
+            e.ends_with("transformer_impl \"megatron\": use transformer_engine or local"),
+            "{e}"
+        );
+        let e = refused(FromHfRequest {
+            dtype: "int8".into(),
+            ..Default::default()
+        });
+        assert!(e.ends_with("dtype \"int8\": use bf16, fp16 or fp32"), "{e}");
+        let e = refused(FromHfRequest {
+            max_file_size: "big".into(),
+            ..Default::default()
+        });
+        assert!(e.contains("big"), "{e}");
+        let e = refused(FromHfRequest {
+            part: Some("2/2".into()),
+            ..Default::default()
+        });
+        assert!(e.contains("--part \"2/2\""), "{e}");
+    }
 
     #[test]
     fn vocab_padding_and_tracker_names() {
