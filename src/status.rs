@@ -18,6 +18,7 @@ use crate::storage::Location;
 /// What `shardwise status --json` prints (README, "JSON output"), and `shardwise.status` returns.
 #[derive(Serialize)]
 pub struct StatusReport {
+    /// The checkpoint directory or URL, as given.
     pub dir: String,
     /// committed, not_committed or damaged.
     pub checkpoint: &'static str,
@@ -25,19 +26,26 @@ pub struct StatusReport {
     pub reason: Option<String>,
     /// Data files no part and no commit names (ranks that died before publishing).
     pub orphaned_data_files: Vec<String>,
+    /// Each save attempt found under `.shardwise/`, in save id order.
     pub saves: Vec<SaveStatus>,
 }
 
+/// One save attempt (`.shardwise/<save_id>`) of a checkpoint directory.
 #[derive(Serialize)]
 pub struct SaveStatus {
+    /// The attempt's id.
     pub save_id: String,
     /// committed, merging, interrupted, failed or incomplete.
     pub state: &'static str,
     /// The state in words, with the reason and what to do.
     pub detail: String,
+    /// Number of ranks of the save.
     pub world_size: u32,
+    /// Ranks whose part (or commit record entry) is there.
     pub present: usize,
+    /// Ranks without a current part, ascending.
     pub missing: Vec<u32>,
+    /// Each present rank, ascending.
     pub ranks: Vec<RankStatus>,
     /// Tensor keys of the save.
     pub key_count: usize,
@@ -46,23 +54,35 @@ pub struct SaveStatus {
     pub keys: Vec<KeyLayout>,
 }
 
+/// One rank of a save, from its part or from the commit record.
 #[derive(Serialize)]
 pub struct RankStatus {
+    /// The rank.
     pub rank: u32,
+    /// Seconds since its part file was written (its publication).
     pub age_s: f64,
+    /// Its tensor chunks.
     pub tensor_chunks: usize,
+    /// Its byte objects.
     pub byte_objects: usize,
+    /// Total size of its files in bytes.
     pub bytes: u64,
+    /// Its files, names inside the checkpoint.
     pub files: Vec<String>,
+    /// It wrote `common.pt`.
     pub common: bool,
+    /// Why its part could not be read, when it could not.
     pub error: Option<String>,
 }
 
 /// A tensor key as the parts of a save describe it (fields named as in `inspect --json`).
 #[derive(Serialize)]
 pub struct KeyLayout {
+    /// The tensor's key.
     pub key: String,
+    /// torch dtype name.
     pub dtype: String,
+    /// Global shape in elements.
     pub global_shape: Vec<u64>,
     /// Chunks published for this key.
     pub chunks: usize,
