@@ -6,7 +6,7 @@ use serde_json::{Map, Value as Json};
 
 use super::families;
 use super::layout::HybridPattern;
-use super::spec::{Dims, LayerPattern, Rel, MAX_COUNT};
+use super::spec::{ArchSpec, Check, Dims, LayerPattern, Rel, MAX_COUNT};
 use crate::error::{Error, Result};
 use crate::format::archive::records;
 use crate::format::dtype::DType;
@@ -66,129 +66,14 @@ impl Dims {
         })?)?;
         let mut cfg = Map::new();
         for c in spec.checks() {
-            match c.rel {
-                Rel::Eq => {
-                    if let Some(v) = args.field(c.args) {
-                        cfg.insert(c.hf.into(), v.into());
-                    }
-                }
-                Rel::Not => {
-                    if let Some(v) = args.flag(c.args) {
-                        cfg.insert(c.hf.into(), (!v).into());
-                    }
-                }
-                Rel::Same => {
-                    if let Some(v) = args.flag(c.args) {
-                        cfg.insert(c.hf.into(), v.into());
-                    }
-                }
-                // The tokenizer's vocabulary when the args store it (`--vocab-size`; the padding
-                // beyond it is trimmed, checked by `check_vocab`), else the embedding's rows
-                // are kept.
-                Rel::Vocab => {
-                    if let Some(v) = args.field("vocab_size") {
-                        cfg.insert(c.hf.into(), v.into());
-                    }
-                }
-                // As stored: an integer stays one (DSA's `index_topk`).
-                Rel::Float | Rel::Derived => {
-                    if let Some(v) = args.raw(c.args).filter(|v| v.is_number() || v.is_boolean()) {
-                        cfg.insert(c.hf.into(), v.clone());
-                    }
-                }
-                Rel::TopkNorm => {
-                    let norm = match args.raw(c.args).and_then(|v| v.as_str()) {
-                        Some("sigmoid") => Some(true),
-                        _ => args.flag("moe_router_pre_softmax").map(|pre| !pre),
-                    };
-                    if let Some(n) = norm {
-                        cfg.insert(c.hf.into(), n.into());
-                    }
-                }
-                Rel::SharedExperts => {
-                    if args.0.contains_key(c.args) {
-                        let shared = args.field(c.args).unwrap_or(0);
-                        let each = args.field("moe_ffn_hidden_size").filter(|&f| f > 0);
-                        if let Some(n) = each.filter(|f| shared % f == 0).map(|f| shared / f) {
-                            cfg.insert(c.hf.into(), n.into());
-                        }
-                    }
-                }
-                Rel::AttnLayers => {
-                    if let Some(p) = args.attn_layers() {
-                        cfg.insert("layer_types".into(), p.into());
-                    }
-                }
-                Rel::ArgsTrue | Rel::ArgsFalse | Rel::MlaNormEps => {}
-                Rel::IndexerLayers => {
-                    if let Some(p) = args.indexer_layers() {
-                        let types: Vec<&str> = p
-                            .iter()
-                            .map(|&full| if full { "full" } else { "shared" })
-                            .collect();
-                        cfg.insert(c.hf.into(), types.into());
-                    }
-                }
-                Rel::SlidingWindow => {
-                    let n = args.field("num_layers").unwrap_or(0);
-                    if let Some(w) = args.layer_windows(n) {
-                        if let Some(&Some(size)) = w.iter().find(|w| w.is_some()) {
-                            cfg.insert(c.hf.into(), size.into());
-                        }
-                        let types: Vec<&str> = w
-                            .iter()
-                            .map(|w| match w {
-                                Some(_) => "sliding_attention",
-                                None => "full_attention",
-                            })
-                            .collect();
-                        cfg.insert("layer_types".into(), types.into());
-                    }
-                }
-                Rel::MoeLayers => {
-                    if let Some(p) = args.moe_layers() {
-                        let dense: Vec<u64> =
-                            (0..p.len() as u64).filter(|&l| !p[l as usize]).collect();
-                        let leading = p.iter().take_while(|&&m| !m).count();
-                        match spec.moe_layers {
-                            LayerPattern::FirstKDense => {
-                                cfg.insert("first_k_dense_replace".into(), leading.into());
-                            }
-                            LayerPattern::QwenSparseStep => {
-                                cfg.insert("mlp_only_layers".into(), dense.into());
-                            }
-                            // Every layer or none is MoE whatever the config says.
-                            LayerPattern::AllMoe | LayerPattern::Dense => {}
-                        }
-                    }
-                }
+            for (k, v) in row_from_args(spec, c, args) {
+                cfg.insert(k.into(), v);
             }
         }
-        // Megatron's RoPE scaling (`--use-rope-scaling`, llama3's; `--rope-type yarn`), as the
-        // config's rope type: a config built from the args describes plain RoPE only, so
-        // `config_from_args` refuses it rather than drop the scaling.
-        let scaling = match args.raw("rope_type").and_then(|v| v.as_str()) {
-            Some("yarn") => Some("yarn (args.rope_type)"),
-            _ if args.flag("use_rope_scaling") == Some(true) => {
-                Some("llama3 (args.use_rope_scaling)")
-            }
-            _ => None,
-        };
-        if let Some(t) = scaling {
-            let mut rope = Map::new();
-            rope.insert("rope_type".into(), t.into());
-            cfg.insert("rope_parameters".into(), rope.into());
+        if let Some(rope) = rope_scaling_from_args(args) {
+            cfg.insert("rope_parameters".into(), rope);
         }
-        let need = ["num_hidden_layers", "hidden_size", "num_attention_heads"];
-        if let Some(missing) = need.iter().find(|k| !cfg.contains_key(**k)) {
-            let arg = spec
-                .checks()
-                .find(|c| c.hf == *missing)
-                .map_or("", |c| c.args);
-            return Err(Error::InvalidArgument(format!(
-                "the checkpoint's args have no {arg}; pass --hf-config"
-            )));
-        }
+        check_required_from_args(spec, &cfg)?;
         Dims::new(spec, cfg)
     }
 
@@ -212,6 +97,132 @@ impl Dims {
             })
             .collect()
     }
+}
+
+/// The config fields check row `c` gives a config built from the args ([`Dims::from_args`]):
+/// each relation's reading of its args field, in one place; none when the args do not say it.
+fn row_from_args(spec: &ArchSpec, c: &Check, args: &Args) -> Vec<(&'static str, Json)> {
+    let one = |v: Option<Json>| -> Vec<(&'static str, Json)> {
+        v.map(|v| (c.hf, v)).into_iter().collect()
+    };
+    match c.rel {
+        Rel::Eq => one(args.field(c.args).map(Json::from)),
+        Rel::Not => one(args.flag(c.args).map(|v| Json::from(!v))),
+        Rel::Same => one(args.flag(c.args).map(Json::from)),
+        // The tokenizer's vocabulary when the args store it (`--vocab-size`; the padding
+        // beyond it is trimmed, checked by `check_vocab`), else the embedding's rows
+        // are kept.
+        Rel::Vocab => one(args.field("vocab_size").map(Json::from)),
+        // As stored: an integer stays one (DSA's `index_topk`).
+        Rel::Float | Rel::Derived => one(args
+            .raw(c.args)
+            .filter(|v| v.is_number() || v.is_boolean())
+            .cloned()),
+        Rel::TopkNorm => one(topk_norm_from_args(c, args).map(Json::from)),
+        Rel::SharedExperts => one(shared_experts_from_args(c, args).map(Json::from)),
+        Rel::AttnLayers => args
+            .attn_layers()
+            .map(|p| ("layer_types", p.into()))
+            .into_iter()
+            .collect(),
+        Rel::ArgsTrue | Rel::ArgsFalse | Rel::MlaNormEps => Vec::new(),
+        Rel::IndexerLayers => one(args.indexer_layers().map(|p| {
+            p.iter()
+                .map(|&full| if full { "full" } else { "shared" })
+                .collect::<Vec<&str>>()
+                .into()
+        })),
+        Rel::SlidingWindow => sliding_window_from_args(c, args),
+        Rel::MoeLayers => moe_layers_from_args(spec.moe_layers, args),
+    }
+}
+
+/// `norm_topk_prob` from the router's scoring: a sigmoid router renormalises its top-k, a
+/// softmax one unless `moe_router_pre_softmax` (see [`Rel::TopkNorm`]).
+fn topk_norm_from_args(c: &Check, args: &Args) -> Option<bool> {
+    match args.raw(c.args).and_then(|v| v.as_str()) {
+        Some("sigmoid") => Some(true),
+        _ => args.flag("moe_router_pre_softmax").map(|pre| !pre),
+    }
+}
+
+/// deepseek_v3's `n_shared_experts`: the shared experts' size in experts' sizes (see
+/// [`Rel::SharedExperts`]); none when it is no whole number of them.
+fn shared_experts_from_args(c: &Check, args: &Args) -> Option<u64> {
+    if !args.0.contains_key(c.args) {
+        return None;
+    }
+    let shared = args.field(c.args).unwrap_or(0);
+    let each = args.field("moe_ffn_hidden_size").filter(|&f| f > 0);
+    each.filter(|f| shared % f == 0).map(|f| shared / f)
+}
+
+/// gpt_oss's `sliding_window` (the first windowed layer's) and `layer_types` from the args'
+/// windows of each layer.
+fn sliding_window_from_args(c: &Check, args: &Args) -> Vec<(&'static str, Json)> {
+    let n = args.field("num_layers").unwrap_or(0);
+    let Some(w) = args.layer_windows(n) else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    if let Some(&Some(size)) = w.iter().find(|w| w.is_some()) {
+        out.push((c.hf, size.into()));
+    }
+    let types: Vec<&str> = w
+        .iter()
+        .map(|w| match w {
+            Some(_) => "sliding_attention",
+            None => "full_attention",
+        })
+        .collect();
+    out.push(("layer_types", types.into()));
+    out
+}
+
+/// The MoE layer pattern from the args, in the field of the family's [`LayerPattern`].
+fn moe_layers_from_args(pattern: LayerPattern, args: &Args) -> Vec<(&'static str, Json)> {
+    let Some(p) = args.moe_layers() else {
+        return Vec::new();
+    };
+    let dense: Vec<u64> = (0..p.len() as u64).filter(|&l| !p[l as usize]).collect();
+    let leading = p.iter().take_while(|&&m| !m).count();
+    match pattern {
+        LayerPattern::FirstKDense => vec![("first_k_dense_replace", leading.into())],
+        LayerPattern::QwenSparseStep => vec![("mlp_only_layers", dense.into())],
+        // Every layer or none is MoE whatever the config says.
+        LayerPattern::AllMoe | LayerPattern::Dense => Vec::new(),
+    }
+}
+
+/// Megatron's RoPE scaling (`--use-rope-scaling`, llama3's; `--rope-type yarn`), as the
+/// config's rope type: a config built from the args describes plain RoPE only, so
+/// `config_from_args` refuses it rather than drop the scaling.
+fn rope_scaling_from_args(args: &Args) -> Option<Json> {
+    let scaling = match args.raw("rope_type").and_then(|v| v.as_str()) {
+        Some("yarn") => "yarn (args.rope_type)",
+        _ if args.flag("use_rope_scaling") == Some(true) => "llama3 (args.use_rope_scaling)",
+        _ => return None,
+    };
+    let mut rope = Map::new();
+    rope.insert("rope_type".into(), scaling.into());
+    Some(rope.into())
+}
+
+/// Checks that the args gave the fields no model can be built without.
+///
+/// Errors: [`Error::InvalidArgument`] naming the first args field missing.
+fn check_required_from_args(spec: &ArchSpec, cfg: &Map<String, Json>) -> Result<()> {
+    let need = ["num_hidden_layers", "hidden_size", "num_attention_heads"];
+    if let Some(missing) = need.iter().find(|k| !cfg.contains_key(**k)) {
+        let arg = spec
+            .checks()
+            .find(|c| c.hf == *missing)
+            .map_or("", |c| c.args);
+        return Err(Error::InvalidArgument(format!(
+            "the checkpoint's args have no {arg}; pass --hf-config"
+        )));
+    }
+    Ok(())
 }
 
 /// Megatron's `args` (an `argparse.Namespace`), its attributes as JSON values (ints, floats,
@@ -812,166 +823,11 @@ pub(crate) fn check_args(d: &Dims, args: Option<&Args>, rows: Option<u64>) -> Re
     let mut diffs = Vec::new();
     let mut unchecked = Vec::new();
     let mut warnings = Vec::new();
-    for c in d.spec.checks() {
-        if c.rel == Rel::MlaNormEps {
-            let eps = d.float(c.hf).or(args.and_then(|a| a.float(c.args)));
-            if let Some(eps) = eps.filter(|e| (e - 1e-6).abs() > 1e-12) {
-                warnings.push(format!(
-                    "{} is {eps}, but transformers' deepseek_v3 applies q_a_layernorm and kv_a_layernorm with eps 1e-6 whatever the config says (Megatron used {eps} for them): its outputs differ slightly from Megatron's",
-                    c.hf
-                ));
-            }
-            continue;
-        }
-        let Some(a) = args else {
-            if c.rel == Rel::Vocab {
-                if let Err(e) = check_vocab(d, None, rows) {
-                    diffs.push(e);
-                }
-            }
-            continue;
-        };
-        let hf_src = "config.json";
-        match c.rel {
-            // A field the mapping does not use for this config is not checked (an all-MoE
-            // model's args may hold any dense ffn_hidden_size).
-            Rel::Eq if !d.uses(c.hf) => {}
-            Rel::Eq => match (d.field(c.hf), a.field(c.args)) {
-                (Some(h), Some(m)) if h != m => diffs.push(format!(
-                    "{}: {hf_src} says {h}, args.{} says {m}",
-                    c.hf, c.args
-                )),
-                (Some(_), Some(_)) => {}
-                (None, Some(m)) if m != 0 => diffs.push(format!(
-                    "{}: {hf_src} has none, args.{} says {m}",
-                    c.hf, c.args
-                )),
-                (None, _) => {}
-                (Some(_), None) => unchecked.push(format!("{} (args has no {})", c.hf, c.args)),
-            },
-            Rel::Not => match (d.flag(c.hf).or(Some(d.tied)), a.flag(c.args)) {
-                (Some(h), Some(m)) if h == m => diffs.push(format!(
-                    "{}: {hf_src} says {h}, args.{} says {m}",
-                    c.hf, c.args
-                )),
-                (_, None) => unchecked.push(format!("{} (args has no {})", c.hf, c.args)),
-                _ => {}
-            },
-            Rel::Same => match (d.flag(c.hf).unwrap_or(false), a.flag(c.args)) {
-                (h, Some(m)) if h != m => diffs.push(format!(
-                    "{}: {hf_src} says {h}, args.{} says {m}",
-                    c.hf, c.args
-                )),
-                (_, None) => unchecked.push(format!("{} (args has no {})", c.hf, c.args)),
-                _ => {}
-            },
-            Rel::Vocab => {
-                if let Err(e) = check_vocab(d, Some(a), rows) {
-                    diffs.push(e);
-                }
-            }
-            Rel::AttnLayers => {
-                let ours: Vec<String> = (0..d.num_layers)
-                    .map(|l| d.layer_type(l).unwrap_or_default())
-                    .collect();
-                match a.attn_layers() {
-                    Some(p) if p != ours => {
-                        let show = |v: &[String]| -> String {
-                            v.iter()
-                                .map(|t| if t == "full_attention" { 'F' } else { 'L' })
-                                .collect()
-                        };
-                        diffs.push(format!(
-                            "layer_types: {hf_src} gives {}, args.{} (experimental_attention_variant {}) gives {} (L: linear attention, F: full attention)",
-                            show(&ours),
-                            a.pattern_field(c.args),
-                            a.raw("experimental_attention_variant").map_or("none".into(), |v| v.to_string()),
-                            show(&p)
-                        ));
-                    }
-                    Some(_) => {}
-                    None => unchecked.push(format!("layer_types (args has no {})", c.args)),
-                }
-            }
-            Rel::Float => match (d.float(c.hf), a.float(c.args)) {
-                (Some(h), Some(m)) if (h - m).abs() > 1e-9 * h.abs().max(m.abs()) => diffs.push(
-                    format!("{}: {hf_src} says {h}, args.{} says {m}", c.hf, c.args),
-                ),
-                (Some(_), None) => unchecked.push(format!("{} (args has no {})", c.hf, c.args)),
-                _ => {}
-            },
-            Rel::SlidingWindow => match (d.layer_windows(), a.layer_windows(d.num_layers)) {
-                (h, Some(m)) if h != m => {
-                    let show = |v: &[Option<u64>]| -> String {
-                        let w: Vec<String> = v
-                            .iter()
-                            .map(|w| w.map_or("full".into(), |w| w.to_string()))
-                            .collect();
-                        format!("[{}]", w.join(", "))
-                    };
-                    diffs.push(format!(
-                        "sliding_window: {hf_src} gives windows {} (sliding_window, layer_types), args.window_size and window_attn_skip_freq give {}",
-                        show(&h),
-                        show(&m)
-                    ))
-                }
-                (_, Some(_)) => {}
-                (_, None) => unchecked.push(format!("{} (args has no {})", c.hf, c.args)),
-            },
-            Rel::ArgsTrue | Rel::ArgsFalse => match a.flag(c.args) {
-                Some(v) if v != (c.rel == Rel::ArgsTrue) => diffs.push(format!(
-                    "{}: {} implies it, args.{} says {v}",
-                    c.hf,
-                    d.cfg
-                        .get("model_type")
-                        .and_then(|v| v.as_str())
-                        .unwrap_or("the architecture"),
-                    c.args
-                )),
-                Some(_) => {}
-                None => unchecked.push(format!("{} (args has no {})", c.hf, c.args)),
-            },
-            Rel::IndexerLayers => {
-                let ours: Vec<bool> = (0..d.num_layers).map(|l| d.indexer(l)).collect();
-                let show = |v: &[bool]| -> String {
-                    v.iter().map(|&f| if f { 'F' } else { 'S' }).collect()
-                };
-                match a.indexer_layers() {
-                    Some(p) if p != ours => diffs.push(format!(
-                        "{}: {hf_src} gives {}, args.{} {} and dsa_indexer_skip_topk_offset {} give {} (F: the layer runs its indexer, S: it shares the previous one's top-k; Megatron counts {} layers)",
-                        c.hf,
-                        show(&ours),
-                        c.args,
-                        a.field(c.args).unwrap_or(1),
-                        a.field("dsa_indexer_skip_topk_offset").unwrap_or(0),
-                        show(&p),
-                        if a.hybrid_pattern().is_some() { "a HybridModel's" } else { "GPT" }
-                    )),
-                    Some(_) => {}
-                    None => unchecked.push(format!("{} (args has no num_layers)", c.hf)),
-                }
-            }
-            Rel::MlaNormEps | Rel::Derived | Rel::TopkNorm | Rel::SharedExperts => {}
-            Rel::MoeLayers => match a.moe_layers() {
-                Some(p) if p != d.moe_layers => {
-                    let show = |v: &[bool]| -> String {
-                        v.iter().map(|&m| if m { 'E' } else { '-' }).collect()
-                    };
-                    diffs.push(format!(
-                        "MoE layer pattern: {hf_src} gives {} ({} experts{}), args.{} gives {} (E: MoE layer)",
-                        show(&d.moe_layers),
-                        d.num_experts,
-                        match c.hf {
-                            "num_experts" => String::new(),
-                            f => format!(", {f} {}", d.field(f).unwrap_or(0)),
-                        },
-                        a.pattern_field(c.args),
-                        show(&p)
-                    ));
-                }
-                Some(_) => {}
-                None => unchecked.push(format!("MoE layer pattern (args has no {})", c.args)),
-            },
+    for finding in d.spec.checks().filter_map(|c| check_row(d, c, args, rows)) {
+        match finding {
+            Finding::Differs(m) => diffs.push(m),
+            Finding::Unchecked(m) => unchecked.push(m),
+            Finding::Warning(m) => warnings.push(m),
         }
     }
     if !diffs.is_empty() {
@@ -989,6 +845,227 @@ pub(crate) fn check_args(d: &Dims, args: Option<&Args>, rows: Option<u64>) -> Re
         unchecked,
         warnings,
     })
+}
+
+/// What checking one row of the check table found (nothing: the row agrees, or is no check).
+#[derive(Debug, PartialEq)]
+enum Finding {
+    /// The config disagrees with the args or the checkpoint (naming both values).
+    Differs(String),
+    /// A row the args cannot decide (`"head_dim (args has no kv_channels)"`).
+    Unchecked(String),
+    /// A fact the user should know about the output (see [`Rel::MlaNormEps`]).
+    Warning(String),
+}
+
+/// Where a row's config values come from, in the messages.
+const HF_SRC: &str = "config.json";
+
+/// Checks check row `c`: each relation's rule, in one place. Without args only the rows that
+/// need none are checked (the MLA norms' epsilon, the vocabulary against the embedding's rows).
+fn check_row(d: &Dims, c: &Check, args: Option<&Args>, rows: Option<u64>) -> Option<Finding> {
+    match (c.rel, args) {
+        (Rel::MlaNormEps, _) => check_mla_norm_eps(d, c, args),
+        (Rel::Vocab, _) => check_vocab(d, args, rows).err().map(Finding::Differs),
+        (_, None) => None,
+        (Rel::Eq, Some(a)) => check_eq(d, c, a),
+        (Rel::Not, Some(a)) => check_not(d, c, a),
+        (Rel::Same, Some(a)) => check_same(d, c, a),
+        (Rel::AttnLayers, Some(a)) => check_attn_layers(d, c, a),
+        (Rel::Float, Some(a)) => check_float(d, c, a),
+        (Rel::SlidingWindow, Some(a)) => check_sliding_window(d, c, a),
+        (Rel::ArgsTrue | Rel::ArgsFalse, Some(a)) => check_implied_flag(d, c, a),
+        (Rel::IndexerLayers, Some(a)) => check_indexer_layers(d, c, a),
+        (Rel::MoeLayers, Some(a)) => check_moe_layers(d, c, a),
+        // Not checks: what a config built from the args reads.
+        (Rel::Derived | Rel::TopkNorm | Rel::SharedExperts, Some(_)) => None,
+    }
+}
+
+/// [`Rel::MlaNormEps`]: a warning when the epsilon (config, else args) is not the 1e-6
+/// transformers applies to the MLA norms.
+fn check_mla_norm_eps(d: &Dims, c: &Check, args: Option<&Args>) -> Option<Finding> {
+    let eps = d.float(c.hf).or(args.and_then(|a| a.float(c.args)));
+    let eps = eps.filter(|e| (e - 1e-6).abs() > 1e-12)?;
+    Some(Finding::Warning(format!(
+        "{} is {eps}, but transformers' deepseek_v3 applies q_a_layernorm and kv_a_layernorm with eps 1e-6 whatever the config says (Megatron used {eps} for them): its outputs differ slightly from Megatron's",
+        c.hf
+    )))
+}
+
+/// `"<hf>: config.json says <h>, args.<args> says <m>"`.
+fn says(c: &Check, h: impl std::fmt::Display, m: impl std::fmt::Display) -> Finding {
+    Finding::Differs(format!(
+        "{}: {HF_SRC} says {h}, args.{} says {m}",
+        c.hf, c.args
+    ))
+}
+
+/// `"<hf> (args has no <args>)"`.
+fn args_lack(c: &Check) -> Finding {
+    Finding::Unchecked(format!("{} (args has no {})", c.hf, c.args))
+}
+
+/// [`Rel::Eq`].
+fn check_eq(d: &Dims, c: &Check, a: &Args) -> Option<Finding> {
+    // A field the mapping does not use for this config is not checked (an all-MoE
+    // model's args may hold any dense ffn_hidden_size).
+    if !d.uses(c.hf) {
+        return None;
+    }
+    match (d.field(c.hf), a.field(c.args)) {
+        (Some(h), Some(m)) if h != m => Some(says(c, h, m)),
+        (Some(_), Some(_)) => None,
+        (None, Some(m)) if m != 0 => Some(Finding::Differs(format!(
+            "{}: {HF_SRC} has none, args.{} says {m}",
+            c.hf, c.args
+        ))),
+        (None, _) => None,
+        (Some(_), None) => Some(args_lack(c)),
+    }
+}
+
+/// [`Rel::Not`].
+fn check_not(d: &Dims, c: &Check, a: &Args) -> Option<Finding> {
+    match (d.flag(c.hf).or(Some(d.tied)), a.flag(c.args)) {
+        (Some(h), Some(m)) if h == m => Some(says(c, h, m)),
+        (_, None) => Some(args_lack(c)),
+        _ => None,
+    }
+}
+
+/// [`Rel::Same`].
+fn check_same(d: &Dims, c: &Check, a: &Args) -> Option<Finding> {
+    match (d.flag(c.hf).unwrap_or(false), a.flag(c.args)) {
+        (h, Some(m)) if h != m => Some(says(c, h, m)),
+        (_, None) => Some(args_lack(c)),
+        _ => None,
+    }
+}
+
+/// [`Rel::AttnLayers`].
+fn check_attn_layers(d: &Dims, c: &Check, a: &Args) -> Option<Finding> {
+    let ours: Vec<String> = (0..d.num_layers)
+        .map(|l| d.layer_type(l).unwrap_or_default())
+        .collect();
+    match a.attn_layers() {
+        Some(p) if p != ours => {
+            let show = |v: &[String]| -> String {
+                v.iter()
+                    .map(|t| if t == "full_attention" { 'F' } else { 'L' })
+                    .collect()
+            };
+            Some(Finding::Differs(format!(
+                "layer_types: {HF_SRC} gives {}, args.{} (experimental_attention_variant {}) gives {} (L: linear attention, F: full attention)",
+                show(&ours),
+                a.pattern_field(c.args),
+                a.raw("experimental_attention_variant").map_or("none".into(), |v| v.to_string()),
+                show(&p)
+            )))
+        }
+        Some(_) => None,
+        None => Some(Finding::Unchecked(format!(
+            "layer_types (args has no {})",
+            c.args
+        ))),
+    }
+}
+
+/// [`Rel::Float`].
+fn check_float(d: &Dims, c: &Check, a: &Args) -> Option<Finding> {
+    match (d.float(c.hf), a.float(c.args)) {
+        (Some(h), Some(m)) if (h - m).abs() > 1e-9 * h.abs().max(m.abs()) => Some(says(c, h, m)),
+        (Some(_), None) => Some(args_lack(c)),
+        _ => None,
+    }
+}
+
+/// [`Rel::SlidingWindow`].
+fn check_sliding_window(d: &Dims, c: &Check, a: &Args) -> Option<Finding> {
+    match (d.layer_windows(), a.layer_windows(d.num_layers)) {
+        (h, Some(m)) if h != m => {
+            let show = |v: &[Option<u64>]| -> String {
+                let w: Vec<String> = v
+                    .iter()
+                    .map(|w| w.map_or("full".into(), |w| w.to_string()))
+                    .collect();
+                format!("[{}]", w.join(", "))
+            };
+            Some(Finding::Differs(format!(
+                "sliding_window: {HF_SRC} gives windows {} (sliding_window, layer_types), args.window_size and window_attn_skip_freq give {}",
+                show(&h),
+                show(&m)
+            )))
+        }
+        (_, Some(_)) => None,
+        (_, None) => Some(args_lack(c)),
+    }
+}
+
+/// [`Rel::ArgsTrue`] and [`Rel::ArgsFalse`].
+fn check_implied_flag(d: &Dims, c: &Check, a: &Args) -> Option<Finding> {
+    match a.flag(c.args) {
+        Some(v) if v != (c.rel == Rel::ArgsTrue) => Some(Finding::Differs(format!(
+            "{}: {} implies it, args.{} says {v}",
+            c.hf,
+            d.cfg
+                .get("model_type")
+                .and_then(|v| v.as_str())
+                .unwrap_or("the architecture"),
+            c.args
+        ))),
+        Some(_) => None,
+        None => Some(args_lack(c)),
+    }
+}
+
+/// [`Rel::IndexerLayers`].
+fn check_indexer_layers(d: &Dims, c: &Check, a: &Args) -> Option<Finding> {
+    let ours: Vec<bool> = (0..d.num_layers).map(|l| d.indexer(l)).collect();
+    let show = |v: &[bool]| -> String { v.iter().map(|&f| if f { 'F' } else { 'S' }).collect() };
+    match a.indexer_layers() {
+        Some(p) if p != ours => Some(Finding::Differs(format!(
+            "{}: {HF_SRC} gives {}, args.{} {} and dsa_indexer_skip_topk_offset {} give {} (F: the layer runs its indexer, S: it shares the previous one's top-k; Megatron counts {} layers)",
+            c.hf,
+            show(&ours),
+            c.args,
+            a.field(c.args).unwrap_or(1),
+            a.field("dsa_indexer_skip_topk_offset").unwrap_or(0),
+            show(&p),
+            if a.hybrid_pattern().is_some() { "a HybridModel's" } else { "GPT" }
+        ))),
+        Some(_) => None,
+        None => Some(Finding::Unchecked(format!(
+            "{} (args has no num_layers)",
+            c.hf
+        ))),
+    }
+}
+
+/// [`Rel::MoeLayers`].
+fn check_moe_layers(d: &Dims, c: &Check, a: &Args) -> Option<Finding> {
+    match a.moe_layers() {
+        Some(p) if p != d.moe_layers => {
+            let show =
+                |v: &[bool]| -> String { v.iter().map(|&m| if m { 'E' } else { '-' }).collect() };
+            Some(Finding::Differs(format!(
+                "MoE layer pattern: {HF_SRC} gives {} ({} experts{}), args.{} gives {} (E: MoE layer)",
+                show(&d.moe_layers),
+                d.num_experts,
+                match c.hf {
+                    "num_experts" => String::new(),
+                    f => format!(", {f} {}", d.field(f).unwrap_or(0)),
+                },
+                a.pattern_field(c.args),
+                show(&p)
+            )))
+        }
+        Some(_) => None,
+        None => Some(Finding::Unchecked(format!(
+            "MoE layer pattern (args has no {})",
+            c.args
+        ))),
+    }
 }
 
 /// The vocabulary: `vocab_size` (config) against the embedding's `rows`. Megatron pads the
@@ -1340,6 +1417,159 @@ mod tests {
         let out: Json = serde_json::from_slice(&with_quantization(given, None).unwrap()).unwrap();
         assert_eq!(out, json!({"model_type": "gpt_oss"}));
         assert!(with_quantization(b"[1]", None).is_err());
+    }
+
+    fn args_of(v: Json) -> Args {
+        let Json::Object(m) = v else { unreachable!() };
+        Args(m)
+    }
+
+    #[test]
+    fn each_relation_reads_its_args_field_into_the_config() {
+        let row = |hf, args, rel| Check { hf, args, rel };
+        let qwen = families::arch("qwen3_moe").unwrap();
+        let a = args_of(
+            json!({"num_layers": 2, "untie_embeddings_and_output_weights": true,
+            "rotary_base": 10000, "moe_router_score_function": "softmax",
+            "moe_router_pre_softmax": true, "moe_ffn_hidden_size": 16,
+            "moe_shared_expert_intermediate_size": 48, "num_experts": 4,
+            "moe_layer_freq": [0, 1], "window_size": [127, 0], "window_attn_skip_freq": 2,
+            "rope_type": "rope"}),
+        );
+        let got = |c: Check| row_from_args(qwen, &c, &a);
+        assert_eq!(
+            got(row("num_hidden_layers", "num_layers", Rel::Eq)),
+            vec![("num_hidden_layers", json!(2))]
+        );
+        assert_eq!(
+            got(row(
+                "tie_word_embeddings",
+                "untie_embeddings_and_output_weights",
+                Rel::Not
+            )),
+            vec![("tie_word_embeddings", json!(false))]
+        );
+        // As stored: the integer RoPE base stays one; an absent field gives nothing.
+        assert_eq!(
+            got(row("rope_theta", "rotary_base", Rel::Derived)),
+            vec![("rope_theta", json!(10000))]
+        );
+        assert_eq!(got(row("hidden_size", "hidden_size", Rel::Eq)), vec![]);
+        assert_eq!(
+            got(row(
+                "norm_topk_prob",
+                "moe_router_score_function",
+                Rel::TopkNorm
+            )),
+            vec![("norm_topk_prob", json!(false))]
+        );
+        assert_eq!(
+            got(row(
+                "n_shared_experts",
+                "moe_shared_expert_intermediate_size",
+                Rel::SharedExperts
+            )),
+            vec![("n_shared_experts", json!(3))]
+        );
+        // Qwen's pattern names the dense layers; gpt_oss's windows give two fields.
+        assert_eq!(
+            got(row("num_experts", "moe_layer_freq", Rel::MoeLayers)),
+            vec![("mlp_only_layers", json!([0]))]
+        );
+        assert_eq!(
+            got(row("sliding_window", "window_size", Rel::SlidingWindow)),
+            vec![
+                ("sliding_window", json!(128)),
+                (
+                    "layer_types",
+                    json!(["sliding_attention", "full_attention"])
+                )
+            ]
+        );
+        assert_eq!(got(row("x", "x", Rel::ArgsTrue)), vec![]);
+        // Plain RoPE says nothing; yarn and llama3's scaling are named.
+        assert_eq!(rope_scaling_from_args(&a), None);
+        let y = args_of(json!({"rope_type": "yarn"}));
+        assert_eq!(
+            rope_scaling_from_args(&y),
+            Some(json!({"rope_type": "yarn (args.rope_type)"}))
+        );
+        let l = args_of(json!({"use_rope_scaling": true}));
+        assert_eq!(
+            rope_scaling_from_args(&l),
+            Some(json!({"rope_type": "llama3 (args.use_rope_scaling)"}))
+        );
+    }
+
+    #[test]
+    fn a_config_from_the_args_needs_the_models_size() {
+        let qwen = families::arch("qwen3_moe").unwrap();
+        let Json::Object(cfg) =
+            json!({"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4})
+        else {
+            unreachable!()
+        };
+        assert!(check_required_from_args(qwen, &cfg).is_ok());
+        let mut partial = cfg.clone();
+        partial.remove("hidden_size");
+        let e = check_required_from_args(qwen, &partial)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("the checkpoint's args have no hidden_size; pass --hf-config"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn each_row_finds_at_most_one_thing() {
+        let d = Dims::from_config(&qwen3_moe(), None).unwrap();
+        let row = |hf: &str, rel: Rel| {
+            d.spec
+                .checks()
+                .find(|c| c.hf == hf && c.rel == rel)
+                .unwrap()
+        };
+        let hidden = row("hidden_size", Rel::Eq);
+        let mut a = args();
+        assert_eq!(check_row(&d, hidden, Some(&a), Some(256)), None);
+        a.0.insert("hidden_size".into(), json!(32));
+        assert_eq!(
+            check_row(&d, hidden, Some(&a), Some(256)),
+            Some(Finding::Differs(
+                "hidden_size: config.json says 64, args.hidden_size says 32".into()
+            ))
+        );
+        a.0.remove("hidden_size");
+        assert_eq!(
+            check_row(&d, hidden, Some(&a), Some(256)),
+            Some(Finding::Unchecked(
+                "hidden_size (args has no hidden_size)".into()
+            ))
+        );
+        a.0.insert("moe_layer_freq".into(), json!([0, 1]));
+        assert!(matches!(
+            check_row(&d, row("num_experts", Rel::MoeLayers), Some(&a), None),
+            Some(Finding::Differs(m)) if m.starts_with("MoE layer pattern: config.json gives EE")
+        ));
+        // Without args only the vocabulary is checked, against the embedding's rows.
+        assert_eq!(check_row(&d, hidden, None, Some(256)), None);
+        assert!(matches!(
+            check_row(&d, row("vocab_size", Rel::Vocab), None, Some(100)),
+            Some(Finding::Differs(_))
+        ));
+        // The MLA norms' epsilon warns, args or not.
+        let ds = Dims::from_config(
+            &json!({"model_type": "deepseek_v3", "num_hidden_layers": 2, "hidden_size": 64,
+                "num_attention_heads": 4, "rms_norm_eps": 1e-5}),
+            None,
+        )
+        .unwrap();
+        let eps = ds.spec.checks().find(|c| c.rel == Rel::MlaNormEps).unwrap();
+        assert!(matches!(
+            check_row(&ds, eps, None, None),
+            Some(Finding::Warning(m)) if m.starts_with("rms_norm_eps is 0.00001, but")
+        ));
     }
 
     #[test]

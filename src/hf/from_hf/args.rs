@@ -20,7 +20,7 @@
 
 use std::collections::BTreeMap;
 
-use super::super::spec::{Dims, LayerPattern, Rel, When};
+use super::super::spec::{Check, Dims, LayerPattern, Rel, When};
 use crate::error::{Error, Result};
 use crate::format::pickle::Pickler;
 use crate::format::zip::object_archive;
@@ -115,109 +115,150 @@ fn indexer_schedule(on: &[bool]) -> Option<(u64, u64)> {
 /// schedule Megatron's args can express.
 pub(crate) fn megatron_args(d: &Dims, lay: &Layout) -> Result<BTreeMap<String, Arg>> {
     let mut a: BTreeMap<String, Arg> = BTreeMap::new();
-    let int = |v: u64| Arg::Int(v as i64);
     for c in d.spec.checks() {
-        match c.rel {
-            Rel::Eq => {
-                if let Some(v) = d.field(c.hf) {
-                    a.insert(c.args.into(), int(v));
-                }
-            }
-            Rel::Not => {
-                a.insert(c.args.into(), Arg::Bool(!d.flag(c.hf).unwrap_or(d.tied)));
-            }
-            Rel::Same => {
-                a.insert(c.args.into(), Arg::Bool(d.flag(c.hf).unwrap_or(false)));
-            }
-            Rel::Vocab => {
-                a.insert("padded_vocab_size".into(), int(lay.padded_vocab_size));
-                if let Some(v) = d.vocab_size {
-                    a.insert("vocab_size".into(), int(v));
-                }
-            }
-            // As the config states it (an integer stays one: DSA's `index_topk` is Megatron's int
-            // `--dsa-indexer-topk`); a config built from the args copies it back as stored.
-            Rel::Float | Rel::Derived => {
-                if let Some(v) = number(d, c.hf, c.args) {
-                    a.insert(c.args.into(), v);
-                }
-            }
-            Rel::ArgsTrue | Rel::ArgsFalse => {
-                a.insert(c.args.into(), Arg::Bool(c.rel == Rel::ArgsTrue));
-            }
-            Rel::IndexerLayers => {
-                let on: Vec<bool> = (0..d.num_layers).map(|l| d.indexer(l)).collect();
-                let (freq, offset) = indexer_schedule(&on).ok_or_else(|| {
-                    Error::Validation(format!(
-                        "indexer_types: no dsa_indexer_topk_freq and dsa_indexer_skip_topk_offset of Megatron give the layers' pattern {}",
-                        on.iter().map(|&f| if f { 'F' } else { 'S' }).collect::<String>()
-                    ))
-                })?;
-                a.insert(c.args.into(), int(freq));
-                a.insert("dsa_indexer_skip_topk_offset".into(), int(offset));
-            }
-            // A warning of to-hf only; norm_epsilon itself is the Float row's.
-            Rel::MlaNormEps => {}
-            // The router's scoring: [`router`], written for every MoE family below.
-            Rel::TopkNorm => {}
-            // The shared experts' size is the Eq row of `moe_shared_expert_intermediate_size`.
-            Rel::SharedExperts => {}
-            Rel::MoeLayers => {
-                if d.num_experts > 0 {
-                    let all = d.moe_layers.iter().all(|&m| m);
-                    let freq = if all {
-                        Arg::Int(1)
-                    } else {
-                        Arg::List(d.moe_layers.iter().map(|&m| Arg::Int(m as i64)).collect())
-                    };
-                    a.insert("moe_layer_freq".into(), freq);
-                }
-            }
-            Rel::AttnLayers => {
-                let linear: Vec<bool> = (0..d.num_layers)
-                    .map(|l| d.layer_type(l).as_deref() == Some("linear_attention"))
-                    .collect();
-                a.insert(
-                    "experimental_attention_variant".into(),
-                    Arg::Str("gated_delta_net".into()),
-                );
-                let freq = match period(&linear) {
-                    Some(k) => int(k),
-                    None => Arg::List(linear.iter().map(|&x| Arg::Int(x as i64)).collect()),
-                };
-                a.insert("linear_attention_freq".into(), freq);
-            }
-            Rel::SlidingWindow => {
-                let w = d.layer_windows();
-                if let Some(&Some(size)) = w.iter().find(|w| w.is_some()) {
-                    a.insert(
-                        "window_size".into(),
-                        Arg::Tuple(vec![int(size.saturating_sub(1)), Arg::Int(0)]),
-                    );
-                    let on: Vec<bool> = w.iter().map(|w| w.is_some()).collect();
-                    let freq = match period(&on) {
-                        Some(k) => int(k),
-                        None => Arg::List(on.iter().map(|&x| Arg::Int(x as i64)).collect()),
-                    };
-                    a.insert("window_attn_skip_freq".into(), freq);
-                }
-            }
-        }
+        a.extend(row_args(d, lay, c)?.into_iter().map(|(k, v)| (k.into(), v)));
     }
     if d.spec.moe_layers == LayerPattern::Dense || d.num_experts == 0 {
         a.insert("num_experts".into(), Arg::None);
     }
-    // Every family here is SwiGLU with RMSNorm and RoPE.
-    let groups = d.groups;
-    a.entry("num_query_groups".into()).or_insert(int(groups));
     a.insert(
         "group_query_attention".into(),
-        Arg::Bool(!lay.mla && groups != d.heads),
+        Arg::Bool(!lay.mla && d.groups != d.heads),
     );
-    if let Some(ffn) = d.field("intermediate_size") {
-        a.entry("ffn_hidden_size".into()).or_insert(int(ffn));
+    for (k, v) in layout_args(d, lay) {
+        a.entry(k.into()).or_insert(v);
     }
-    for (k, v) in [
+    a.extend(moe_args(d)?);
+    a.extend(rope_scaling(d)?);
+    for (k, v) in fixed_args(d) {
+        a.entry(k.into()).or_insert(v);
+    }
+    Ok(a)
+}
+
+/// An args integer.
+fn int(v: u64) -> Arg {
+    Arg::Int(v as i64)
+}
+
+/// The args check row `c` writes back from the config (the inverse of its reading in
+/// [`super::super::config`]): each relation's rule, in one place.
+///
+/// Errors: [`indexer_args`]'.
+fn row_args(d: &Dims, lay: &Layout, c: &Check) -> Result<Vec<(&'static str, Arg)>> {
+    Ok(match c.rel {
+        Rel::Eq => d
+            .field(c.hf)
+            .map(|v| (c.args, int(v)))
+            .into_iter()
+            .collect(),
+        Rel::Not => vec![(c.args, Arg::Bool(!d.flag(c.hf).unwrap_or(d.tied)))],
+        Rel::Same => vec![(c.args, Arg::Bool(d.flag(c.hf).unwrap_or(false)))],
+        Rel::Vocab => {
+            let mut a = vec![("padded_vocab_size", int(lay.padded_vocab_size))];
+            a.extend(d.vocab_size.map(|v| ("vocab_size", int(v))));
+            a
+        }
+        // As the config states it (an integer stays one: DSA's `index_topk` is Megatron's int
+        // `--dsa-indexer-topk`); a config built from the args copies it back as stored.
+        Rel::Float | Rel::Derived => number(d, c.hf, c.args)
+            .map(|v| (c.args, v))
+            .into_iter()
+            .collect(),
+        Rel::ArgsTrue | Rel::ArgsFalse => vec![(c.args, Arg::Bool(c.rel == Rel::ArgsTrue))],
+        Rel::IndexerLayers => indexer_args(d, c)?,
+        // A warning of to-hf only; norm_epsilon itself is the Float row's.
+        Rel::MlaNormEps => Vec::new(),
+        // The router's scoring: [`router`], written for every MoE family by [`moe_args`].
+        Rel::TopkNorm => Vec::new(),
+        // The shared experts' size is the Eq row of `moe_shared_expert_intermediate_size`.
+        Rel::SharedExperts => Vec::new(),
+        Rel::MoeLayers => moe_layer_args(d),
+        Rel::AttnLayers => attention_args(d),
+        Rel::SlidingWindow => window_args(d),
+    })
+}
+
+/// Megatron's form of a per-layer pattern: its period ([`period`]) when it has one, else the
+/// list of 0/1.
+fn freq(on: &[bool]) -> Arg {
+    match period(on) {
+        Some(k) => int(k),
+        None => Arg::List(on.iter().map(|&x| Arg::Int(x as i64)).collect()),
+    }
+}
+
+/// The DSA indexer's schedule ([`indexer_schedule`]) of the config's indexer layers.
+///
+/// Errors: [`Error::Validation`] when no schedule gives them.
+fn indexer_args(d: &Dims, c: &Check) -> Result<Vec<(&'static str, Arg)>> {
+    let on: Vec<bool> = (0..d.num_layers).map(|l| d.indexer(l)).collect();
+    let (freq, offset) = indexer_schedule(&on).ok_or_else(|| {
+        Error::Validation(format!(
+            "indexer_types: no dsa_indexer_topk_freq and dsa_indexer_skip_topk_offset of Megatron give the layers' pattern {}",
+            on.iter().map(|&f| if f { 'F' } else { 'S' }).collect::<String>()
+        ))
+    })?;
+    Ok(vec![
+        (c.args, int(freq)),
+        ("dsa_indexer_skip_topk_offset", int(offset)),
+    ])
+}
+
+/// `moe_layer_freq` of a model with experts: 1 when every layer is MoE, else the list.
+fn moe_layer_args(d: &Dims) -> Vec<(&'static str, Arg)> {
+    if d.num_experts == 0 {
+        return Vec::new();
+    }
+    let all = d.moe_layers.iter().all(|&m| m);
+    let freq = if all {
+        Arg::Int(1)
+    } else {
+        Arg::List(d.moe_layers.iter().map(|&m| Arg::Int(m as i64)).collect())
+    };
+    vec![("moe_layer_freq", freq)]
+}
+
+/// Gated DeltaNet's linear attention layers.
+fn attention_args(d: &Dims) -> Vec<(&'static str, Arg)> {
+    let linear: Vec<bool> = (0..d.num_layers)
+        .map(|l| d.layer_type(l).as_deref() == Some("linear_attention"))
+        .collect();
+    vec![
+        (
+            "experimental_attention_variant",
+            Arg::Str("gated_delta_net".into()),
+        ),
+        ("linear_attention_freq", freq(&linear)),
+    ]
+}
+
+/// gpt_oss's attention window and the layers it applies to (none without a windowed layer).
+fn window_args(d: &Dims) -> Vec<(&'static str, Arg)> {
+    let w = d.layer_windows();
+    let Some(&Some(size)) = w.iter().find(|w| w.is_some()) else {
+        return Vec::new();
+    };
+    let on: Vec<bool> = w.iter().map(|w| w.is_some()).collect();
+    vec![
+        (
+            "window_size",
+            Arg::Tuple(vec![int(size.saturating_sub(1)), Arg::Int(0)]),
+        ),
+        ("window_attn_skip_freq", freq(&on)),
+    ]
+}
+
+/// The args of the layout, each unless a check row wrote it: the attention's query groups, the
+/// dense FFN size, what every family here is (SwiGLU with RMSNorm and RoPE), what the tensors show
+/// and how the checkpoint is laid out.
+fn layout_args(d: &Dims, lay: &Layout) -> Vec<(&'static str, Arg)> {
+    let mut a = vec![("num_query_groups", int(d.groups))];
+    a.extend(
+        d.field("intermediate_size")
+            .map(|ffn| ("ffn_hidden_size", int(ffn))),
+    );
+    a.extend([
         ("swiglu", Arg::Bool(true)),
         ("normalization", Arg::Str("RMSNorm".into())),
         ("position_embedding_type", Arg::Str("rope".into())),
@@ -250,29 +291,29 @@ pub(crate) fn megatron_args(d: &Dims, lay: &Layout) -> Result<BTreeMap<String, A
         ),
         ("no_save_optim", Arg::Bool(true)),
         ("no_save_rng", Arg::Bool(true)),
-    ] {
-        a.entry(k.into()).or_insert(v);
-    }
+    ]);
+    a
+}
+
+/// The router's args: a model with experts' own ([`router`]), else what a dense run stores.
+///
+/// Errors: [`router`]'s.
+fn moe_args(d: &Dims) -> Result<Vec<(String, Arg)>> {
     if d.num_experts > 0 {
-        a.extend(router(d)?);
-    } else {
-        // What a dense run stores: Megatron's defaults (TransformerConfig, core_r0.19.0), unused
-        // without experts. Never for an MoE model, whose top-k must come from its config.
-        for (k, v) in [
-            ("moe_layer_freq", Arg::Int(1)),
-            ("moe_router_topk", Arg::Int(2)),
-            ("moe_router_score_function", Arg::Str("softmax".into())),
-            ("moe_router_pre_softmax", Arg::Bool(false)),
-            ("moe_router_enable_expert_bias", Arg::Bool(false)),
-        ] {
-            a.insert(k.into(), v);
-        }
+        return router(d);
     }
-    a.extend(rope_scaling(d)?);
-    for (k, v) in fixed_args(d) {
-        a.entry(k.into()).or_insert(v);
-    }
-    Ok(a)
+    // What a dense run stores: Megatron's defaults (TransformerConfig, core_r0.19.0), unused
+    // without experts. Never for an MoE model, whose top-k must come from its config.
+    Ok([
+        ("moe_layer_freq", Arg::Int(1)),
+        ("moe_router_topk", Arg::Int(2)),
+        ("moe_router_score_function", Arg::Str("softmax".into())),
+        ("moe_router_pre_softmax", Arg::Bool(false)),
+        ("moe_router_enable_expert_bias", Arg::Bool(false)),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect())
 }
 
 /// A number of the config for args field `args` (top level or `rope_parameters`), as the config
@@ -528,6 +569,105 @@ mod tests {
             .unwrap()
             .extend(extra.as_object().unwrap().clone());
         Dims::from_config(&cfg, None).unwrap()
+    }
+
+    fn layout() -> Layout {
+        Layout {
+            te: true,
+            moe_grouped_gemm: false,
+            tensor_model_parallel_size: 2,
+            make_vocab_size_divisible_by: 128,
+            padded_vocab_size: 256,
+            has_qkv_bias: false,
+            has_qk_norm: false,
+            mla: true,
+            add_bias_linear: false,
+        }
+    }
+
+    #[test]
+    fn each_check_row_is_written_back_as_megatrons_args() {
+        let d = dims(
+            serde_json::json!({"n_routed_experts": 8, "first_k_dense_replace": 1,
+            "rope_theta": 10000.0, "rms_norm_eps": 1e-6}),
+        );
+        let row = |hf, args, rel| Check { hf, args, rel };
+        let got = |c: Check| row_args(&d, &layout(), &c).unwrap();
+        assert_eq!(
+            got(row("hidden_size", "hidden_size", Rel::Eq)),
+            vec![("hidden_size", Arg::Int(64))]
+        );
+        assert_eq!(
+            got(row("vocab_size", "padded_vocab_size", Rel::Vocab)),
+            vec![
+                ("padded_vocab_size", Arg::Int(256)),
+                ("vocab_size", Arg::Int(250))
+            ]
+        );
+        // An integral RoPE base is Megatron's int `--rotary-base`.
+        assert_eq!(
+            got(row("rope_theta", "rotary_base", Rel::Float)),
+            vec![("rotary_base", Arg::Int(10000))]
+        );
+        assert_eq!(
+            got(row("x", "y", Rel::ArgsFalse)),
+            vec![("y", Arg::Bool(false))]
+        );
+        assert_eq!(
+            got(row(
+                "first_k_dense_replace",
+                "moe_layer_freq",
+                Rel::MoeLayers
+            )),
+            vec![("moe_layer_freq", Arg::List(vec![Arg::Int(0), Arg::Int(1)]))]
+        );
+        assert!(got(row("rms_norm_eps", "norm_epsilon", Rel::MlaNormEps)).is_empty());
+        // Full attention everywhere is a period of n + 1; no windowed layer writes no window.
+        assert_eq!(
+            got(row("layer_types", "linear_attention_freq", Rel::AttnLayers)),
+            vec![
+                (
+                    "experimental_attention_variant",
+                    Arg::Str("gated_delta_net".into())
+                ),
+                ("linear_attention_freq", Arg::Int(3))
+            ]
+        );
+        assert!(got(row("sliding_window", "window_size", Rel::SlidingWindow)).is_empty());
+        assert_eq!(
+            freq(&[true, false, false, true]),
+            Arg::List(vec![Arg::Int(1), Arg::Int(0), Arg::Int(0), Arg::Int(1)])
+        );
+        let e = indexer_args(
+            &dims(serde_json::json!({"indexer_types": ["shared", "full"]})),
+            &row("indexer_types", "dsa_indexer_topk_freq", Rel::IndexerLayers),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("give the layers' pattern SF"), "{e}");
+    }
+
+    #[test]
+    fn the_layout_and_a_dense_router_are_megatrons() {
+        let d = dims(serde_json::json!({"intermediate_size": 96}));
+        let a: BTreeMap<&str, Arg> = layout_args(&d, &layout()).into_iter().collect();
+        assert_eq!(a["num_query_groups"], Arg::Int(4));
+        assert_eq!(a["ffn_hidden_size"], Arg::Int(96));
+        assert_eq!(a["qk_layernorm"], Arg::Bool(true));
+        assert_eq!(a["transformer_impl"], Arg::Str("transformer_engine".into()));
+        // Without experts: Megatron's defaults, not a router of the config.
+        let m: BTreeMap<String, Arg> = moe_args(&d).unwrap().into_iter().collect();
+        assert_eq!(
+            (&m["moe_router_topk"], &m["moe_router_score_function"]),
+            (&Arg::Int(2), &Arg::Str("softmax".into()))
+        );
+        // The whole: a check row's value stands over the layout's, a dense model's experts are
+        // None, and MLA has no query groups.
+        let all = megatron_args(&d, &layout()).unwrap();
+        assert_eq!(all["num_experts"], Arg::None);
+        assert_eq!(all["group_query_attention"], Arg::Bool(false));
+        assert_eq!(all["hidden_size"], Arg::Int(64));
+        assert_eq!(all["seq_length"], Arg::None);
     }
 
     #[test]

@@ -438,6 +438,50 @@ fn job(
     padded_vocab: u64,
 ) -> Result<Job> {
     let full_key = format!("{}{key}", place.prefix);
+    let g = gather(d, r, names, hf, &full_key)?;
+    let (rows, pad_from) = padded_rows(r, &g, &names[0], padded_vocab)?;
+    let src_shape: Vec<u64> = if g.has_rows {
+        std::iter::once(rows)
+            .chain(g.rest.iter().copied())
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let ranges = (r.split)(d, &full_key, &src_shape)?;
+    let inputs = job_inputs(names, hf, ranges, &g, &full_key)?;
+    let parts = parts(d, r, key, place, &full_key, rows)?;
+    let chunks = chunks(d, r, expert, place, &parts, &g, rows);
+    Ok(Job {
+        post: r.post,
+        inputs,
+        experts: g.experts,
+        rows,
+        rest: g.rest,
+        pad_from,
+        chunks,
+    })
+}
+
+/// A job's HF tensors as its Megatron source sees them: each gathered as `[experts?, rows,
+/// rest...]` (transposed back where the rule's [`Post`] transposes).
+#[derive(Debug, PartialEq)]
+struct Gathered {
+    /// Experts held in the job's buffer (1 unless the HF tensor is fused over experts).
+    experts: u64,
+    /// The rows each HF tensor gives the source, in order.
+    out_rows: Vec<u64>,
+    /// The source's dimensions after its rows.
+    rest: Vec<u64>,
+    /// Whether the source has rows at all (false for a tensor of no dimension beyond the experts').
+    has_rows: bool,
+}
+
+/// Gathers rule `r`'s outputs `names` for Megatron's `full_key`: each shape checked against
+/// the config, the experts' count against `num_experts`, and every output's dimensions after
+/// its rows against the first's (they are stacked row-wise into one source).
+///
+/// Errors: [`Error::Validation`] naming the HF tensor and its shape.
+fn gather(d: &Dims, r: &Rule, names: &[String], hf: &HfShapes, full_key: &str) -> Result<Gathered> {
     let stacked_experts = r.experts == Experts::Stacked;
     // Each HF tensor's gathered shape: [experts?, rows, rest...].
     let mut gathered: Vec<Vec<u64>> = Vec::new();
@@ -490,34 +534,58 @@ fn job(
         }
         out_rows.push(rows);
     }
-    let sum: u64 = out_rows.iter().sum();
+    Ok(Gathered {
+        experts,
+        out_rows,
+        rest,
+        has_rows: gathered[0].len() > lead,
+    })
+}
+
+/// The source's rows, and the row the vocabulary padding starts at (see [`Job::pad_from`]): the
+/// outputs' rows, padded to `padded_vocab` for the vocabulary (a rule whose one output's rows
+/// are `vocab_size`). `first` names the first output, for the error.
+///
+/// Errors: [`Error::Validation`] for more rows than the padded vocabulary.
+fn padded_rows(
+    r: &Rule,
+    g: &Gathered,
+    first: &str,
+    padded_vocab: u64,
+) -> Result<(u64, Option<u64>)> {
+    let sum: u64 = g.out_rows.iter().sum();
     // The vocabulary's rows are padded (a rule whose one output's rows are `vocab_size`).
     let vocab = r.outs.len() == 1
         && r.outs[0]
             .shape
             .first()
             .is_some_and(|f| *f == ["vocab_size"]);
-    let (rows, pad_from) = if vocab && gathered[0].len() > lead {
-        if padded_vocab < sum {
-            return Err(Error::Validation(format!(
-                "{}: {sum} rows, more than the padded vocabulary of {padded_vocab}",
-                names[0]
-            )));
-        }
-        (padded_vocab, (padded_vocab > sum).then_some(sum))
-    } else {
-        (sum, None)
-    };
-    let src_shape: Vec<u64> = if gathered[0].len() > lead {
-        std::iter::once(rows).chain(rest.iter().copied()).collect()
-    } else {
-        Vec::new()
-    };
-    let ranges = (r.split)(d, &full_key, &src_shape)?;
+    if !(vocab && g.has_rows) {
+        return Ok((sum, None));
+    }
+    if padded_vocab < sum {
+        return Err(Error::Validation(format!(
+            "{first}: {sum} rows, more than the padded vocabulary of {padded_vocab}"
+        )));
+    }
+    Ok((padded_vocab, (padded_vocab > sum).then_some(sum)))
+}
+
+/// The job's inputs: each HF tensor with the source row ranges ([`Rule::split`]'s `ranges`) its
+/// rows fill.
+///
+/// Errors: [`Error::Validation`] when the layout takes another number of rows than a tensor has.
+fn job_inputs(
+    names: &[String],
+    hf: &HfShapes,
+    ranges: Vec<Vec<(u64, u64)>>,
+    g: &Gathered,
+    full_key: &str,
+) -> Result<Vec<JobIn>> {
     let mut inputs = Vec::new();
-    for ((name, rg), &n) in names.iter().zip(ranges).zip(&out_rows) {
+    for ((name, rg), &n) in names.iter().zip(ranges).zip(&g.out_rows) {
         let got: u64 = rg.iter().map(|x| x.1).sum();
-        if got != n && !src_shape.is_empty() {
+        if got != n && g.has_rows {
             return Err(Error::Validation(format!(
                 "{name}: {n} rows, but the layout of {full_key} takes {got} rows for it"
             )));
@@ -528,32 +596,60 @@ fn job(
             ranges: rg,
         });
     }
-    // The Megatron keys: one, or the parts of a joined source.
-    let parts: Vec<(String, u64)> = match joined(key) {
-        Some((prefix, subs)) => {
-            let Some(part_rows) = r.parts else {
-                return Err(Error::Validation(format!(
-                    "{key}: a joined source with no part sizes in the rule table"
-                )));
-            };
-            let sizes = part_rows(d, &full_key)?;
-            if sizes.len() != subs.len() || sizes.iter().sum::<u64>() != rows {
-                return Err(Error::Validation(format!(
-                    "{full_key}: parts of {sizes:?} rows do not make its {rows} rows"
-                )));
-            }
-            subs.iter()
-                .zip(sizes)
-                .map(|(s, n)| (format!("{}{prefix}{s}", place.prefix), n))
-                .collect()
-        }
-        None => vec![(full_key.clone(), rows)],
+    Ok(inputs)
+}
+
+/// The Megatron keys of the source and the rows of each: one, or the parts of a joined source
+/// ([`joined`], sized by the rule's [`Rule::parts`]).
+///
+/// Errors: [`Error::Validation`] for a joined source without part sizes, or parts that do not
+/// make its `rows`.
+fn parts(
+    d: &Dims,
+    r: &Rule,
+    key: &str,
+    place: &Place,
+    full_key: &str,
+    rows: u64,
+) -> Result<Vec<(String, u64)>> {
+    let Some((prefix, subs)) = joined(key) else {
+        return Ok(vec![(full_key.to_string(), rows)]);
     };
-    let rest_n: u64 = rest.iter().product();
+    let Some(part_rows) = r.parts else {
+        return Err(Error::Validation(format!(
+            "{key}: a joined source with no part sizes in the rule table"
+        )));
+    };
+    let sizes = part_rows(d, full_key)?;
+    if sizes.len() != subs.len() || sizes.iter().sum::<u64>() != rows {
+        return Err(Error::Validation(format!(
+            "{full_key}: parts of {sizes:?} rows do not make its {rows} rows"
+        )));
+    }
+    Ok(subs
+        .iter()
+        .zip(sizes)
+        .map(|(s, n)| (format!("{}{prefix}{s}", place.prefix), n))
+        .collect())
+}
+
+/// The chunks the job writes: per expert held, each part's rows at `place` (its leading axes),
+/// the expert axis (at `expert`, or each held expert's), then the part's rows and the rest
+/// whole; positioned in the job's buffer of `rows` rows per expert.
+fn chunks(
+    d: &Dims,
+    r: &Rule,
+    expert: Option<u64>,
+    place: &Place,
+    parts: &[(String, u64)],
+    g: &Gathered,
+    rows: u64,
+) -> Vec<Chunk> {
+    let rest_n: u64 = g.rest.iter().product();
     let mut chunks = Vec::new();
-    for e in 0..experts {
+    for e in 0..g.experts {
         let mut row0 = 0;
-        for (k, n) in &parts {
+        for (k, n) in parts {
             let mut global: Vec<u64> = place.lead.iter().map(|x| x.0).collect();
             let mut offsets: Vec<u64> = place.lead.iter().map(|x| x.1).collect();
             let mut sizes = vec![1; place.lead.len()];
@@ -562,13 +658,13 @@ fn job(
                 offsets.push(expert.unwrap_or(e));
                 sizes.push(1);
             }
-            if !src_shape.is_empty() {
+            if g.has_rows {
                 global.push(*n);
                 offsets.push(0);
                 sizes.push(*n);
-                global.extend_from_slice(&rest);
-                offsets.extend(std::iter::repeat_n(0, rest.len()));
-                sizes.extend_from_slice(&rest);
+                global.extend_from_slice(&g.rest);
+                offsets.extend(std::iter::repeat_n(0, g.rest.len()));
+                sizes.extend_from_slice(&g.rest);
             }
             chunks.push(Chunk {
                 key: k.clone(),
@@ -580,15 +676,7 @@ fn job(
             row0 += n;
         }
     }
-    Ok(Job {
-        post: r.post,
-        inputs,
-        experts,
-        rows,
-        rest,
-        pad_from,
-        chunks,
-    })
+    chunks
 }
 
 /// A Megatron ShardedObject position: `key`, `global_shape`, `global_offset`.
@@ -744,6 +832,125 @@ mod tests {
             .unwrap();
         assert_eq!((emb.rows, emb.pad_from), (16, Some(10)));
         assert_eq!(emb.chunks[0].global_shape, vec![16, 8]);
+    }
+
+    #[test]
+    fn a_jobs_tensors_are_gathered_and_the_vocabulary_padded() {
+        let (d, hf) = llama_hf();
+        let emb = d
+            .spec
+            .model_rule("embedding.word_embeddings.weight")
+            .unwrap();
+        let names = vec!["model.embed_tokens.weight".to_string()];
+        let g = gather(&d, emb, &names, &hf, "embedding.word_embeddings.weight").unwrap();
+        assert_eq!(
+            g,
+            Gathered {
+                experts: 1,
+                out_rows: vec![10],
+                rest: vec![8],
+                has_rows: true
+            }
+        );
+        assert_eq!(padded_rows(emb, &g, &names[0], 16).unwrap(), (16, Some(10)));
+        assert_eq!(padded_rows(emb, &g, &names[0], 10).unwrap(), (10, None));
+        let e = padded_rows(emb, &g, &names[0], 8).unwrap_err().to_string();
+        assert!(
+            e.contains("model.embed_tokens.weight: 10 rows, more than the padded vocabulary of 8"),
+            "{e}"
+        );
+        // Q, K and V stack row-wise into one source; a misshapen one is named.
+        let qkv = d
+            .spec
+            .layer_rule("self_attention.linear_qkv.weight")
+            .unwrap();
+        let names: Vec<String> = ["q", "k", "v"]
+            .iter()
+            .map(|x| format!("model.layers.0.self_attn.{x}_proj.weight"))
+            .collect();
+        let g = gather(&d, qkv, &names, &hf, "k").unwrap();
+        assert_eq!((g.out_rows, g.rest), (vec![8, 4, 4], vec![8]));
+        let mut bad = hf.clone();
+        bad.insert(names[1].clone(), vec![4, 7]);
+        let e = gather(&d, qkv, &names, &bad, "k").unwrap_err().to_string();
+        assert!(
+            e.contains("model.layers.0.self_attn.k_proj.weight: shape [4, 7]; the config implies"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn inputs_take_the_rows_the_layout_gives_them() {
+        let (_, hf) = llama_hf();
+        let names = vec!["model.embed_tokens.weight".to_string()];
+        let g = Gathered {
+            experts: 1,
+            out_rows: vec![10],
+            rest: vec![8],
+            has_rows: true,
+        };
+        let inputs = job_inputs(&names, &hf, vec![vec![(0, 10)]], &g, "k").unwrap();
+        assert_eq!(
+            (inputs[0].shape.clone(), inputs[0].ranges.clone()),
+            (vec![10, 8], vec![(0, 10)])
+        );
+        let e = job_inputs(&names, &hf, vec![vec![(0, 4)]], &g, "k")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains(
+                "model.embed_tokens.weight: 10 rows, but the layout of k takes 4 rows for it"
+            ),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_sources_keys_and_chunks() {
+        let (d, _) = llama_hf();
+        let qkv = d
+            .spec
+            .layer_rule("self_attention.linear_qkv.weight")
+            .unwrap();
+        let place = Place {
+            prefix: "decoder.layers.".into(),
+            lead: vec![(2, 1)],
+            site: Site::Layer(1),
+        };
+        let key = "decoder.layers.self_attention.linear_qkv.weight";
+        let one = parts(&d, qkv, "self_attention.linear_qkv.weight", &place, key, 16).unwrap();
+        assert_eq!(one, vec![(key.to_string(), 16)]);
+        // A joined source needs the rule's part sizes.
+        let e = parts(&d, qkv, "x.{a|b}", &place, "decoder.layers.x.{a|b}", 16)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("x.{a|b}: a joined source with no part sizes"),
+            "{e}"
+        );
+        // Two parts of one layer: each at the layer's offset, the second after the first's rows.
+        let g = Gathered {
+            experts: 1,
+            out_rows: vec![16],
+            rest: vec![8],
+            has_rows: true,
+        };
+        let two = vec![("a".to_string(), 10), ("b".to_string(), 6)];
+        let c = chunks(&d, qkv, None, &place, &two, &g, 16);
+        assert_eq!(
+            c[1],
+            Chunk {
+                key: "b".into(),
+                global_shape: vec![2, 6, 8],
+                offsets: vec![1, 0, 0],
+                sizes: vec![1, 6, 8],
+                start: 80,
+            }
+        );
+        assert_eq!(
+            (c.len(), c[0].start, c[0].sizes.clone()),
+            (2, 0, vec![1, 10, 8])
+        );
     }
 
     #[test]

@@ -509,124 +509,17 @@ pub(crate) fn parse_untrusted(header: Option<&[u8]>, index: Option<&[u8]>) {
     }
 }
 
-/// Pairs stored tensors into logical ones (see the module docs).
+/// Pairs stored tensors into logical ones (see the module docs): the quantized weights with their
+/// scales as `scheme` says, then every other stored tensor as it is.
 fn pair(
     dir: &Path,
     mut stored: BTreeMap<String, Stored>,
     scheme: Option<Scheme>,
     not_converted: &[String],
 ) -> Result<BTreeMap<String, HfTensor>> {
-    let mut out = BTreeMap::new();
-    let listed = |module: &str| not_converted.iter().any(|p| module_matches(p, module));
-    let no_config = |name: &str, what: &str| {
-        Error::Validation(format!(
-            "{name} is {what}, but {}'s config.json has no quantization_config that says how to read it",
-            dir.display()
-        ))
-    };
-    match scheme {
-        Some(Scheme::Fp8Block(block)) => {
-            let scales: Vec<String> = stored
-                .keys()
-                .filter(|k| k.ends_with(quant::SCALE_INV_SUFFIX))
-                .cloned()
-                .collect();
-            for sname in scales {
-                let wname = sname
-                    .strip_suffix(quant::SCALE_INV_SUFFIX)
-                    .unwrap()
-                    .to_string();
-                let Some(w) = stored.remove(&wname) else {
-                    // Left in `stored`: reported as a tensor no rule maps.
-                    continue;
-                };
-                let s = stored.remove(&sname).unwrap();
-                if w.dtype != DType::F8E4M3FN {
-                    return Err(Error::Validation(format!(
-                        "{wname} has a scale {sname} but is {}, not float8_e4m3fn",
-                        w.dtype.torch_name()
-                    )));
-                }
-                let want = quant::fp8_scale_shape(&w.shape, block);
-                if w.shape.len() < 2 || s.shape != want {
-                    return Err(Error::Validation(format!(
-                        "{sname} has shape {:?}; its weight {wname} {:?} in {}x{} blocks needs {want:?}",
-                        s.shape, w.shape, block[0], block[1]
-                    )));
-                }
-                let module = wname.rsplit_once('.').map_or(wname.as_str(), |(m, _)| m);
-                if listed(module) {
-                    return Err(Error::Validation(format!(
-                        "{wname} is stored quantized, but quantization_config.modules_to_not_convert lists {module}"
-                    )));
-                }
-                out.insert(
-                    wname.clone(),
-                    HfTensor {
-                        dtype: w.dtype,
-                        shape: w.shape,
-                        stored: vec![wname, sname],
-                        storage: Storage::Fp8 {
-                            weight: w.span,
-                            scale: s.span,
-                            scale_dtype: s.dtype,
-                            block,
-                        },
-                    },
-                );
-            }
-        }
-        Some(Scheme::Mxfp4) => {
-            let blocks: Vec<String> = stored
-                .keys()
-                .filter(|k| k.ends_with(quant::MXFP4_BLOCKS_SUFFIX))
-                .cloned()
-                .collect();
-            for bname in blocks {
-                let base = bname
-                    .strip_suffix(quant::MXFP4_BLOCKS_SUFFIX)
-                    .unwrap()
-                    .to_string();
-                let sname = format!("{base}{}", quant::MXFP4_SCALES_SUFFIX);
-                let Some(s) = stored.remove(&sname) else {
-                    return Err(Error::Validation(format!("{bname} has no scales {sname}")));
-                };
-                let b = stored.remove(&bname).unwrap();
-                let logical = quant::mxfp4_logical_shape(&b.shape);
-                let fits = logical.is_some()
-                    && b.dtype == DType::U8
-                    && s.dtype == DType::U8
-                    && s.shape == b.shape[..b.shape.len() - 1];
-                let Some(mut shape) = logical.filter(|l| fits && l.len() >= 2) else {
-                    return Err(Error::Validation(format!(
-                        "{bname} ({} {:?}) and {sname} ({} {:?}) are not MXFP4 blocks [.., G, 16] and scales [.., G], both uint8",
-                        b.dtype.torch_name(),
-                        b.shape,
-                        s.dtype.torch_name(),
-                        s.shape
-                    )));
-                };
-                if listed(&base) {
-                    return Err(Error::Validation(format!(
-                        "{base} is stored quantized, but quantization_config.modules_to_not_convert covers it"
-                    )));
-                }
-                let k = shape.len();
-                shape.swap(k - 2, k - 1);
-                out.insert(
-                    base,
-                    HfTensor {
-                        dtype: DType::U8,
-                        shape,
-                        stored: vec![bname, sname],
-                        storage: Storage::Mxfp4 {
-                            blocks: b.span,
-                            scales: s.span,
-                        },
-                    },
-                );
-            }
-        }
+    let mut out = match scheme {
+        Some(Scheme::Fp8Block(block)) => pair_fp8(&mut stored, block, not_converted)?,
+        Some(Scheme::Mxfp4) => pair_mxfp4(&mut stored, not_converted)?,
         // `quant::scheme` reads no compressed-tensors or ModelOpt config: nothing to pair.
         Some(s @ (Scheme::Nvfp4(_) | Scheme::Mxfp8)) => {
             return Err(Error::InvalidArgument(format!(
@@ -634,36 +527,204 @@ fn pair(
                 dir.display()
             )))
         }
-        None => {}
-    }
+        None => BTreeMap::new(),
+    };
     for (name, t) in stored {
-        match t.dtype {
-            DType::F8E4M3FN | DType::F8E5M2 => {
-                return Err(match scheme {
-                    None => no_config(&name, &format!("{} (quantized)", t.dtype.torch_name())),
-                    Some(_) => Error::Validation(format!(
-                        "{name} is {} with no {name}{} beside it",
-                        t.dtype.torch_name(),
-                        quant::SCALE_INV_SUFFIX
-                    )),
-                })
-            }
-            DType::U8 if scheme.is_none() && name.ends_with(quant::MXFP4_BLOCKS_SUFFIX) => {
-                return Err(no_config(&name, "uint8 MXFP4 blocks"))
-            }
-            _ => {}
-        }
-        out.insert(
-            name.clone(),
-            HfTensor {
-                dtype: t.dtype,
-                shape: t.shape,
-                stored: vec![name],
-                storage: Storage::Plain(t.span),
-            },
-        );
+        out.insert(name.clone(), plain(dir, name, t, scheme)?);
     }
     Ok(out)
+}
+
+/// Whether `module` is one `quantization_config.modules_to_not_convert` lists.
+fn listed(not_converted: &[String], module: &str) -> bool {
+    not_converted.iter().any(|p| module_matches(p, module))
+}
+
+/// Takes each FP8 weight `x.weight` and its scale `x.weight_scale_inv` out of `stored`, paired
+/// ([`fp8_tensor`]).
+///
+/// Errors: [`fp8_tensor`]'s.
+fn pair_fp8(
+    stored: &mut BTreeMap<String, Stored>,
+    block: [u64; 2],
+    not_converted: &[String],
+) -> Result<BTreeMap<String, HfTensor>> {
+    let mut out = BTreeMap::new();
+    let scales: Vec<String> = stored
+        .keys()
+        .filter(|k| k.ends_with(quant::SCALE_INV_SUFFIX))
+        .cloned()
+        .collect();
+    for sname in scales {
+        let wname = sname
+            .strip_suffix(quant::SCALE_INV_SUFFIX)
+            .unwrap()
+            .to_string();
+        let Some(w) = stored.remove(&wname) else {
+            // Left in `stored`: reported as a tensor no rule maps.
+            continue;
+        };
+        let s = stored.remove(&sname).unwrap();
+        let t = fp8_tensor(&wname, w, sname, s, block, not_converted)?;
+        out.insert(wname, t);
+    }
+    Ok(out)
+}
+
+/// FP8 weight `w` (`wname`) with its scale grid `s` (`sname`) in blocks of `block`.
+///
+/// Errors: [`Error::Validation`] for a weight that is not float8_e4m3fn, a scale grid that does
+/// not fit the weight, a weight `modules_to_not_convert` lists.
+fn fp8_tensor(
+    wname: &str,
+    w: Stored,
+    sname: String,
+    s: Stored,
+    block: [u64; 2],
+    not_converted: &[String],
+) -> Result<HfTensor> {
+    if w.dtype != DType::F8E4M3FN {
+        return Err(Error::Validation(format!(
+            "{wname} has a scale {sname} but is {}, not float8_e4m3fn",
+            w.dtype.torch_name()
+        )));
+    }
+    let want = quant::fp8_scale_shape(&w.shape, block);
+    if w.shape.len() < 2 || s.shape != want {
+        return Err(Error::Validation(format!(
+            "{sname} has shape {:?}; its weight {wname} {:?} in {}x{} blocks needs {want:?}",
+            s.shape, w.shape, block[0], block[1]
+        )));
+    }
+    let module = wname.rsplit_once('.').map_or(wname, |(m, _)| m);
+    if listed(not_converted, module) {
+        return Err(Error::Validation(format!(
+            "{wname} is stored quantized, but quantization_config.modules_to_not_convert lists {module}"
+        )));
+    }
+    Ok(HfTensor {
+        dtype: w.dtype,
+        shape: w.shape,
+        stored: vec![wname.to_string(), sname],
+        storage: Storage::Fp8 {
+            weight: w.span,
+            scale: s.span,
+            scale_dtype: s.dtype,
+            block,
+        },
+    })
+}
+
+/// Takes each MXFP4 `x_blocks` and its `x_scales` out of `stored`, paired as `x`
+/// ([`mxfp4_tensor`]).
+///
+/// Errors: [`Error::Validation`] for blocks without their scales; [`mxfp4_tensor`]'s.
+fn pair_mxfp4(
+    stored: &mut BTreeMap<String, Stored>,
+    not_converted: &[String],
+) -> Result<BTreeMap<String, HfTensor>> {
+    let mut out = BTreeMap::new();
+    let blocks: Vec<String> = stored
+        .keys()
+        .filter(|k| k.ends_with(quant::MXFP4_BLOCKS_SUFFIX))
+        .cloned()
+        .collect();
+    for bname in blocks {
+        let base = bname
+            .strip_suffix(quant::MXFP4_BLOCKS_SUFFIX)
+            .unwrap()
+            .to_string();
+        let sname = format!("{base}{}", quant::MXFP4_SCALES_SUFFIX);
+        let Some(s) = stored.remove(&sname) else {
+            return Err(Error::Validation(format!("{bname} has no scales {sname}")));
+        };
+        let b = stored.remove(&bname).unwrap();
+        let t = mxfp4_tensor(&base, bname, b, sname, s, not_converted)?;
+        out.insert(base, t);
+    }
+    Ok(out)
+}
+
+/// MXFP4 blocks `b` (`bname`) with their scales `s` (`sname`) as the logical tensor `base`, in
+/// transformers' parameter layout (the last two dimensions of the dequantized `[.., R, G*32]`
+/// swapped).
+///
+/// Errors: [`Error::Validation`] for blocks and scales that are not MXFP4's, a tensor
+/// `modules_to_not_convert` covers.
+fn mxfp4_tensor(
+    base: &str,
+    bname: String,
+    b: Stored,
+    sname: String,
+    s: Stored,
+    not_converted: &[String],
+) -> Result<HfTensor> {
+    let logical = quant::mxfp4_logical_shape(&b.shape);
+    let fits = logical.is_some()
+        && b.dtype == DType::U8
+        && s.dtype == DType::U8
+        && s.shape == b.shape[..b.shape.len() - 1];
+    let Some(mut shape) = logical.filter(|l| fits && l.len() >= 2) else {
+        return Err(Error::Validation(format!(
+            "{bname} ({} {:?}) and {sname} ({} {:?}) are not MXFP4 blocks [.., G, 16] and scales [.., G], both uint8",
+            b.dtype.torch_name(),
+            b.shape,
+            s.dtype.torch_name(),
+            s.shape
+        )));
+    };
+    if listed(not_converted, base) {
+        return Err(Error::Validation(format!(
+            "{base} is stored quantized, but quantization_config.modules_to_not_convert covers it"
+        )));
+    }
+    let k = shape.len();
+    shape.swap(k - 2, k - 1);
+    Ok(HfTensor {
+        dtype: DType::U8,
+        shape,
+        stored: vec![bname, sname],
+        storage: Storage::Mxfp4 {
+            blocks: b.span,
+            scales: s.span,
+        },
+    })
+}
+
+/// Stored tensor `t` (`name`) as it is, one left unpaired: a quantized dtype is refused, as
+/// nothing says how to read it.
+///
+/// Errors: [`Error::Validation`] for an FP8 tensor without its scale or without a
+/// `quantization_config` (`scheme` None), or MXFP4 blocks without one.
+fn plain(dir: &Path, name: String, t: Stored, scheme: Option<Scheme>) -> Result<HfTensor> {
+    let no_config = |what: &str| {
+        Error::Validation(format!(
+            "{name} is {what}, but {}'s config.json has no quantization_config that says how to read it",
+            dir.display()
+        ))
+    };
+    match t.dtype {
+        DType::F8E4M3FN | DType::F8E5M2 => {
+            return Err(match scheme {
+                None => no_config(&format!("{} (quantized)", t.dtype.torch_name())),
+                Some(_) => Error::Validation(format!(
+                    "{name} is {} with no {name}{} beside it",
+                    t.dtype.torch_name(),
+                    quant::SCALE_INV_SUFFIX
+                )),
+            })
+        }
+        DType::U8 if scheme.is_none() && name.ends_with(quant::MXFP4_BLOCKS_SUFFIX) => {
+            return Err(no_config("uint8 MXFP4 blocks"))
+        }
+        _ => {}
+    }
+    Ok(HfTensor {
+        dtype: t.dtype,
+        shape: t.shape,
+        stored: vec![name],
+        storage: Storage::Plain(t.span),
+    })
 }
 
 #[cfg(test)]
@@ -686,6 +747,109 @@ mod tests {
             "model.layers.*.mlp.router",
             "model.layers.10.mlp.router"
         ));
+    }
+
+    fn stored(dtype: DType, shape: &[u64]) -> Stored {
+        Stored {
+            dtype,
+            shape: shape.to_vec(),
+            span: Span {
+                file: 0,
+                offset: 0,
+                len: 0,
+            },
+        }
+    }
+
+    #[test]
+    fn an_fp8_weight_pairs_with_a_scale_grid_that_fits() {
+        let w = || stored(DType::F8E4M3FN, &[256, 200]);
+        let s = |shape: &[u64]| stored(DType::F32, shape);
+        let pair = |w, shape: &[u64], listed: &[String]| {
+            fp8_tensor(
+                "m.weight",
+                w,
+                "m.weight_scale_inv".into(),
+                s(shape),
+                [128, 128],
+                listed,
+            )
+            .map_err(|e| e.to_string())
+        };
+        let t = pair(w(), &[2, 2], &[]).unwrap();
+        assert_eq!((t.shape.clone(), t.stored.len()), (vec![256, 200], 2));
+        assert!(t.quantized());
+        let e = pair(w(), &[2, 1], &[]).unwrap_err();
+        assert!(e.contains("m.weight_scale_inv has shape [2, 1]; its weight m.weight [256, 200] in 128x128 blocks needs [2, 2]"), "{e}");
+        let e = pair(stored(DType::BF16, &[256, 200]), &[2, 2], &[]).unwrap_err();
+        assert!(e.contains("is bfloat16, not float8_e4m3fn"), "{e}");
+        let e = pair(w(), &[2, 2], &["m".into()]).unwrap_err();
+        assert!(e.contains("modules_to_not_convert lists m"), "{e}");
+        // A scale without its weight stays, for the unmapped check.
+        let mut all = BTreeMap::from([("x.weight_scale_inv".to_string(), s(&[2, 2]))]);
+        assert!(pair_fp8(&mut all, [128, 128], &[]).unwrap().is_empty());
+        assert_eq!(all.len(), 1);
+    }
+
+    #[test]
+    fn mxfp4_blocks_pair_with_their_scales_into_the_parameter() {
+        let b = || stored(DType::U8, &[2, 6, 3, 16]);
+        let t = mxfp4_tensor(
+            "e.down",
+            "e.down_blocks".into(),
+            b(),
+            "e.down_scales".into(),
+            stored(DType::U8, &[2, 6, 3]),
+            &[],
+        )
+        .unwrap();
+        // [E, R, G*32] stored, the parameter [E, G*32, R].
+        assert_eq!(t.shape, vec![2, 96, 6]);
+        let e = mxfp4_tensor(
+            "e.down",
+            "e.down_blocks".into(),
+            b(),
+            "e.down_scales".into(),
+            stored(DType::U8, &[2, 6]),
+            &[],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("are not MXFP4 blocks [.., G, 16]"), "{e}");
+        let mut all = BTreeMap::from([("e.down_blocks".to_string(), b())]);
+        let e = pair_mxfp4(&mut all, &[]).unwrap_err().to_string();
+        assert!(
+            e.contains("e.down_blocks has no scales e.down_scales"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_quantized_tensor_left_unpaired_is_refused() {
+        let dir = Path::new("/m");
+        let t = plain(dir, "n".into(), stored(DType::BF16, &[2]), None).unwrap();
+        assert!(!t.quantized());
+        let e = plain(dir, "n".into(), stored(DType::F8E4M3FN, &[2]), None)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains(
+                "n is float8_e4m3fn (quantized), but /m's config.json has no quantization_config"
+            ),
+            "{e}"
+        );
+        let fp8 = Some(Scheme::Fp8Block([128, 128]));
+        let e = plain(dir, "n".into(), stored(DType::F8E4M3FN, &[2]), fp8)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("n is float8_e4m3fn with no n_scale_inv beside it"),
+            "{e}"
+        );
+        let e = plain(dir, "x_blocks".into(), stored(DType::U8, &[2]), None)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("x_blocks is uint8 MXFP4 blocks, but"), "{e}");
     }
 
     #[test]
