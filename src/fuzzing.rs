@@ -1,5 +1,5 @@
 //! Entry points shared by the cargo-fuzz targets (`fuzz/`) and the corpus replay test
-//! (`tests/fuzz_corpus.rs`): each parses untrusted bytes and must return, never panic, hang or
+//! (`crates/shardwise-hf/tests/fuzz_corpus.rs`): each parses untrusted bytes and must return, never panic, hang or
 //! abort on an allocation sized by the input.
 
 /// The symbolic unpickler.
@@ -32,19 +32,4 @@ pub fn metadata(data: &[u8]) {
             "split decode (batches <= {max_bytes} bytes) differs"
         );
     }
-}
-
-/// from-hf's safetensors header reader (the bytes are a whole file).
-pub fn safetensors_header(data: &[u8]) {
-    crate::hf::untrusted::safetensors_header(data);
-}
-
-/// The `model.safetensors.index.json` reader.
-pub fn hf_index(data: &[u8]) {
-    crate::hf::untrusted::index(data);
-}
-
-/// config.json's dimensions and their checks (the counts that size per-layer tables).
-pub fn hf_config(data: &[u8]) {
-    crate::hf::untrusted::config(data);
 }

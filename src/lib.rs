@@ -2,16 +2,22 @@
 //!
 //! Each rank writes its own main-replica chunks ([`writer`]), publishes a metadata part, and a
 //! merging rank commits the global `.metadata` through a file-based rendezvous ([`commit`]).
+//!
+//! This is the core crate of the workspace: the format, storage, commit protocol, save and load.
+//! The HF converters (`shardwise-hf`), the `shardwise` command (`shardwise-cli`) and the Python
+//! binding (`shardwise-py`, built into `shardwise._native` by `shardwise-ext`) build on it
+//! (docs/architecture.md, "Layout of the repository").
+
+// Every public item is documented: the crates above build on them (issue 39).
+#![deny(missing_docs)]
+
 pub mod blockcrc;
-pub mod cli;
 pub mod commit;
 pub mod dcp_local;
-pub mod diff;
 pub mod error;
 pub mod format;
 pub mod fuzzing;
 pub mod gpu;
-pub mod hf;
 pub mod hints;
 pub mod interrupt;
 pub mod load;
@@ -24,8 +30,5 @@ pub mod torch_compat;
 pub mod verify;
 pub mod workers;
 pub mod writer;
-
-#[cfg(feature = "python")]
-mod python;
 
 pub use error::{Error, Result};

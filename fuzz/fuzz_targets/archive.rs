@@ -1,2 +1,2 @@
 #![no_main]
-libfuzzer_sys::fuzz_target!(|data: &[u8]| shardwise::fuzzing::archive(data));
+libfuzzer_sys::fuzz_target!(|data: &[u8]| shardwise_hf::fuzzing::archive(data));

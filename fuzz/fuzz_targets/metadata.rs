@@ -1,2 +1,2 @@
 #![no_main]
-libfuzzer_sys::fuzz_target!(|data: &[u8]| shardwise::fuzzing::metadata(data));
+libfuzzer_sys::fuzz_target!(|data: &[u8]| shardwise_hf::fuzzing::metadata(data));

@@ -1,9 +1,9 @@
-"""Type stubs of ``shardwise._native``, the Rust extension module (src/python/*.rs).
+"""Type stubs of ``shardwise._native``, the Rust extension module (crates/shardwise-py/src/*.rs).
 
 Every function, class, attribute and exception the module exports is declared here, with the
 signature its ``#[pyo3(signature = ...)]`` gives it (``mypy.stubtest`` checks the two agree:
 python/tests/test_typing.py). Every report a function returns as a dict has a ``TypedDict`` below
-with the report's real fields: the serde form of its Rust struct (src/python/report.rs), which is
+with the report's real fields: the serde form of its Rust struct (crates/shardwise-py/src/report.rs), which is
 also what the CLI's ``--json`` prints for the same operation (docs/cli.md, "JSON output").
 
 The ``TypedDict`` classes exist for type checkers only: the extension module does not define them,
@@ -69,7 +69,7 @@ __version__: str
 MAX_TIMEOUT_S: float
 """The largest bound in seconds any wait accepts (1e9)."""
 
-# --- exceptions (src/python/mod.rs; their __module__ is "shardwise") -----------------------------
+# --- exceptions (crates/shardwise-py/src/lib.rs; their __module__ is "shardwise") -----------------------------
 
 class ShardwiseError(Exception):
     """Base class of every shardwise error."""
@@ -372,7 +372,7 @@ class ObjectMetadata(TypedDict):
 
 KeyMetadata: TypeAlias = TensorMetadata | ObjectMetadata
 
-# --- one rank's save (src/python/save.rs) -------------------------------------------------------
+# --- one rank's save (crates/shardwise-py/src/save.rs) -------------------------------------------------------
 
 @final
 class Chunk:
@@ -509,7 +509,7 @@ def reserve_staging(
 ) -> StagingReservation:
     """Starts pinning the process's staging pool in a background thread; returns at once."""
 
-# --- an open checkpoint (src/python/checkpoint.rs) ----------------------------------------------
+# --- an open checkpoint (crates/shardwise-py/src/checkpoint.rs) ----------------------------------------------
 
 @final
 class Region:
@@ -572,7 +572,7 @@ class Checkpoint:
 
 def open_checkpoint(path: _Path, timeout_s: float | None = None) -> Checkpoint: ...
 
-# --- whole-checkpoint operations (src/python/tools.rs) ------------------------------------------
+# --- whole-checkpoint operations (crates/shardwise-py/src/tools.rs) ------------------------------------------
 
 def to_hf(
     checkpoint_dir: _Path,

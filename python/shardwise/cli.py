@@ -1,4 +1,4 @@
-"""Entry point of the ``shardwise`` command (implemented in Rust, ``src/cli.rs``)."""
+"""Entry point of the ``shardwise`` command (implemented in Rust, ``crates/shardwise-cli/src/lib.rs``)."""
 
 import os
 import sys

@@ -794,7 +794,7 @@ MTP_LAYOUT["hybrid_glm_moe_dsa"] = MTP_LAYOUT["glm_moe_dsa"]
 # its indexer's (FP8 scales left out): deepseek-ai/DeepSeek-V3.2 layer 61 (DeepSeek-V3's
 # README_WEIGHTS.md names; its 92,425 tensors count them), zai-org/GLM-5 layer 78 (Megatron-Bridge
 # glm5_bridge.py's MTP names; vLLM-Ascend's GLM-5 guide: no embed_tokens / shared_head.head copies).
-# The index files themselves were not at hand: src/hf/rules.rs cites each source.
+# The index files themselves were not at hand: crates/shardwise-hf/src/rules.rs cites each source.
 RELEASE_MTP_NAMES = {
     "deepseek_v32": ["model.layers.{L}.embed_tokens.weight", "model.layers.{L}.enorm.weight",
                      "model.layers.{L}.hnorm.weight", "model.layers.{L}.eh_proj.weight",

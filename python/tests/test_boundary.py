@@ -1,4 +1,4 @@
-"""The Python boundary (``shardwise._native``, src/python/): typed descriptions that check themselves
+"""The Python boundary (``shardwise._native``, crates/shardwise-py/src/): typed descriptions that check themselves
 when made, every bad number an ``InvalidArgumentError`` (never an ``OverflowError``, a ``TypeError``
 from a conversion or a Rust panic) raised before anything is written, and reports whose dicts have
 exactly the fields of the CLI's ``--json`` for the same operation."""

@@ -638,7 +638,7 @@ def test_every_model_type_the_readme_claims_is_converted_and_has_a_logits_test(s
 
 
 # --- to-hf --quantize (issue 22) -------------------------------------------------------------------
-# The 2-D linear weights the block-FP8 releases keep unquantized (src/hf/quant.rs FP8_KEPT_SUFFIXES:
+# The 2-D linear weights the block-FP8 releases keep unquantized (crates/shardwise-hf/src/quant.rs FP8_KEPT_SUFFIXES:
 # Qwen3-Next-80B-A3B-Instruct-FP8's modules_to_not_convert, DeepSeek-V3's release).
 FP8_KEPT = ("embed_tokens.weight", "lm_head.weight", "shared_head.head.weight", ".gate.weight", ".router.weight",
             "shared_expert_gate.weight", "linear_attn.in_proj_ba.weight", "linear_attn.in_proj_a.weight",
@@ -966,7 +966,7 @@ def test_slime_1908_job_hf_release_to_training_to_hf_release(round_trip, tmp_pat
 # with `ignore` the modules the quantized folder keeps (its quantization_config's; model-free matching
 # otherwise takes every `.weight` whose module name does not end in `norm`). llm-compressor fuses the
 # NVFP4 global scale of q/k/v, a dense MLP's gate/up and w1/w3 only; shardwise also of every expert's
-# and shared expert's gate/up and MLA's q_a/kv_a (vLLM fuses them, src/hf/quant.rs SCALE_GROUPS). With
+# and shared expert's gate/up and MLA's q_a/kv_a (vLLM fuses them, crates/shardwise-hf/src/quant.rs SCALE_GROUPS). With
 # those sets added to llm-compressor's own fused-name list the outputs are identical byte for byte;
 # without, only those sets' tensors differ.
 LLMC_FUSED = [
@@ -999,7 +999,7 @@ def _model_free_ptq(src, out, preset, ignore, monkeypatch=None):
 
 
 def _fused_sets(names):
-    """Our scale groups, by name (src/hf/quant.rs SCALE_GROUPS, written again): weight name -> key."""
+    """Our scale groups, by name (crates/shardwise-hf/src/quant.rs SCALE_GROUPS, written again): weight name -> key."""
     import re
 
     out = {}
