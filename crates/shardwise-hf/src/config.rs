@@ -859,7 +859,7 @@ enum Finding {
 }
 
 /// Where a row's config values come from, in the messages.
-const HF_SRC: &str = "config.json";
+const HF_SRC: &str = crate::output::CONFIG;
 
 /// Checks check row `c`: each relation's rule, in one place. Without args only the rows that
 /// need none are checked (the MLA norms' epsilon, the vocabulary against the embedding's rows).

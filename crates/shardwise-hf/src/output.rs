@@ -27,6 +27,7 @@ use shardwise::storage::{atomic_create, atomic_write, create_dir_all, fsync_dir,
 
 const STAGING: &str = ".to-hf-staging";
 const PARTS: &str = ".to-hf-parts";
+/// The HF model config: its name in an HF folder (transformers `CONFIG_NAME`).
 pub(crate) const CONFIG: &str = "config.json";
 
 /// One part of a conversion split over processes or machines.

@@ -266,7 +266,8 @@ fn foreign_entries(dir: &Path) -> Result<Vec<String>> {
     for e in rd {
         let name = e.map_err(Error::io("read directory", dir))?.file_name();
         let name = name.to_string_lossy().into_owned();
-        let ours = name == ".shardwise" || shardwise::commit::state::is_data_file_name(&name);
+        let ours = name == shardwise::commit::part::STATE_DIR
+            || shardwise::commit::state::is_data_file_name(&name);
         if !ours {
             v.push(name);
         }
@@ -524,7 +525,7 @@ impl Conversion {
         for f in src
             .files
             .iter()
-            .chain(std::iter::once(&"config.json".to_string()))
+            .chain(std::iter::once(&crate::output::CONFIG.to_string()))
         {
             check_outside(ckpt_dir, &hf_dir.join(f), "HF file")?;
         }

@@ -191,7 +191,7 @@ impl HfSource {
     /// that do not fit their weights, a quantized weight the config says stays unconverted;
     /// [`Error::Corrupt`] for a damaged header; [`Error::Io`].
     pub(crate) fn open(dir: &Path) -> Result<HfSource> {
-        let cfg_path = dir.join("config.json");
+        let cfg_path = dir.join(crate::output::CONFIG);
         let config_bytes = shardwise::storage::read_regular(&cfg_path).map_err(|e| {
             Error::InvalidArgument(format!(
                 "{}: cannot read the HF config ({e}); from-hf needs the folder of a Hugging Face model (config.json and safetensors files)",
