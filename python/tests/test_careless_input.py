@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 import shardwise
+import shardwise.megatron
 from dcp_util import row_shard, save_ranks
 
 CLI = [sys.executable, "-m", "shardwise.cli"]
@@ -310,3 +311,16 @@ def test_command_line_errors_and_hostile_names_stay_one_line(shared, tmp_path):
     save_file(tensors, str(bad / "model.safetensors"))
     line = refused(["from-hf", bad, tmp_path / "o2"], [bad], "no rule reads these HF tensors")
     assert "\x1b" not in line and "\\u{1b}[2J" in line
+
+
+def test_an_empty_checkpoint_path_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    # An empty directory variable (`save(sd, os.environ.get("CKPT", ""))`) used to write a checkpoint
+    # into the current directory, then fail on its directory fsync with a message naming no path.
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(shardwise.InvalidArgumentError, match="empty checkpoint path"):
+        shardwise.megatron.save({"w": torch.ones(4)}, "", rank=0, world_size=1)
+    with pytest.raises(shardwise.InvalidArgumentError, match="empty checkpoint path"):
+        shardwise.megatron.save({"w": torch.ones(4)}, "file://", rank=0, world_size=1)
+    r = subprocess.run([*CLI, "status", ""], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "a value is required for '<DIR>'" in r.stderr, r  # clap: a bad command line
+    assert list(tmp_path.iterdir()) == []

@@ -45,11 +45,13 @@ impl Location {
     /// Parses a path or URL: plain paths and `file://` are local; `s3://`, `gs://`, `az://`
     /// (also `abfs://`, `abfss://`, `azure://`) and `memory://` are object stores.
     ///
-    /// Errors: [`Error::InvalidArgument`] for other schemes or malformed URLs.
+    /// Errors: [`Error::InvalidArgument`] for other schemes, malformed URLs, and an empty path
+    /// (which the OS would take as the current directory: a checkpoint written there by a caller
+    /// whose directory variable was empty).
     pub fn parse(s: &str) -> Result<Location> {
         match s.split_once("://") {
-            None => Ok(Location::Local(PathBuf::from(s))),
-            Some(("file", rest)) => Ok(Location::Local(PathBuf::from(rest))),
+            None => Location::local_path(PathBuf::from(s)),
+            Some(("file", rest)) => Location::local_path(PathBuf::from(rest)),
             Some(_) => Ok(Location::Remote(Arc::new(remote::Remote::open(s)?))),
         }
     }
@@ -61,8 +63,18 @@ impl Location {
     pub fn from_os(s: &std::ffi::OsStr) -> Result<Location> {
         match s.to_str() {
             Some(s) => Location::parse(s),
-            None => Ok(Location::Local(PathBuf::from(s))),
+            None => Location::local_path(PathBuf::from(s)),
         }
+    }
+
+    /// A local path given by a user; refuses an empty one.
+    fn local_path(p: PathBuf) -> Result<Location> {
+        if p.as_os_str().is_empty() {
+            return Err(Error::InvalidArgument(
+                "empty checkpoint path: give a directory (\".\" for the current one)".into(),
+            ));
+        }
+        Ok(Location::Local(p))
     }
 
     /// This location with every object-store request bounded by a caller's `timeout`
