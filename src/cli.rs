@@ -433,17 +433,29 @@ where
             let _ = e.print(); // --help, --version
             return 0;
         }
-        // One line, as every other error: clap's first line (its usage and tip lines dropped).
-        let text = e.render().to_string();
-        let first = text.lines().next().unwrap_or_default();
-        let message = first.strip_prefix("error: ").unwrap_or(first);
         let _ = writeln!(
             std::io::stderr(),
             "shardwise: error: {} (see --help)",
-            shown(message)
+            shown(&one_line(&e.render().to_string()))
         );
         2
     })
+}
+
+/// A clap error as one line, as every other error: its first line with the lines indented under
+/// it (what it names: the missing `<DIR>`, the subcommands), its usage and tip lines dropped.
+fn one_line(rendered: &str) -> String {
+    let mut lines = rendered.lines();
+    let first = lines.next().unwrap_or_default();
+    let first = first.strip_prefix("error: ").unwrap_or(first);
+    let named: Vec<&str> = lines
+        .take_while(|l| l.starts_with(' '))
+        .map(str::trim)
+        .collect();
+    match named.as_slice() {
+        [] => first.to_string(),
+        named => format!("{first} {}", named.join(", ")),
+    }
 }
 
 /// Runs `command`: its arguments turned into the library's values, then its function.
@@ -1413,6 +1425,40 @@ mod tests {
             assert_eq!(status_exit_code(&state), EXIT_FAILED, "{state:?}");
         }
         assert_eq!(EXIT_FAILED, 1, "verify's code for problems found");
+    }
+
+    /// The message of a bad command line, as `parse` prints it.
+    fn message(args: &[&str]) -> String {
+        let e = Cli::try_parse_from(std::iter::once("shardwise").chain(args.iter().copied()))
+            .unwrap_err();
+        one_line(&e.render().to_string())
+    }
+
+    /// A missing argument is named (clap puts it on a line of its own); usage and tips are not
+    /// shown.
+    #[test]
+    fn a_bad_command_line_is_one_line_naming_what_is_wrong() {
+        for m in [
+            message(&["inspect"]),
+            message(&["status"]),
+            message(&["inspect", "--json"]),
+        ] {
+            assert_eq!(
+                m,
+                "the following required arguments were not provided: <DIR>"
+            );
+        }
+        assert_eq!(
+            message(&["diff", "a"]),
+            "the following required arguments were not provided: <B>"
+        );
+        let m = message(&["inspect", "d", "--bogus"]);
+        assert_eq!(m, "unexpected argument '--bogus' found");
+        assert_eq!(message(&["bogus"]), "unrecognized subcommand 'bogus'");
+        assert_eq!(
+            message(&["verify", "d", "--quick=1"]),
+            "unexpected value '1' for '--quick' found; no more were expected"
+        );
     }
 
     /// The flags left out are the library's defaults; the names are parsed by the library.

@@ -280,6 +280,23 @@ def test_a_missing_directory_reads_as_missing_for_every_command(tmp_path):
         assert r.returncode == 1 and "not a directory" in r.stderr.lower() and "Traceback" not in r.stderr, (cmd, r.stderr)
 
 
+def test_a_file_given_for_the_directory_says_a_checkpoint_is_a_directory(small):
+    """`shardwise status FILE` says what it expected and what it was given, as merge and inspect do
+    (it said "list FILE/.shardwise: Not a directory")."""
+    for cmd in (["status"], ["status", "--json"], ["status", "--repair"], ["merge"], ["merge", "--repair"], ["inspect"]):
+        assert_clean_error(sw(*cmd, small / "common.pt"), f"open checkpoint directory {small / 'common.pt'}",
+                           "a checkpoint is a directory (pass the directory that holds .metadata, not a file in it)")
+
+
+@pytest.mark.parametrize("cmd", ["inspect", "verify", "status", "merge", "rewrite-metadata"])
+def test_a_missing_directory_argument_is_named(cmd):
+    r = sw(cmd)
+    assert r.returncode == 2 and r.stdout == "", (r.returncode, r.stdout)
+    missing = "--torch-compat <2.X>, <DIR>" if cmd == "rewrite-metadata" else "<DIR>"
+    assert r.stderr == f"shardwise: error: the following required arguments were not provided: {missing} (see --help)\n", \
+        r.stderr
+
+
 def test_status_exits_0_only_for_a_committed_whole_checkpoint(small, tmp_path):
     """Scripts gate on the exit code (`shardwise status ckpt && resume`): damaged and not committed
     exit 1, as verify does on problems, and the report is still printed (text and JSON); the

@@ -227,8 +227,11 @@ pub fn merge(
 ///
 /// Errors: [`Error::InvalidArgument`], with nothing changed, when `loc` is not damaged or no save's
 /// parts can rebuild it (`state::unmergeable`: a data file changed since its part was published
-/// is named); the errors of [`merge`].
+/// is named); [`Error::Io`] when `loc` is missing or not a directory; the errors of [`merge`].
 pub fn repair(loc: &Location, timeout: Duration) -> Result<(String, CommitSummary)> {
+    // A file given for the directory is refused as not a checkpoint directory, rather than
+    // failing the listing of a path under it.
+    loc.canonical()?;
     let save_id = match state::checkpoint_state(loc)? {
         CheckpointState::Damaged {
             repairable: Some(id),
