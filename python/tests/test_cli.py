@@ -323,6 +323,28 @@ def test_status_exits_0_only_for_a_committed_whole_checkpoint(small, tmp_path):
     assert sw("status", "--repair", damaged).returncode == 0, "repaired: committed and whole again"
 
 
+def test_merge_repair_of_a_cp_r_copy_says_copied_not_changed(small, tmp_path):
+    """A `cp -r` copy keeps every byte but gives the files new modification times: repair still
+    refuses it (the parts vouch only for the files they recorded), and says so rather than that the
+    data changed; a `cp -a` copy repairs."""
+    for how in ("cp -r", "cp -a"):
+        c = tmp_path / how.replace(" ", "")
+        subprocess.run([*how.split(), str(small), str(c)], check=True)
+        (c / ".metadata").unlink()
+        st = sw("status", c)
+        r = sw("merge", "--repair", c)
+        if how == "cp -a":
+            assert st.returncode == 1 and "`shardwise merge --repair" in st.stdout, st.stdout
+            assert r.returncode == 0 and sw("verify", c).returncode == 0, r.stderr
+            continue
+        assert_clean_error(r, "its data file __0_0.distcp has the size the part recorded but a new modification time",
+                           "copied (`cp -r` gives new modification times; `cp -a` and `rsync -a` keep them) or rewritten",
+                           "`merge --repair` trusts only what a save's parts vouch for",
+                           "its files unchanged (size and modification time, or ETag)")
+        assert "replaced or changed" not in r.stderr, r.stderr
+        assert "copied (`cp -r`" in st.stdout and st.returncode == 1, st.stdout
+        assert not (c / ".metadata").exists(), "refused: nothing written"
+
 
 # --- paths that are not UTF-8 -------------------------------------------------------------------
 
