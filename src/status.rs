@@ -104,11 +104,15 @@ pub fn format_name(class: &str) -> &'static str {
 /// whatever the number of chunks); its parts, whose item records grow with the chunks, are read
 /// only for `keys`, for a save not committed, or for a record without a layout (older shardwise).
 ///
-/// Errors: storage errors when `dir` or its state directory cannot be read.
+/// Errors: storage errors when `dir` or its state directory cannot be read, also when `dir` is
+/// missing or not a directory.
 pub fn status_report(dir: &Location, keys: bool) -> Result<(CheckpointState, StatusReport)> {
+    // The save ids first: they resolve `dir`, so a file given for it is refused as not a
+    // checkpoint directory rather than failing the listing of a path under it.
+    let ids = save_ids(dir)?;
     let checkpoint = checkpoint_state(dir)?;
     let orphans = orphaned_data_files(dir)?;
-    let saves = save_ids(dir)?
+    let saves = ids
         .into_iter()
         .map(|id| save_status(dir, id, keys))
         .collect::<Result<Vec<_>>>()?;
@@ -377,6 +381,17 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let loc = Location::local(&dir.path().join("absent"));
         assert!(status_report(&loc, false).is_err());
+        // A file is not a checkpoint directory, and the error says so, naming the file.
+        let file = dir.path().join("common.pt");
+        std::fs::write(&file, b"PK").unwrap();
+        let e = status_report(&Location::local(&file), false)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            e.contains("a checkpoint is a directory") && e.contains(&file.display().to_string()),
+            "{e}"
+        );
         let (_, report) = status_report(&Location::local(dir.path()), false).unwrap();
         assert!(report.saves.is_empty());
     }

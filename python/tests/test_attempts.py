@@ -211,7 +211,7 @@ def test_status_says_a_failed_save_would_now_commit_and_names_orphaned_files(ctx
     orphaned.mkdir()
     shutil.copy(ckpt / "__1_0.distcp", orphaned / "__1_0.distcp")  # what a rank killed mid-save leaves
     st = cli("status", orphaned)
-    assert st.returncode == 0 and "1 data file that no part names" in st.stdout and "__1_0.distcp" in st.stdout, st.stdout
+    assert st.returncode == 1 and "1 data file that no part names" in st.stdout and "__1_0.distcp" in st.stdout, st.stdout
     assert json.loads(cli("status", orphaned, "--json").stdout)["orphaned_data_files"] == ["__1_0.distcp"]
 
 

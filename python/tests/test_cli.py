@@ -261,8 +261,8 @@ def test_a_save_root_names_its_iterations_and_the_tracked_one(tmp_path):
         extra = [tmp_path / "hf"] if cmd == "to-hf" else []
         assert_clean_error(sw(cmd, root, *extra), "save root", "iter_0000100 to iter_0000300",
                            "latest_checkpointed_iteration.txt says 200", f"point at {root / 'iter_0000200'}")
-    st = sw("status", root)
-    assert st.returncode == 0 and f"point at {root / 'iter_0000200'}" in st.stdout, st.stdout
+    st = sw("status", root)  # a save root holds no committed checkpoint: exit 1, with the hint
+    assert st.returncode == 1 and f"point at {root / 'iter_0000200'}" in st.stdout, st.stdout
 
 
 def test_merge_of_an_unknown_save_id_names_the_saves_and_world_size(small):
@@ -278,6 +278,72 @@ def test_a_missing_directory_reads_as_missing_for_every_command(tmp_path):
     for cmd in ("status", "merge", "inspect"):
         r = sw(cmd, tmp_path / "file")
         assert r.returncode == 1 and "not a directory" in r.stderr.lower() and "Traceback" not in r.stderr, (cmd, r.stderr)
+
+
+def test_a_file_given_for_the_directory_says_a_checkpoint_is_a_directory(small):
+    """`shardwise status FILE` says what it expected and what it was given, as merge and inspect do
+    (it said "list FILE/.shardwise: Not a directory")."""
+    for cmd in (["status"], ["status", "--json"], ["status", "--repair"], ["merge"], ["merge", "--repair"], ["inspect"]):
+        assert_clean_error(sw(*cmd, small / "common.pt"), f"open checkpoint directory {small / 'common.pt'}",
+                           "a checkpoint is a directory (pass the directory that holds .metadata, not a file in it)")
+
+
+@pytest.mark.parametrize("cmd", ["inspect", "verify", "status", "merge", "rewrite-metadata"])
+def test_a_missing_directory_argument_is_named(cmd):
+    r = sw(cmd)
+    assert r.returncode == 2 and r.stdout == "", (r.returncode, r.stdout)
+    missing = "--torch-compat <2.X>, <DIR>" if cmd == "rewrite-metadata" else "<DIR>"
+    assert r.stderr == f"shardwise: error: the following required arguments were not provided: {missing} (see --help)\n", \
+        r.stderr
+
+
+def test_status_exits_0_only_for_a_committed_whole_checkpoint(small, tmp_path):
+    """Scripts gate on the exit code (`shardwise status ckpt && resume`): damaged and not committed
+    exit 1, as verify does on problems, and the report is still printed (text and JSON); the
+    Python report is the same."""
+    assert sw("status", small).returncode == 0 and sw("status", "--json", small).returncode == 0
+    damaged = tmp_path / "damaged"
+    shutil.copytree(small, damaged)
+    (damaged / ".metadata").write_bytes((small / ".metadata").read_bytes()[:10])
+    uncommitted = tmp_path / "uncommitted"
+    swm.save({"w": row_shard("w", 0, 2)}, str(uncommitted), rank=0, world_size=2, save_id="s", merge_rank=None)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    def ageless(report):
+        return {**report, "saves": [{**s, "ranks": [{**r, "age_s": 0} for r in s["ranks"]]} for s in report["saves"]]}
+
+    for d, state, first in ((damaged, "damaged", ": DAMAGED: .metadata"), (uncommitted, "not_committed", ": not committed"),
+                            (empty, "not_committed", ": not committed (.metadata is absent)")):
+        r = sw("status", d)
+        assert r.returncode == 1 and r.stdout.startswith(f"{d}{first}") and r.stderr == "", (r.stdout, r.stderr)
+        j = sw("status", "--json", d)
+        assert j.returncode == 1 and j.stderr == "", j.stderr
+        report = json.loads(j.stdout)
+        assert report["checkpoint"] == state and ageless(shardwise.status(str(d))) == ageless(report)
+    assert sw("status", "--repair", damaged).returncode == 0, "repaired: committed and whole again"
+
+
+def test_merge_repair_of_a_cp_r_copy_says_copied_not_changed(small, tmp_path):
+    """A `cp -r` copy keeps every byte but gives the files new modification times: repair still
+    refuses it (the parts vouch only for the files they recorded), and says so rather than that the
+    data changed; a `cp -a` copy repairs."""
+    for how in ("cp -r", "cp -a"):
+        c = tmp_path / how.replace(" ", "")
+        subprocess.run([*how.split(), str(small), str(c)], check=True)
+        (c / ".metadata").unlink()
+        st = sw("status", c)
+        r = sw("merge", "--repair", c)
+        if how == "cp -a":
+            assert st.returncode == 1 and "`shardwise merge --repair" in st.stdout, st.stdout
+            assert r.returncode == 0 and sw("verify", c).returncode == 0, r.stderr
+            continue
+        assert_clean_error(r, "its data file __0_0.distcp has the size the part recorded but a new modification time",
+                           "copied (`cp -r` gives new modification times; `cp -a` and `rsync -a` keep them) or rewritten",
+                           "`merge --repair` trusts only what a save's parts vouch for",
+                           "its files unchanged (size and modification time, or ETag)")
+        assert "replaced or changed" not in r.stderr, r.stderr
+        assert "copied (`cp -r`" in st.stdout and st.returncode == 1, st.stdout
+        assert not (c / ".metadata").exists(), "refused: nothing written"
 
 
 # --- paths that are not UTF-8 -------------------------------------------------------------------

@@ -50,7 +50,7 @@ def s3_llama(s3_server, tmp_path_factory):
 
 def test_save_to_s3_then_merge_and_verify(s3_llama, s3_server):
     url, base, before, merged = s3_llama
-    assert before.returncode == 0, before.stderr
+    assert before.returncode == 1 and before.stderr == "", before.stderr  # 1: not committed
     assert "not committed (.metadata is absent)" in before.stdout and "2 of 2 rank parts" in before.stdout
     assert merged.returncode == 0, merged.stderr
     summary = json.loads(merged.stdout)
@@ -102,7 +102,7 @@ def test_racing_mergers_commit_exactly_once(s3_bucket):
     sid = uuid.uuid4().hex
     for r in range(3):
         swm.save({"w": row_shard("w", r, 3)}, url, rank=r, world_size=3, save_id=sid, merge_rank=None)
-    assert not shardwise._native.cli_main(["shardwise", "status", url])  # readable before the commit
+    assert shardwise.status(url)["checkpoint"] == "not_committed"  # readable before the commit
     results, errors = [], []
     go = threading.Barrier(6)
 
@@ -215,7 +215,8 @@ def test_store_without_conditional_put_is_refused(s3_bucket, tmp_path):
     r = subprocess.run([sys.executable, "-c", code, f"s3://{s3_bucket}/nocas", str(HERE)], capture_output=True,
                        text=True, env=env, timeout=120)
     assert "REFUSED" in r.stdout and "conditional put" in r.stdout, r.stdout + r.stderr
-    assert shardwise._native.cli_main(["shardwise", "status", f"s3://{s3_bucket}/nocas"]) == 0
+    st = shardwise.status(f"s3://{s3_bucket}/nocas")  # readable: nothing committed, no part
+    assert st["checkpoint"] == "not_committed" and st["saves"] == [], st
 
 
 def test_bad_urls_are_clear_errors(s3_server):

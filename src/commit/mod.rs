@@ -226,9 +226,12 @@ pub fn merge(
 /// and `COMMITTED` record are written again once every part checks out against its data files.
 ///
 /// Errors: [`Error::InvalidArgument`], with nothing changed, when `loc` is not damaged or no save's
-/// parts can rebuild it (`state::unmergeable`: a data file changed since its part was published
-/// is named); the errors of [`merge`].
+/// parts can rebuild it (`state::unmergeable`: a data file that is not the one its part recorded
+/// is named); [`Error::Io`] when `loc` is missing or not a directory; the errors of [`merge`].
 pub fn repair(loc: &Location, timeout: Duration) -> Result<(String, CommitSummary)> {
+    // A file given for the directory is refused as not a checkpoint directory, rather than
+    // failing the listing of a path under it.
+    loc.canonical()?;
     let save_id = match state::checkpoint_state(loc)? {
         CheckpointState::Damaged {
             repairable: Some(id),
@@ -236,8 +239,9 @@ pub fn repair(loc: &Location, timeout: Duration) -> Result<(String, CommitSummar
         } => id,
         CheckpointState::Damaged { reason, .. } => {
             return Err(Error::InvalidArgument(format!(
-                "{loc} is damaged ({reason}); `merge --repair` rebuilds only from a shardwise \
-                 save whose parts are all current: nothing changed"
+                "{loc} is damaged ({reason}); `merge --repair` trusts only what a save's parts \
+                 vouch for: every rank's part readable and its files unchanged (size and \
+                 modification time, or ETag) since it was published: nothing changed"
             )))
         }
         CheckpointState::Committed { .. } => {

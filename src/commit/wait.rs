@@ -126,8 +126,9 @@ pub fn missing_ranks(loc: &Location, save_id: &str, world_size: u32) -> Result<V
 }
 
 /// Why `p` cannot be merged by an attempt with freshness `fresh`, or `None` when it can: it was
-/// published before this attempt, or a file it describes was replaced or changed since it was
-/// published (a rerun or a second process saving as the same rank).
+/// published before this attempt, or a file it describes is missing or not the one it recorded
+/// (its size, or its storage stamp: a rerun or a second process saving as the same rank, or a
+/// copy).
 ///
 /// Errors: storage errors when a file cannot be checked.
 pub(super) fn stale_reason(
@@ -141,15 +142,25 @@ pub(super) fn stale_reason(
         ));
     }
     for f in p.files.iter().chain(p.common.iter()) {
-        let mut now = loc.stamp(&f.name)?;
+        let mut rel = f.name.as_str();
+        let mut now = loc.stamp(rel)?;
         if now.is_none() && p.common.as_ref() == Some(f) {
             // A merger that died after renaming the staged common state into place.
-            now = loc.stamp(COMMON_FILE)?;
+            rel = COMMON_FILE;
+            now = loc.stamp(rel)?;
         }
         if now.as_deref() != Some(f.stamp.as_str()) {
             let what = match now {
-                None => "is missing".to_string(),
-                Some(_) => "was replaced or changed".to_string(),
+                None => "is missing",
+                // The stamp holds the modification time, which a copy (`cp -r`) renews as a
+                // rewrite does: with the size unchanged, nothing says the bytes changed, only
+                // that the file is not the one the part vouches for.
+                Some(_) if loc.size(rel)? == Some(f.size) => {
+                    "has the size the part recorded but a new modification time (ETag on an \
+                     object store): it was copied (`cp -r` gives new modification times; `cp -a` \
+                     and `rsync -a` keep them) or rewritten"
+                }
+                Some(_) => "was replaced or changed",
             };
             return Ok(Some(format!(
                 "its data file {} {what} since the part was published",
@@ -302,7 +313,42 @@ pub fn wait_for_commit(
 
 #[cfg(test)]
 mod tests {
+    use super::super::part::read_part;
+    use super::super::testing::{publish, DATA_BYTES};
     use super::*;
+
+    /// A data file with its recorded size but a new modification time (a `cp -r` copy) is named
+    /// as copied or rewritten, never as changed; one of another size as replaced or changed.
+    #[test]
+    fn a_copied_data_file_is_stale_but_not_said_to_be_changed() {
+        let dir = tempfile::tempdir().unwrap();
+        let loc = Location::local(dir.path());
+        publish(&loc, "s", 0, 1, false);
+        let part = read_part(&loc, &part_rel("s", 0)).unwrap();
+        let why = |loc: &Location| stale_reason(loc, &part, &Freshness::any_part()).unwrap();
+        assert_eq!(why(&loc), None);
+        let data = dir.path().join("__0_0.distcp");
+        let mtime = std::fs::metadata(&data).unwrap().modified().unwrap();
+        let file = std::fs::File::options().write(true).open(&data).unwrap();
+        file.set_modified(mtime + Duration::from_secs(1)).unwrap();
+        let copied = why(&loc).unwrap();
+        assert_eq!(
+            copied,
+            "its data file __0_0.distcp has the size the part recorded but a new modification \
+             time (ETag on an object store): it was copied (`cp -r` gives new modification \
+             times; `cp -a` and `rsync -a` keep them) or rewritten since the part was published"
+        );
+        loc.write("__0_0.distcp", vec![0; DATA_BYTES + 1]).unwrap();
+        assert_eq!(
+            why(&loc).unwrap(),
+            "its data file __0_0.distcp was replaced or changed since the part was published"
+        );
+        std::fs::remove_file(&data).unwrap();
+        assert_eq!(
+            why(&loc).unwrap(),
+            "its data file __0_0.distcp is missing since the part was published"
+        );
+    }
 
     #[test]
     fn timeouts_out_of_range_are_argument_errors_never_panics() {

@@ -23,7 +23,7 @@ use shardwise::status::{format_name, read_parts, save_ids, status_report, Status
 use shardwise::storage::Location;
 use shardwise_hf::{FromHfOptions, FromHfRequest, HfOptions, ToHfRequest};
 
-const EXIT_CODES: &str = "Exit codes:\n  0  success (verify: no problem found)\n  1  the operation failed, or verify found problems\n  2  bad command line\n  130  interrupted (Ctrl-C) during a wait; nothing committed\n  141  stdout was closed early (e.g. `| head`); nothing more is printed";
+const EXIT_CODES: &str = "Exit codes:\n  0  success (verify: no problem found; status: committed and whole)\n  1  the operation failed, verify found problems, or status found the checkpoint damaged or not committed\n  2  bad command line\n  130  interrupted (Ctrl-C) during a wait; nothing committed\n  141  stdout was closed early (e.g. `| head`); nothing more is printed";
 /// Help of every `--json` flag (docs/cli.md lists each command's fields).
 const JSON_HELP: &str =
     "Print one JSON object on stdout instead of text: sizes in plain bytes, durations in seconds";
@@ -384,6 +384,10 @@ fn shown(key: &str) -> Cow<'_, str> {
         .into()
 }
 
+/// Exit code of a failed command, and of a checkpoint found not whole: `verify`'s problems,
+/// `status`'s damaged or not committed.
+const EXIT_FAILED: i32 = 1;
+
 /// Exit code after Ctrl-C (SIGINT) stopped a wait: 128 + 2, as shells report it.
 pub const EXIT_INTERRUPTED: i32 = 130;
 
@@ -429,17 +433,29 @@ where
             let _ = e.print(); // --help, --version
             return 0;
         }
-        // One line, as every other error: clap's first line (its usage and tip lines dropped).
-        let text = e.render().to_string();
-        let first = text.lines().next().unwrap_or_default();
-        let message = first.strip_prefix("error: ").unwrap_or(first);
         let _ = writeln!(
             std::io::stderr(),
             "shardwise: error: {} (see --help)",
-            shown(message)
+            shown(&one_line(&e.render().to_string()))
         );
         2
     })
+}
+
+/// A clap error as one line, as every other error: its first line with the lines indented under
+/// it (what it names: the missing `<DIR>`, the subcommands), its usage and tip lines dropped.
+fn one_line(rendered: &str) -> String {
+    let mut lines = rendered.lines();
+    let first = lines.next().unwrap_or_default();
+    let first = first.strip_prefix("error: ").unwrap_or(first);
+    let named: Vec<&str> = lines
+        .take_while(|l| l.starts_with(' '))
+        .map(str::trim)
+        .collect();
+    match named.as_slice() {
+        [] => first.to_string(),
+        named => format!("{first} {}", named.join(", ")),
+    }
 }
 
 /// Runs `command`: its arguments turned into the library's values, then its function.
@@ -514,7 +530,7 @@ fn exit_code(outcome: Outcome) -> i32 {
                 "shardwise: error: {}",
                 shown(&e.to_string())
             );
-            1
+            EXIT_FAILED
         }
     }
 }
@@ -764,7 +780,11 @@ fn verify_output(dir: &Location, report: &shardwise::verify::Report, json: bool)
             }
         );
     }
-    Ok(if report.problems.is_empty() { 0 } else { 1 })
+    Ok(if report.problems.is_empty() {
+        0
+    } else {
+        EXIT_FAILED
+    })
 }
 
 /// `verify`'s problems for people, grouped per file: layout problems (no file) first, then each
@@ -813,6 +833,8 @@ fn problem_lines(problems: &[shardwise::verify::Problem]) -> Vec<String> {
     lines
 }
 
+/// `status`: repairs first when asked, then prints the report (text or JSON) and exits by the
+/// checkpoint's state ([`status_exit_code`]).
 fn status(dir: &Location, keys: bool, json: bool, repair: bool) -> Outcome {
     if repair {
         repair_checkpoint(dir, Duration::ZERO, false, json)?;
@@ -820,14 +842,36 @@ fn status(dir: &Location, keys: bool, json: bool, repair: bool) -> Outcome {
     let (checkpoint, report) = status_report(dir, keys)?;
     if json {
         print_json(&report)?;
-        return Ok(0);
+    } else {
+        print_status(dir, &checkpoint, report, keys)?;
     }
+    Ok(status_exit_code(&checkpoint))
+}
+
+/// `status`'s exit code: 0 only for a committed checkpoint that is whole; damaged or not committed
+/// is [`EXIT_FAILED`], as `verify` exits on problems, so that `shardwise status DIR && resume`
+/// never resumes from a checkpoint a load would refuse or read wrong.
+fn status_exit_code(checkpoint: &CheckpointState) -> i32 {
+    match checkpoint {
+        CheckpointState::Committed { .. } => 0,
+        CheckpointState::NotCommitted { .. } | CheckpointState::Damaged { .. } => EXIT_FAILED,
+    }
+}
+
+/// `status`'s text: the checkpoint's state, its orphaned data files, then each save with its ranks
+/// (and keys with `keys`).
+fn print_status(
+    dir: &Location,
+    checkpoint: &CheckpointState,
+    report: StatusReport,
+    keys: bool,
+) -> std::result::Result<(), Stop> {
     let StatusReport {
         orphaned_data_files: orphans,
         saves,
         ..
     } = report;
-    match &checkpoint {
+    match checkpoint {
         CheckpointState::Committed { record } => out!(
             "{dir}: committed{}",
             record
@@ -905,7 +949,7 @@ fn status(dir: &Location, keys: bool, json: bool, repair: bool) -> Outcome {
             }
         }
     }
-    Ok(0)
+    Ok(())
 }
 
 /// `merge --repair` / `status --repair`: rebuilds a damaged checkpoint from its save's parts and
@@ -1361,6 +1405,65 @@ mod tests {
         assert_eq!(parse(["shardwise", "status"]).err(), Some(2));
         assert_eq!(parse(["shardwise", "--version"]).err(), Some(0));
         assert!(matches!(command(&["status", "d"]), Command::Status { .. }));
+    }
+
+    /// Only a committed, whole checkpoint passes `shardwise status DIR && resume`; a damaged one
+    /// and a directory with nothing committed fail as a checkpoint `verify` finds problems in.
+    #[test]
+    fn status_exits_0_only_for_a_committed_checkpoint() {
+        let reason = || "why".to_string();
+        assert_eq!(
+            status_exit_code(&CheckpointState::Committed { record: None }),
+            0
+        );
+        for state in [
+            CheckpointState::NotCommitted { reason: reason() },
+            CheckpointState::Damaged {
+                reason: reason(),
+                repairable: None,
+            },
+            CheckpointState::Damaged {
+                reason: reason(),
+                repairable: Some("s".into()),
+            },
+        ] {
+            assert_eq!(status_exit_code(&state), EXIT_FAILED, "{state:?}");
+        }
+        assert_eq!(EXIT_FAILED, 1, "verify's code for problems found");
+    }
+
+    /// The message of a bad command line, as `parse` prints it.
+    fn message(args: &[&str]) -> String {
+        let e = Cli::try_parse_from(std::iter::once("shardwise").chain(args.iter().copied()))
+            .unwrap_err();
+        one_line(&e.render().to_string())
+    }
+
+    /// A missing argument is named (clap puts it on a line of its own); usage and tips are not
+    /// shown.
+    #[test]
+    fn a_bad_command_line_is_one_line_naming_what_is_wrong() {
+        for m in [
+            message(&["inspect"]),
+            message(&["status"]),
+            message(&["inspect", "--json"]),
+        ] {
+            assert_eq!(
+                m,
+                "the following required arguments were not provided: <DIR>"
+            );
+        }
+        assert_eq!(
+            message(&["diff", "a"]),
+            "the following required arguments were not provided: <B>"
+        );
+        let m = message(&["inspect", "d", "--bogus"]);
+        assert_eq!(m, "unexpected argument '--bogus' found");
+        assert_eq!(message(&["bogus"]), "unrecognized subcommand 'bogus'");
+        assert_eq!(
+            message(&["verify", "d", "--quick=1"]),
+            "unexpected value '1' for '--quick' found; no more were expected"
+        );
     }
 
     /// The flags left out are the library's defaults; the names are parsed by the library.
