@@ -959,13 +959,16 @@ mod tests {
         let copies = [copy(0, 0, 10, 20), copy(0, 0, 40, 10), copy(0, 0, 95, 10)];
         let got = minus_direct(vec![0..50, 60..100, 100..120], &copies, &[0, 1, 2]);
         assert_eq!(got, vec![0..10, 30..40, 60..95, 105..120]);
-        assert_eq!(minus_direct(vec![0..5], &copies, &[]), vec![0..5]);
+        assert_eq!(
+            minus_direct(vec![0..5, 6..9], &copies, &[]),
+            vec![0..5, 6..9]
+        );
     }
 
     #[test]
     fn cut_reads_bounds_reads_but_never_cuts_a_cluster() {
         let mut out = Vec::new();
-        cut_reads(3, &[0..250, 300..310], &[90..130], 100, &mut out);
+        cut_reads(3, &[0..250, 300..310], &[90..130, 300..305], 100, &mut out);
         let got: Vec<(usize, Range<u64>)> = out.iter().map(|r| (r.file, r.range.clone())).collect();
         // The cut at 100 falls inside the cluster 90..130: the read ends before it; the next one
         // starts at the cluster and its cut, 190, lies past it.
@@ -974,11 +977,11 @@ mod tests {
             vec![(3, 0..90), (3, 90..190), (3, 190..250), (3, 300..310)]
         );
         let mut out = Vec::new();
-        cut_reads(0, &[0..300], &[0..150], 100, &mut out);
+        cut_reads(0, &[0..300, 400..401], &[0..150, 400..401], 100, &mut out);
         let got: Vec<Range<u64>> = out.into_iter().map(|r| r.range).collect();
         assert_eq!(
             got,
-            vec![0..150, 150..250, 250..300],
+            vec![0..150, 150..250, 250..300, 400..401],
             "a cluster at the start: after it"
         );
     }
