@@ -5,6 +5,9 @@
 //! combined per archive and the archive tails written last. On request, the SHA-256 of the whole
 //! file is computed from the bytes as they are written (never read back): see [`InOrder`].
 
+use std::collections::HashMap;
+use std::sync::{mpsc, Condvar, Mutex};
+
 use rayon::prelude::*;
 
 use crate::blockcrc::{hash_piece, PayloadCrc, PieceCrc};
@@ -12,6 +15,7 @@ use crate::blockcrc::{hash_piece, PayloadCrc, PieceCrc};
 use crate::error::{Error, Result};
 use crate::format::dtype::DType;
 use crate::format::zip::ArchiveLayout;
+use crate::staging::{HostBuffer, StagingPool};
 use crate::storage::remote::Upload;
 use crate::storage::{DataFile, DataSink};
 
@@ -654,10 +658,10 @@ fn fill_window(
 
 /// The file is cut into windows of one buffer each, in file order, so each buffer becomes one
 /// large positioned write however small the items in it are. The caller's thread fills buffers
-/// while writer threads wait for each buffer's copies, CRC its payload bytes and write it. With
-/// `digest`, each writer then feeds its window to the file's SHA-256 when the windows before it
-/// have been fed (windows are handed out in file order, so the next one is always held by a
-/// writer), and returns the digest.
+/// ([`Stager::stage`]) while writer threads wait for each buffer's copies, CRC its payload bytes
+/// and write it ([`Writers::run`]). With `digest`, each writer then feeds its window to the file's
+/// SHA-256 when the windows before it have been fed (windows are handed out in file order, so the
+/// next one is always held by a writer), and returns the digest.
 fn write_staged(
     file: &DataFile,
     tensors: &[TensorChunk],
@@ -666,143 +670,223 @@ fn write_staged(
     st: Staging,
     digest: bool,
 ) -> Result<(Vec<PieceCrc>, Option<[u8; 32]>)> {
-    use std::collections::HashMap;
-    use std::sync::mpsc;
-
     let bsize = st.pool.buffer_size as u64;
     let plan = plan_windows(tensors, objects, lay, bsize);
-
-    let mut copiers: HashMap<u32, crate::gpu::DeviceCopier> = HashMap::new();
     let workers = std::thread::available_parallelism()
         .map_or(4, |n| n.get())
         .clamp(2, 8);
-    let (tx, rx) = mpsc::channel::<(
-        u64,
-        crate::staging::HostBuffer,
-        usize,
-        Vec<cudarc::driver::CudaEvent>,
-    )>();
-    let rx = std::sync::Mutex::new(rx);
-    let plan_ref = &plan;
-    // When the whole file fits in the pool, writing starts only once everything is staged: the
-    // caller's stall is then the copy time alone, without writers competing for memory bandwidth
-    // and the driver. Otherwise buffers must be written to be reused, so writes overlap copies.
-    let defer = plan.len() <= st.pool.capacity();
-    let mut held = Vec::new();
-    // (next window to feed, the digest state, whether a writer failed), and its wake-up.
-    let turn = (
-        std::sync::Mutex::new((0u64, InOrder::new(tensors.len(), digest), false)),
-        std::sync::Condvar::new(),
-    );
+    let (tx, rx) = mpsc::channel::<Filled>();
+    let rx = Mutex::new(rx);
+    let mut stager = Stager {
+        pool: st.pool,
+        caller_streams: st.caller_streams,
+        // When the whole file fits in the pool, writing starts only once everything is staged:
+        // the caller's stall is then the copy time alone, without writers competing for memory
+        // bandwidth and the driver. Otherwise buffers must be written to be reused, so writes
+        // overlap copies.
+        defer: plan.len() <= st.pool.capacity(),
+        held: Vec::new(),
+        copiers: HashMap::new(),
+    };
+    let writers = Writers {
+        file,
+        plan: &plan,
+        lay,
+        bsize,
+        pool: st.pool,
+        digest,
+        turn: (
+            Mutex::new(Turn {
+                next: 0,
+                order: InOrder::new(tensors.len(), digest),
+                failed: false,
+            }),
+            Condvar::new(),
+        ),
+    };
     let result: Result<Vec<PieceCrc>> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..workers)
-            .map(|_| {
-                let rx = &rx;
-                let turn = &turn;
-                scope.spawn(move || -> Result<Vec<PieceCrc>> {
-                    let mut crcs = Vec::new();
-                    let mut first_err = None;
-                    loop {
-                        let msg = rx.lock().unwrap().recv();
-                        let Ok((w, buf, used, events)) = msg else {
-                            break;
-                        };
-                        if first_err.is_none() {
-                            let r = (|| -> Result<()> {
-                                for e in &events {
-                                    crate::gpu::wait(e)?;
-                                }
-                                let bytes = &buf.as_slice()[..used];
-                                for seg in &plan_ref[w as usize] {
-                                    if let Some((item, off)) = seg.payload {
-                                        let b = &bytes[seg.buf_at..seg.buf_at + seg.len];
-                                        crcs.push(hash_piece(item, off, b));
-                                    }
-                                }
-                                file.write_at(bytes, w * bsize)
-                            })();
-                            if let Err(e) = r {
-                                first_err = Some(e);
-                            }
-                        }
-                        if digest {
-                            let (lock, wake) = turn;
-                            let mut g = lock.lock().unwrap();
-                            while g.0 != w && !g.2 {
-                                g = wake.wait(g).unwrap();
-                            }
-                            if first_err.is_some() {
-                                g.2 = true; // nobody will feed this window: stop waiting for it
-                            } else if !g.2 {
-                                let bytes = &buf.as_slice()[..used];
-                                for seg in &plan_ref[w as usize] {
-                                    let b = &bytes[seg.buf_at..seg.buf_at + seg.len];
-                                    g.1.feed_ref(lay, seg, b);
-                                }
-                                g.0 += 1;
-                            }
-                            wake.notify_all();
-                        }
-                        st.pool.give_back(buf);
-                    }
-                    match first_err {
-                        Some(e) => Err(e),
-                        None => Ok(crcs),
-                    }
-                })
-            })
+            .map(|_| scope.spawn(|| writers.run(&rx)))
             .collect();
-
-        let produce = (|| -> Result<bool> {
-            for (w, segs) in plan.iter().enumerate() {
-                let mut buf = st.pool.take();
-                let used = segs.last().map_or(0, |s| s.buf_at + s.len);
-                let events = fill_window(
-                    segs,
-                    buf.as_mut_slice(),
-                    &mut copiers,
-                    Some(st.caller_streams),
-                )?;
-                if defer {
-                    held.push((w as u64, buf, used, events));
-                } else if tx.send((w as u64, buf, used, events)).is_err() {
-                    return Ok(false); // writers stopped on an error, reported below
-                }
-            }
-            // Every copy has landed once each side stream has drained.
-            for c in copiers.values() {
-                crate::gpu::wait(&c.record()?)?;
-            }
-            for msg in held.drain(..) {
-                if tx.send(msg).is_err() {
-                    return Ok(false);
-                }
-            }
-            Ok(true)
-        })();
+        let produce = stager.stage(&plan, &tx);
         if matches!(produce, Ok(true)) {
             if let Some(f) = st.on_staged {
                 f();
             }
         }
         drop(tx);
-        let mut pieces = Vec::new();
-        let mut err = produce.err();
-        for h in handles {
-            match h.join().expect("writer thread panicked") {
-                Ok(c) => pieces.extend(c),
-                Err(e) => err = err.or(Some(e)),
-            }
-        }
-        match err {
-            Some(e) => Err(e),
-            None => Ok(pieces),
-        }
+        join_writers(handles, produce.err())
     });
     let sha256 = digest
-        .then(|| turn.0.into_inner().unwrap().1.sha256())
+        .then(|| writers.turn.0.into_inner().unwrap().order.sha256())
         .flatten();
     Ok((result?, sha256))
+}
+
+/// A filled staging buffer on its way to a writer: window `w` of the plan, whose first `used`
+/// bytes are valid once `events` have completed.
+struct Filled {
+    w: u64,
+    buf: HostBuffer,
+    used: usize,
+    events: Vec<cudarc::driver::CudaEvent>,
+}
+
+/// The caller's side of [`write_staged`]: fills staging buffers in file order.
+struct Stager<'s> {
+    pool: &'s StagingPool,
+    caller_streams: &'s HashMap<u32, u64>,
+    /// Hold every filled buffer until all are staged, then hand them out.
+    defer: bool,
+    held: Vec<Filled>,
+    copiers: HashMap<u32, crate::gpu::DeviceCopier>,
+}
+
+impl Stager<'_> {
+    /// Fills every window of `plan` and sends it to the writers, in file order; returns once every
+    /// copy has landed (true), or early when the writers stopped on an error, which they report
+    /// (false).
+    ///
+    /// Errors: as [`fill_window`], and CUDA errors waiting for the copies.
+    fn stage(&mut self, plan: &[Vec<Segment>], tx: &mpsc::Sender<Filled>) -> Result<bool> {
+        for (w, segs) in plan.iter().enumerate() {
+            let mut buf = self.pool.take();
+            let used = segs.last().map_or(0, |s| s.buf_at + s.len);
+            let events = fill_window(
+                segs,
+                buf.as_mut_slice(),
+                &mut self.copiers,
+                Some(self.caller_streams),
+            )?;
+            let filled = Filled {
+                w: w as u64,
+                buf,
+                used,
+                events,
+            };
+            if self.defer {
+                self.held.push(filled);
+            } else if tx.send(filled).is_err() {
+                return Ok(false); // writers stopped on an error, reported below
+            }
+        }
+        // Every copy has landed once each side stream has drained.
+        for c in self.copiers.values() {
+            crate::gpu::wait(&c.record()?)?;
+        }
+        for filled in self.held.drain(..) {
+            if tx.send(filled).is_err() {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+}
+
+/// Whose turn it is to feed the file's SHA-256: the next window to feed, the digest state, and
+/// whether a writer failed (then nobody feeds, and nobody waits any longer).
+struct Turn {
+    next: u64,
+    order: InOrder,
+    failed: bool,
+}
+
+/// What the writer threads of [`write_staged`] share.
+struct Writers<'a> {
+    file: &'a DataFile,
+    plan: &'a [Vec<Segment<'a>>],
+    lay: &'a FileLayout,
+    bsize: u64,
+    pool: &'a StagingPool,
+    digest: bool,
+    /// The [`Turn`] and its wake-up.
+    turn: (Mutex<Turn>, Condvar),
+}
+
+impl Writers<'_> {
+    /// One writer thread: takes filled windows until the channel closes, writes each (after its
+    /// copies) and gives its buffer back. After a failure it writes nothing more but still takes
+    /// windows, so the stager never blocks on a full pool. Returns its pieces' CRC-32s or its
+    /// first error.
+    fn run(&self, rx: &Mutex<mpsc::Receiver<Filled>>) -> Result<Vec<PieceCrc>> {
+        let mut crcs = Vec::new();
+        let mut first_err = None;
+        loop {
+            let msg = rx.lock().unwrap().recv();
+            let Ok(filled) = msg else {
+                break;
+            };
+            if first_err.is_none() {
+                if let Err(e) = self.write(&filled, &mut crcs) {
+                    first_err = Some(e);
+                }
+            }
+            if self.digest {
+                self.feed_in_turn(&filled, first_err.is_some());
+            }
+            self.pool.give_back(filled.buf);
+        }
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(crcs),
+        }
+    }
+
+    /// Waits for a window's copies, takes the CRC-32s of its payload pieces and writes it.
+    fn write(&self, filled: &Filled, crcs: &mut Vec<PieceCrc>) -> Result<()> {
+        for e in &filled.events {
+            crate::gpu::wait(e)?;
+        }
+        let bytes = &filled.buf.as_slice()[..filled.used];
+        for seg in &self.plan[filled.w as usize] {
+            if let Some((item, off)) = seg.payload {
+                let b = &bytes[seg.buf_at..seg.buf_at + seg.len];
+                crcs.push(hash_piece(item, off, b));
+            }
+        }
+        self.file.write_at(bytes, filled.w * self.bsize)
+    }
+
+    /// Feeds a window to the file's SHA-256 once the windows before it have been fed; a writer
+    /// that `failed` instead stops everyone waiting.
+    fn feed_in_turn(&self, filled: &Filled, failed: bool) {
+        let (lock, wake) = &self.turn;
+        let mut g = lock.lock().unwrap();
+        while g.next != filled.w && !g.failed {
+            g = wake.wait(g).unwrap();
+        }
+        if failed {
+            g.failed = true; // nobody will feed this window: stop waiting for it
+        } else if !g.failed {
+            let bytes = &filled.buf.as_slice()[..filled.used];
+            for seg in &self.plan[filled.w as usize] {
+                let b = &bytes[seg.buf_at..seg.buf_at + seg.len];
+                g.order.feed_ref(self.lay, seg, b);
+            }
+            g.next += 1;
+        }
+        wake.notify_all();
+    }
+}
+
+/// Joins the writer threads and gathers their pieces' CRC-32s; the error is the stager's
+/// (`staged`) if any, else the first writer's.
+fn join_writers(
+    handles: Vec<std::thread::ScopedJoinHandle<Result<Vec<PieceCrc>>>>,
+    staged: Option<Error>,
+) -> Result<Vec<PieceCrc>> {
+    let mut pieces = Vec::new();
+    let mut err = staged;
+    for h in handles {
+        match h.join().expect("writer thread panicked") {
+            Ok(c) => pieces.extend(c),
+            Err(e) => err = err.or(Some(e)),
+        }
+    }
+    match err {
+        Some(e) => Err(e),
+        None => Ok(pieces),
+    }
 }
 
 #[cfg(test)]

@@ -636,25 +636,88 @@ mod tests {
         );
     }
 
-    /// The one definition of "committed", as a table: each damage to a committed directory and the
-    /// state it gives; `is_committed` agrees with each.
-    #[test]
-    fn checkpoint_state_of_each_damage() {
-        #[derive(Debug, PartialEq)]
-        enum Want {
-            Committed {
-                recorded: bool,
-            },
-            NotCommitted(&'static str),
-            Damaged {
-                repairable: bool,
-                reason: &'static str,
-            },
+    /// The state a damaged committed directory must have.
+    #[derive(Debug, PartialEq)]
+    enum Want {
+        Committed {
+            recorded: bool,
+        },
+        NotCommitted(&'static str),
+        Damaged {
+            repairable: bool,
+            reason: &'static str,
+        },
+    }
+    use Want::*;
+
+    /// Damages the directory of a committed checkpoint.
+    type Damage = fn(&std::path::Path);
+
+    /// The one definition of "committed", as tables (the tests below, one per kind of damage):
+    /// each damage to a committed directory (save `s` of 2 ranks) and the state it gives;
+    /// `is_committed` agrees with each.
+    fn assert_states(cases: &[(&str, Damage, Want)]) {
+        for (what, damage, want) in cases {
+            let dir = tempfile::tempdir().unwrap();
+            let loc = Location::local(dir.path());
+            committed(&loc, "s", 2, true);
+            damage(dir.path());
+            let got = checkpoint_state(&loc).unwrap();
+            let matches = match (&got, want) {
+                (CheckpointState::Committed { record }, Committed { recorded }) => {
+                    record.is_some() == *recorded
+                }
+                (CheckpointState::NotCommitted { reason }, NotCommitted(r)) => reason.contains(r),
+                (
+                    CheckpointState::Damaged {
+                        reason,
+                        repairable: rep,
+                    },
+                    Damaged {
+                        repairable,
+                        reason: r,
+                    },
+                ) => reason.contains(r) && (rep.as_deref() == Some("s")) == *repairable,
+                _ => false,
+            };
+            assert!(matches, "{what}: got {got:?}, want {want:?}");
+            assert_eq!(
+                is_committed(&loc),
+                matches!(want, Committed { .. }),
+                "{what}"
+            );
         }
-        use Want::*;
-        type Damage = fn(&std::path::Path);
-        let cases: [(&str, Damage, Want); 13] = [
+    }
+
+    #[test]
+    fn an_intact_checkpoint_is_committed() {
+        assert_states(&[
             ("whole", |_| {}, Committed { recorded: true }),
+            (
+                // Bytes past every item: nothing a loader reads changed.
+                "data file grown",
+                |d| {
+                    use std::io::Write;
+                    let mut f = std::fs::OpenOptions::new()
+                        .append(true)
+                        .open(d.join("__1_0.distcp"))
+                        .unwrap();
+                    f.write_all(b"appended").unwrap()
+                },
+                Committed { recorded: true },
+            ),
+            (
+                "written by torch (no shardwise state)",
+                |d| std::fs::remove_dir_all(d.join(".shardwise")).unwrap(),
+                Committed { recorded: false },
+            ),
+        ]);
+    }
+
+    /// What the commit wrote from the parts (`.metadata`, `metadata.json`) can be written again.
+    #[test]
+    fn lost_commit_files_are_repairable() {
+        assert_states(&[
             (
                 ".metadata removed",
                 |d| std::fs::remove_file(d.join(METADATA_FILE)).unwrap(),
@@ -671,6 +734,21 @@ mod tests {
                     reason: "is not the one save s committed",
                 },
             ),
+            (
+                "metadata.json removed",
+                |d| std::fs::remove_file(d.join("metadata.json")).unwrap(),
+                Damaged {
+                    repairable: true,
+                    reason: "metadata.json is missing",
+                },
+            ),
+        ]);
+    }
+
+    /// What the ranks wrote (data files, `common.pt`) cannot be rebuilt from the parts.
+    #[test]
+    fn damaged_rank_files_are_not_repairable() {
+        assert_states(&[
             (
                 "data file truncated",
                 |d| std::fs::write(d.join("__1_0.distcp"), [0u8; 3]).unwrap(),
@@ -698,26 +776,22 @@ mod tests {
                 },
             ),
             (
-                "metadata.json removed",
-                |d| std::fs::remove_file(d.join("metadata.json")).unwrap(),
-                Damaged {
-                    repairable: true,
-                    reason: "metadata.json is missing",
-                },
-            ),
-            (
-                // Bytes past every item: nothing a loader reads changed.
-                "data file grown",
+                "written by torch, data file truncated",
                 |d| {
-                    use std::io::Write;
-                    let mut f = std::fs::OpenOptions::new()
-                        .append(true)
-                        .open(d.join("__1_0.distcp"))
-                        .unwrap();
-                    f.write_all(b"appended").unwrap()
+                    std::fs::remove_dir_all(d.join(".shardwise")).unwrap();
+                    std::fs::write(d.join("__1_0.distcp"), [0u8; 71]).unwrap()
                 },
-                Committed { recorded: true },
+                Damaged {
+                    repairable: false,
+                    reason: "data file __1_0.distcp has 71 bytes; .metadata needs 72 bytes",
+                },
             ),
+        ]);
+    }
+
+    #[test]
+    fn an_unfinished_commit_is_not_committed() {
+        assert_states(&[
             (
                 "merger died before COMMITTED",
                 |d| std::fs::remove_file(d.join(".shardwise/s/COMMITTED")).unwrap(),
@@ -739,53 +813,7 @@ mod tests {
                 },
                 NotCommitted(".metadata is absent"),
             ),
-            (
-                "written by torch (no shardwise state)",
-                |d| std::fs::remove_dir_all(d.join(".shardwise")).unwrap(),
-                Committed { recorded: false },
-            ),
-            (
-                "written by torch, data file truncated",
-                |d| {
-                    std::fs::remove_dir_all(d.join(".shardwise")).unwrap();
-                    std::fs::write(d.join("__1_0.distcp"), [0u8; 71]).unwrap()
-                },
-                Damaged {
-                    repairable: false,
-                    reason: "data file __1_0.distcp has 71 bytes; .metadata needs 72 bytes",
-                },
-            ),
-        ];
-        for (what, damage, want) in cases {
-            let dir = tempfile::tempdir().unwrap();
-            let loc = Location::local(dir.path());
-            committed(&loc, "s", 2, true);
-            damage(dir.path());
-            let got = checkpoint_state(&loc).unwrap();
-            let matches = match (&got, &want) {
-                (CheckpointState::Committed { record }, Committed { recorded }) => {
-                    record.is_some() == *recorded
-                }
-                (CheckpointState::NotCommitted { reason }, NotCommitted(r)) => reason.contains(r),
-                (
-                    CheckpointState::Damaged {
-                        reason,
-                        repairable: rep,
-                    },
-                    Damaged {
-                        repairable,
-                        reason: r,
-                    },
-                ) => reason.contains(r) && (rep.as_deref() == Some("s")) == *repairable,
-                _ => false,
-            };
-            assert!(matches, "{what}: got {got:?}, want {want:?}");
-            assert_eq!(
-                is_committed(&loc),
-                matches!(want, Committed { .. }),
-                "{what}"
-            );
-        }
+        ]);
     }
 
     #[test]

@@ -1017,69 +1017,119 @@ fn join_storage<'a>(
     by_fqn: &HashMap<&'a str, usize>,
     transforms: &mut HashMap<(String, Option<Vec<u64>>), Vec<String>>,
 ) -> R<()> {
-    /// One checked entry: where its chunk's offsets are (None for a byte object), the index
-    /// hint, the path (its input position until interned, then its index in `paths`), offset and
-    /// length.
-    struct Item<'s> {
-        offsets: Option<&'s [u64]>,
-        hint: Option<u64>,
-        path: u64,
-        offset: u64,
-        length: u64,
-    }
-    /// An entry checked on its own: its fqn, key (None when `state_dict_metadata` lacks it), item,
-    /// `relative_path` value and `transform_descriptors` (when it has some).
-    type Checked<'s> = (&'s str, Option<u32>, Item<'s>, V, Option<Vec<String>>);
     // The entries are checked in parallel (each alone), then taken in order: the first error in
     // pickle order is reported, and paths are interned in a sequential pass.
     let checked: Vec<R<Checked>> = d
         .dict_pairs(sd, "storage_data")?
         .par_iter()
-        .map(|&(b, k, v)| {
-            let (kb, k) = d.at(b, k);
-            let [fqn_v, offset_v, index_v] = match (kb.class_of(k), k) {
-                (Class::Index, V::Obj { rec, .. }) => kb.indexes[rec as usize],
-                _ => return bad(format!("storage_data key is {}", kb.kind(k))),
-            };
-            // A string value is valid UTF-8 (checked when decoded).
-            let Some(fqn) = kb.text(d.at(kb, fqn_v).1) else {
-                return bad("MetadataIndex without fqn");
-            };
-            let offsets = match d.at(kb, offset_v) {
-                (_, V::Unset | V::None) => None,
-                (ob, o) => Some(ob.shape(o, &|| format!("{fqn}: MetadataIndex.offset"))?),
-            };
-            let (vb, v) = d.at(b, v);
-            let [path_v, off_v, len_v, tr_v] = match (vb.class_of(v), v) {
-                (Class::Storage, V::Obj { rec, .. }) => vb.storages[rec as usize],
-                _ => return bad(format!("{fqn}: storage info is {}", vb.kind(v))),
-            };
-            let path_v = d.at(vb, path_v).1;
-            let V::Str { at: path, .. } = path_v else {
-                return bad(format!("{fqn}: relative_path is not a string"));
-            };
-            let num = |x: V, name: &str| {
-                vb.uint(d.at(vb, x).1).ok_or_else(|| {
-                    MetadataError(format!("{fqn}: {name} is not a non-negative int"))
-                })
-            };
-            let (offset, length) = (num(off_v, "offset")?, num(len_v, "length")?);
-            let names = d.items((vb, tr_v)).map(|list| {
-                list.iter()
-                    .filter_map(|&(tb, t)| tb.text(t).map(String::from))
-                    .collect::<Vec<String>>()
-            });
-            let item = Item {
-                offsets,
-                hint: kb.uint(d.at(kb, index_v).1),
-                path,
-                offset,
-                length,
-            };
-            let key = by_fqn.get(fqn).map(|&i| i as u32);
-            Ok((fqn, key, item, path_v, names.filter(|n| !n.is_empty())))
-        })
+        .map(|&(b, k, v)| check_storage_entry(d, b, k, v, by_fqn))
         .collect();
+    let Interned { paths, per_key } = intern_paths(d, checked, keys.len(), transforms)?;
+    keys.par_iter_mut()
+        .zip(per_key)
+        .for_each(|((_, entry), items)| place_items(entry, items, &paths));
+    Ok(())
+}
+
+/// One checked entry: where its chunk's offsets are (None for a byte object), the index hint, the
+/// path (its input position until interned, then its index in `paths`), offset and length.
+struct Item<'s> {
+    offsets: Option<&'s [u64]>,
+    hint: Option<u64>,
+    path: u64,
+    offset: u64,
+    length: u64,
+}
+
+/// An entry of `storage_data` checked on its own.
+struct Checked<'s> {
+    fqn: &'s str,
+    /// The key's position in `keys`; None when `state_dict_metadata` lacks it.
+    key: Option<u32>,
+    item: Item<'s>,
+    /// The `relative_path` value.
+    path: V,
+    /// `transform_descriptors`, when it has some.
+    transforms: Option<Vec<String>>,
+}
+
+/// Checks one `storage_data` entry, key `k` and value `v` of part `b`, alone (entries are checked
+/// in parallel): a `MetadataIndex` with an fqn, a `_StorageInfo` with a string path and
+/// non-negative offset and length.
+///
+/// Errors: a [`MetadataError`] naming the fqn and field.
+fn check_storage_entry<'a>(
+    d: &'a Decoded<'a>,
+    b: &'a Dcp<'a>,
+    k: V,
+    v: V,
+    by_fqn: &HashMap<&'a str, usize>,
+) -> R<Checked<'a>> {
+    let (kb, k) = d.at(b, k);
+    let [fqn_v, offset_v, index_v] = match (kb.class_of(k), k) {
+        (Class::Index, V::Obj { rec, .. }) => kb.indexes[rec as usize],
+        _ => return bad(format!("storage_data key is {}", kb.kind(k))),
+    };
+    // A string value is valid UTF-8 (checked when decoded).
+    let Some(fqn) = kb.text(d.at(kb, fqn_v).1) else {
+        return bad("MetadataIndex without fqn");
+    };
+    let offsets = match d.at(kb, offset_v) {
+        (_, V::Unset | V::None) => None,
+        (ob, o) => Some(ob.shape(o, &|| format!("{fqn}: MetadataIndex.offset"))?),
+    };
+    let (vb, v) = d.at(b, v);
+    let [path_v, off_v, len_v, tr_v] = match (vb.class_of(v), v) {
+        (Class::Storage, V::Obj { rec, .. }) => vb.storages[rec as usize],
+        _ => return bad(format!("{fqn}: storage info is {}", vb.kind(v))),
+    };
+    let path_v = d.at(vb, path_v).1;
+    let V::Str { at: path, .. } = path_v else {
+        return bad(format!("{fqn}: relative_path is not a string"));
+    };
+    let num = |x: V, name: &str| {
+        vb.uint(d.at(vb, x).1)
+            .ok_or_else(|| MetadataError(format!("{fqn}: {name} is not a non-negative int")))
+    };
+    let (offset, length) = (num(off_v, "offset")?, num(len_v, "length")?);
+    let names = d.items((vb, tr_v)).map(|list| {
+        list.iter()
+            .filter_map(|&(tb, t)| tb.text(t).map(String::from))
+            .collect::<Vec<String>>()
+    });
+    let item = Item {
+        offsets,
+        hint: kb.uint(d.at(kb, index_v).1),
+        path,
+        offset,
+        length,
+    };
+    Ok(Checked {
+        fqn,
+        key: by_fqn.get(fqn).map(|&i| i as u32),
+        item,
+        path: path_v,
+        transforms: names.filter(|n| !n.is_empty()),
+    })
+}
+
+/// The checked entries' distinct paths, and each key's items (their `path` an index in `paths`).
+struct Interned<'s> {
+    paths: Vec<String>,
+    per_key: Vec<Vec<Item<'s>>>,
+}
+
+/// Takes the checked entries in pickle order (the first error wins): records their
+/// `transform_descriptors`, drops those of keys `state_dict_metadata` lacks, and interns the paths
+/// of the others, grouping their items by key (`nkeys` keys).
+///
+/// Errors: the first entry's error; a `relative_path` that leaves the directory.
+fn intern_paths<'s>(
+    d: &Decoded,
+    checked: Vec<R<Checked<'s>>>,
+    nkeys: usize,
+    transforms: &mut HashMap<(String, Option<Vec<u64>>), Vec<String>>,
+) -> R<Interned<'s>> {
     // Each distinct path is checked once, when first met (a rank's entries share one string, so
     // the last one is tried first): every `relative_path` of a decoded `.metadata` names a file
     // inside the checkpoint directory. Positions are not chosen by the hash's adversary in any
@@ -1087,9 +1137,15 @@ fn join_storage<'a>(
     let mut path_at: HashMap<u64, u32, FxBuildHasher> = HashMap::default();
     let mut last: Option<(u64, u32)> = None;
     let mut paths: Vec<String> = Vec::new();
-    let mut per_key: Vec<Vec<Item>> = (0..keys.len()).map(|_| Vec::new()).collect();
+    let mut per_key: Vec<Vec<Item>> = (0..nkeys).map(|_| Vec::new()).collect();
     for c in checked {
-        let (fqn, key, mut item, path_v, names) = c?;
+        let Checked {
+            fqn,
+            key,
+            mut item,
+            path: path_v,
+            transforms: names,
+        } = c?;
         if let Some(names) = names {
             transforms.insert((fqn.to_string(), item.offsets.map(|o| o.to_vec())), names);
         }
@@ -1114,49 +1170,59 @@ fn join_storage<'a>(
         item.path = path as u64;
         per_key[key as usize].push(item);
     }
-    keys.par_iter_mut()
-        .zip(per_key)
-        .for_each(|((_, entry), items)| {
-            // Per key, chunk positions by offsets, made only when neither hint finds the chunk.
-            let mut by_offsets: Option<HashMap<Vec<u64>, usize>> = None;
-            // The chunk after the last one matched: where an entry without a hint looks first
-            // (Megatron's saves record no hint, but list a key's chunks in storage order).
-            let mut next = 0usize;
-            for it in items {
-                let info = StorageInfo {
-                    relative_path: paths[it.path as usize].clone(),
-                    offset: it.offset,
-                    length: it.length,
-                };
-                match (&mut *entry, it.offsets) {
-                    (Entry::Bytes { storage }, None) => *storage = info,
-                    (Entry::Tensor { chunks, .. }, Some(offsets)) => {
-                        let hint = it.hint.map_or(next, |i| i as usize);
-                        let at = if chunks.get(hint).is_some_and(|c| c.offsets == offsets) {
-                            Some(hint)
-                        } else {
-                            by_offsets
-                                .get_or_insert_with(|| {
-                                    let mut m = HashMap::new();
-                                    for (i, c) in chunks.iter().enumerate() {
-                                        m.entry(c.offsets.clone()).or_insert(i);
-                                    }
-                                    m
-                                })
-                                .get(offsets)
-                                .copied()
-                        };
-                        if let Some(i) = at {
-                            chunks[i].storage = info;
-                            next = i + 1;
-                        }
-                    }
-                    // A tensor key without offsets, or a byte object with them: nothing reads it.
-                    _ => {}
+    Ok(Interned { paths, per_key })
+}
+
+/// Gives one key's `entry` the storage of its `items` (in `storage_data` order): a byte object its
+/// one storage, each chunk of a tensor the storage of the item with its offsets.
+fn place_items(entry: &mut Entry, items: Vec<Item>, paths: &[String]) {
+    // Per key, chunk positions by offsets, made only when neither hint finds the chunk.
+    let mut by_offsets: Option<HashMap<Vec<u64>, usize>> = None;
+    // The chunk after the last one matched: where an entry without a hint looks first
+    // (Megatron's saves record no hint, but list a key's chunks in storage order).
+    let mut next = 0usize;
+    for it in items {
+        let info = StorageInfo {
+            relative_path: paths[it.path as usize].clone(),
+            offset: it.offset,
+            length: it.length,
+        };
+        match (&mut *entry, it.offsets) {
+            (Entry::Bytes { storage }, None) => *storage = info,
+            (Entry::Tensor { chunks, .. }, Some(offsets)) => {
+                let hint = it.hint.map_or(next, |i| i as usize);
+                if let Some(i) = find_chunk(chunks, offsets, hint, &mut by_offsets) {
+                    chunks[i].storage = info;
+                    next = i + 1;
                 }
             }
-        });
-    Ok(())
+            // A tensor key without offsets, or a byte object with them: nothing reads it.
+            _ => {}
+        }
+    }
+}
+
+/// The position of the chunk at `offsets`: `hint` when that chunk has them, else looked up in
+/// `by_offsets` (made on first need; the first chunk of equal offsets wins).
+fn find_chunk(
+    chunks: &[Chunk],
+    offsets: &[u64],
+    hint: usize,
+    by_offsets: &mut Option<HashMap<Vec<u64>, usize>>,
+) -> Option<usize> {
+    if chunks.get(hint).is_some_and(|c| c.offsets == offsets) {
+        return Some(hint);
+    }
+    by_offsets
+        .get_or_insert_with(|| {
+            let mut m = HashMap::new();
+            for (i, c) in chunks.iter().enumerate() {
+                m.entry(c.offsets.clone()).or_insert(i);
+            }
+            m
+        })
+        .get(offsets)
+        .copied()
 }
 
 #[cfg(test)]
@@ -1564,5 +1630,86 @@ mod tests {
         assert!(e(b"\x80\x02K\x01r\xff\xff\xff\xff0j\xff\xff\xff\xff.")
             .contains("top-level value is int"));
         assert!(e(b"\x80\x02j\x00\x00\x00\x01.").contains("memo key 16777216 missing"));
+    }
+
+    fn chunk_at(offsets: &[u64]) -> Chunk {
+        Chunk {
+            offsets: offsets.to_vec(),
+            sizes: vec![1],
+            storage: StorageInfo {
+                relative_path: String::new(),
+                offset: 0,
+                length: 0,
+            },
+        }
+    }
+
+    /// The hint when it names the chunk, else the first chunk with the offsets; the map is made
+    /// only when a hint misses.
+    #[test]
+    fn find_chunk_trusts_a_right_hint_only() {
+        let chunks = [
+            chunk_at(&[0]),
+            chunk_at(&[4]),
+            chunk_at(&[4]),
+            chunk_at(&[8]),
+        ];
+        let mut by_offsets = None;
+        assert_eq!(find_chunk(&chunks, &[8], 3, &mut by_offsets), Some(3));
+        assert!(by_offsets.is_none());
+        assert_eq!(find_chunk(&chunks, &[4], 0, &mut by_offsets), Some(1));
+        assert_eq!(find_chunk(&chunks, &[0], 99, &mut by_offsets), Some(0));
+        assert_eq!(find_chunk(&chunks, &[5], 1, &mut by_offsets), None);
+        assert_eq!(by_offsets.map(|m| m.len()), Some(3));
+    }
+
+    /// Items without a hint look after the last chunk matched; a byte object takes its one item;
+    /// an item of the other kind is ignored.
+    #[test]
+    fn place_items_fills_each_chunk_from_its_item() {
+        let paths = ["a".to_string(), "b".to_string()];
+        let item = |offsets: Option<&'static [u64]>, hint, path, offset| Item {
+            offsets,
+            hint,
+            path,
+            offset,
+            length: 10,
+        };
+        let mut e = Entry::Tensor {
+            dtype: DType::U8,
+            global_shape: vec![12],
+            chunks: vec![chunk_at(&[0]), chunk_at(&[4]), chunk_at(&[8])],
+        };
+        let items = vec![
+            item(Some(&[4]), None, 0, 1), // no hint: tries chunk 0, found through the map
+            item(Some(&[8]), None, 1, 2), // no hint: chunk 2, after the last matched
+            item(Some(&[0]), Some(0), 1, 3),
+            item(None, None, 0, 4),          // a tensor item without offsets
+            item(Some(&[6]), Some(1), 0, 5), // offsets no chunk has
+        ];
+        place_items(&mut e, items, &paths);
+        let Entry::Tensor { chunks, .. } = &e else {
+            unreachable!()
+        };
+        let got: Vec<(&str, u64)> = chunks
+            .iter()
+            .map(|c| (c.storage.relative_path.as_str(), c.storage.offset))
+            .collect();
+        assert_eq!(got, vec![("b", 3), ("a", 1), ("b", 2)]);
+
+        let mut e = Entry::Bytes {
+            storage: chunk_at(&[]).storage,
+        };
+        place_items(
+            &mut e,
+            vec![item(None, None, 1, 7), item(Some(&[0]), None, 0, 8)],
+            &paths,
+        );
+        let want = StorageInfo {
+            relative_path: "b".into(),
+            offset: 7,
+            length: 10,
+        };
+        assert_eq!(e, Entry::Bytes { storage: want });
     }
 }

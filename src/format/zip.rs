@@ -84,12 +84,12 @@ impl ArchiveLayout {
                 data: Data::Inline(serialization_id.as_bytes()),
             },
         ];
-        let (prefix, suffix_template, crc_at) = encode_archive(&records, zip64_threshold);
+        let enc = encode_archive(&records, zip64_threshold);
         ArchiveLayout {
-            prefix,
+            prefix: enc.prefix,
             payload_len,
-            suffix_template,
-            crc_at,
+            suffix_template: enc.suffix,
+            crc_at: enc.crc_at,
         }
     }
 
@@ -136,9 +136,9 @@ pub fn object_archive(pickle: &[u8], serialization_id: &str) -> Vec<u8> {
             data: Data::Inline(serialization_id.as_bytes()),
         },
     ];
-    let (mut bytes, suffix, _) = encode_archive(&records, U32_LIMIT);
-    bytes.extend_from_slice(&suffix);
-    bytes
+    let mut enc = encode_archive(&records, U32_LIMIT);
+    enc.prefix.extend_from_slice(&enc.suffix);
+    enc.prefix
 }
 
 /// `data.pkl` of `torch.save(tensor)`: `_rebuild_tensor_v2` for legacy dtypes, `_rebuild_tensor_v3`
@@ -240,6 +240,7 @@ fn clamp32(v: u64, threshold: u64) -> u32 {
     }
 }
 
+/// A record's central directory entry, remembered while the records are written.
 struct Central {
     name: String,
     crc: u32,
@@ -248,142 +249,200 @@ struct Central {
     external: bool,
 }
 
-/// Encodes the archive with a payload CRC of 0; returns the bytes before the external payload, the
-/// bytes after it, and the two positions in the latter where the payload's CRC-32 belongs (its data
+/// An encoded archive with a payload CRC of 0: the bytes before the external payload, the bytes
+/// after it, and the two positions in the latter where the payload's CRC-32 belongs (its data
 /// descriptor, absent for an empty payload, and its central directory entry).
-fn encode_archive(records: &[Record], threshold: u64) -> (Vec<u8>, Vec<u8>, [Option<usize>; 2]) {
-    let payload_crc = 0u32;
-    let mut descriptor_crc_at = None;
-    let mut prefix = Vec::new();
-    let mut suffix = Vec::new();
-    let mut cursor = 0u64;
-    let mut central = Vec::with_capacity(records.len());
-    let mut seen_external = false;
-    for rec in records {
+struct Encoded {
+    prefix: Vec<u8>,
+    suffix: Vec<u8>,
+    crc_at: [Option<usize>; 2],
+}
+
+/// Encodes the archive with a payload CRC of 0, as named steps: each record ([`Records::push`]: local header, inline data,
+/// data descriptor), then the central directory ([`central_entry`]) and the end records
+/// ([`end_records`]), which all follow the payload.
+fn encode_archive(records: &[Record], threshold: u64) -> Encoded {
+    let mut enc = Records {
+        prefix: Vec::new(),
+        suffix: Vec::new(),
+        cursor: 0,
+        seen_external: false,
+        descriptor_crc_at: None,
+    };
+    let central: Vec<Central> = records.iter().map(|r| enc.push(r, threshold)).collect();
+    let cd_offset = enc.cursor;
+    let out = &mut enc.suffix;
+    let cd_start = out.len();
+    let mut central_crc_at = None;
+    for c in &central {
+        let at = central_entry(out, c, threshold);
+        if c.external {
+            central_crc_at = Some(at);
+        }
+    }
+    let cd_size = (out.len() - cd_start) as u64;
+    end_records(out, central.len() as u64, cd_size, cd_offset, threshold);
+    Encoded {
+        prefix: enc.prefix,
+        suffix: enc.suffix,
+        crc_at: [enc.descriptor_crc_at, central_crc_at],
+    }
+}
+
+/// The records written so far: bytes before the external payload go to `prefix`, those after it
+/// to `suffix`; `cursor` is the archive offset of the next byte (the payload counted).
+struct Records {
+    prefix: Vec<u8>,
+    suffix: Vec<u8>,
+    cursor: u64,
+    seen_external: bool,
+    /// Where in `suffix` the external record's data descriptor holds its CRC.
+    descriptor_crc_at: Option<usize>,
+}
+
+impl Records {
+    /// Where the next bytes go: after the external payload once it has been passed.
+    fn out(&mut self) -> &mut Vec<u8> {
+        if self.seen_external {
+            &mut self.suffix
+        } else {
+            &mut self.prefix
+        }
+    }
+
+    /// Writes one record (local header, inline data, data descriptor) and returns its central
+    /// directory entry. An external record's data is the payload, written by the caller between
+    /// `prefix` and `suffix`; its CRC is 0 here.
+    fn push(&mut self, rec: &Record, threshold: u64) -> Central {
         let name = format!("{PREFIX}{}", rec.name);
-        let header_offset = cursor;
+        let header_offset = self.cursor;
         let (size, crc) = match rec.data {
             Data::Inline(b) => (b.len() as u64, crc32fast::hash(b)),
-            Data::External(n) => (n, payload_crc),
+            Data::External(n) => (n, 0),
         };
-        let big_size = size >= threshold;
-        let zip64 = zip64_extra(size, cursor, threshold);
-        let out = if seen_external {
-            &mut suffix
-        } else {
-            &mut prefix
-        };
-        let header_start = out.len();
-        put32(out, 0x0403_4b50);
-        put16(out, if zip64.is_empty() { 0 } else { 45 });
-        put16(out, flags(size));
-        put16(out, 0); // STORED
-        put16(out, 0); // time
-        put16(out, 0); // date
-        put32(out, 0); // crc: in the data descriptor
-        let local_size = if big_size { 0xFFFF_FFFF } else { 0 };
-        put32(out, local_size);
-        put32(out, local_size);
-        // Extra fields: zip64 (sizes, then offset) first, then the "FB" padding (getPadding).
-        let zip64_len = if zip64.is_empty() {
-            0
-        } else {
-            4 + zip64.len() as u64
-        };
-        let start = cursor + 30 + name.len() as u64 + 4 + zip64_len;
-        let pad = (ALIGN - start % ALIGN) % ALIGN;
-        put16(out, name.len() as u16);
-        put16(out, (zip64_len + 4 + pad) as u16);
-        out.extend_from_slice(name.as_bytes());
-        if !zip64.is_empty() {
-            put16(out, 0x0001);
-            put16(out, zip64.len() as u16);
-            out.extend_from_slice(&zip64);
-        }
-        out.extend_from_slice(b"FB");
-        put16(out, pad as u16);
-        out.resize(out.len() + pad as usize, b'Z');
-        let header_len = (out.len() - header_start) as u64;
-        debug_assert_eq!((cursor + header_len) % ALIGN, 0);
-        cursor += header_len;
+        let cursor = self.cursor;
+        self.cursor += local_header(self.out(), &name, size, cursor, threshold);
         match rec.data {
-            Data::Inline(b) => out.extend_from_slice(b),
-            Data::External(_) => seen_external = true,
+            Data::Inline(b) => self.out().extend_from_slice(b),
+            Data::External(_) => self.seen_external = true,
         }
-        cursor += size;
+        self.cursor += size;
         // miniz writes no data descriptor after an empty record (fixture `empty_0x4`).
         if size > 0 {
-            let out = if seen_external {
-                &mut suffix
-            } else {
-                &mut prefix
-            };
+            let out = self.out();
             let before = out.len();
-            put32(out, 0x0807_4b50);
+            let at = data_descriptor(out, crc, size, threshold);
             if matches!(rec.data, Data::External(_)) {
-                descriptor_crc_at = Some(out.len());
+                self.descriptor_crc_at = Some(at);
             }
-            put32(out, crc);
-            if big_size {
-                put64(out, size);
-                put64(out, size);
-            } else {
-                put32(out, size as u32);
-                put32(out, size as u32);
-            }
-            cursor += (out.len() - before) as u64;
+            self.cursor += (self.out().len() - before) as u64;
         }
-        central.push(Central {
+        Central {
             name,
             crc,
             size,
             offset: header_offset,
             external: matches!(rec.data, Data::External(_)),
-        });
-    }
-    let cd_offset = cursor;
-    let out = &mut suffix;
-    let cd_start = out.len();
-    let mut central_crc_at = None;
-    for c in &central {
-        let zip64 = zip64_extra(c.size, c.offset, threshold);
-        put32(out, 0x0201_4b50);
-        put16(out, 0); // made by
-        put16(out, if zip64.is_empty() { 0 } else { 45 });
-        put16(out, flags(c.size));
-        put16(out, 0);
-        put16(out, 0);
-        put16(out, 0);
-        if c.external {
-            central_crc_at = Some(out.len());
-        }
-        put32(out, c.crc);
-        put32(out, clamp32(c.size, threshold));
-        put32(out, clamp32(c.size, threshold));
-        put16(out, c.name.len() as u16);
-        put16(
-            out,
-            if zip64.is_empty() {
-                0
-            } else {
-                4 + zip64.len() as u16
-            },
-        );
-        put16(out, 0); // comment
-        put16(out, 0); // disk
-        put16(out, 0); // internal attributes
-        put32(out, 0); // external attributes
-        put32(out, clamp32(c.offset, threshold));
-        out.extend_from_slice(c.name.as_bytes());
-        if !zip64.is_empty() {
-            put16(out, 0x0001);
-            put16(out, zip64.len() as u16);
-            out.extend_from_slice(&zip64);
         }
     }
-    let cd_size = (out.len() - cd_start) as u64;
+}
+
+/// Appends the local header of record `name` (`size` bytes, header at archive offset `offset`),
+/// padded so that the record's data starts on a 64-byte boundary; returns the header's length.
+fn local_header(out: &mut Vec<u8>, name: &str, size: u64, offset: u64, threshold: u64) -> u64 {
+    let zip64 = zip64_extra(size, offset, threshold);
+    let header_start = out.len();
+    put32(out, 0x0403_4b50);
+    put16(out, if zip64.is_empty() { 0 } else { 45 });
+    put16(out, flags(size));
+    put16(out, 0); // STORED
+    put16(out, 0); // time
+    put16(out, 0); // date
+    put32(out, 0); // crc: in the data descriptor
+    let local_size = if size >= threshold { 0xFFFF_FFFF } else { 0 };
+    put32(out, local_size);
+    put32(out, local_size);
+    // Extra fields: zip64 (sizes, then offset) first, then the "FB" padding (getPadding).
+    let zip64_len = if zip64.is_empty() {
+        0
+    } else {
+        4 + zip64.len() as u64
+    };
+    let start = offset + 30 + name.len() as u64 + 4 + zip64_len;
+    let pad = (ALIGN - start % ALIGN) % ALIGN;
+    put16(out, name.len() as u16);
+    put16(out, (zip64_len + 4 + pad) as u16);
+    out.extend_from_slice(name.as_bytes());
+    if !zip64.is_empty() {
+        put16(out, 0x0001);
+        put16(out, zip64.len() as u16);
+        out.extend_from_slice(&zip64);
+    }
+    out.extend_from_slice(b"FB");
+    put16(out, pad as u16);
+    out.resize(out.len() + pad as usize, b'Z');
+    let header_len = (out.len() - header_start) as u64;
+    debug_assert_eq!((offset + header_len) % ALIGN, 0);
+    header_len
+}
+
+/// Appends the data descriptor of a record of `size` bytes (sizes in 64 bits from `threshold`
+/// on); returns where in `out` its CRC is.
+fn data_descriptor(out: &mut Vec<u8>, crc: u32, size: u64, threshold: u64) -> usize {
+    put32(out, 0x0807_4b50);
+    let crc_at = out.len();
+    put32(out, crc);
+    if size >= threshold {
+        put64(out, size);
+        put64(out, size);
+    } else {
+        put32(out, size as u32);
+        put32(out, size as u32);
+    }
+    crc_at
+}
+
+/// Appends the central directory entry of one record; returns where in `out` its CRC is.
+fn central_entry(out: &mut Vec<u8>, c: &Central, threshold: u64) -> usize {
+    let zip64 = zip64_extra(c.size, c.offset, threshold);
+    put32(out, 0x0201_4b50);
+    put16(out, 0); // made by
+    put16(out, if zip64.is_empty() { 0 } else { 45 });
+    put16(out, flags(c.size));
+    put16(out, 0);
+    put16(out, 0);
+    put16(out, 0);
+    let crc_at = out.len();
+    put32(out, c.crc);
+    put32(out, clamp32(c.size, threshold));
+    put32(out, clamp32(c.size, threshold));
+    put16(out, c.name.len() as u16);
+    put16(
+        out,
+        if zip64.is_empty() {
+            0
+        } else {
+            4 + zip64.len() as u16
+        },
+    );
+    put16(out, 0); // comment
+    put16(out, 0); // disk
+    put16(out, 0); // internal attributes
+    put32(out, 0); // external attributes
+    put32(out, clamp32(c.offset, threshold));
+    out.extend_from_slice(c.name.as_bytes());
+    if !zip64.is_empty() {
+        put16(out, 0x0001);
+        put16(out, zip64.len() as u16);
+        out.extend_from_slice(&zip64);
+    }
+    crc_at
+}
+
+/// Appends the zip64 end record, its locator and the classic end record (torch writes all three,
+/// always) for `n` entries and a central directory of `cd_size` bytes at `cd_offset`.
+fn end_records(out: &mut Vec<u8>, n: u64, cd_size: u64, cd_offset: u64, threshold: u64) {
     let eocd64_offset = cd_offset + cd_size;
-    let n = central.len() as u64;
     put32(out, 0x0606_4b50);
     put64(out, 44);
     put16(out, 0x031e);
@@ -406,7 +465,6 @@ fn encode_archive(records: &[Record], threshold: u64) -> (Vec<u8>, Vec<u8>, [Opt
     put32(out, clamp32(cd_size, threshold));
     put32(out, clamp32(cd_offset, threshold));
     put16(out, 0);
-    (prefix, suffix, [descriptor_crc_at, central_crc_at])
 }
 
 #[cfg(test)]
@@ -437,5 +495,151 @@ mod tests {
             std::io::Read::read_to_end(&mut f, &mut got).unwrap();
             assert_eq!(got, payload);
         }
+    }
+
+    fn u16_at(b: &[u8], at: usize) -> u16 {
+        u16::from_le_bytes(b[at..at + 2].try_into().unwrap())
+    }
+    fn u32_at(b: &[u8], at: usize) -> u32 {
+        u32::from_le_bytes(b[at..at + 4].try_into().unwrap())
+    }
+
+    /// A local header pads with "FB" and 'Z's so the data starts on a 64-byte boundary of the
+    /// archive, whatever the header's offset; zip64 sizes come before the padding.
+    #[test]
+    fn local_header_aligns_the_data() {
+        let mut out = vec![0u8; 3]; // bytes already there do not count: `offset` does
+        let len = local_header(&mut out, "archive/data.pkl", 10, 0, U32_LIMIT);
+        assert_eq!((len, out.len()), (64, 67));
+        let h = &out[3..];
+        assert_eq!(u32_at(h, 0), 0x0403_4b50);
+        assert_eq!((u16_at(h, 4), u16_at(h, 6)), (0, 0x0808));
+        assert_eq!((u32_at(h, 18), u32_at(h, 22)), (0, 0));
+        assert_eq!((u16_at(h, 26), u16_at(h, 28)), (16, 4 + 14));
+        assert_eq!(&h[30..46], b"archive/data.pkl");
+        assert_eq!((&h[46..48], u16_at(h, 48)), (&b"FB"[..], 14));
+        assert!(h[50..].iter().all(|&b| b == b'Z'));
+
+        let mut out = Vec::new();
+        let len = local_header(&mut out, "archive/data/0", 0, 100, U32_LIMIT);
+        assert_eq!((100 + len) % ALIGN, 0);
+        assert_eq!(u16_at(&out, 6), 0x0800, "an empty record has no descriptor");
+
+        // zip64: sizes of 8 bytes or more with a threshold of 8; the offset 0 stays 32-bit.
+        let mut out = Vec::new();
+        let len = local_header(&mut out, "archive/data.pkl", 10, 0, 8);
+        assert_eq!(len, 128);
+        assert_eq!(u16_at(&out, 4), 45);
+        assert_eq!(
+            (u32_at(&out, 18), u32_at(&out, 22)),
+            (0xFFFF_FFFF, 0xFFFF_FFFF)
+        );
+        assert_eq!((u16_at(&out, 46), u16_at(&out, 48)), (0x0001, 16));
+        assert_eq!(&out[66..68], b"FB");
+    }
+
+    #[test]
+    fn data_descriptor_holds_the_crc_and_both_sizes() {
+        let mut out = vec![9u8; 2];
+        assert_eq!(data_descriptor(&mut out, 0xdead_beef, 10, U32_LIMIT), 6);
+        assert_eq!(out.len(), 2 + 16);
+        assert_eq!(u32_at(&out, 2), 0x0807_4b50);
+        assert_eq!(u32_at(&out, 6), 0xdead_beef);
+        assert_eq!((u32_at(&out, 10), u32_at(&out, 14)), (10, 10));
+        let mut out = Vec::new();
+        assert_eq!(data_descriptor(&mut out, 1, 10, 8), 4);
+        assert_eq!(out.len(), 24);
+        assert_eq!(
+            &out[8..24],
+            &[10, 0, 0, 0, 0, 0, 0, 0, 10, 0, 0, 0, 0, 0, 0, 0]
+        );
+    }
+
+    #[test]
+    fn central_entry_points_at_its_header() {
+        let c = Central {
+            name: "archive/version".into(),
+            crc: 7,
+            size: 2,
+            offset: 320,
+            external: false,
+        };
+        let mut out = vec![0u8; 5];
+        assert_eq!(central_entry(&mut out, &c, U32_LIMIT), 5 + 16);
+        let e = &out[5..];
+        assert_eq!(e.len(), 46 + 15);
+        assert_eq!(u32_at(e, 0), 0x0201_4b50);
+        assert_eq!((u32_at(e, 16), u32_at(e, 20), u32_at(e, 24)), (7, 2, 2));
+        assert_eq!((u16_at(e, 28), u16_at(e, 30)), (15, 0));
+        assert_eq!(u32_at(e, 42), 320);
+        assert_eq!(&e[46..], b"archive/version");
+        // zip64: the offset past the threshold moves into the extra field.
+        let mut out = Vec::new();
+        central_entry(&mut out, &c, 300);
+        assert_eq!((u16_at(&out, 6), u16_at(&out, 30)), (45, 4 + 8));
+        assert_eq!(u32_at(&out, 42), 0xFFFF_FFFF);
+        assert_eq!(out.len(), 46 + 15 + 12);
+    }
+
+    #[test]
+    fn end_records_are_zip64_then_classic() {
+        let mut out = Vec::new();
+        end_records(&mut out, 5, 300, 1000, U32_LIMIT);
+        assert_eq!(out.len(), 56 + 20 + 22);
+        assert_eq!(u32_at(&out, 0), 0x0606_4b50);
+        assert_eq!(u32_at(&out, 56), 0x0706_4b50);
+        assert_eq!(
+            u32_at(&out, 64),
+            1300,
+            "the locator points at the zip64 end record"
+        );
+        let classic = &out[76..];
+        assert_eq!(u32_at(classic, 0), 0x0605_4b50);
+        assert_eq!((u16_at(classic, 8), u16_at(classic, 10)), (5, 5));
+        assert_eq!((u32_at(classic, 12), u32_at(classic, 16)), (300, 1000));
+        let mut out = Vec::new();
+        end_records(&mut out, 5, 300, 1000, 500);
+        assert_eq!(
+            (u32_at(&out, 76 + 12), u32_at(&out, 76 + 16)),
+            (300, 0xFFFF_FFFF)
+        );
+    }
+
+    /// The external record's header goes before the payload, its descriptor after it; the cursor
+    /// counts the payload.
+    #[test]
+    fn records_split_around_the_external_payload() {
+        let mut enc = Records {
+            prefix: Vec::new(),
+            suffix: Vec::new(),
+            cursor: 0,
+            seen_external: false,
+            descriptor_crc_at: None,
+        };
+        let small = enc.push(
+            &Record {
+                name: "byteorder",
+                data: Data::Inline(b"little"),
+            },
+            U32_LIMIT,
+        );
+        assert_eq!((small.offset, small.size, small.external), (0, 6, false));
+        assert_eq!(small.crc, crc32fast::hash(b"little"));
+        assert_eq!(enc.prefix.len(), 64 + 6 + 16);
+        let payload = enc.push(
+            &Record {
+                name: "data/0",
+                data: Data::External(100),
+            },
+            U32_LIMIT,
+        );
+        assert_eq!(
+            (payload.offset, payload.crc, payload.external),
+            (86, 0, true)
+        );
+        assert_eq!(enc.prefix.len() % 64, 0, "the payload starts aligned");
+        assert_eq!(enc.suffix.len(), 16);
+        assert_eq!(enc.descriptor_crc_at, Some(4));
+        assert_eq!(enc.cursor, enc.prefix.len() as u64 + 100 + 16);
     }
 }

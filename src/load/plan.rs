@@ -494,133 +494,167 @@ pub fn reads(
     host: &[bool],
     shape: ReadShape,
 ) -> Vec<Read> {
+    let mut out = Vec::new();
+    for (file, FileShare { mut ids, extra }) in by_file(copies, extra).into_iter().enumerate() {
+        ids.sort_by_key(|&i| (copies[i].copy.src, copies[i].copy.span()));
+        let direct = mark_direct(copies, &ids, host, shape.direct_min);
+        let spans = || {
+            ids.iter()
+                .filter(|&&i| !copies[i].direct)
+                .map(|&i| copies[i].copy.src..copies[i].copy.src + copies[i].copy.span())
+        };
+        // Needed ranges, merged across small holes.
+        let needed = coalesce(spans().chain(extra).collect(), |m, r| {
+            r.start <= m.end.saturating_add(shape.gap)
+        });
+        let buffered = minus_direct(needed, copies, &direct);
+        // Clusters of overlapping buffered copies: reads are cut only between them.
+        let clusters = coalesce(spans().collect(), |c, r| r.start < c.end);
+        let first_read = out.len();
+        cut_reads(file, &buffered, &clusters, shape.max_read, &mut out);
+        assign_copies(&mut out[first_read..], copies, &ids);
+        out.extend(direct.into_iter().map(|i| {
+            let c = &copies[i].copy;
+            Read {
+                file,
+                range: c.src..c.src + c.run,
+                direct: Some(i),
+                copies: vec![i],
+            }
+        }));
+    }
+    out
+}
+
+/// One data file's share of the reads: its copies (indices) and `extra` ranges.
+#[derive(Clone, Default)]
+struct FileShare {
+    ids: Vec<usize>,
+    extra: Vec<Range<u64>>,
+}
+
+/// The copies and `extra` ranges of each data file, by file index (as many files as the highest
+/// index named).
+fn by_file(copies: &[Copy], extra: &[(usize, Range<u64>)]) -> Vec<FileShare> {
     let nfiles = copies
         .iter()
         .map(|c| c.file + 1)
         .chain(extra.iter().map(|e| e.0 + 1))
         .max()
         .unwrap_or(0);
-    let mut by_file: Vec<Vec<usize>> = vec![Vec::new(); nfiles];
+    let mut files = vec![FileShare::default(); nfiles];
     for (i, c) in copies.iter().enumerate() {
-        by_file[c.file].push(i);
+        files[c.file].ids.push(i);
     }
-    let mut extra_by_file: Vec<Vec<Range<u64>>> = vec![Vec::new(); nfiles];
     for (f, r) in extra {
-        extra_by_file[*f].push(r.clone());
+        files[*f].extra.push(r.clone());
     }
-    let mut out = Vec::new();
-    for (file, mut ids) in by_file.into_iter().enumerate() {
-        ids.sort_by_key(|&i| (copies[i].copy.src, copies[i].copy.span()));
-        // Direct: contiguous host copies of at least direct_min bytes that no other copy overlaps
-        // (`reach`: the furthest end of the copies before, which are sorted by start).
-        let mut reach = 0;
-        for (k, &i) in ids.iter().enumerate() {
-            let c = &copies[i];
-            let (a, b) = (c.copy.src, c.copy.src + c.copy.span());
-            let alone = reach <= a && ids.get(k + 1).is_none_or(|&j| copies[j].copy.src >= b);
-            reach = reach.max(b);
-            copies[i].direct =
-                alone && c.copy.contiguous() && c.copy.run >= shape.direct_min && host[c.req];
-        }
-        let mut direct: Vec<usize> = ids.iter().copied().filter(|&i| copies[i].direct).collect();
-        direct.sort_by_key(|&i| copies[i].copy.src);
-        // Needed ranges, merged across small holes.
-        let mut ranges: Vec<Range<u64>> = ids
-            .iter()
-            .filter(|&&i| !copies[i].direct)
-            .map(|&i| copies[i].copy.src..copies[i].copy.src + copies[i].copy.span())
-            .chain(extra_by_file[file].iter().cloned())
-            .collect();
-        ranges.sort_by_key(|r| r.start);
-        let mut merged: Vec<Range<u64>> = Vec::new();
-        for r in ranges {
-            match merged.last_mut() {
-                Some(m) if r.start <= m.end.saturating_add(shape.gap) => m.end = m.end.max(r.end),
-                _ => merged.push(r),
-            }
-        }
-        // Minus the direct ranges (they lie inside items, whose other bytes may still be needed).
-        let mut buffered: Vec<Range<u64>> = Vec::new();
-        let mut d = 0;
-        for m in merged {
-            let mut start = m.start;
-            while d < direct.len() && copies[direct[d]].copy.src < m.end {
-                let c = &copies[direct[d]].copy;
-                let (a, b) = (c.src, c.src + c.run);
-                if b > start {
-                    if a > start {
-                        buffered.push(start..a.min(m.end));
-                    }
-                    start = start.max(b);
-                }
-                if b > m.end {
-                    break;
-                }
-                d += 1;
-            }
-            if start < m.end {
-                buffered.push(start..m.end);
-            }
-        }
-        // Clusters of overlapping buffered copies: reads are cut only between them.
-        let mut spans: Vec<Range<u64>> = ids
-            .iter()
-            .filter(|&&i| !copies[i].direct)
-            .map(|&i| copies[i].copy.src..copies[i].copy.src + copies[i].copy.span())
-            .collect();
-        spans.sort_by_key(|r| r.start);
-        let mut clusters: Vec<Range<u64>> = Vec::new();
-        for r in spans {
-            match clusters.last_mut() {
-                Some(c) if r.start < c.end => c.end = c.end.max(r.end),
-                _ => clusters.push(r),
-            }
-        }
-        let first_read = out.len();
-        for r in buffered {
-            let mut start = r.start;
-            while r.end - start > shape.max_read {
-                let mut cut = start + shape.max_read;
-                // Inside a cluster: cut before it, or after it when it begins at `start`.
-                let k = clusters.partition_point(|c| c.end <= cut);
-                if let Some(c) = clusters.get(k).filter(|c| c.start < cut) {
-                    cut = if c.start > start { c.start } else { c.end };
-                }
-                out.push(Read {
-                    file,
-                    range: start..cut,
-                    direct: None,
-                    copies: Vec::new(),
-                });
-                start = cut;
-            }
-            if start < r.end {
-                out.push(Read {
-                    file,
-                    range: start..r.end,
-                    direct: None,
-                    copies: Vec::new(),
-                });
-            }
-        }
-        // Each buffered copy goes to the read holding its first byte (its whole span by
-        // construction).
-        let starts: Vec<u64> = out[first_read..].iter().map(|r| r.range.start).collect();
-        for &i in ids.iter().filter(|&&i| !copies[i].direct) {
-            let k = starts.partition_point(|&s| s <= copies[i].copy.src) - 1;
-            out[first_read + k].copies.push(i);
-        }
-        for i in direct {
-            let c = &copies[i].copy;
-            out.push(Read {
-                file,
-                range: c.src..c.src + c.run,
-                direct: Some(i),
-                copies: vec![i],
-            });
+    files
+}
+
+/// Marks the direct copies among one file's copies `ids` (sorted by start, then span): contiguous
+/// host copies of at least `direct_min` bytes that no other copy overlaps. Returns them sorted by
+/// start.
+fn mark_direct(copies: &mut [Copy], ids: &[usize], host: &[bool], direct_min: u64) -> Vec<usize> {
+    // `reach`: the furthest end of the copies before, which are sorted by start.
+    let mut reach = 0;
+    for (k, &i) in ids.iter().enumerate() {
+        let c = &copies[i];
+        let (a, b) = (c.copy.src, c.copy.src + c.copy.span());
+        let alone = reach <= a && ids.get(k + 1).is_none_or(|&j| copies[j].copy.src >= b);
+        reach = reach.max(b);
+        copies[i].direct = alone && c.copy.contiguous() && c.copy.run >= direct_min && host[c.req];
+    }
+    let mut direct: Vec<usize> = ids.iter().copied().filter(|&i| copies[i].direct).collect();
+    direct.sort_by_key(|&i| copies[i].copy.src);
+    direct
+}
+
+/// `ranges` sorted by start, each merged into the one before when `joins(before, it)`.
+fn coalesce(
+    mut ranges: Vec<Range<u64>>,
+    joins: impl Fn(&Range<u64>, &Range<u64>) -> bool,
+) -> Vec<Range<u64>> {
+    ranges.sort_by_key(|r| r.start);
+    let mut merged: Vec<Range<u64>> = Vec::new();
+    for r in ranges {
+        match merged.last_mut() {
+            Some(m) if joins(m, &r) => m.end = m.end.max(r.end),
+            _ => merged.push(r),
         }
     }
-    out
+    merged
+}
+
+/// The `merged` ranges minus the bytes of the `direct` copies (sorted by start): direct ranges lie
+/// inside items, whose other bytes may still be needed.
+fn minus_direct(merged: Vec<Range<u64>>, copies: &[Copy], direct: &[usize]) -> Vec<Range<u64>> {
+    let mut buffered: Vec<Range<u64>> = Vec::new();
+    let mut d = 0;
+    for m in merged {
+        let mut start = m.start;
+        while d < direct.len() && copies[direct[d]].copy.src < m.end {
+            let c = &copies[direct[d]].copy;
+            let (a, b) = (c.src, c.src + c.run);
+            if b > start {
+                if a > start {
+                    buffered.push(start..a.min(m.end));
+                }
+                start = start.max(b);
+            }
+            if b > m.end {
+                break;
+            }
+            d += 1;
+        }
+        if start < m.end {
+            buffered.push(start..m.end);
+        }
+    }
+    buffered
+}
+
+/// Appends to `out` the reads of file `file` that cover the `buffered` ranges, each at most
+/// `max_read` bytes unless a cluster (of overlapping copies, sorted) is longer: never cut inside one.
+fn cut_reads(
+    file: usize,
+    buffered: &[Range<u64>],
+    clusters: &[Range<u64>],
+    max_read: u64,
+    out: &mut Vec<Read>,
+) {
+    let read = |range| Read {
+        file,
+        range,
+        direct: None,
+        copies: Vec::new(),
+    };
+    for r in buffered {
+        let mut start = r.start;
+        while r.end - start > max_read {
+            let mut cut = start + max_read;
+            // Inside a cluster: cut before it, or after it when it begins at `start`.
+            let k = clusters.partition_point(|c| c.end <= cut);
+            if let Some(c) = clusters.get(k).filter(|c| c.start < cut) {
+                cut = if c.start > start { c.start } else { c.end };
+            }
+            out.push(read(start..cut));
+            start = cut;
+        }
+        if start < r.end {
+            out.push(read(start..r.end));
+        }
+    }
+}
+
+/// Gives each buffered copy among `ids` to the read (of one file's `reads`, sorted by start)
+/// holding its first byte: its whole span by construction.
+fn assign_copies(reads: &mut [Read], copies: &[Copy], ids: &[usize]) {
+    let starts: Vec<u64> = reads.iter().map(|r| r.range.start).collect();
+    for &i in ids.iter().filter(|&&i| !copies[i].direct) {
+        let k = starts.partition_point(|&s| s <= copies[i].copy.src) - 1;
+        reads[k].copies.push(i);
+    }
 }
 
 #[cfg(test)]
@@ -869,5 +903,103 @@ mod tests {
         let mut one = [0u8; 2];
         copy_box(&[7, 9, 5, 6], 1, &[], &[], &[], &[], &[], &[], 2, &mut one);
         assert_eq!(one, [5, 6]);
+    }
+
+    #[test]
+    fn by_file_counts_files_from_copies_and_extra_ranges() {
+        let copies = [copy(1, 0, 0, 4), copy(0, 0, 8, 4), copy(1, 1, 2, 4)];
+        let files = by_file(&copies, &[(2, 0..9), (1, 3..4), (2, 10..12), (1, 5..6)]);
+        let got: Vec<(Vec<usize>, Vec<Range<u64>>)> =
+            files.into_iter().map(|f| (f.ids, f.extra)).collect();
+        assert_eq!(
+            got,
+            vec![
+                (vec![1], vec![]),
+                (vec![0, 2], vec![3..4, 5..6]),
+                (vec![], vec![0..9, 10..12])
+            ]
+        );
+        assert!(by_file(&[], &[]).is_empty());
+    }
+
+    /// Direct: large, contiguous, host, and overlapping no other copy (before or after it).
+    #[test]
+    fn mark_direct_takes_lone_large_host_copies() {
+        let mut copies = vec![
+            copy(0, 0, 0, 50),   // overlaps the next: buffered
+            copy(0, 0, 40, 50),  // overlaps the one before: buffered
+            copy(0, 1, 200, 50), // a device request: buffered
+            copy(0, 0, 300, 10), // too small: buffered
+            copy(0, 0, 100, 50), // direct
+            copy(0, 0, 400, 60), // direct
+        ];
+        let mut strided = copy(0, 0, 500, 50);
+        strided.copy.dims = vec![(2, 100, 50)]; // not contiguous: buffered
+        copies.push(strided);
+        let mut ids: Vec<usize> = (0..copies.len()).collect();
+        ids.sort_by_key(|&i| (copies[i].copy.src, copies[i].copy.span()));
+        let direct = mark_direct(&mut copies, &ids, &[true, false], 50);
+        assert_eq!(direct, vec![4, 5]);
+        let marked: Vec<bool> = copies.iter().map(|c| c.direct).collect();
+        assert_eq!(marked, [false, false, false, false, true, true, false]);
+    }
+
+    #[test]
+    fn coalesce_sorts_then_merges_what_joins() {
+        let ranges = vec![20..30, 0..10, 12..15, 5..8];
+        let gap2 = |m: &Range<u64>, r: &Range<u64>| r.start <= m.end + 2;
+        assert_eq!(coalesce(ranges.clone(), gap2), vec![0..15, 20..30]);
+        let overlap = |m: &Range<u64>, r: &Range<u64>| r.start < m.end;
+        assert_eq!(coalesce(ranges, overlap), vec![0..10, 12..15, 20..30]);
+        assert_eq!(coalesce(vec![0..10, 10..12], overlap), vec![0..10, 10..12]);
+    }
+
+    #[test]
+    fn minus_direct_leaves_the_bytes_around_direct_copies() {
+        let copies = [copy(0, 0, 10, 20), copy(0, 0, 40, 10), copy(0, 0, 95, 10)];
+        let got = minus_direct(vec![0..50, 60..100, 100..120], &copies, &[0, 1, 2]);
+        assert_eq!(got, vec![0..10, 30..40, 60..95, 105..120]);
+        assert_eq!(
+            minus_direct(vec![0..5, 6..9], &copies, &[]),
+            vec![0..5, 6..9]
+        );
+    }
+
+    #[test]
+    fn cut_reads_bounds_reads_but_never_cuts_a_cluster() {
+        let mut out = Vec::new();
+        cut_reads(3, &[0..250, 300..310], &[90..130, 300..305], 100, &mut out);
+        let got: Vec<(usize, Range<u64>)> = out.iter().map(|r| (r.file, r.range.clone())).collect();
+        // The cut at 100 falls inside the cluster 90..130: the read ends before it; the next one
+        // starts at the cluster and its cut, 190, lies past it.
+        assert_eq!(
+            got,
+            vec![(3, 0..90), (3, 90..190), (3, 190..250), (3, 300..310)]
+        );
+        let mut out = Vec::new();
+        cut_reads(0, &[0..300, 400..401], &[0..150, 400..401], 100, &mut out);
+        let got: Vec<Range<u64>> = out.into_iter().map(|r| r.range).collect();
+        assert_eq!(
+            got,
+            vec![0..150, 150..250, 250..300, 400..401],
+            "a cluster at the start: after it"
+        );
+    }
+
+    #[test]
+    fn assign_copies_gives_each_copy_the_read_of_its_first_byte() {
+        let mut copies = vec![copy(0, 0, 0, 10), copy(0, 0, 55, 10), copy(0, 0, 70, 5)];
+        copies[2].direct = true;
+        let mut reads: Vec<Read> = [0..50u64, 50..100]
+            .into_iter()
+            .map(|range| Read {
+                file: 0,
+                range,
+                direct: None,
+                copies: Vec::new(),
+            })
+            .collect();
+        assign_copies(&mut reads, &copies, &[0, 1, 2]);
+        assert_eq!((&reads[0].copies, &reads[1].copies), (&vec![0], &vec![1]));
     }
 }

@@ -22,7 +22,8 @@ use serde::Serialize;
 use crate::{self as hf, HfOptions, HfTensor};
 use shardwise::error::{Error, Result};
 use shardwise::format::dtype::DType;
-use shardwise::format::metadata::{volume, Entry};
+use shardwise::format::metadata::{volume, Chunk, Entry};
+use shardwise::format::zip::contiguous_strides;
 use shardwise::format::METADATA_FILE;
 use shardwise::load::{intersect, read_region};
 use shardwise::reader::Checkpoint;
@@ -596,6 +597,71 @@ fn run_tasks(
     }
 }
 
+/// The keys of a diff with their verdicts before any value is read, the dtypes each side is read
+/// in, and the reads left to compare ([`Task::key`] indexes `keys` and `types`).
+#[derive(Default)]
+struct Planned {
+    keys: Vec<KeyDiff>,
+    types: Vec<(DType, DType)>,
+    tasks: Vec<Task>,
+}
+
+impl Planned {
+    fn push(&mut self, kd: KeyDiff, types: (DType, DType)) {
+        self.keys.push(kd);
+        self.types.push(types);
+    }
+}
+
+/// How a report names the two sides: the word for a shape, then where each value is.
+struct Labels {
+    shape: &'static str,
+    a: &'static str,
+    b: &'static str,
+}
+
+const CHECKPOINT_LABELS: Labels = Labels {
+    shape: "global shape",
+    a: "in A",
+    b: "in B",
+};
+
+/// The checkpoint side first, whichever side it is.
+const HF_LABELS: Labels = Labels {
+    shape: "shape",
+    a: "from the checkpoint",
+    b: "in the HF folder",
+};
+
+/// Marks `kd` Different when the two tensors' shapes or dtypes differ; returns whether the shapes
+/// agree, so that the values are compared (also across dtypes: how close they are is worth
+/// reporting).
+fn comparable(
+    kd: &mut KeyDiff,
+    shapes: (&[u64], &[u64]),
+    dtypes: (DType, DType),
+    labels: &Labels,
+) -> bool {
+    let Labels { shape, a, b } = labels;
+    if shapes.0 != shapes.1 {
+        kd.status = Status::Different;
+        kd.message = Some(format!("{shape} {:?} {a}, {:?} {b}", shapes.0, shapes.1));
+        return false;
+    }
+    if dtypes.0 != dtypes.1 {
+        kd.status = Status::Different;
+        kd.message = Some(format!(
+            "dtype {} {a}, {} {b}",
+            dtypes.0.torch_name(),
+            dtypes.1.torch_name()
+        ));
+    }
+    true
+}
+
+/// Compares two checkpoints key by key: plans every key ([`checkpoint_key`], [`tensor_tasks`],
+/// [`compare_objects`]), reads and compares the tensors' slabs ([`run_tasks`]), then checks that
+/// they covered every element ([`check_coverage`]).
 fn diff_checkpoints(a: &Checkpoint, b: &Checkpoint, opts: &DiffOptions) -> Vec<KeyDiff> {
     let ea = &a.metadata.entries;
     let eb = &b.metadata.entries;
@@ -604,38 +670,10 @@ fn diff_checkpoints(a: &Checkpoint, b: &Checkpoint, opts: &DiffOptions) -> Vec<K
         .chain(eb.keys())
         .filter(|k| selected(k, opts))
         .collect();
-    let mut out = Vec::new();
-    let mut types = Vec::new();
-    let mut tasks = Vec::new();
+    let mut plan = Planned::default();
     for key in all {
         let (xa, xb) = (ea.get(key), eb.get(key));
-        let mut kd = match (xa, xb) {
-            (Some(x), None) => new_key(key, entry_kind(x), Status::OnlyInA),
-            (None, Some(y)) => new_key(key, entry_kind(y), Status::OnlyInB),
-            (Some(x), Some(_)) => new_key(key, entry_kind(x), Status::Equal),
-            (None, None) => unreachable!("key comes from one of the sides"),
-        };
-        let mut dtypes = (DType::U8, DType::U8);
-        if let Some(Entry::Tensor {
-            dtype,
-            global_shape,
-            ..
-        }) = xa
-        {
-            kd.dtype_a = Some(dtype.torch_name());
-            kd.shape_a = Some(global_shape.clone());
-            dtypes.0 = *dtype;
-        }
-        if let Some(Entry::Tensor {
-            dtype,
-            global_shape,
-            ..
-        }) = xb
-        {
-            kd.dtype_b = Some(dtype.torch_name());
-            kd.shape_b = Some(global_shape.clone());
-            dtypes.1 = *dtype;
-        }
+        let (mut kd, dtypes) = checkpoint_key(key, xa, xb);
         match (xa, xb) {
             (
                 Some(Entry::Tensor {
@@ -649,61 +687,16 @@ fn diff_checkpoints(a: &Checkpoint, b: &Checkpoint, opts: &DiffOptions) -> Vec<K
                     ..
                 }),
             ) => {
-                if ga != gb {
-                    kd.status = Status::Different;
-                    kd.message = Some(format!("global shape {ga:?} in A, {gb:?} in B"));
-                } else {
-                    if dtypes.0 != dtypes.1 {
-                        kd.status = Status::Different;
-                        kd.message = Some(format!(
-                            "dtype {} in A, {} in B",
-                            dtypes.0.torch_name(),
-                            dtypes.1.torch_name()
-                        ));
-                    }
-                    let item = dtypes.0.itemsize().max(dtypes.1.itemsize());
-                    for x in ca {
-                        for y in cb {
-                            let Some((o, s)) =
-                                intersect(&x.offsets, &x.sizes, &y.offsets, &y.sizes)
-                            else {
-                                continue;
-                            };
-                            for (o, s) in split_box(&o, &s, item, opts.slab_bytes) {
-                                tasks.push(Task {
-                                    key: out.len(),
-                                    source: None,
-                                    b: Target::Region(o.clone()),
-                                    a: (o, s),
-                                });
-                            }
-                        }
-                    }
-                    // A scalar or empty tensor still has its one (or zero) element compared above;
-                    // chunks that do not cover the shape make read_region fail: Unreadable.
-                }
+                let at = plan.keys.len();
+                let (sa, sb) = (
+                    (ga.as_slice(), ca.as_slice()),
+                    (gb.as_slice(), cb.as_slice()),
+                );
+                plan.tasks
+                    .extend(tensor_tasks(&mut kd, at, sa, sb, dtypes, opts.slab_bytes));
             }
             (Some(Entry::Bytes { .. }), Some(Entry::Bytes { .. })) => {
-                match (a.read_bytes(key, 1 << 34), b.read_bytes(key, 1 << 34)) {
-                    (Ok(x), Ok(y)) => {
-                        if x != y {
-                            kd.status = Status::Different;
-                            kd.message = Some(format!(
-                                "object bytes differ ({} bytes in A, {} in B)",
-                                x.len(),
-                                y.len()
-                            ));
-                        }
-                    }
-                    (Err(e), _) => {
-                        kd.status = Status::Unreadable;
-                        kd.message = Some(format!("A: {e}"));
-                    }
-                    (_, Err(e)) => {
-                        kd.status = Status::Unreadable;
-                        kd.message = Some(format!("B: {e}"));
-                    }
-                }
+                compare_objects(a, b, key, &mut kd)
             }
             (Some(x), Some(y)) => {
                 kd.status = Status::Different;
@@ -715,18 +708,121 @@ fn diff_checkpoints(a: &Checkpoint, b: &Checkpoint, opts: &DiffOptions) -> Vec<K
             }
             _ => {}
         }
-        out.push(kd);
-        types.push(dtypes);
+        plan.push(kd, dtypes);
     }
     let read_a = |k: &str, o: &[u64], s: &[u64], buf: &mut [u8]| read_region(a, k, o, s, buf);
     let read_b = |k: &str, t: &Target, s: &[u64], buf: &mut [u8]| match t {
         Target::Region(o) => read_region(b, k, o, s, buf),
         Target::Flat(_) => unreachable!("checkpoint targets are regions"),
     };
-    run_tasks(tasks, &mut out, &types, opts, &read_a, &read_b);
-    // Intersections only cover what both sides saved: a chunk missing from one side would leave
-    // elements uncompared.
-    for k in &mut out {
+    let Planned {
+        mut keys,
+        types,
+        tasks,
+    } = plan;
+    run_tasks(tasks, &mut keys, &types, opts, &read_a, &read_b);
+    check_coverage(&mut keys);
+    keys
+}
+
+/// The report's entry of a checkpoint key before any comparison (only in A, only in B, or Equal
+/// until found otherwise, with each side's dtype and shape) and the dtypes its sides are read in
+/// (`U8` for an object or a missing side).
+fn checkpoint_key(key: &str, xa: Option<&Entry>, xb: Option<&Entry>) -> (KeyDiff, (DType, DType)) {
+    let mut kd = match (xa, xb) {
+        (Some(x), None) => new_key(key, entry_kind(x), Status::OnlyInA),
+        (None, Some(y)) => new_key(key, entry_kind(y), Status::OnlyInB),
+        (Some(x), Some(_)) => new_key(key, entry_kind(x), Status::Equal),
+        (None, None) => unreachable!("key comes from one of the sides"),
+    };
+    let mut dtypes = (DType::U8, DType::U8);
+    if let Some(Entry::Tensor {
+        dtype,
+        global_shape,
+        ..
+    }) = xa
+    {
+        kd.dtype_a = Some(dtype.torch_name());
+        kd.shape_a = Some(global_shape.clone());
+        dtypes.0 = *dtype;
+    }
+    if let Some(Entry::Tensor {
+        dtype,
+        global_shape,
+        ..
+    }) = xb
+    {
+        kd.dtype_b = Some(dtype.torch_name());
+        kd.shape_b = Some(global_shape.clone());
+        dtypes.1 = *dtype;
+    }
+    (kd, dtypes)
+}
+
+/// The tasks of tensor key `at`, A's and B's global shape and chunks: each intersection of a
+/// chunk of A with a chunk of B, in slabs of at most `slab_bytes`. None when the shapes differ
+/// (`kd` says so, as it says when the dtypes do).
+fn tensor_tasks(
+    kd: &mut KeyDiff,
+    at: usize,
+    a: (&[u64], &[Chunk]),
+    b: (&[u64], &[Chunk]),
+    dtypes: (DType, DType),
+    slab_bytes: u64,
+) -> Vec<Task> {
+    let mut tasks = Vec::new();
+    if !comparable(kd, (a.0, b.0), dtypes, &CHECKPOINT_LABELS) {
+        return tasks;
+    }
+    let item = dtypes.0.itemsize().max(dtypes.1.itemsize());
+    for x in a.1 {
+        for y in b.1 {
+            let Some((o, s)) = intersect(&x.offsets, &x.sizes, &y.offsets, &y.sizes) else {
+                continue;
+            };
+            for (o, s) in split_box(&o, &s, item, slab_bytes) {
+                tasks.push(Task {
+                    key: at,
+                    source: None,
+                    b: Target::Region(o.clone()),
+                    a: (o, s),
+                });
+            }
+        }
+    }
+    // A scalar or empty tensor still has its one (or zero) element compared above; chunks that do
+    // not cover the shape make read_region fail: Unreadable.
+    tasks
+}
+/// Compares the bytes of object `key` on both sides; a side that cannot be read makes it
+/// Unreadable.
+fn compare_objects(a: &Checkpoint, b: &Checkpoint, key: &str, kd: &mut KeyDiff) {
+    match (a.read_bytes(key, 1 << 34), b.read_bytes(key, 1 << 34)) {
+        (Ok(x), Ok(y)) => {
+            if x != y {
+                kd.status = Status::Different;
+                kd.message = Some(format!(
+                    "object bytes differ ({} bytes in A, {} in B)",
+                    x.len(),
+                    y.len()
+                ));
+            }
+        }
+        (Err(e), _) => {
+            kd.status = Status::Unreadable;
+            kd.message = Some(format!("A: {e}"));
+        }
+        (_, Err(e)) => {
+            kd.status = Status::Unreadable;
+            kd.message = Some(format!("B: {e}"));
+        }
+    }
+}
+
+/// Marks Unreadable each compared tensor whose elements were not all compared: intersections only
+/// cover what both sides saved, so a chunk missing from one side would leave elements uncompared.
+fn check_coverage(keys: &mut [KeyDiff]) {
+    for k in keys {
         if let (Some(s), Status::Equal | Status::Close | Status::Different) = (
             k.shape_a.as_ref().filter(|_| k.shape_a == k.shape_b),
             k.status,
@@ -741,7 +837,6 @@ fn diff_checkpoints(a: &Checkpoint, b: &Checkpoint, opts: &DiffOptions) -> Vec<K
             }
         }
     }
-    out
 }
 
 /// The source of a task that reads a whole HF tensor through the to-hf mapping (NUL: never a
@@ -749,6 +844,7 @@ fn diff_checkpoints(a: &Checkpoint, b: &Checkpoint, opts: &DiffOptions) -> Vec<K
 const WHOLE_HF: &str = "\0whole HF tensor:";
 
 /// `ckpt` (through the to-hf mapping) against the HF folder `h`; `swapped` when the folder is A.
+/// Plans every HF name ([`hf_key`], [`hf_tasks`]), then reads and compares ([`run_tasks`]).
 fn diff_hf(
     ckpt: &Checkpoint,
     h: &HfFolder,
@@ -764,99 +860,32 @@ fn diff_hf(
             hopts.config = Some(c);
         }
     }
-    let plan = hf::plan(ckpt, &hopts)?;
-    report.skipped_keys = plan.skipped;
-    let produced: BTreeMap<&str, &HfTensor> =
-        plan.tensors.iter().map(|t| (t.name.as_str(), t)).collect();
+    let mapping = hf::plan(ckpt, &hopts)?;
+    report.skipped_keys = mapping.skipped;
+    let produced: BTreeMap<&str, &HfTensor> = mapping
+        .tensors
+        .iter()
+        .map(|t| (t.name.as_str(), t))
+        .collect();
     let names: BTreeSet<&str> = produced
         .keys()
         .copied()
         .chain(h.tensors.keys().map(|k| k.as_str()))
         .filter(|k| selected(k, opts))
         .collect();
-    let (only_ckpt, only_hf) = if swapped {
-        (Status::OnlyInB, Status::OnlyInA)
-    } else {
-        (Status::OnlyInA, Status::OnlyInB)
-    };
-    let mut out = Vec::new();
-    let mut types = Vec::new();
-    let mut tasks = Vec::new();
+    let mut plan = Planned::default();
     for name in names {
         let (t, f) = (produced.get(name).copied(), h.tensors.get(name));
-        let mut kd = match (t, f) {
-            (Some(_), None) => new_key(name, "tensor", only_ckpt),
-            (None, Some(_)) => new_key(name, "tensor", only_hf),
-            _ => new_key(name, "tensor", Status::Equal),
-        };
-        let (mut dc, mut dh) = (DType::U8, DType::U8);
-        let (mut shape_c, mut shape_h) = (None, None);
-        if let Some(t) = t {
-            dc = t.src_dtype;
-            shape_c = Some(t.shape.clone());
-        }
-        if let Some(f) = f {
-            dh = f.dtype;
-            shape_h = Some(f.shape.clone());
-        }
-        let (names_dc, names_dh) = (t.map(|_| dc.torch_name()), f.map(|_| dh.torch_name()));
-        (kd.dtype_a, kd.dtype_b, kd.shape_a, kd.shape_b) = if swapped {
-            (names_dh, names_dc, shape_h.clone(), shape_c.clone())
-        } else {
-            (names_dc, names_dh, shape_c.clone(), shape_h.clone())
-        };
-        if let (Some(t), Some(_)) = (t, f) {
-            if shape_c != shape_h {
-                kd.status = Status::Different;
-                kd.message = Some(format!(
-                    "shape {:?} from the checkpoint, {:?} in the HF folder",
-                    shape_c.unwrap_or_default(),
-                    shape_h.unwrap_or_default()
-                ));
-            } else {
-                if dc != dh {
-                    kd.status = Status::Different;
-                    kd.message = Some(format!(
-                        "dtype {} from the checkpoint, {} in the HF folder",
-                        dc.torch_name(),
-                        dh.torch_name()
-                    ));
-                }
-                let item = dc.itemsize().max(dh.itemsize());
-                let mut flat = 0u64;
-                if t.post != hf::Post::None {
-                    // Values transformed after the gather (`+1`, transposes, interleaves): the
-                    // whole HF tensor is made as to-hf makes it and compared flat.
-                    tasks.push(Task {
-                        key: out.len(),
-                        source: Some(format!("{WHOLE_HF}{name}")),
-                        a: (vec![0], vec![elements(&t.shape)]),
-                        b: Target::Flat(0),
-                    });
-                }
-                for pc in t.pieces.iter().filter(|_| t.post == hf::Post::None) {
-                    // Slabs of a piece are contiguous runs of its C-order elements.
-                    let mut strides = vec![1u64; pc.sizes.len()];
-                    for d in (0..pc.sizes.len().saturating_sub(1)).rev() {
-                        strides[d] = strides[d + 1] * pc.sizes[d + 1];
-                    }
-                    for (o, s) in split_box(&pc.offsets, &pc.sizes, item, opts.slab_bytes) {
-                        let rel: u64 = (0..o.len())
-                            .map(|d| (o[d] - pc.offsets[d]) * strides[d])
-                            .sum();
-                        tasks.push(Task {
-                            key: out.len(),
-                            source: Some(pc.key.clone()),
-                            a: (o, s),
-                            b: Target::Flat(flat + rel),
-                        });
-                    }
-                    flat += elements(&pc.sizes);
-                }
+        let (mut kd, types) = hf_key(name, t, f, swapped);
+        if let (Some(t), Some(f)) = (t, f) {
+            if comparable(&mut kd, (&t.shape, &f.shape), types, &HF_LABELS) {
+                let item = types.0.itemsize().max(types.1.itemsize());
+                let at = plan.keys.len();
+                plan.tasks
+                    .extend(hf_tasks(at, name, t, item, opts.slab_bytes));
             }
         }
-        out.push(kd);
-        types.push((dc, dh));
+        plan.push(kd, types);
     }
     // compare() is symmetric: with the folder as A only the labels above swap; reads stay
     // (checkpoint, folder) to match `types`.
@@ -870,8 +899,103 @@ fn diff_hf(
         };
         h.read_flat(k, *at, elements(s), buf)
     };
-    run_tasks(tasks, &mut out, &types, opts, &read_ckpt, &read_hf);
-    Ok(out)
+    let Planned {
+        mut keys,
+        types,
+        tasks,
+    } = plan;
+    run_tasks(tasks, &mut keys, &types, opts, &read_ckpt, &read_hf);
+    Ok(keys)
+}
+
+/// The report's entry of HF tensor `name` before any comparison: the checkpoint's tensor `t` and
+/// the folder's `f`, labelled A and B (B and A when `swapped`); and the dtypes they are read in,
+/// checkpoint first (`U8` for a missing side).
+fn hf_key(
+    name: &str,
+    t: Option<&HfTensor>,
+    f: Option<&HfEntry>,
+    swapped: bool,
+) -> (KeyDiff, (DType, DType)) {
+    let (only_ckpt, only_hf) = if swapped {
+        (Status::OnlyInB, Status::OnlyInA)
+    } else {
+        (Status::OnlyInA, Status::OnlyInB)
+    };
+    let mut kd = match (t, f) {
+        (Some(_), None) => new_key(name, "tensor", only_ckpt),
+        (None, Some(_)) => new_key(name, "tensor", only_hf),
+        _ => new_key(name, "tensor", Status::Equal),
+    };
+    let (mut dc, mut dh) = (DType::U8, DType::U8);
+    let (mut shape_c, mut shape_h) = (None, None);
+    if let Some(t) = t {
+        dc = t.src_dtype;
+        shape_c = Some(t.shape.clone());
+    }
+    if let Some(f) = f {
+        dh = f.dtype;
+        shape_h = Some(f.shape.clone());
+    }
+    let (names_dc, names_dh) = (t.map(|_| dc.torch_name()), f.map(|_| dh.torch_name()));
+    (kd.dtype_a, kd.dtype_b, kd.shape_a, kd.shape_b) = if swapped {
+        (names_dh, names_dc, shape_h, shape_c)
+    } else {
+        (names_dc, names_dh, shape_c, shape_h)
+    };
+    (kd, (dc, dh))
+}
+
+/// The tasks of key `at`, HF tensor `name` made from the checkpoint as `t` says: its pieces in
+/// slabs ([`piece_tasks`]), each compared with the flat range of the folder's tensor where the
+/// piece lands; or the whole tensor at once when values are transformed after the gather.
+fn hf_tasks(at: usize, name: &str, t: &HfTensor, item: u64, slab_bytes: u64) -> Vec<Task> {
+    if t.post != hf::Post::None {
+        // Values transformed after the gather (`+1`, transposes, interleaves): the
+        // whole HF tensor is made as to-hf makes it and compared flat.
+        return vec![Task {
+            key: at,
+            source: Some(format!("{WHOLE_HF}{name}")),
+            a: (vec![0], vec![elements(&t.shape)]),
+            b: Target::Flat(0),
+        }];
+    }
+    let mut tasks = Vec::new();
+    let mut flat = 0u64;
+    for pc in &t.pieces {
+        let piece = (pc.offsets.as_slice(), pc.sizes.as_slice());
+        tasks.extend(piece_tasks(at, &pc.key, piece, flat, item, slab_bytes));
+        flat += elements(&pc.sizes);
+    }
+    tasks
+}
+
+/// The tasks of key `at` reading one piece, box `piece` (offsets, sizes) of checkpoint key
+/// `source`, in slabs of at most `slab_bytes`; the piece's elements are the HF tensor's from flat
+/// element `flat` on.
+fn piece_tasks(
+    at: usize,
+    source: &str,
+    piece: (&[u64], &[u64]),
+    flat: u64,
+    item: u64,
+    slab_bytes: u64,
+) -> Vec<Task> {
+    let (offsets, sizes) = piece;
+    // Slabs of a piece are contiguous runs of its C-order elements.
+    let strides = contiguous_strides(sizes);
+    split_box(offsets, sizes, item, slab_bytes)
+        .into_iter()
+        .map(|(o, s)| {
+            let rel: u64 = (0..o.len()).map(|d| (o[d] - offsets[d]) * strides[d]).sum();
+            Task {
+                key: at,
+                source: Some(source.to_string()),
+                a: (o, s),
+                b: Target::Flat(flat + rel),
+            }
+        })
+        .collect()
 }
 
 /// A Hugging Face safetensors folder, read as transformers' loaders and `from-hf` read it: the
@@ -1101,5 +1225,275 @@ mod tests {
         let one_bf16 = half::bf16::from_f32(1.0).to_le_bytes().to_vec();
         let x = compare(&one_bf16, DType::BF16, &f32s(&[1.0]), DType::F32, 0.0, 0.0);
         assert_eq!((x.mismatched, x.max_abs), (0, 0.0));
+    }
+
+    fn tensor(dtype: DType, shape: &[u64]) -> Entry {
+        Entry::Tensor {
+            dtype,
+            global_shape: shape.to_vec(),
+            chunks: Vec::new(),
+        }
+    }
+
+    fn chunk(offsets: &[u64], sizes: &[u64]) -> Chunk {
+        Chunk {
+            offsets: offsets.to_vec(),
+            sizes: sizes.to_vec(),
+            storage: shardwise::format::metadata::StorageInfo {
+                relative_path: String::new(),
+                offset: 0,
+                length: 0,
+            },
+        }
+    }
+
+    /// (offsets, sizes, B's target) of each task.
+    fn boxes(tasks: &[Task]) -> Vec<(Vec<u64>, Vec<u64>, String)> {
+        tasks
+            .iter()
+            .map(|t| {
+                let b = match &t.b {
+                    Target::Region(o) => format!("region {o:?}"),
+                    Target::Flat(at) => format!("flat {at}"),
+                };
+                (t.a.0.clone(), t.a.1.clone(), b)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn comparable_names_what_differs_in_each_mode() {
+        let mut kd = new_key("w", "tensor", Status::Equal);
+        let same = comparable(
+            &mut kd,
+            (&[2, 3], &[2, 3]),
+            (DType::F32, DType::F32),
+            &CHECKPOINT_LABELS,
+        );
+        assert!(same && kd.status == Status::Equal && kd.message.is_none());
+        let dtypes = (DType::F32, DType::BF16);
+        assert!(comparable(
+            &mut kd,
+            (&[2], &[2]),
+            dtypes,
+            &CHECKPOINT_LABELS
+        ));
+        assert_eq!(kd.status, Status::Different);
+        assert_eq!(
+            kd.message.as_deref(),
+            Some("dtype float32 in A, bfloat16 in B")
+        );
+        let mut kd = new_key("w", "tensor", Status::Equal);
+        assert!(!comparable(
+            &mut kd,
+            (&[2], &[3]),
+            dtypes,
+            &CHECKPOINT_LABELS
+        ));
+        assert_eq!(
+            kd.message.as_deref(),
+            Some("global shape [2] in A, [3] in B")
+        );
+        assert!(!comparable(&mut kd, (&[2], &[3, 1]), dtypes, &HF_LABELS));
+        assert_eq!(
+            kd.message.as_deref(),
+            Some("shape [2] from the checkpoint, [3, 1] in the HF folder")
+        );
+        assert!(comparable(&mut kd, (&[2], &[2]), dtypes, &HF_LABELS));
+        assert_eq!(
+            kd.message.as_deref(),
+            Some("dtype float32 from the checkpoint, bfloat16 in the HF folder")
+        );
+    }
+
+    #[test]
+    fn checkpoint_key_records_each_side() {
+        let w = tensor(DType::BF16, &[4, 2]);
+        let o = Entry::Bytes {
+            storage: chunk(&[], &[]).storage,
+        };
+        let (kd, dtypes) = checkpoint_key("w", Some(&w), None);
+        assert_eq!((kd.status, kd.kind), (Status::OnlyInA, "tensor"));
+        assert_eq!(
+            (kd.dtype_a, kd.shape_a),
+            (Some("bfloat16"), Some(vec![4, 2]))
+        );
+        assert_eq!((kd.dtype_b, kd.shape_b), (None, None));
+        assert_eq!(dtypes, (DType::BF16, DType::U8));
+        let (kd, dtypes) = checkpoint_key("o", None, Some(&o));
+        assert_eq!(
+            (kd.status, kd.kind, kd.dtype_b),
+            (Status::OnlyInB, "object", None)
+        );
+        assert_eq!(dtypes, (DType::U8, DType::U8));
+        let (kd, dtypes) = checkpoint_key("x", Some(&o), Some(&w));
+        assert_eq!(
+            (kd.status, kd.kind, kd.dtype_b),
+            (Status::Equal, "object", Some("bfloat16"))
+        );
+        assert_eq!(dtypes, (DType::U8, DType::BF16));
+    }
+
+    /// One task per slab of each intersection of an A chunk with a B chunk, read at the same
+    /// place on both sides; none when the shapes differ.
+    #[test]
+    fn tensor_tasks_read_the_intersections_in_slabs() {
+        let ca = [chunk(&[0, 0], &[2, 4]), chunk(&[2, 0], &[2, 4])];
+        let cb = [chunk(&[1, 0], &[2, 4]), chunk(&[3, 0], &[1, 4])];
+        let (a, b) = ((&[4u64, 4][..], &ca[..]), (&[4u64, 4][..], &cb[..]));
+        let f32s = (DType::F32, DType::F32);
+        let mut kd = new_key("w", "tensor", Status::Equal);
+        let tasks = tensor_tasks(&mut kd, 7, a, b, f32s, 16);
+        assert!(tasks.iter().all(|t| t.key == 7 && t.source.is_none()));
+        let region = |o: &[u64]| format!("region {o:?}");
+        assert_eq!(
+            boxes(&tasks),
+            vec![
+                (vec![1, 0], vec![1, 4], region(&[1, 0])),
+                (vec![2, 0], vec![1, 4], region(&[2, 0])),
+                (vec![3, 0], vec![1, 4], region(&[3, 0])),
+            ]
+        );
+        assert_eq!(kd.status, Status::Equal);
+        assert_eq!(tensor_tasks(&mut kd, 0, a, b, f32s, 1 << 20).len(), 3);
+        assert_eq!(
+            tensor_tasks(&mut kd, 0, a, b, f32s, 8).len(),
+            6,
+            "half rows"
+        );
+        // Read as the wider dtype: 8-byte elements, half rows.
+        let wider = (DType::F32, DType::F64);
+        assert_eq!(tensor_tasks(&mut kd, 0, a, b, wider, 16).len(), 6);
+        assert_eq!(kd.status, Status::Different);
+        let mut kd = new_key("w", "tensor", Status::Equal);
+        let other = (&[4u64, 5][..], &cb[..]);
+        assert!(tensor_tasks(&mut kd, 0, a, other, f32s, 16).is_empty());
+        assert_eq!(kd.status, Status::Different);
+    }
+
+    #[test]
+    fn check_coverage_flags_elements_left_uncompared() {
+        let key = |status, shape_b: &[u64], compared| {
+            let mut k = new_key("w", "tensor", status);
+            (k.shape_a, k.shape_b, k.elements) =
+                (Some(vec![2, 3]), Some(shape_b.to_vec()), compared);
+            k
+        };
+        let mut keys = [
+            key(Status::Equal, &[2, 3], 6),
+            key(Status::Close, &[2, 3], 3),
+            key(Status::Different, &[3, 2], 0), // shapes differ: nothing was compared
+            key(Status::Unreadable, &[2, 3], 0),
+            key(Status::OnlyInA, &[2, 3], 0),
+        ];
+        check_coverage(&mut keys);
+        let got: Vec<Status> = keys.iter().map(|k| k.status).collect();
+        assert_eq!(
+            got,
+            [
+                Status::Equal,
+                Status::Unreadable,
+                Status::Different,
+                Status::Unreadable,
+                Status::OnlyInA
+            ]
+        );
+        assert_eq!(
+            keys[1].message.as_deref(),
+            Some("the saved chunks of A and B together cover 3 of the 6 elements")
+        );
+        assert!(keys[3].message.is_none());
+    }
+
+    fn hf_tensor(post: hf::Post) -> HfTensor {
+        HfTensor {
+            name: "w".into(),
+            shape: vec![3, 2],
+            src_dtype: DType::BF16,
+            pieces: Vec::new(),
+            post,
+            from_file: None,
+            quant: None,
+            with_previous: false,
+        }
+    }
+
+    fn hf_entry() -> HfEntry {
+        let map = memmap2::MmapOptions::new().len(1).map_anon().unwrap();
+        HfEntry {
+            file: std::sync::Arc::new(map.make_read_only().unwrap()),
+            file_name: "model.safetensors".into(),
+            dtype: DType::F32,
+            shape: vec![6],
+            start: 0,
+            len: 24,
+        }
+    }
+
+    /// The checkpoint's side is A unless the folder is; the dtypes read stay (checkpoint, folder).
+    #[test]
+    fn hf_key_labels_the_sides() {
+        let (t, f) = (hf_tensor(hf::Post::None), hf_entry());
+        let (kd, types) = hf_key("w", Some(&t), Some(&f), false);
+        assert_eq!(kd.status, Status::Equal);
+        assert_eq!(
+            (kd.dtype_a, kd.dtype_b),
+            (Some("bfloat16"), Some("float32"))
+        );
+        assert_eq!((kd.shape_a, kd.shape_b), (Some(vec![3, 2]), Some(vec![6])));
+        assert_eq!(types, (DType::BF16, DType::F32));
+        let (kd, types) = hf_key("w", Some(&t), Some(&f), true);
+        assert_eq!(
+            (kd.dtype_a, kd.dtype_b),
+            (Some("float32"), Some("bfloat16"))
+        );
+        assert_eq!((kd.shape_a, kd.shape_b), (Some(vec![6]), Some(vec![3, 2])));
+        assert_eq!(types, (DType::BF16, DType::F32));
+        let only = |t, f, swapped| hf_key("w", t, f, swapped).0.status;
+        assert_eq!(only(Some(&t), None, false), Status::OnlyInA);
+        assert_eq!(only(Some(&t), None, true), Status::OnlyInB);
+        assert_eq!(only(None, Some(&f), false), Status::OnlyInB);
+        assert_eq!(only(None, Some(&f), true), Status::OnlyInA);
+        let (kd, types) = hf_key("w", None, Some(&f), true);
+        assert_eq!(
+            (kd.dtype_a, kd.dtype_b, kd.shape_b),
+            (Some("float32"), None, None)
+        );
+        assert_eq!(types, (DType::U8, DType::F32));
+    }
+
+    /// A tensor with values transformed after the gather is compared whole, from the mapping.
+    #[test]
+    fn hf_tasks_compare_a_transformed_tensor_whole() {
+        let tasks = hf_tasks(4, "w", &hf_tensor(hf::Post::AddOne), 2, 1);
+        assert_eq!(tasks.len(), 1);
+        assert_eq!(tasks[0].source.as_deref(), Some("\0whole HF tensor:w"));
+        assert_eq!(
+            boxes(&tasks),
+            vec![(vec![0], vec![6], "flat 0".to_string())]
+        );
+        assert!(hf_tasks(4, "w", &hf_tensor(hf::Post::None), 2, 1).is_empty());
+    }
+
+    /// Each slab of a piece is compared with the HF tensor's elements from the piece's place on,
+    /// plus the slab's C-order position in the piece.
+    #[test]
+    fn piece_tasks_place_slabs_in_the_flat_tensor() {
+        let tasks = piece_tasks(1, "k", (&[2, 4], &[2, 3]), 10, 4, 12);
+        assert!(tasks
+            .iter()
+            .all(|t| t.key == 1 && t.source.as_deref() == Some("k")));
+        assert_eq!(
+            boxes(&tasks),
+            vec![
+                (vec![2, 4], vec![1, 3], "flat 10".to_string()),
+                (vec![3, 4], vec![1, 3], "flat 13".to_string()),
+            ]
+        );
+        let tasks = piece_tasks(0, "k", (&[2, 4], &[2, 3]), 0, 4, 8);
+        let flat: Vec<String> = boxes(&tasks).into_iter().map(|b| b.2).collect();
+        assert_eq!(flat, ["flat 0", "flat 2", "flat 3", "flat 5"]);
+        let scalar = piece_tasks(0, "k", (&[], &[]), 7, 4, 8);
+        assert_eq!(boxes(&scalar), vec![(vec![], vec![], "flat 7".to_string())]);
     }
 }
