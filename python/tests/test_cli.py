@@ -465,3 +465,9 @@ def test_reader_repr_len_contains_iter_and_context_manager(small):
     with pytest.raises(shardwise.InvalidArgumentError, match="closed"):
         r.keys()
     r.close()  # idempotent
+
+
+def test_bare_shardwise_prints_the_usage_not_an_error():
+    r = sw()
+    assert r.returncode == 2, r
+    assert "Usage: shardwise <COMMAND>" in r.stderr and "error" not in r.stderr, r.stderr

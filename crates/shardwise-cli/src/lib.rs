@@ -433,6 +433,11 @@ where
             let _ = e.print(); // --help, --version
             return 0;
         }
+        if e.kind() == clap::error::ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand {
+            // Bare `shardwise`: the help (clap renders it as this "error"), on stderr, exit 2.
+            let _ = e.print();
+            return 2;
+        }
         let _ = writeln!(
             std::io::stderr(),
             "shardwise: error: {} (see --help)",
