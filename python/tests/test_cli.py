@@ -471,3 +471,15 @@ def test_bare_shardwise_prints_the_usage_not_an_error():
     r = sw()
     assert r.returncode == 2, r
     assert "Usage: shardwise <COMMAND>" in r.stderr and "error" not in r.stderr, r.stderr
+
+
+def test_a_negative_count_names_its_flag_not_an_unexpected_argument(tmp_path):
+    # `--workers -3` used to read as an unknown flag `-3` ("unexpected argument '-3' found").
+    for args, needle in [(["to-hf", tmp_path, tmp_path / "o", "--workers", "-3"], "'-3' for '--workers <N>'"),
+                         (["from-hf", tmp_path, tmp_path / "o", "--iteration", "-5"], "'-5' for '--iteration"),
+                         (["merge", tmp_path, "--world-size", "-1"], "'-1' for '--world-size"),
+                         (["diff", tmp_path, tmp_path, "--threads", "-2"], "'-2' for '--threads")]:
+        r = sw(*args)
+        assert r.returncode == 2 and needle in r.stderr, (args, r.stderr)
+    r = sw("to-hf", tmp_path, tmp_path / "o", "--part", "-1/2")
+    assert r.returncode == 1 and '--part "-1/2": use i/n' in r.stderr, r.stderr

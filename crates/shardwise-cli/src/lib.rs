@@ -122,7 +122,7 @@ enum Command {
         #[arg(long)]
         save_id: Option<String>,
         /// Number of ranks (default: the world_size recorded in the parts).
-        #[arg(long)]
+        #[arg(long, allow_negative_numbers = true)]
         world_size: Option<u32>,
         /// Seconds to wait for missing parts; also the bound of each object-store request, its
         /// retries included (0: the default bound, 30 s per attempt retried for 60 s).
@@ -162,14 +162,19 @@ struct ToHfFlags {
     max_shard_size: String,
     /// Worker threads reading, converting and writing tensors in parallel (default: the
     /// number of CPUs); memory is about workers x the largest HF tensor.
-    #[arg(long, visible_alias = "threads", value_name = "N")]
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        visible_alias = "threads",
+        value_name = "N"
+    )]
     workers: Option<usize>,
     /// Write only part i of n (0-based) of the conversion, for a conversion split over
     /// processes or machines sharing the output folder: every part computes the same shard
     /// plan and writes shards k with k % n == i; the part that finds every part done writes
     /// config.json and commits the index (create-if-absent). Run all n parts with the same
     /// arguments.
-    #[arg(long, value_name = "I/N")]
+    #[arg(long, allow_hyphen_values = true, value_name = "I/N")]
     part: Option<String>,
     /// Replace an earlier conversion in a non-empty output folder: its index, weight files
     /// and config.json go, other files stay. The new shards are staged first; the old index
@@ -250,14 +255,19 @@ struct FromHfFlags {
     #[arg(long, default_value_t = FromHfRequest::default().tensor_model_parallel_size)]
     tensor_model_parallel_size: u64,
     /// The iteration stored in the common state.
-    #[arg(long, default_value_t = FromHfRequest::default().iteration)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = FromHfRequest::default().iteration)]
     iteration: u64,
     /// Also write latest_checkpointed_iteration.txt in CKPT_DIR's parent (CKPT_DIR must be
     /// named release for iteration 0, iter_0000123 for --iteration 123), after the commit.
     #[arg(long)]
     tracker: bool,
     /// Worker threads converting tensors in parallel (default: the number of CPUs).
-    #[arg(long, visible_alias = "threads", value_name = "N")]
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        visible_alias = "threads",
+        value_name = "N"
+    )]
     workers: Option<usize>,
     /// The largest data file, e.g. 1GB (a larger tensor gets a file of its own), or auto:
     /// the largest tensor's size. Each worker holds one file's tensors in memory until it is
@@ -268,7 +278,7 @@ struct FromHfFlags {
     /// sharing CKPT_DIR: every part computes the same data files and writes those k with
     /// k % n == i; the part that finds every part published commits. Run all n parts with
     /// the same arguments; the files are byte-identical to a one-process conversion.
-    #[arg(long, value_name = "I/N")]
+    #[arg(long, allow_hyphen_values = true, value_name = "I/N")]
     part: Option<String>,
     /// Replace a checkpoint in CKPT_DIR (it stays loadable until the new commit).
     #[arg(long)]
@@ -1306,7 +1316,7 @@ struct DiffArgs {
     allow_unmapped: bool,
     /// Worker threads (default: the number of CPUs, at most 8); memory is about
     /// threads x 2 x 32 MiB.
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     threads: Option<usize>,
     /// List every compared key, not only those that differ.
     #[arg(long)]
