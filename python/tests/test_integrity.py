@@ -93,20 +93,20 @@ def _flip_in_item(ckpt, key, chunk=0, back=64):
 def test_diff_megatron_tp2_against_shardwise_tp1_is_equal(tp2dp2, tp1):
     base, _ = tp2dp2
     for a in (base / "megatron", base / "shardwise"):
-        rep = shardwise.diff(a, tp1 / "tp1", exclude=["common_state*"])
+        rep = shardwise.diff(a, tp1 / "tp1", exclude=["common_state*", "common.pt"])  # args differ: TP2 vs TP1
         tensors = [k for k in rep["keys"] if k["kind"] == "tensor"]
         assert len(tensors) >= 10
         assert all(k["status"] == "equal" and k["elements"] > 0 for k in tensors), [k for k in tensors if k["status"] != "equal"]
         assert rep["exit_code"] == 0, [k for k in rep["keys"] if k["status"] != "equal"]
     # The same through the CLI, with its exit status.
-    r = cli("diff", base / "megatron", tp1 / "tp1", "--exclude", "common_state*", "--json")
+    r = cli("diff", base / "megatron", tp1 / "tp1", "--exclude", "common_state*", "--exclude", "common.pt", "--json")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr
     assert json.loads(r.stdout)["different"] == 0
 
 
 def test_diff_names_exactly_the_tensor_changed_by_one_ulp(tp2dp2, tp1):
     base, _ = tp2dp2
-    rep = shardwise.diff(base / "megatron", tp1 / "tp1_ulp", exclude=["common_state*"])
+    rep = shardwise.diff(base / "megatron", tp1 / "tp1_ulp", exclude=["common_state*", "common.pt"])
     bad = [k for k in rep["keys"] if k["status"] != "equal"]
     assert [k["key"] for k in bad] == [NUDGED]
     (k,) = bad
@@ -301,3 +301,22 @@ def test_verify_covers_metadata_json_and_the_common_state(tp1, tmp_path):
     data.write_bytes(data.read_bytes()[:-100])
     q = cli("verify", ck2, "--quick", "--json")
     assert q.returncode == 1 and any("passes the end of the file" in p["message"] for p in json.loads(q.stdout)["problems"])
+
+
+def test_diff_compares_the_common_state(tmp_path):
+    # Two saves of equal weights whose common state (iteration, lr) differs were "all equal", exit 0.
+    import shardwise.megatron as swm
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    w = torch.arange(12.0).reshape(3, 4)
+    for name, it in (("a", 5), ("b", 6), ("c", 5)):
+        swm.save({"w": ShardedTensor.from_rank_offsets("w", w.clone(), replica_id=0), "iteration": it, "lr": 0.1},
+                 tmp_path / name, rank=0, world_size=1)
+    rep = shardwise.diff(tmp_path / "a", tmp_path / "b")
+    by = {k["key"]: k for k in rep["keys"]}
+    assert by["w"]["status"] == "equal"
+    assert by["common.pt"]["status"] == "different" and rep["exit_code"] == 1, by["common.pt"]
+    assert shardwise.diff(tmp_path / "a", tmp_path / "c")["exit_code"] == 0
+    assert shardwise.diff(tmp_path / "a", tmp_path / "b", exclude=["common.pt"])["exit_code"] == 0
+    r = cli("diff", tmp_path / "a", tmp_path / "b")
+    assert r.returncode == 1 and "common.pt" in r.stdout, r.stdout

@@ -24,7 +24,7 @@ use shardwise::error::{Error, Result};
 use shardwise::format::dtype::DType;
 use shardwise::format::metadata::{volume, Chunk, Entry};
 use shardwise::format::zip::contiguous_strides;
-use shardwise::format::METADATA_FILE;
+use shardwise::format::{COMMON_FILE, METADATA_FILE};
 use shardwise::load::{intersect, read_region};
 use shardwise::reader::Checkpoint;
 use shardwise::storage::Location;
@@ -722,7 +722,38 @@ fn diff_checkpoints(a: &Checkpoint, b: &Checkpoint, opts: &DiffOptions) -> Vec<K
     } = plan;
     run_tasks(tasks, &mut keys, &types, opts, &read_a, &read_b);
     check_coverage(&mut keys);
+    if selected(COMMON_FILE, opts) {
+        keys.extend(compare_common_files(a, b));
+    }
     keys
+}
+
+/// `common.pt` (Megatron's common state: iteration, args, RNG and optimizer scalars) compared as
+/// bytes, reported under its file name as an object. torch.save writes equal bytes for equal state
+/// (its `serialization_id` is derived from the content), so a mismatch is a different state or a
+/// different torch release. `None` when neither side has the file (a common state stored as a byte
+/// object is already one of the keys).
+fn compare_common_files(a: &Checkpoint, b: &Checkpoint) -> Option<KeyDiff> {
+    let read = |c: &Checkpoint| c.location().read(COMMON_FILE);
+    let (kd_status, message) = match (read(a), read(b)) {
+        (Ok(None), Ok(None)) => return None,
+        (Ok(Some(_)), Ok(None)) => (Status::OnlyInA, None),
+        (Ok(None), Ok(Some(_))) => (Status::OnlyInB, None),
+        (Ok(Some(x)), Ok(Some(y))) if x == y => (Status::Equal, None),
+        (Ok(Some(x)), Ok(Some(y))) => (
+            Status::Different,
+            Some(format!(
+                "common state differs ({} bytes in A, {} in B)",
+                x.len(),
+                y.len()
+            )),
+        ),
+        (Err(e), _) => (Status::Unreadable, Some(format!("A: {e}"))),
+        (_, Err(e)) => (Status::Unreadable, Some(format!("B: {e}"))),
+    };
+    let mut kd = new_key(COMMON_FILE, "object", kd_status);
+    kd.message = message;
+    Some(kd)
 }
 
 /// The report's entry of a checkpoint key before any comparison (only in A, only in B, or Equal
