@@ -262,13 +262,7 @@ struct Encoded {
 /// data descriptor), then the central directory ([`central_entry`]) and the end records
 /// ([`end_records`]), which all follow the payload.
 fn encode_archive(records: &[Record], threshold: u64) -> Encoded {
-    let mut enc = Records {
-        prefix: Vec::new(),
-        suffix: Vec::new(),
-        cursor: 0,
-        seen_external: false,
-        descriptor_crc_at: None,
-    };
+    let mut enc = Records::default();
     let central: Vec<Central> = records.iter().map(|r| enc.push(r, threshold)).collect();
     let cd_offset = enc.cursor;
     let out = &mut enc.suffix;
@@ -291,6 +285,7 @@ fn encode_archive(records: &[Record], threshold: u64) -> Encoded {
 
 /// The records written so far: bytes before the external payload go to `prefix`, those after it
 /// to `suffix`; `cursor` is the archive offset of the next byte (the payload counted).
+#[derive(Default)]
 struct Records {
     prefix: Vec<u8>,
     suffix: Vec<u8>,
@@ -609,13 +604,7 @@ mod tests {
     /// counts the payload.
     #[test]
     fn records_split_around_the_external_payload() {
-        let mut enc = Records {
-            prefix: Vec::new(),
-            suffix: Vec::new(),
-            cursor: 0,
-            seen_external: false,
-            descriptor_crc_at: None,
-        };
+        let mut enc = Records::default();
         let small = enc.push(
             &Record {
                 name: "byteorder",

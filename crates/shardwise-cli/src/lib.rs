@@ -581,6 +581,13 @@ fn progress(bar: indicatif::ProgressBar, template: &str, json: bool) -> indicati
     bar
 }
 
+/// A [`progress`] spinner that turns on its own while a long step runs (merge, to-hf, from-hf).
+fn spinner(template: &str, json: bool) -> indicatif::ProgressBar {
+    let bar = progress(indicatif::ProgressBar::new_spinner(), template, json);
+    bar.enable_steady_tick(Duration::from_millis(100));
+    bar
+}
+
 #[derive(Serialize)]
 struct KeyRow {
     key: String,
@@ -1070,13 +1077,11 @@ fn merge(
         None => recorded_world_size(dir, &save_id)?,
     };
     let timeout = timeout_from_secs("--timeout", timeout)?;
-    let bar = progress(
-        indicatif::ProgressBar::new_spinner(),
+    let bar = spinner(
         "merge {spinner} save {msg}: waiting for, validating and committing parts {elapsed}",
         json,
     );
     bar.set_message(save_id.clone());
-    bar.enable_steady_tick(Duration::from_millis(100));
     let summary =
         shardwise::commit::merge(dir, &save_id, world_size, timeout, &Freshness::any_part());
     bar.finish_and_clear();
@@ -1151,12 +1156,10 @@ fn merge_rank_local(
 }
 
 fn from_hf(hf: &Path, out: &Path, opts: &FromHfOptions, json: bool) -> Outcome {
-    let bar = progress(
-        indicatif::ProgressBar::new_spinner(),
+    let bar = spinner(
         "from-hf {spinner} {binary_bytes} converted {binary_bytes_per_sec} {elapsed}",
         json,
     );
-    bar.enable_steady_tick(Duration::from_millis(100));
     let summary = shardwise_hf::from_hf(hf, out, opts, &|n| bar.inc(n));
     bar.finish_and_clear();
     let summary = summary?;
@@ -1218,12 +1221,10 @@ fn from_hf(hf: &Path, out: &Path, opts: &FromHfOptions, json: bool) -> Outcome {
 }
 
 fn to_hf(dir: &Location, out: &Path, opts: &HfOptions, json: bool) -> Outcome {
-    let bar = progress(
-        indicatif::ProgressBar::new_spinner(),
+    let bar = spinner(
         "to-hf {spinner} {binary_bytes} written {binary_bytes_per_sec} {elapsed}",
         json,
     );
-    bar.enable_steady_tick(Duration::from_millis(100));
     let summary = shardwise_hf::to_hf(dir, out, opts, &|n| bar.inc(n));
     bar.finish_and_clear();
     let summary = summary?;
