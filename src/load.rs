@@ -52,7 +52,7 @@ use cudarc::driver::CudaEvent;
 use rayon::prelude::*;
 
 use crate::error::{Error, Result, Stopped};
-use crate::format::archive::{stored_tensor_in, HeadTail};
+use crate::format::archive::{stored_tensor_in, HeadTail, Record};
 use crate::format::dtype::DType;
 use crate::format::metadata::{volume, Chunk, Entry};
 use crate::gpu::{self, DeviceCopier};
@@ -197,6 +197,9 @@ struct Item<'a> {
     /// Save-time record, when the blocks of its payload that this load reads are checked against
     /// their block CRC-32s (the item is read in part; [`crate::blockcrc`]).
     blocks: Option<&'a Recorded>,
+    /// No save-time record (no sidecar), and the item is read whole: its payload is checked
+    /// against the CRC-32 its torch.save archive records for it.
+    zip: bool,
 }
 
 /// The items a load needs ([`items`]), each once, and their data files.
@@ -210,22 +213,33 @@ struct Items<'a> {
     unchecked: u64,
 }
 
-/// Bytes of a data file whose CRC-32 this load checks: a whole item, or one block of an item's
-/// payload.
+/// Bytes of a data file whose CRC-32 this load checks: a whole item, one block of an item's
+/// payload, or an item's whole payload.
 struct Check<'a> {
     item: usize,
-    rec: &'a Recorded,
     range: Range<u64>,
-    /// The block's index in its payload; None for a whole item.
-    block: Option<u64>,
+    want: Want<'a>,
+}
+
+/// The CRC-32 a checked range is compared with.
+enum Want<'a> {
+    /// The item's, recorded at save time.
+    Item(&'a Recorded),
+    /// Block `.1` of the item's payload, recorded at save time.
+    Block(&'a Recorded, u64),
+    /// The payload's, as the item's own torch.save archive records it for its data record: the
+    /// check of an item without a save-time record (no sidecar).
+    Record(Record),
 }
 
 /// Where an item's tensor data lies: file byte of element 0, strides in elements, and the file
-/// bytes of its storage (the payload a save's block CRC-32s cover).
+/// bytes of its storage (the payload a save's block CRC-32s cover), with the archive's record of
+/// that storage (its name and zip CRC-32).
 struct Layout {
     base: u64,
     strides: Vec<u64>,
     payload: Range<u64>,
+    record: Record,
 }
 
 /// The data files of one load, open for positioned reads, by index.
@@ -460,23 +474,40 @@ pub fn read_region(
         device: None,
     };
     let valid = validate(ck, std::slice::from_ref(&request))?;
-    let item = valid.tensors[0].dtype.itemsize();
+    let tensor = valid.tensors[0];
+    let item = tensor.dtype.itemsize();
     for p in valid.pieces {
+        let chunk = &tensor.chunks[p.chunk];
+        // Without a save-time CRC-32 (no sidecar), a piece that is the whole chunk has its payload
+        // checked against the CRC-32 its archive records, alongside the copy (a partial piece is
+        // not: its other bytes are not read).
+        let unrecorded = is_whole(&p, chunk)
+            && ck
+                .placed_record(key, Some(&chunk.offsets), &chunk.storage)?
+                .is_none();
         ck.with_chunk(key, p.chunk, |data, c| {
             let t = &data.tensor;
-            copy_box(
-                data.storage(),
-                t.storage_offset,
-                &t.strides,
-                &c.offsets,
-                offsets,
-                sizes,
-                &p.lo,
-                &p.hi,
-                item,
-                out,
-            )
-        })?;
+            let mut copy = || {
+                copy_box(
+                    data.storage(),
+                    t.storage_offset,
+                    &t.strides,
+                    &c.offsets,
+                    offsets,
+                    sizes,
+                    &p.lo,
+                    &p.hi,
+                    item,
+                    out,
+                )
+            };
+            if !unrecorded || !t.storage.has_crc() {
+                copy();
+                return Ok(());
+            }
+            let (got, ()) = rayon::join(|| crate::reader::crc32(data.storage()), copy);
+            check_record_crc(ck, key, c, &t.storage, got)
+        })??;
     }
     Ok(())
 }
@@ -605,6 +636,7 @@ fn items<'a>(ck: &'a Checkpoint, valid: &Validated<'a>, check_crc: bool) -> Resu
                 it.blocks = Some(rec)
             }
             Some(_) if check_crc && !it.whole => found.unchecked += 1,
+            None if check_crc && it.whole && !it.transformed => it.zip = true,
             _ => {}
         }
     }
@@ -647,6 +679,7 @@ fn collect_items<'a>(
                     .contains_key(&(t.key.to_string(), Some(chunk.offsets.clone()))),
                 check: None,
                 blocks: None,
+                zip: false,
             });
             found.items.len() - 1
         });
@@ -973,7 +1006,7 @@ fn report(
     let items_checked = found
         .items
         .iter()
-        .filter(|it| it.check.is_some() || it.blocks.is_some())
+        .filter(|it| it.check.is_some() || it.blocks.is_some() || it.zip)
         .count() as u64;
     LoadStats {
         bytes_read: counters.bytes.load(Relaxed),
@@ -1063,6 +1096,7 @@ fn locate(ck: &Checkpoint, source: &Source, it: &Item, counters: &Counters) -> R
             base: payload + t.storage_offset * dtype.itemsize(),
             strides: t.strides,
             payload: payload..payload + t.storage.len as u64,
+            record: t.storage,
         });
     }
     Err(corrupt(
@@ -1099,10 +1133,18 @@ fn checks<'a>(
             let s = &it.chunk.storage;
             out.push(Check {
                 item: id,
-                rec,
                 range: s.offset..s.offset + s.length,
-                block: None,
+                want: Want::Item(rec),
             });
+        }
+        if let (true, Some(l)) = (it.zip, &layouts[id]) {
+            if l.record.has_crc() {
+                out.push(Check {
+                    item: id,
+                    range: l.payload.clone(),
+                    want: Want::Record(l.record.clone()),
+                });
+            }
         }
         let (Some(rec), Some(l), Some(block)) = (it.blocks, &layouts[id], ck.block_bytes()) else {
             continue;
@@ -1126,9 +1168,8 @@ fn checks<'a>(
             let r = crate::blockcrc::span(b, len, block);
             out.push(Check {
                 item: id,
-                rec,
                 range: l.payload.start + r.start..l.payload.start + r.end,
-                block: Some(b),
+                want: Want::Block(rec, b),
             });
         }
     }
@@ -1451,16 +1492,33 @@ impl Exec<'_> {
                 next += seg.len;
                 at += 1;
             }
-            let key = self.items[c.item].key;
-            assert_eq!(next, c.range.end, "CRC segments tile {key}");
-            match c.block {
-                None => self.ck.check_crc(c.rec, crc.finalize())?,
-                Some(b) => self
-                    .ck
-                    .check_block_crc(c.rec, b, c.range.clone(), crc.finalize())?,
+            let it = &self.items[c.item];
+            assert_eq!(next, c.range.end, "CRC segments tile {}", it.key);
+            match &c.want {
+                Want::Item(rec) => self.ck.check_crc(rec, crc.finalize())?,
+                Want::Block(rec, b) => {
+                    self.ck
+                        .check_block_crc(rec, *b, c.range.clone(), crc.finalize())?
+                }
+                Want::Record(r) => check_record_crc(self.ck, it.key, it.chunk, r, crc.finalize())?,
             }
         }
         Ok(())
+    }
+}
+
+/// Compares `got`, the CRC-32 of the payload of `key`'s chunk `c`, with the one its archive's
+/// record `r` holds (an item without a save-time CRC-32).
+///
+/// Errors: [`Error::Corrupt`] naming key, chunk, file and the item's offset, as a save-time
+/// CRC-32 mismatch does.
+fn check_record_crc(ck: &Checkpoint, key: &str, c: &Chunk, r: &Record, got: u32) -> Result<()> {
+    match r.crc_mismatch(got) {
+        None => Ok(()),
+        Some(m) => Err(corrupt(
+            ck.dir().join(&c.storage.relative_path),
+            format!("{}: {m}", item_name(key, c)),
+        )),
     }
 }
 
@@ -1791,6 +1849,7 @@ mod tests {
             transformed: false,
             check: None,
             blocks: None,
+            zip: false,
         }
     }
 
@@ -2073,9 +2132,8 @@ mod tests {
         };
         let check = |item: usize, range: Range<u64>| Check {
             item,
-            rec: &rec,
             range,
-            block: None,
+            want: Want::Item(&rec),
         };
         // Sorted by file, then offset: none in file 0, two in file 1.
         let checks = [check(1, 0..40), check(1, 60..100)];
@@ -2116,6 +2174,7 @@ mod tests {
         };
         let mut items: Vec<Item> = (0..3).map(|k| item("w", &chunks[0], k, 0)).collect();
         items[0].check = Some(&rec);
+        items[1].zip = true;
         items[2].blocks = Some(&rec);
         let found = Items {
             items,
@@ -2132,7 +2191,7 @@ mod tests {
             (r.bytes_read, r.read_ops, r.requests, r.plan_seconds),
             (128, 2, 5, 0.25)
         );
-        assert_eq!((r.items_checked, r.items_unchecked), (2, 4));
+        assert_eq!((r.items_checked, r.items_unchecked), (3, 4));
         assert!(r.seconds >= 0.0);
     }
 }
