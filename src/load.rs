@@ -39,7 +39,11 @@
 //! reads so that coalescing still applies), and every block touched is checked the same way.
 //! Without block CRCs (saves of shardwise before them) such an item cannot be checked without
 //! reading it whole, which would multiply the bytes a resharded load reads by the TP ratio: the
-//! stats count it (`items_unchecked`). On a CRC error the destinations may hold the damaged bytes.
+//! stats count it (`items_unchecked`). Without a save-time record of an item (no sidecar: torch or
+//! Megatron saves, a copy without hidden directories), an item read whole has its tensor data
+//! checked against the CRC-32 its own torch.save archive records for its data record (the zip CRC
+//! `verify` checks), hashed the same way; read in part, it is not checked (that CRC covers all of
+//! the tensor data). On a CRC error the destinations may hold the damaged bytes.
 
 mod plan;
 
