@@ -622,7 +622,8 @@ fn one_device(reqs: &[Request]) -> Result<Option<u32>> {
 /// The items the pieces of `valid` need, with their data files, and which save-time CRC-32s this
 /// load checks (none unless `check_crc`): an item read whole by its CRC-32; an item read in part
 /// by the block CRC-32s of the blocks it reads, where the save recorded some; else, when only part
-/// of it is needed, it is counted unchecked.
+/// of it is needed, it is counted unchecked. An item with no save-time record (no sidecar) read
+/// whole is checked by the zip CRC-32 of its tensor data ([`Item::zip`]); read in part, it is not.
 ///
 /// Errors: [`Error::Corrupt`] when the checksum sidecar places an item elsewhere than `.metadata`.
 fn items<'a>(ck: &'a Checkpoint, valid: &Validated<'a>, check_crc: bool) -> Result<Items<'a>> {
@@ -1762,6 +1763,44 @@ mod tests {
         assert_eq!(out[30], w(5, 0) ^ 0x40);
     }
 
+    /// Without the checksum sidecar (a copy without hidden directories), an item read whole fails
+    /// the CRC-32 its archive records for its tensor data, naming key, chunk, file and offset,
+    /// through `load` and `read_region`; a part of it is read unchecked.
+    #[test]
+    fn without_the_sidecar_a_flipped_byte_fails_the_zip_crc() {
+        let (dir, _) = saved();
+        std::fs::remove_dir_all(dir.path().join(".shardwise")).unwrap();
+        let path = dir.path().join("__1_0.distcp");
+        let mut bytes = std::fs::read(&path).unwrap();
+        let at = bytes
+            .windows(6)
+            .position(|x| x == [w(5, 0), w(5, 1), w(5, 2), w(5, 3), w(5, 4), w(5, 5)])
+            .unwrap();
+        bytes[at] ^= 0x40;
+        std::fs::write(&path, &bytes).unwrap();
+        let ck = Checkpoint::open(&Location::local(dir.path())).unwrap();
+        assert!(!ck.has_checksums());
+        let names_item = |e: &Error| {
+            matches!(e, Error::Corrupt { path, reason } if path.ends_with("__1_0.distcp")
+                && reason.starts_with("w chunk [4, 0] (item at offset")
+                && reason.contains("fails its zip CRC-32"))
+        };
+        let mut out = vec![0u8; 48];
+        let reqs = [request("w", [0, 0], [8, 6], &mut out)];
+        let e = unsafe { load(&ck, &reqs, &small()) }.unwrap_err();
+        assert!(names_item(&e), "{e}");
+        let e = read_region(&ck, "w", &[0, 0], &[8, 6], &mut out).unwrap_err();
+        assert!(names_item(&e), "{e}");
+        // The intact chunk loads, checked; part of the damaged one loads as it is.
+        let reqs = [request("w", [0, 0], [4, 6], &mut out[..24])];
+        let stats = unsafe { load(&ck, &reqs, &small()) }.unwrap();
+        assert_eq!((stats.items_checked, stats.items_unchecked), (1, 0));
+        read_region(&ck, "w", &[0, 0], &[4, 6], &mut out[..24]).unwrap();
+        let reqs = [request("w", [5, 0], [1, 6], &mut out[..6])];
+        unsafe { load(&ck, &reqs, &small()) }.unwrap();
+        assert_eq!(out[0], w(5, 0) ^ 0x40);
+    }
+
     /// Ctrl-C stops a load with load wording (not a save's "nothing committed"); the check runs
     /// on the calling thread, so this test's flag stops only its own load.
     #[test]
@@ -2019,30 +2058,54 @@ mod tests {
         assert!(std::ptr::eq(found.items[2].chunk, &chunks[2]));
     }
 
-    /// An item read whole is checked by its CRC-32, one read in part by its block CRC-32s; with
-    /// `check_crc` off nothing is.
+    /// An item read whole is checked by its CRC-32, one read in part by its block CRC-32s; without
+    /// the sidecar, one read whole by its archive's zip CRC-32; with `check_crc` off nothing is.
     #[test]
     fn items_choose_what_each_item_is_checked_by() {
-        let (_dir, ck) = saved();
+        let (dir, ck) = saved();
         assert!(
             ck.block_bytes().is_some(),
             "this save records block CRC-32s"
         );
         let whole = [request_at("w", [0, 0], [8, 6], 8)];
         let part = [request_at("w", [2, 1], [4, 2], 8)];
-        let checked = |reqs: &[Request], check_crc: bool| {
-            let valid = validate(&ck, reqs).unwrap();
-            let found = items(&ck, &valid, check_crc).unwrap();
-            let by: Vec<(bool, bool)> = found
+        let checked = |ck: &Checkpoint, reqs: &[Request], check_crc: bool| {
+            let valid = validate(ck, reqs).unwrap();
+            let found = items(ck, &valid, check_crc).unwrap();
+            let by: Vec<(bool, bool, bool)> = found
                 .items
                 .iter()
-                .map(|it| (it.check.is_some(), it.blocks.is_some()))
+                .map(|it| (it.check.is_some(), it.blocks.is_some(), it.zip))
                 .collect();
             (by, found.unchecked)
         };
-        assert_eq!(checked(&whole, true), (vec![(true, false); 2], 0));
-        assert_eq!(checked(&part, true), (vec![(false, true); 2], 0));
-        assert_eq!(checked(&part, false), (vec![(false, false); 2], 0));
+        assert_eq!(
+            checked(&ck, &whole, true),
+            (vec![(true, false, false); 2], 0)
+        );
+        assert_eq!(
+            checked(&ck, &part, true),
+            (vec![(false, true, false); 2], 0)
+        );
+        assert_eq!(
+            checked(&ck, &part, false),
+            (vec![(false, false, false); 2], 0)
+        );
+        // Without the sidecar: an item read whole by its archive's zip CRC-32, a part unchecked.
+        std::fs::remove_dir_all(dir.path().join(".shardwise")).unwrap();
+        let bare = Checkpoint::open(&Location::local(dir.path())).unwrap();
+        assert_eq!(
+            checked(&bare, &whole, true),
+            (vec![(false, false, true); 2], 0)
+        );
+        assert_eq!(
+            checked(&bare, &whole, false),
+            (vec![(false, false, false); 2], 0)
+        );
+        assert_eq!(
+            checked(&bare, &part, true),
+            (vec![(false, false, false); 2], 0)
+        );
     }
 
     #[test]
@@ -2100,6 +2163,12 @@ mod tests {
                 base: 60,
                 strides: vec![6, 1],
                 payload: 60..84,
+                record: Record {
+                    name: "archive/data/0".into(),
+                    start: 60,
+                    len: 24,
+                    crc: 0,
+                },
             }),
             None,
         ];
