@@ -39,7 +39,11 @@
 //! reads so that coalescing still applies), and every block touched is checked the same way.
 //! Without block CRCs (saves of shardwise before them) such an item cannot be checked without
 //! reading it whole, which would multiply the bytes a resharded load reads by the TP ratio: the
-//! stats count it (`items_unchecked`). On a CRC error the destinations may hold the damaged bytes.
+//! stats count it (`items_unchecked`). Without a save-time record of an item (no sidecar: torch or
+//! Megatron saves, a copy without hidden directories), an item read whole has its tensor data
+//! checked against the CRC-32 its own torch.save archive records for its data record (the zip CRC
+//! `verify` checks), hashed the same way; read in part, it is not checked (that CRC covers all of
+//! the tensor data). On a CRC error the destinations may hold the damaged bytes.
 
 mod plan;
 
@@ -52,7 +56,7 @@ use cudarc::driver::CudaEvent;
 use rayon::prelude::*;
 
 use crate::error::{Error, Result, Stopped};
-use crate::format::archive::{stored_tensor_in, HeadTail};
+use crate::format::archive::{stored_tensor_in, HeadTail, Record};
 use crate::format::dtype::DType;
 use crate::format::metadata::{volume, Chunk, Entry};
 use crate::gpu::{self, DeviceCopier};
@@ -197,6 +201,9 @@ struct Item<'a> {
     /// Save-time record, when the blocks of its payload that this load reads are checked against
     /// their block CRC-32s (the item is read in part; [`crate::blockcrc`]).
     blocks: Option<&'a Recorded>,
+    /// No save-time record (no sidecar), and the item is read whole: its payload is checked
+    /// against the CRC-32 its torch.save archive records for it.
+    zip: bool,
 }
 
 /// The items a load needs ([`items`]), each once, and their data files.
@@ -210,22 +217,33 @@ struct Items<'a> {
     unchecked: u64,
 }
 
-/// Bytes of a data file whose CRC-32 this load checks: a whole item, or one block of an item's
-/// payload.
+/// Bytes of a data file whose CRC-32 this load checks: a whole item, one block of an item's
+/// payload, or an item's whole payload.
 struct Check<'a> {
     item: usize,
-    rec: &'a Recorded,
     range: Range<u64>,
-    /// The block's index in its payload; None for a whole item.
-    block: Option<u64>,
+    want: Want<'a>,
+}
+
+/// The CRC-32 a checked range is compared with.
+enum Want<'a> {
+    /// The item's, recorded at save time.
+    Item(&'a Recorded),
+    /// Block `.1` of the item's payload, recorded at save time.
+    Block(&'a Recorded, u64),
+    /// The payload's, as the item's own torch.save archive records it for its data record: the
+    /// check of an item without a save-time record (no sidecar).
+    Record(Record),
 }
 
 /// Where an item's tensor data lies: file byte of element 0, strides in elements, and the file
-/// bytes of its storage (the payload a save's block CRC-32s cover).
+/// bytes of its storage (the payload a save's block CRC-32s cover), with the archive's record of
+/// that storage (its name and zip CRC-32).
 struct Layout {
     base: u64,
     strides: Vec<u64>,
     payload: Range<u64>,
+    record: Record,
 }
 
 /// The data files of one load, open for positioned reads, by index.
@@ -460,23 +478,40 @@ pub fn read_region(
         device: None,
     };
     let valid = validate(ck, std::slice::from_ref(&request))?;
-    let item = valid.tensors[0].dtype.itemsize();
+    let tensor = valid.tensors[0];
+    let item = tensor.dtype.itemsize();
     for p in valid.pieces {
+        let chunk = &tensor.chunks[p.chunk];
+        // Without a save-time CRC-32 (no sidecar), a piece that is the whole chunk has its payload
+        // checked against the CRC-32 its archive records, alongside the copy (a partial piece is
+        // not: its other bytes are not read).
+        let unrecorded = is_whole(&p, chunk)
+            && ck
+                .placed_record(key, Some(&chunk.offsets), &chunk.storage)?
+                .is_none();
         ck.with_chunk(key, p.chunk, |data, c| {
             let t = &data.tensor;
-            copy_box(
-                data.storage(),
-                t.storage_offset,
-                &t.strides,
-                &c.offsets,
-                offsets,
-                sizes,
-                &p.lo,
-                &p.hi,
-                item,
-                out,
-            )
-        })?;
+            let mut copy = || {
+                copy_box(
+                    data.storage(),
+                    t.storage_offset,
+                    &t.strides,
+                    &c.offsets,
+                    offsets,
+                    sizes,
+                    &p.lo,
+                    &p.hi,
+                    item,
+                    out,
+                )
+            };
+            if !unrecorded || !t.storage.has_crc() {
+                copy();
+                return Ok(());
+            }
+            let (got, ()) = rayon::join(|| crate::reader::crc32(data.storage()), copy);
+            check_record_crc(ck, key, c, &t.storage, got)
+        })??;
     }
     Ok(())
 }
@@ -587,7 +622,8 @@ fn one_device(reqs: &[Request]) -> Result<Option<u32>> {
 /// The items the pieces of `valid` need, with their data files, and which save-time CRC-32s this
 /// load checks (none unless `check_crc`): an item read whole by its CRC-32; an item read in part
 /// by the block CRC-32s of the blocks it reads, where the save recorded some; else, when only part
-/// of it is needed, it is counted unchecked.
+/// of it is needed, it is counted unchecked. An item with no save-time record (no sidecar) read
+/// whole is checked by the zip CRC-32 of its tensor data ([`Item::zip`]); read in part, it is not.
 ///
 /// Errors: [`Error::Corrupt`] when the checksum sidecar places an item elsewhere than `.metadata`.
 fn items<'a>(ck: &'a Checkpoint, valid: &Validated<'a>, check_crc: bool) -> Result<Items<'a>> {
@@ -605,6 +641,7 @@ fn items<'a>(ck: &'a Checkpoint, valid: &Validated<'a>, check_crc: bool) -> Resu
                 it.blocks = Some(rec)
             }
             Some(_) if check_crc && !it.whole => found.unchecked += 1,
+            None if check_crc && it.whole && !it.transformed => it.zip = true,
             _ => {}
         }
     }
@@ -647,6 +684,7 @@ fn collect_items<'a>(
                     .contains_key(&(t.key.to_string(), Some(chunk.offsets.clone()))),
                 check: None,
                 blocks: None,
+                zip: false,
             });
             found.items.len() - 1
         });
@@ -973,7 +1011,7 @@ fn report(
     let items_checked = found
         .items
         .iter()
-        .filter(|it| it.check.is_some() || it.blocks.is_some())
+        .filter(|it| it.check.is_some() || it.blocks.is_some() || it.zip)
         .count() as u64;
     LoadStats {
         bytes_read: counters.bytes.load(Relaxed),
@@ -1063,6 +1101,7 @@ fn locate(ck: &Checkpoint, source: &Source, it: &Item, counters: &Counters) -> R
             base: payload + t.storage_offset * dtype.itemsize(),
             strides: t.strides,
             payload: payload..payload + t.storage.len as u64,
+            record: t.storage,
         });
     }
     Err(corrupt(
@@ -1099,10 +1138,18 @@ fn checks<'a>(
             let s = &it.chunk.storage;
             out.push(Check {
                 item: id,
-                rec,
                 range: s.offset..s.offset + s.length,
-                block: None,
+                want: Want::Item(rec),
             });
+        }
+        if let (true, Some(l)) = (it.zip, &layouts[id]) {
+            if l.record.has_crc() {
+                out.push(Check {
+                    item: id,
+                    range: l.payload.clone(),
+                    want: Want::Record(l.record.clone()),
+                });
+            }
         }
         let (Some(rec), Some(l), Some(block)) = (it.blocks, &layouts[id], ck.block_bytes()) else {
             continue;
@@ -1126,9 +1173,8 @@ fn checks<'a>(
             let r = crate::blockcrc::span(b, len, block);
             out.push(Check {
                 item: id,
-                rec,
                 range: l.payload.start + r.start..l.payload.start + r.end,
-                block: Some(b),
+                want: Want::Block(rec, b),
             });
         }
     }
@@ -1451,16 +1497,33 @@ impl Exec<'_> {
                 next += seg.len;
                 at += 1;
             }
-            let key = self.items[c.item].key;
-            assert_eq!(next, c.range.end, "CRC segments tile {key}");
-            match c.block {
-                None => self.ck.check_crc(c.rec, crc.finalize())?,
-                Some(b) => self
-                    .ck
-                    .check_block_crc(c.rec, b, c.range.clone(), crc.finalize())?,
+            let it = &self.items[c.item];
+            assert_eq!(next, c.range.end, "CRC segments tile {}", it.key);
+            match &c.want {
+                Want::Item(rec) => self.ck.check_crc(rec, crc.finalize())?,
+                Want::Block(rec, b) => {
+                    self.ck
+                        .check_block_crc(rec, *b, c.range.clone(), crc.finalize())?
+                }
+                Want::Record(r) => check_record_crc(self.ck, it.key, it.chunk, r, crc.finalize())?,
             }
         }
         Ok(())
+    }
+}
+
+/// Compares `got`, the CRC-32 of the payload of `key`'s chunk `c`, with the one its archive's
+/// record `r` holds (an item without a save-time CRC-32).
+///
+/// Errors: [`Error::Corrupt`] naming key, chunk, file and the item's offset, as a save-time
+/// CRC-32 mismatch does.
+fn check_record_crc(ck: &Checkpoint, key: &str, c: &Chunk, r: &Record, got: u32) -> Result<()> {
+    match r.crc_mismatch(got) {
+        None => Ok(()),
+        Some(m) => Err(corrupt(
+            ck.dir().join(&c.storage.relative_path),
+            format!("{}: {m}", item_name(key, c)),
+        )),
     }
 }
 
@@ -1700,6 +1763,44 @@ mod tests {
         assert_eq!(out[30], w(5, 0) ^ 0x40);
     }
 
+    /// Without the checksum sidecar (a copy without hidden directories), an item read whole fails
+    /// the CRC-32 its archive records for its tensor data, naming key, chunk, file and offset,
+    /// through `load` and `read_region`; a part of it is read unchecked.
+    #[test]
+    fn without_the_sidecar_a_flipped_byte_fails_the_zip_crc() {
+        let (dir, _) = saved();
+        std::fs::remove_dir_all(dir.path().join(".shardwise")).unwrap();
+        let path = dir.path().join("__1_0.distcp");
+        let mut bytes = std::fs::read(&path).unwrap();
+        let at = bytes
+            .windows(6)
+            .position(|x| x == [w(5, 0), w(5, 1), w(5, 2), w(5, 3), w(5, 4), w(5, 5)])
+            .unwrap();
+        bytes[at] ^= 0x40;
+        std::fs::write(&path, &bytes).unwrap();
+        let ck = Checkpoint::open(&Location::local(dir.path())).unwrap();
+        assert!(!ck.has_checksums());
+        let names_item = |e: &Error| {
+            matches!(e, Error::Corrupt { path, reason } if path.ends_with("__1_0.distcp")
+                && reason.starts_with("w chunk [4, 0] (item at offset")
+                && reason.contains("fails its zip CRC-32"))
+        };
+        let mut out = vec![0u8; 48];
+        let reqs = [request("w", [0, 0], [8, 6], &mut out)];
+        let e = unsafe { load(&ck, &reqs, &small()) }.unwrap_err();
+        assert!(names_item(&e), "{e}");
+        let e = read_region(&ck, "w", &[0, 0], &[8, 6], &mut out).unwrap_err();
+        assert!(names_item(&e), "{e}");
+        // The intact chunk loads, checked; part of the damaged one loads as it is.
+        let reqs = [request("w", [0, 0], [4, 6], &mut out[..24])];
+        let stats = unsafe { load(&ck, &reqs, &small()) }.unwrap();
+        assert_eq!((stats.items_checked, stats.items_unchecked), (1, 0));
+        read_region(&ck, "w", &[0, 0], &[4, 6], &mut out[..24]).unwrap();
+        let reqs = [request("w", [5, 0], [1, 6], &mut out[..6])];
+        unsafe { load(&ck, &reqs, &small()) }.unwrap();
+        assert_eq!(out[0], w(5, 0) ^ 0x40);
+    }
+
     /// Ctrl-C stops a load with load wording (not a save's "nothing committed"); the check runs
     /// on the calling thread, so this test's flag stops only its own load.
     #[test]
@@ -1791,6 +1892,7 @@ mod tests {
             transformed: false,
             check: None,
             blocks: None,
+            zip: false,
         }
     }
 
@@ -1956,30 +2058,54 @@ mod tests {
         assert!(std::ptr::eq(found.items[2].chunk, &chunks[2]));
     }
 
-    /// An item read whole is checked by its CRC-32, one read in part by its block CRC-32s; with
-    /// `check_crc` off nothing is.
+    /// An item read whole is checked by its CRC-32, one read in part by its block CRC-32s; without
+    /// the sidecar, one read whole by its archive's zip CRC-32; with `check_crc` off nothing is.
     #[test]
     fn items_choose_what_each_item_is_checked_by() {
-        let (_dir, ck) = saved();
+        let (dir, ck) = saved();
         assert!(
             ck.block_bytes().is_some(),
             "this save records block CRC-32s"
         );
         let whole = [request_at("w", [0, 0], [8, 6], 8)];
         let part = [request_at("w", [2, 1], [4, 2], 8)];
-        let checked = |reqs: &[Request], check_crc: bool| {
-            let valid = validate(&ck, reqs).unwrap();
-            let found = items(&ck, &valid, check_crc).unwrap();
-            let by: Vec<(bool, bool)> = found
+        let checked = |ck: &Checkpoint, reqs: &[Request], check_crc: bool| {
+            let valid = validate(ck, reqs).unwrap();
+            let found = items(ck, &valid, check_crc).unwrap();
+            let by: Vec<(bool, bool, bool)> = found
                 .items
                 .iter()
-                .map(|it| (it.check.is_some(), it.blocks.is_some()))
+                .map(|it| (it.check.is_some(), it.blocks.is_some(), it.zip))
                 .collect();
             (by, found.unchecked)
         };
-        assert_eq!(checked(&whole, true), (vec![(true, false); 2], 0));
-        assert_eq!(checked(&part, true), (vec![(false, true); 2], 0));
-        assert_eq!(checked(&part, false), (vec![(false, false); 2], 0));
+        assert_eq!(
+            checked(&ck, &whole, true),
+            (vec![(true, false, false); 2], 0)
+        );
+        assert_eq!(
+            checked(&ck, &part, true),
+            (vec![(false, true, false); 2], 0)
+        );
+        assert_eq!(
+            checked(&ck, &part, false),
+            (vec![(false, false, false); 2], 0)
+        );
+        // Without the sidecar: an item read whole by its archive's zip CRC-32, a part unchecked.
+        std::fs::remove_dir_all(dir.path().join(".shardwise")).unwrap();
+        let bare = Checkpoint::open(&Location::local(dir.path())).unwrap();
+        assert_eq!(
+            checked(&bare, &whole, true),
+            (vec![(false, false, true); 2], 0)
+        );
+        assert_eq!(
+            checked(&bare, &whole, false),
+            (vec![(false, false, false); 2], 0)
+        );
+        assert_eq!(
+            checked(&bare, &part, true),
+            (vec![(false, false, false); 2], 0)
+        );
     }
 
     #[test]
@@ -2037,6 +2163,12 @@ mod tests {
                 base: 60,
                 strides: vec![6, 1],
                 payload: 60..84,
+                record: Record {
+                    name: "archive/data/0".into(),
+                    start: 60,
+                    len: 24,
+                    crc: 0,
+                },
             }),
             None,
         ];
@@ -2073,9 +2205,8 @@ mod tests {
         };
         let check = |item: usize, range: Range<u64>| Check {
             item,
-            rec: &rec,
             range,
-            block: None,
+            want: Want::Item(&rec),
         };
         // Sorted by file, then offset: none in file 0, two in file 1.
         let checks = [check(1, 0..40), check(1, 60..100)];
@@ -2116,6 +2247,7 @@ mod tests {
         };
         let mut items: Vec<Item> = (0..3).map(|k| item("w", &chunks[0], k, 0)).collect();
         items[0].check = Some(&rec);
+        items[1].zip = true;
         items[2].blocks = Some(&rec);
         let found = Items {
             items,
@@ -2132,7 +2264,7 @@ mod tests {
             (r.bytes_read, r.read_ops, r.requests, r.plan_seconds),
             (128, 2, 5, 0.25)
         );
-        assert_eq!((r.items_checked, r.items_unchecked), (2, 4));
+        assert_eq!((r.items_checked, r.items_unchecked), (3, 4));
         assert!(r.seconds >= 0.0);
     }
 }

@@ -80,7 +80,9 @@ class Reader:
         memory, ``CorruptFileError`` for damaged items. On checkpoints
         shardwise wrote, every item read is checked against the CRC-32 recorded at save time
         (the whole item, even for a partial read; once per item per open checkpoint); a mismatch
-        is a ``CorruptFileError`` naming the key, the file and the item's offset."""
+        is a ``CorruptFileError`` naming the key, the file and the item's offset. Without that
+        record (no ``.shardwise/`` sidecar), a chunk read whole is checked against the CRC-32 its
+        torch.save archive records for its tensor data, with the same error; a slice is not."""
         import torch
 
         md = self._ckpt.metadata(key)

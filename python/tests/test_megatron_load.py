@@ -374,6 +374,50 @@ def test_crc_mismatch_names_key_file_offset(plain_ckpt, tmp_path):
     assert not torch.equal(rows, vals["rows"]) and rows.shape == vals["rows"].shape
 
 
+def test_without_sidecar_whole_items_are_checked_by_their_zip_crc(plain_ckpt, tmp_path):
+    """A copy without hidden directories has no checksum sidecar (``.shardwise``): an item read
+    whole is then checked against the CRC-32 its own torch.save archive records for its tensor
+    data (as ``shardwise verify`` checks it), with the error a sidecar mismatch gives; an intact
+    copy still loads, and a resharded read of part of an item stays unchecked."""
+    path, vals = plain_ckpt
+    bad = tmp_path / "nosidecar"
+    shutil.copytree(path, bad)
+    shutil.rmtree(bad / ".shardwise")
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    def whole():
+        return {"rows": ShardedTensor.from_rank_offsets("rows", torch.zeros(4, 5))}
+
+    def resharded():  # rows 0..1 of the saved chunk, as rank 0 of 2
+        return {"rows": ShardedTensor.from_rank_offsets("rows", torch.zeros(2, 5), (0, 0, 2))}
+
+    assert torch.equal(swm.load(whole(), bad)["rows"], vals["rows"])
+    assert torch.equal(shardwise.open(bad).read("rows"), vals["rows"])
+    swl.clear_cache()
+    chunk = shardwise.open(bad).metadata("rows")["chunks"][0]
+    with open(bad / chunk["relative_path"], "r+b") as f:
+        f.seek(chunk["offset"])
+        item = f.read(chunk["length"])
+        at = chunk["offset"] + item.index(vals["rows"].numpy().tobytes()) + 9  # in row 0
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x10]))
+    msg = rf"__0_0\.distcp: rows chunk \[0, 0\] \(item at offset {chunk['offset']}, .*record .*/data/0 fails its zip CRC-32"
+    with pytest.raises(shardwise.CorruptFileError, match=msg):
+        swm.load(whole(), bad)
+    swl.clear_cache()
+    with pytest.raises(shardwise.CorruptFileError, match=msg):
+        shardwise.open(bad).read("rows")
+    # Part of the item, without block CRC-32s: not checked (the flipped bit shows).
+    rows = swm.load(resharded(), bad)["rows"]
+    assert not torch.equal(rows, vals["rows"][:2])
+    swl.clear_cache()
+    rows = swm.load(whole(), bad, check_crc=False)["rows"]
+    assert not torch.equal(rows, vals["rows"])
+    swl.clear_cache()
+
+
 def test_other_backend_refused(plain_ckpt, tmp_path):
     path, _ = plain_ckpt
     other = tmp_path / "zarr"

@@ -34,6 +34,23 @@ impl Record {
     pub fn is_data_pkl(&self) -> bool {
         self.name.ends_with("/data.pkl") || self.name == "data.pkl"
     }
+
+    /// Whether the central directory records a CRC-32 for this record's data (a writer may leave
+    /// it 0; torch writes real ones).
+    pub fn has_crc(&self) -> bool {
+        self.crc != 0
+    }
+
+    /// The problem when `got`, the CRC-32 of this record's data, is not the one the central
+    /// directory records; None when it is (or when none is recorded).
+    pub fn crc_mismatch(&self, got: u32) -> Option<String> {
+        (self.has_crc() && got != self.crc).then(|| {
+            format!(
+                "record {} fails its zip CRC-32 (stored {:08x}, computed {got:08x})",
+                self.name, self.crc
+            )
+        })
+    }
 }
 
 /// An item's bytes, whole or in part: the loader decodes an item from its first and last bytes
@@ -210,16 +227,8 @@ pub fn records_in(blob: &(impl Blob + ?Sized)) -> R<Vec<Record>> {
 /// (caffe2/serialize/inline_container.cc) but its reader never checks them.
 pub fn bad_record_crcs(blob: &[u8], recs: &[Record]) -> Vec<String> {
     recs.iter()
-        .filter(|r| r.crc != 0)
-        .filter_map(|r| {
-            let got = crc32fast::hash(&blob[r.start..r.start + r.len]);
-            (got != r.crc).then(|| {
-                format!(
-                    "record {} fails its zip CRC-32 (stored {:08x}, computed {got:08x})",
-                    r.name, r.crc
-                )
-            })
-        })
+        .filter(|r| r.has_crc())
+        .filter_map(|r| r.crc_mismatch(crc32fast::hash(&blob[r.start..r.start + r.len])))
         .collect()
 }
 
