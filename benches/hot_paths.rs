@@ -96,9 +96,15 @@ fn write_rank_file(bencher: Bencher, gib: usize) {
     let chunks = common::chunks_of(&buf, piece);
     let dir = tempfile::tempdir().unwrap();
     let loc = shardwise::storage::Location::local(dir.path());
+    let go = std::sync::atomic::AtomicBool::new(false);
+    let how = shardwise::writer::WriteOptions {
+        seed: 0,
+        digest: false,
+        stop: &go,
+    };
     bencher.counter(BytesCount::new(total)).bench_local(|| {
         let sink = loc.create_data("__0_0.distcp").unwrap();
-        shardwise::writer::write_rank(sink, 0, &chunks, &[], None, false).unwrap()
+        shardwise::writer::write_rank(sink, &chunks, &[], None, how).unwrap()
     });
 }
 

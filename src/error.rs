@@ -9,7 +9,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 /// What Ctrl-C stopped ([`Error::Interrupted`]), for its message.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Stopped {
-    /// A save's or merge's wait: this process committed nothing.
+    /// A save's write or wait, or a merge's wait: this process committed nothing.
     Commit,
     /// A load: the destinations may hold part of the requested data.
     Load,
@@ -81,7 +81,8 @@ pub enum Error {
         stale: Vec<(u32, String)>,
     },
 
-    /// Ctrl-C stopped a wait of a save or merge (nothing was committed by this process) or a load.
+    /// Ctrl-C stopped a save's write or a wait of a save or merge (nothing was committed by this
+    /// process) or a load.
     #[error("interrupted; {}", .0.outcome())]
     Interrupted(Stopped),
 

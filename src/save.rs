@@ -1,10 +1,12 @@
 //! One rank's collective-free save, as named steps (the shape of DCP's `_save_state_dict`):
 //! [`check`] the input → [`commit::attempt::begin`] (may this attempt start, under which names) →
-//! write the data file and `common.pt` ([`write_data`], [`write_common`]) → [`build_part`] (pure)
+//! write the data file and `common.pt` ([`write_files`]: [`write_data`], [`write_common`]; Ctrl-C
+//! stops it, nothing published) → [`build_part`] (pure)
 //! → publish the part, with a [`Cleanup`] guard removing this rank's files if it fails before →
 //! merge (on the merging rank) or wait for the commit (on the others). No rank ever talks to
 //! another.
 
+use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
@@ -17,10 +19,12 @@ use crate::commit::part::{
 };
 use crate::commit::wait::{wait_for_commit, Freshness};
 use crate::commit::{self, CommitSummary};
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, Stopped};
 use crate::staging::SaveTicket;
 use crate::storage::Location;
-use crate::writer::{check_chunk, write_rank, ByteObject, Staging, TensorChunk, Written};
+use crate::writer::{
+    check_chunk, write_rank, ByteObject, Staging, TensorChunk, WriteOptions, Written,
+};
 
 /// How one rank saves.
 #[derive(Clone, Debug)]
@@ -86,7 +90,9 @@ pub struct SaveReport {
 /// the file-based rendezvous ([`commit`]).
 ///
 /// Errors: [`Error::InvalidArgument`], [`Error::CheckpointExists`], [`Error::Io`] (unwritable
-/// directory, full disk), and the errors of [`commit::merge`] / [`wait_for_commit`]. A failed
+/// directory, full disk), [`Error::Interrupted`] on Ctrl-C during the write (in the thread that
+/// checks for it: Python's main thread), and the errors of [`commit::merge`] /
+/// [`wait_for_commit`]. A failed
 /// save never writes `.metadata`; when the merging rank fails it publishes `FAILED`, so the other
 /// ranks fail within a poll instead of at their timeout.
 pub fn save_rank(
@@ -206,24 +212,12 @@ fn write_and_publish(
         loc,
         files: Vec::new(),
     };
-    // `common.pt` is written (and fsynced) on a second thread while the data file is: on its own
-    // after the data, its fsync waited for the disk to finish the other ranks' data (24 ms of a
-    // 0.5 s save, BENCHMARKS.md "CPU save at the disk's speed").
-    let (data, common) = std::thread::scope(|s| {
-        let common = s.spawn(|| write_common(opts, &attempt, common));
-        let data = write_data(opts, &attempt, tensors, objects, staging, &mut cleanup);
-        let common = common
-            .join()
-            .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
-        (data, common)
-    });
-    // Named for the cleanup before any error is returned, after the data file (the part's stamps
-    // follow this order).
-    if let Ok(Some(c)) = &common {
-        cleanup.files.push(c.name.clone());
-    }
-    let data = data.map_err(rank_error)?;
-    let common = common.map_err(rank_error)?;
+    let input = SaveInput {
+        tensors,
+        objects,
+        common,
+    };
+    let Files { data, common } = write_files(opts, &attempt, &input, staging, &mut cleanup)?;
     let stamps = cleanup
         .files
         .iter()
@@ -251,6 +245,61 @@ fn write_and_publish(
     })
 }
 
+/// What one rank saves: its chunks and objects, and `common.pt`'s bytes when it has them.
+struct SaveInput<'a> {
+    tensors: &'a [TensorChunk<'a>],
+    objects: &'a [ObjectItem<'a>],
+    common: Option<&'a [u8]>,
+}
+
+/// This rank's files as written: where the writer placed each item of the data file (none without
+/// items) and `common.pt`'s record (without its storage stamp yet).
+struct Files {
+    data: Option<Written>,
+    common: Option<FileRecord>,
+}
+
+/// Writes this rank's data file and `common.pt`, naming each written file for `cleanup`, while the
+/// calling thread watches for Ctrl-C ([`crate::interrupt::watching`]): the data write then stops
+/// at its next piece or window.
+///
+/// Errors: as [`write_data`] and [`write_common`] (I/O errors naming the rank);
+/// [`Error::Interrupted`] when Ctrl-C was seen, even once the writes were done: a save told to
+/// stop publishes nothing, so nothing is committed.
+fn write_files(
+    opts: &SaveOptions,
+    attempt: &Attempt,
+    input: &SaveInput,
+    staging: Option<Staging>,
+    cleanup: &mut Cleanup,
+) -> Result<Files> {
+    let ((data, common), stopped) = crate::interrupt::watching(|stop| {
+        // `common.pt` is written (and fsynced) on a second thread while the data file is: on its
+        // own after the data, its fsync waited for the disk to finish the other ranks' data (24 ms
+        // of a 0.5 s save, BENCHMARKS.md "CPU save at the disk's speed").
+        std::thread::scope(|s| {
+            let common = s.spawn(|| write_common(opts, attempt, input.common));
+            let data = write_data(opts, attempt, input, staging, stop, cleanup);
+            let common = common
+                .join()
+                .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+            (data, common)
+        })
+    });
+    // Named for the cleanup before any error is returned, after the data file (the part's stamps
+    // follow this order).
+    if let Ok(Some(c)) = &common {
+        cleanup.files.push(c.name.clone());
+    }
+    if stopped {
+        return Err(Error::Interrupted(Stopped::Commit));
+    }
+    Ok(Files {
+        data: data.map_err(|e| rank_error(opts.rank, e))?,
+        common: common.map_err(|e| rank_error(opts.rank, e))?,
+    })
+}
+
 /// Files this rank wrote for its save, in the order written; removed (best effort) when dropped
 /// before the part that names them is published.
 struct Cleanup<'a> {
@@ -270,15 +319,18 @@ impl Drop for Cleanup<'_> {
 
 /// Writes this rank's data file ([`Attempt::data_file`]), when it has any item.
 ///
-/// Errors: as [`write_rank`].
+/// Errors: as [`write_rank`]; [`Error::Interrupted`] once `stop` is set.
 fn write_data(
     opts: &SaveOptions,
     attempt: &Attempt,
-    tensors: &[TensorChunk],
-    objects: &[ObjectItem],
+    input: &SaveInput,
     staging: Option<Staging>,
+    stop: &AtomicBool,
     cleanup: &mut Cleanup,
 ) -> Result<Option<Written>> {
+    let SaveInput {
+        tensors, objects, ..
+    } = *input;
     if tensors.is_empty() && objects.is_empty() {
         if let Some(f) = staging.and_then(|s| s.on_staged) {
             f(); // nothing to stage
@@ -288,8 +340,12 @@ fn write_data(
     let sink = opts.location.create_data(&attempt.data_file)?;
     cleanup.files.push(attempt.data_file.clone());
     let objects: Vec<&ByteObject> = objects.iter().map(|o| &o.object).collect();
-    let seed = opts.rank as u64;
-    write_rank(sink, seed, tensors, &objects, staging, opts.integrity).map(Some)
+    let how = WriteOptions {
+        seed: opts.rank as u64,
+        digest: opts.integrity,
+        stop,
+    };
+    write_rank(sink, tensors, &objects, staging, how).map(Some)
 }
 
 /// Writes `common.pt` ([`Attempt::common_file`]) when this rank has the common state; returns its

@@ -6,13 +6,14 @@
 //! file is computed from the bytes as they are written (never read back): see [`InOrder`].
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Condvar, Mutex};
 
 use rayon::prelude::*;
 
 use crate::blockcrc::{hash_piece, PayloadCrc, PieceCrc};
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, Stopped};
 use crate::format::dtype::DType;
 use crate::format::zip::ArchiveLayout;
 use crate::staging::{HostBuffer, StagingPool};
@@ -232,32 +233,51 @@ pub struct Staging<'s> {
     pub on_staged: Option<Box<dyn FnOnce() + Send + 's>>,
 }
 
+/// How [`write_rank`] writes, besides what.
+#[derive(Clone, Copy)]
+pub struct WriteOptions<'a> {
+    /// Makes the archives' `serialization_id`s distinct per rank.
+    pub seed: u64,
+    /// Compute [`Written::sha256`].
+    pub digest: bool,
+    /// Set on Ctrl-C ([`crate::interrupt::watching`]): the write stops at its next piece or
+    /// window with [`Error::Interrupted`].
+    pub stop: &'a AtomicBool,
+}
+
+/// [`Error::Interrupted`] once `stop` is set. One relaxed load: checked before every piece or
+/// window, on the hot path.
+fn check_stop(stop: &AtomicBool) -> Result<()> {
+    match stop.load(Ordering::Relaxed) {
+        true => Err(Error::Interrupted(Stopped::Commit)),
+        false => Ok(()),
+    }
+}
+
 /// Writes all items of one rank into `sink` (a new data file, [`crate::storage::Location::create_data`]),
-/// durably. `seed` makes the archives' `serialization_id`s distinct per rank. Without `staging`,
+/// durably. Without `staging`,
 /// host payloads are written straight from the caller's memory; with it, payloads go through the
-/// staging pool (required for device payloads). With `digest`, [`Written::sha256`] is the file's
+/// staging pool (required for device payloads). With `how.digest`, [`Written::sha256`] is the file's
 /// SHA-256, computed from the bytes written (host memory or staging buffers, in file order), not by
 /// reading the file back. The bytes are the same on every sink: see [`write_positioned`] and
 /// [`write_stream`] for how each is filled.
 ///
 /// Errors: [`Error::InvalidArgument`] for malformed chunks or device payloads without staging,
 /// [`Error::Gpu`] for CUDA failures, [`Error::Io`] for any write failure (including a full disk at
-/// preallocation), [`Error::Remote`] for upload failures (the upload is aborted).
+/// preallocation), [`Error::Remote`] for upload failures (the upload is aborted),
+/// [`Error::Interrupted`] when `how.stop` was set (the file is left partial, the upload aborted).
 pub fn write_rank(
     sink: DataSink,
-    seed: u64,
     tensors: &[TensorChunk],
     objects: &[&ByteObject],
     staging: Option<Staging>,
-    digest: bool,
+    how: WriteOptions,
 ) -> Result<Written> {
     match sink {
-        DataSink::Positioned(file) => {
-            write_positioned(&file, seed, tensors, objects, staging, digest)
-        }
+        DataSink::Positioned(file) => write_positioned(&file, tensors, objects, staging, how),
         DataSink::Stream(upload) => {
             let part_bytes = upload.part_bytes();
-            write_stream(upload, part_bytes, seed, tensors, objects, staging, digest)
+            write_stream(upload, part_bytes, tensors, objects, staging, how)
         }
     }
 }
@@ -267,24 +287,23 @@ pub fn write_rank(
 /// payload's CRC-32 is combined from its pieces'); then fsync.
 fn write_positioned(
     file: &DataFile,
-    seed: u64,
     tensors: &[TensorChunk],
     objects: &[&ByteObject],
     staging: Option<Staging>,
-    digest: bool,
+    how: WriteOptions,
 ) -> Result<Written> {
-    let lay = FileLayout::new(seed, tensors, objects)?;
+    let lay = FileLayout::new(how.seed, tensors, objects)?;
     file.reserve(lay.total)?;
     let (mut pieces, sha256) = match staging {
-        None if digest => {
+        None if how.digest => {
             let (pieces, sha) = rayon::join(
-                || write_direct(file, tensors, objects, &lay),
+                || write_direct(file, tensors, objects, &lay, how.stop),
                 || digest_direct(tensors, objects, &lay),
             );
             (pieces?, sha)
         }
-        None => (write_direct(file, tensors, objects, &lay)?, None),
-        Some(st) => write_staged(file, tensors, objects, &lay, st, digest)?,
+        None => (write_direct(file, tensors, objects, &lay, how.stop)?, None),
+        Some(st) => write_staged(file, tensors, objects, &lay, st, how)?,
     };
 
     // Combine piece CRCs in payload order and write the archive tails.
@@ -319,18 +338,17 @@ fn write_positioned(
 fn write_stream(
     mut upload: Upload,
     part_bytes: usize,
-    seed: u64,
     tensors: &[TensorChunk],
     objects: &[&ByteObject],
     staging: Option<Staging>,
-    digest: bool,
+    how: WriteOptions,
 ) -> Result<Written> {
-    let lay = FileLayout::new(seed, tensors, objects)?;
+    let lay = FileLayout::new(how.seed, tensors, objects)?;
     let bsize = staging
         .as_ref()
         .map_or(part_bytes, |st| st.pool.buffer_size) as u64;
     let plan = plan_windows(tensors, objects, &lay, bsize);
-    let mut order = InOrder::new(tensors.len(), digest);
+    let mut order = InOrder::new(tensors.len(), how.digest);
     let mut copiers = std::collections::HashMap::new();
     let (pool, streams) = match &staging {
         Some(st) => (Some(st.pool), Some(st.caller_streams)),
@@ -341,6 +359,8 @@ fn write_stream(
     let mut pending: Vec<u8> = Vec::new();
     let mut multipart = false;
     for segs in &plan {
+        // Dropping `upload` on the way out aborts it.
+        check_stop(how.stop)?;
         let used = segs.last().map_or(0, |s| s.buf_at + s.len);
         let start = pending.len();
         match pool {
@@ -479,6 +499,7 @@ fn write_direct(
     tensors: &[TensorChunk],
     objects: &[&ByteObject],
     lay: &FileLayout,
+    stop: &AtomicBool,
 ) -> Result<Vec<PieceCrc>> {
     let (object_pos, layouts, tensor_pos) = (&lay.object_pos, &lay.layouts, &lay.tensor_pos);
     enum Task<'a> {
@@ -517,6 +538,7 @@ fn write_direct(
     let pieces = tasks
         .par_iter()
         .map(|task| -> Result<Option<PieceCrc>> {
+            check_stop(stop)?;
             match task {
                 Task::Raw(bytes, at) => file.write_at(bytes, *at).map(|_| None),
                 Task::Piece {
@@ -668,7 +690,7 @@ fn write_staged(
     objects: &[&ByteObject],
     lay: &FileLayout,
     st: Staging,
-    digest: bool,
+    how: WriteOptions,
 ) -> Result<(Vec<PieceCrc>, Option<[u8; 32]>)> {
     let bsize = st.pool.buffer_size as u64;
     let plan = plan_windows(tensors, objects, lay, bsize);
@@ -687,6 +709,7 @@ fn write_staged(
         defer: plan.len() <= st.pool.capacity(),
         held: Vec::new(),
         copiers: HashMap::new(),
+        stop: how.stop,
     };
     let writers = Writers {
         file,
@@ -694,11 +717,12 @@ fn write_staged(
         lay,
         bsize,
         pool: st.pool,
-        digest,
+        digest: how.digest,
+        stop: how.stop,
         turn: (
             Mutex::new(Turn {
                 next: 0,
-                order: InOrder::new(tensors.len(), digest),
+                order: InOrder::new(tensors.len(), how.digest),
                 failed: false,
             }),
             Condvar::new(),
@@ -717,7 +741,8 @@ fn write_staged(
         drop(tx);
         join_writers(handles, produce.err())
     });
-    let sha256 = digest
+    let sha256 = how
+        .digest
         .then(|| writers.turn.0.into_inner().unwrap().order.sha256())
         .flatten();
     Ok((result?, sha256))
@@ -740,6 +765,8 @@ struct Stager<'s> {
     defer: bool,
     held: Vec<Filled>,
     copiers: HashMap<u32, crate::gpu::DeviceCopier>,
+    /// [`WriteOptions::stop`].
+    stop: &'s AtomicBool,
 }
 
 impl Stager<'_> {
@@ -747,9 +774,10 @@ impl Stager<'_> {
     /// copy has landed (true), or early when the writers stopped on an error, which they report
     /// (false).
     ///
-    /// Errors: as [`fill_window`], and CUDA errors waiting for the copies.
+    /// Errors: as [`fill_window`], CUDA errors waiting for the copies, [`Error::Interrupted`].
     fn stage(&mut self, plan: &[Vec<Segment>], tx: &mpsc::Sender<Filled>) -> Result<bool> {
         for (w, segs) in plan.iter().enumerate() {
+            check_stop(self.stop)?;
             let mut buf = self.pool.take();
             let used = segs.last().map_or(0, |s| s.buf_at + s.len);
             let events = fill_window(
@@ -799,6 +827,8 @@ struct Writers<'a> {
     bsize: u64,
     pool: &'a StagingPool,
     digest: bool,
+    /// [`WriteOptions::stop`].
+    stop: &'a AtomicBool,
     /// The [`Turn`] and its wake-up.
     turn: (Mutex<Turn>, Condvar),
 }
@@ -832,8 +862,11 @@ impl Writers<'_> {
         }
     }
 
-    /// Waits for a window's copies, takes the CRC-32s of its payload pieces and writes it.
+    /// Waits for a window's copies, takes the CRC-32s of its payload pieces and writes it; on
+    /// Ctrl-C writes nothing (deferred windows are all written after staging, so the stager's
+    /// check alone would not stop them).
     fn write(&self, filled: &Filled, crcs: &mut Vec<PieceCrc>) -> Result<()> {
+        check_stop(self.stop)?;
         for e in &filled.events {
             crate::gpu::wait(e)?;
         }
@@ -907,6 +940,16 @@ mod tests {
         }
     }
 
+    /// Seed 1, `digest` as given, never stopped.
+    fn how(digest: bool) -> WriteOptions<'static> {
+        static GO: AtomicBool = AtomicBool::new(false);
+        WriteOptions {
+            seed: 1,
+            digest,
+            stop: &GO,
+        }
+    }
+
     /// One whole 1-D uint8 tensor `t{i}` per buffer.
     fn uint8_chunks(data: &[Vec<u8>]) -> Vec<TensorChunk<'_>> {
         data.iter()
@@ -964,11 +1007,11 @@ mod tests {
                 caller_streams: &streams,
                 on_staged: None,
             });
-            let w = write_rank(sink(&path), 1, &tensors, &[], st, false).unwrap();
+            let w = write_rank(sink(&path), &tensors, &[], st, how(false)).unwrap();
             check(&w, &std::fs::read(&path).unwrap(), name);
         }
         let loc = crate::storage::Location::parse("memory://b/blocks").unwrap();
-        let w = write_stream(upload(&loc), 5000, 1, &tensors, &[], None, false).unwrap();
+        let w = write_stream(upload(&loc), 5000, &tensors, &[], None, how(false)).unwrap();
         check(&w, &loc.read("f").unwrap().unwrap(), "object");
     }
 
@@ -997,16 +1040,58 @@ mod tests {
                 caller_streams: &streams,
                 on_staged: None,
             });
-            let w = write_rank(sink(&path), 1, &tensors, &objects, st, true).unwrap();
+            let w = write_rank(sink(&path), &tensors, &objects, st, how(true)).unwrap();
             let on_disk: [u8; 32] = sha2::Sha256::digest(std::fs::read(&path).unwrap()).into();
             assert_eq!(w.sha256, Some(on_disk), "{name}");
-            let none = write_rank(sink(&path), 1, &tensors, &objects, None, false).unwrap();
+            let none = write_rank(sink(&path), &tensors, &objects, None, how(false)).unwrap();
             assert_eq!(none.sha256, None);
         }
         // The object-store writer, in parts of 4 KiB: the same digest as the uploaded object's.
         let loc = crate::storage::Location::parse("memory://b/sha256").unwrap();
-        let w = write_stream(upload(&loc), 4096, 1, &tensors, &objects, None, true).unwrap();
+        let w = write_stream(upload(&loc), 4096, &tensors, &objects, None, how(true)).unwrap();
         let uploaded: [u8; 32] = sha2::Sha256::digest(loc.read("f").unwrap().unwrap()).into();
         assert_eq!(w.sha256, Some(uploaded));
+    }
+
+    /// Once Ctrl-C was seen every write path stops before its next piece or window with
+    /// `Interrupted` ("nothing committed"): direct, staged (overlapped and deferred), object store.
+    #[test]
+    fn a_stopped_write_ends_interrupted() {
+        let dir = tempfile::tempdir().unwrap();
+        let data: Vec<Vec<u8>> = vec![vec![5u8; 3 * PIECE_BYTES + 7]];
+        let tensors = uint8_chunks(&data);
+        let stopped = AtomicBool::new(true);
+        let how = WriteOptions {
+            seed: 1,
+            digest: true,
+            stop: &stopped,
+        };
+        let interrupted =
+            |r: Result<Written>| matches!(r, Err(Error::Interrupted(Stopped::Commit)));
+        let streams = std::collections::HashMap::new();
+        for (name, budget) in [("direct", 0), ("staged", 3 * 4096), ("deferred", 64 << 20)] {
+            let path = dir.path().join(name);
+            let pool =
+                (budget > 0).then(|| crate::staging::StagingPool::new(budget, 4096, None).unwrap());
+            let st = pool.as_ref().map(|pool| Staging {
+                pool,
+                caller_streams: &streams,
+                on_staged: None,
+            });
+            assert!(
+                interrupted(write_rank(sink(&path), &tensors, &[], st, how)),
+                "{name}"
+            );
+        }
+        let loc = crate::storage::Location::parse("memory://b/stopped").unwrap();
+        assert!(interrupted(write_stream(
+            upload(&loc),
+            4096,
+            &tensors,
+            &[],
+            None,
+            how
+        )));
+        assert_eq!(loc.read("f").unwrap(), None, "the upload was aborted");
     }
 }

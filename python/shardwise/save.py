@@ -316,8 +316,9 @@ def save(
             ``WORLD_SIZE``. When the default group also holds processes that do not save (rollout or
             inference workers), pass the saving ranks' own ``rank`` and ``world_size``.
         timeout_s: bound in seconds on every wait: the merging rank's wait for all parts, and the other
-            ranks' wait for the commit. Ctrl-C ends a wait at its next poll (at most 0.5 s) with
-            ``KeyboardInterrupt``; a merging rank then publishes the failure so the others stop too.
+            ranks' wait for the commit. Ctrl-C ends a wait at its next poll (at most 0.5 s), and a
+            synchronous save's write at its next piece, with ``KeyboardInterrupt`` and nothing
+            committed; a merging rank then publishes the failure so the others stop too.
         content_metadata: stored in ``common.pt`` under ``content_metadata``, as Megatron does.
         save_id: identifies this save attempt; must be equal on every rank. Default: derived from the
             directory and the launch environment (:func:`default_save_id`), and the attempt numbered
