@@ -8,7 +8,9 @@
 //! against the CRC-32 recorded when it was written, on the bytes as they are read (the page-cache
 //! pages of the mapping or the body of the ranged GET; the file is not read twice). An item of a
 //! mapped file is hashed once per open [`Checkpoint`]. Checkpoints without a sidecar (written by
-//! torch or Megatron) are read unchecked: DCP records no checksum.
+//! torch or Megatron) are read unchecked: DCP records no checksum. A `.metadata` that none of the
+//! directory's saves committed (`shardwise status`: damaged) is refused: read unchecked, another
+//! file order would swap tensors of one shape without a trace.
 
 use std::collections::{HashMap, HashSet};
 use std::io::Read;
@@ -20,7 +22,7 @@ use rayon::prelude::*;
 
 use crate::commit::read_checksums;
 use crate::commit::record::CommitRecord;
-use crate::commit::state::{metadata_writer, MetadataWriter};
+use crate::commit::state::{metadata_writer, Damage, MetadataWriter};
 use crate::error::{Error, Result};
 use crate::format::archive::{bad_record_crcs, records, stored_tensor, StoredTensor};
 use crate::format::metadata::{volume, Chunk, Entry, StorageInfo};
@@ -144,8 +146,31 @@ impl Checkpoint {
     /// `.metadata` (never executing it).
     ///
     /// Errors: [`Error::Io`]/[`Error::Remote`] if `.metadata` cannot be read, [`Error::Corrupt`] if
-    /// it is not DCP metadata.
+    /// it is not DCP metadata, or if the directory's saves committed another `.metadata` (the
+    /// damage `shardwise status` reports): its items would be read where that other `.metadata`
+    /// placed them, unchecked (another file order swaps tensors of one shape without a trace).
     pub fn open(loc: &Location) -> Result<Checkpoint> {
+        match Checkpoint::open_as_found(loc)? {
+            (ckpt, None) => Ok(ckpt),
+            (ckpt, Some(damage)) => Err(corrupt(
+                ckpt.dir.join(METADATA_FILE),
+                format!(
+                    "{} holds a damaged checkpoint, not loaded: {}; `shardwise status {}` tells its \
+                     state",
+                    ckpt.loc,
+                    damage.with_fix(&ckpt.loc),
+                    ckpt.loc
+                ),
+            )),
+        }
+    }
+
+    /// Opens the checkpoint at `loc` as [`Checkpoint::open`] does, also when the directory's saves
+    /// committed another `.metadata`: then with that damage, and no save-time CRC-32s (that save's
+    /// describe other bytes). For `verify`, which reports the damage and checks the rest.
+    ///
+    /// Errors: as [`Checkpoint::open`], except for the damage.
+    pub fn open_as_found(loc: &Location) -> Result<(Checkpoint, Option<Damage>)> {
         let loc = loc.canonical()?;
         let path = loc.path_of(METADATA_FILE);
         // Memory-mapped locally (hundreds of MB at millions of chunks: no copy into the heap, and
@@ -168,7 +193,12 @@ impl Checkpoint {
             }
             by_key
         });
-        Ok(Checkpoint {
+        let (commit, damage) = match writer {
+            MetadataWriter::Commit(r) => (Some(r), None),
+            MetadataWriter::Unrecorded => (None, None),
+            MetadataWriter::Replaced(d) => (None, Some(d)),
+        };
+        let ckpt = Checkpoint {
             dir: loc.display_path(),
             loc,
             metadata,
@@ -176,11 +206,9 @@ impl Checkpoint {
             recorded,
             block_bytes,
             verified: Mutex::new(HashSet::new()),
-            commit: match writer {
-                MetadataWriter::Commit(r) => Some(r),
-                _ => None,
-            },
-        })
+            commit,
+        };
+        Ok((ckpt, damage))
     }
 
     /// The `COMMITTED` record of the shardwise save whose commit wrote this `.metadata`, if any:
@@ -712,11 +740,50 @@ fn check_common(bytes: &[u8]) -> std::result::Result<(), String> {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+    use crate::commit::state::{checkpoint_state, CheckpointState};
+    use crate::commit::testing::committed;
+
+    /// A `.metadata` that none of the directory's saves committed (here another save's, which
+    /// parses) is refused with the damage `status` reports; `open_as_found` opens it with that
+    /// damage and no save-time CRC-32s; without `.shardwise/` it is a torch checkpoint and opens.
+    #[test]
+    fn a_metadata_no_commit_wrote_is_not_opened() {
+        let (dir, other) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let loc = Location::local(dir.path());
+        committed(&loc, "s", 2, false);
+        assert!(Checkpoint::open(&loc).unwrap().has_checksums());
+        committed(&Location::local(other.path()), "t", 1, false);
+        std::fs::copy(
+            other.path().join(METADATA_FILE),
+            dir.path().join(METADATA_FILE),
+        )
+        .unwrap();
+        let CheckpointState::Damaged { reason, repairable } = checkpoint_state(&loc).unwrap()
+        else {
+            panic!("not damaged")
+        };
+        let Err(Error::Corrupt {
+            reason: refused, ..
+        }) = Checkpoint::open(&loc)
+        else {
+            panic!("opened")
+        };
+        assert!(refused.contains(&reason), "{refused}");
+        assert!(refused.contains("`shardwise merge --repair"), "{refused}");
+        assert!(refused.contains("`shardwise status"), "{refused}");
+        let (ckpt, damage) = Checkpoint::open_as_found(&loc).unwrap();
+        assert_eq!(damage, Some(Damage { reason, repairable }));
+        assert!(!ckpt.has_checksums() && ckpt.commit_record().is_none());
+        std::fs::remove_dir_all(dir.path().join(".shardwise")).unwrap();
+        assert!(!Checkpoint::open(&loc).unwrap().has_checksums());
+    }
+
     #[test]
     fn blockwise_crc_equals_the_sequential_one() {
         for n in [0usize, 5, 16 << 20, (16 << 20) + 1, (40 << 20) + 12_345] {
             let bytes: Vec<u8> = (0..n).map(|i| (i * 31 % 251) as u8).collect();
-            assert_eq!(super::crc32(&bytes), crc32fast::hash(&bytes), "{n} bytes");
+            assert_eq!(crc32(&bytes), crc32fast::hash(&bytes), "{n} bytes");
         }
     }
 }

@@ -1,6 +1,9 @@
 //! `shardwise verify`: proves a checkpoint whole, or lists every problem with key, file and offset.
 //!
 //! Checks, for everything a loader reads:
+//! - the commit: the state `shardwise status` reports ([`checkpoint_state`]; not committed or
+//!   damaged is a problem, a `.metadata` that no commit of the directory wrote among them), and
+//!   for a checkpoint shardwise saved, that a checksum sidecar checks its reads;
 //! - `.metadata`: the layout of every tensor key (bounds, overlaps, coverage), every item inside
 //!   its file;
 //! - items: that they decode (tensor items: dtype and shape as `.metadata` says), the CRC-32 of
@@ -27,11 +30,14 @@
 use rayon::prelude::*;
 use serde::Serialize;
 
+use crate::commit::part::{marker_rel, STATE_DIR};
 use crate::commit::record::Digest;
+use crate::commit::state::{checkpoint_state, save_ids, CheckpointState, Damage};
 use crate::error::{Error, Result};
 use crate::format::archive::{bad_record_crcs, records, Record};
 use crate::format::globals::{scan, Pickle};
 use crate::format::metadata::{check_layout, Chunk, Entry, StorageInfo};
+use crate::format::sidecar::CHECKSUMS_FILE;
 use crate::format::METADATA_FILE;
 use crate::format::{COMMON_FILE, METADATA_JSON_FILE};
 use crate::reader::{Checkpoint, COMMON_STATE_PREFIX};
@@ -100,7 +106,7 @@ pub fn verify_quick(loc: &Location) -> Result<Report> {
 }
 
 fn run(loc: &Location, quick: bool, progress: &(dyn Fn(u64) + Sync)) -> Result<Report> {
-    let ckpt = match Checkpoint::open(loc) {
+    let (ckpt, damage) = match Checkpoint::open_as_found(loc) {
         Ok(c) => c,
         // A `.metadata` that is no DCP metadata may still be one that pickle.load runs: the
         // error then says what it would import.
@@ -196,7 +202,101 @@ fn run(loc: &Location, quick: bool, progress: &(dyn Fn(u64) + Sync)) -> Result<R
         report.problems.extend(problems);
         report.sidecar_checked += checked as usize;
     }
+    // First: it explains the others (another save's `.metadata` places items elsewhere).
+    if let Some(p) = commit_problem(&ckpt, damage, !report.problems.is_empty())? {
+        report.problems.insert(0, p);
+    }
     Ok(report)
+}
+
+/// What verify knows of a checkpoint's commit.
+struct CommitFacts<'a> {
+    /// The state `shardwise status` reports ([`checkpoint_state`]), or the reader's damage when
+    /// it opened a `.metadata` that no commit of the directory wrote (`replaced`).
+    state: &'a CheckpointState,
+    replaced: bool,
+    /// `.shardwise/` holds saves.
+    saves: bool,
+    /// Reads are checked against a checksum sidecar ([`Checkpoint::has_checksums`]).
+    sidecar: bool,
+    /// verify's other checks found problems.
+    found: bool,
+}
+
+/// The problem of the checkpoint's commit, if any ([`commit_problem_of`]): the reader's damage
+/// when `open_as_found` gave one (what it judged is the `.metadata` verified), else the state
+/// `status` reports. `found`: verify's other checks found problems.
+///
+/// Errors: storage errors reading the commit state.
+fn commit_problem(
+    ckpt: &Checkpoint,
+    damage: Option<Damage>,
+    found: bool,
+) -> Result<Option<Problem>> {
+    let loc = ckpt.location();
+    let replaced = damage.is_some();
+    let state = match damage {
+        Some(d) => d.into(),
+        None => checkpoint_state(loc)?,
+    };
+    let facts = CommitFacts {
+        state: &state,
+        replaced,
+        saves: !save_ids(loc)?.is_empty(),
+        sidecar: ckpt.has_checksums(),
+        found,
+    };
+    Ok(commit_problem_of(loc, &facts))
+}
+
+/// The problem of a checkpoint's commit, if any: not committed or damaged as `status` says, or
+/// saved by shardwise but with no checksum sidecar for its `.metadata` (without this problem,
+/// `0 checked against save-time CRC-32s: OK` passed a checkpoint whose sidecar was deleted). Pure.
+fn commit_problem_of(loc: &Location, f: &CommitFacts) -> Option<Problem> {
+    let (key, message) = match f.state {
+        // A data file, `common.pt` or `metadata.json` that `status` finds damaged is one of
+        // verify's own problems already, with its key, file and offset; the state is the problem
+        // only where none shows it (bytes cut past every item).
+        CheckpointState::Damaged { .. } if f.found && !f.replaced => return None,
+        CheckpointState::NotCommitted { reason } => (
+            METADATA_FILE.to_string(),
+            format!("not committed, as `shardwise status {loc}` says: {reason}"),
+        ),
+        CheckpointState::Damaged { reason, repairable } => {
+            let damage = Damage {
+                reason: reason.clone(),
+                repairable: repairable.clone(),
+            };
+            (
+                METADATA_FILE.to_string(),
+                format!(
+                    "damaged, as `shardwise status {loc}` says: {}",
+                    damage.with_fix(loc)
+                ),
+            )
+        }
+        CheckpointState::Committed { .. } if f.sidecar || !f.saves => return None,
+        CheckpointState::Committed { record: Some(r) } => (
+            marker_rel(&r.save_id, CHECKSUMS_FILE),
+            format!(
+                "missing: save {} committed this .metadata with its checksum sidecar; no item can \
+                 be checked against its save-time CRC-32",
+                r.save_id
+            ),
+        ),
+        CheckpointState::Committed { record: None } => (
+            STATE_DIR.to_string(),
+            "holds shardwise saves but no checksum sidecar of this .metadata: no item can be \
+             checked against a save-time CRC-32"
+                .to_string(),
+        ),
+    };
+    Some(Problem {
+        key,
+        file: None,
+        offset: None,
+        message,
+    })
 }
 
 /// The problem with the globals of `.metadata`, if any (`.metadata` missing: none, `open` says so).
@@ -457,5 +557,117 @@ fn strip(e: Error) -> String {
     match e {
         Error::Corrupt { reason, .. } => reason,
         other => other.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::commit::record::{CommitRecord, CommitSummary};
+
+    /// The commit state as `verify` reports it: every state `status` does not call committed is a
+    /// problem (damage to a file only when verify's own checks did not show it), and so is a
+    /// shardwise checkpoint whose reads no sidecar checks.
+    #[test]
+    fn commit_problems() {
+        let loc = Location::local(std::path::Path::new("/ckpt"));
+        let record: CommitRecord = serde_json::from_value(serde_json::json!({
+            "save_id": "s", "committed_at_ns": 1, "metadata": {"size": 1, "crc32": 2},
+            "common": null, "megatron": false, "files": [], "summary": CommitSummary::default(),
+        }))
+        .unwrap();
+        let committed = CheckpointState::Committed {
+            record: Some(record),
+        };
+        let torch = CheckpointState::Committed { record: None };
+        let damaged = |repairable: Option<&str>| CheckpointState::Damaged {
+            reason: "why".into(),
+            repairable: repairable.map(String::from),
+        };
+        let not_committed = CheckpointState::NotCommitted {
+            reason: "merger died".into(),
+        };
+        let (repairable, lost) = (damaged(Some("s")), damaged(None));
+        let facts = |state, saves, sidecar| CommitFacts {
+            state,
+            replaced: false,
+            saves,
+            sidecar,
+            found: false,
+        };
+        let status = "as `shardwise status /ckpt` says";
+        let replaced = format!(
+            "damaged, {status}: why; `shardwise merge --repair /ckpt` rebuilds it from save s's \
+             parts"
+        );
+        let cases: [(CommitFacts, Option<(&str, String)>); 10] = [
+            (facts(&committed, true, true), None),
+            (facts(&torch, false, false), None),
+            (
+                facts(&committed, true, false),
+                Some((
+                    ".shardwise/s/checksums",
+                    "missing: save s committed this .metadata with its checksum sidecar".into(),
+                )),
+            ),
+            (
+                facts(&torch, true, false),
+                Some((
+                    ".shardwise",
+                    "holds shardwise saves but no checksum sidecar".into(),
+                )),
+            ),
+            (
+                facts(&not_committed, true, false),
+                Some((".metadata", format!("not committed, {status}: merger died"))),
+            ),
+            (
+                CommitFacts {
+                    found: true,
+                    ..facts(&not_committed, true, false)
+                },
+                Some((".metadata", format!("not committed, {status}: merger died"))),
+            ),
+            (
+                facts(&repairable, true, false),
+                Some((".metadata", replaced.clone())),
+            ),
+            (
+                facts(&lost, false, false),
+                Some((".metadata", format!("damaged, {status}: why"))),
+            ),
+            // The damaged file is among verify's own problems ...
+            (
+                CommitFacts {
+                    found: true,
+                    ..facts(&lost, false, false)
+                },
+                None,
+            ),
+            // ... but another `.metadata` explains them.
+            (
+                CommitFacts {
+                    found: true,
+                    replaced: true,
+                    ..facts(&repairable, true, false)
+                },
+                Some((".metadata", replaced.clone())),
+            ),
+        ];
+        for (f, want) in cases {
+            let got = commit_problem_of(&loc, &f);
+            let got = got.as_ref().map(|p| (p.key.as_str(), p.message.as_str()));
+            let matches = match (got, &want) {
+                (Some((key, message)), Some((k, m))) => {
+                    key == *k && message.starts_with(m.as_str())
+                }
+                (got, want) => got.is_none() && want.is_none(),
+            };
+            assert!(
+                matches,
+                "{:?} saves {} sidecar {} found {}: {got:?}",
+                f.state, f.saves, f.sidecar, f.found
+            );
+        }
     }
 }

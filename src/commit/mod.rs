@@ -83,7 +83,7 @@ pub fn read_checksums(loc: &Location, writer: &MetadataWriter) -> Result<Option<
     let rel = match writer {
         MetadataWriter::Commit(r) => marker_rel(&r.save_id, CHECKSUMS_FILE),
         MetadataWriter::Unrecorded => format!("{STATE_DIR}/{CHECKSUMS_FILE}"),
-        MetadataWriter::Replaced => return Ok(None),
+        MetadataWriter::Replaced(_) => return Ok(None),
     };
     match loc.read(&rel)? {
         Some(bytes) => sidecar::decode(&bytes, loc.path_of(&rel)).map(Some),

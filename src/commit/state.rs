@@ -59,6 +59,40 @@ pub fn save_ids(loc: &Location) -> Result<Vec<String>> {
     Ok(ids)
 }
 
+/// Why a checkpoint that a save committed is no longer whole, and the save whose parts can
+/// rebuild it: the fields of [`CheckpointState::Damaged`], which a reader refusing a replaced
+/// `.metadata` reports too ([`MetadataWriter::Replaced`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Damage {
+    /// Why the checkpoint is not whole.
+    pub reason: String,
+    /// The save whose parts can rebuild it (`shardwise merge --repair`), if any.
+    pub repairable: Option<String>,
+}
+
+impl Damage {
+    /// The reason with what fixes it, for a reader of `loc`: `merge --repair` when the parts can
+    /// rebuild it (otherwise the reason already says what to do instead).
+    pub fn with_fix(&self, loc: &Location) -> String {
+        match &self.repairable {
+            Some(id) => format!(
+                "{}; `shardwise merge --repair {loc}` rebuilds it from save {id}'s parts",
+                self.reason
+            ),
+            None => self.reason.clone(),
+        }
+    }
+}
+
+impl From<Damage> for CheckpointState {
+    fn from(d: Damage) -> CheckpointState {
+        CheckpointState::Damaged {
+            reason: d.reason,
+            repairable: d.repairable,
+        }
+    }
+}
+
 /// The state of `loc` (see the module docs for the rules).
 ///
 /// Errors: storage errors when `.metadata` or the state directory cannot be read.
@@ -68,66 +102,97 @@ pub fn checkpoint_state(loc: &Location) -> Result<CheckpointState> {
         records,
         legacy_marker,
     } = commit_records(loc, &ids);
-    if !records.is_empty() {
-        let damaged = |reason: String, save: &CommitRecord| -> Result<CheckpointState> {
-            let Some(why) = unmergeable(loc, &save.save_id)? else {
-                return Ok(CheckpointState::Damaged {
-                    reason,
-                    repairable: Some(save.save_id.clone()),
-                });
-            };
-            // A later save that stopped mid-commit (`overwrite`: its common.pt renamed into
-            // place, its .metadata not yet) may still commit.
-            let uncommitted: Vec<&String> = ids
-                .iter()
-                .filter(|id| !records.iter().any(|r| &r.save_id == *id))
-                .collect();
-            let (mergeable, _) = mergeable_saves(loc, &uncommitted)?;
-            let instead = match mergeable.as_slice() {
-                [] => "save again".to_string(),
-                [one] => format!("`shardwise merge --save-id {one}` commits that save instead"),
-                many => format!(
-                    "`shardwise merge --save-id ID` commits one of {} instead",
-                    many.join(", ")
-                ),
-            };
-            Ok(CheckpointState::Damaged {
-                reason: format!(
-                    "{reason}; save {}'s parts cannot rebuild it ({why}): {instead}",
-                    save.save_id
-                ),
-                repairable: None,
-            })
-        };
-        let r = match metadata_record(loc, &records, None)? {
-            Ok(r) => r,
-            Err(None) => {
-                let r = &records[0];
-                let why = format!(
-                    ".metadata is missing, although save {} committed it",
-                    r.save_id
-                );
-                return damaged(why, r);
-            }
-            Err(Some(digest)) => {
-                let r = &records[0];
-                return damaged(
-                    format!(
-                        ".metadata ({} bytes, CRC-32 {:08x}) is not the one save {} committed ({} \
-                         bytes, CRC-32 {:08x}): replaced or damaged",
-                        digest.size, digest.crc32, r.save_id, r.metadata.size, r.metadata.crc32
-                    ),
-                    r,
-                );
-            }
-        };
-        if let Some(problem) = missing_committed_file(loc, r)? {
-            return damaged(problem, r);
-        }
-        return Ok(CheckpointState::Committed {
-            record: Some(r.clone()),
-        });
+    if records.is_empty() {
+        return unrecorded_state(loc, &ids, legacy_marker);
     }
+    let r = match metadata_record(loc, &records, None)? {
+        Ok(r) => r,
+        Err(found) => return Ok(metadata_damage(loc, &ids, &records, found)?.into()),
+    };
+    if let Some(problem) = missing_committed_file(loc, r)? {
+        return Ok(damage(loc, &ids, &records, problem, r)?.into());
+    }
+    Ok(CheckpointState::Committed {
+        record: Some(r.clone()),
+    })
+}
+
+/// The damage of a directory whose saves left `records` (newest first) when its `.metadata` is not
+/// one their commits wrote: `found`, its digest, or None when it is absent.
+///
+/// Errors: as [`damage`].
+fn metadata_damage(
+    loc: &Location,
+    ids: &[String],
+    records: &[CommitRecord],
+    found: Option<Digest>,
+) -> Result<Damage> {
+    let r = &records[0];
+    let reason = match found {
+        None => format!(
+            ".metadata is missing, although save {} committed it",
+            r.save_id
+        ),
+        Some(digest) => format!(
+            ".metadata ({} bytes, CRC-32 {:08x}) is not the one save {} committed ({} bytes, \
+             CRC-32 {:08x}): replaced or damaged",
+            digest.size, digest.crc32, r.save_id, r.metadata.size, r.metadata.crc32
+        ),
+    };
+    damage(loc, ids, records, reason, r)
+}
+
+/// The damage `reason` to the checkpoint that `save` committed: repairable from `save`'s parts
+/// when they would merge; otherwise the reason says what commits instead.
+///
+/// Errors: storage errors when a save cannot be listed or a file cannot be checked.
+fn damage(
+    loc: &Location,
+    ids: &[String],
+    records: &[CommitRecord],
+    reason: String,
+    save: &CommitRecord,
+) -> Result<Damage> {
+    let Some(why) = unmergeable(loc, &save.save_id)? else {
+        return Ok(Damage {
+            reason,
+            repairable: Some(save.save_id.clone()),
+        });
+    };
+    // A later save that stopped mid-commit (`overwrite`: its common.pt renamed into
+    // place, its .metadata not yet) may still commit.
+    let uncommitted: Vec<&String> = ids
+        .iter()
+        .filter(|id| !records.iter().any(|r| &r.save_id == *id))
+        .collect();
+    let (mergeable, _) = mergeable_saves(loc, &uncommitted)?;
+    let instead = match mergeable.as_slice() {
+        [] => "save again".to_string(),
+        [one] => format!("`shardwise merge --save-id {one}` commits that save instead"),
+        many => format!(
+            "`shardwise merge --save-id ID` commits one of {} instead",
+            many.join(", ")
+        ),
+    };
+    Ok(Damage {
+        reason: format!(
+            "{reason}; save {}'s parts cannot rebuild it ({why}): {instead}",
+            save.save_id
+        ),
+        repairable: None,
+    })
+}
+
+/// The state of a directory whose saves (`ids`) left no commit record: no checkpoint, a
+/// `.metadata` a merger left before committing, or one written by torch or Megatron (or
+/// shardwise < 0.2, `legacy_marker`).
+///
+/// Errors: storage errors when `.metadata` cannot be read or a save cannot be listed.
+fn unrecorded_state(
+    loc: &Location,
+    ids: &[String],
+    legacy_marker: bool,
+) -> Result<CheckpointState> {
     let Some(meta) = loc.read(METADATA_FILE)? else {
         return Ok(CheckpointState::NotCommitted {
             reason: ".metadata is absent".into(),
@@ -235,22 +300,24 @@ pub enum MetadataWriter {
     /// No save left a commit record: torch, Megatron, or shardwise < 0.2.
     Unrecorded,
     /// Saves left records, none of them of this `.metadata`: another writer replaced it (or it
-    /// was damaged).
-    Replaced,
+    /// was damaged). The damage is the one [`checkpoint_state`] reports for these bytes.
+    Replaced(Damage),
 }
 
 /// Who wrote `.metadata` bytes `meta` of `loc` ([`metadata_record`]; the newest matching record
-/// wins).
+/// wins), and when no save did although saves left records, the damage [`checkpoint_state`]
+/// reports (its parts are read then, to say whether they can rebuild it).
 ///
 /// Errors: storage errors listing the saves.
 pub fn metadata_writer(loc: &Location, meta: &[u8]) -> Result<MetadataWriter> {
-    let Records { records, .. } = commit_records(loc, &save_ids(loc)?);
+    let ids = save_ids(loc)?;
+    let Records { records, .. } = commit_records(loc, &ids);
     if records.is_empty() {
         return Ok(MetadataWriter::Unrecorded);
     }
     Ok(match metadata_record(loc, &records, Some(meta))? {
         Ok(r) => MetadataWriter::Commit(r.clone()),
-        Err(_) => MetadataWriter::Replaced,
+        Err(found) => MetadataWriter::Replaced(metadata_damage(loc, &ids, &records, found)?),
     })
 }
 
@@ -630,10 +697,10 @@ mod tests {
         assert_eq!(found(None), Ok("s".into()));
         std::fs::remove_file(&path).unwrap();
         assert_eq!(found(None), Err(None));
-        assert_eq!(
+        assert!(matches!(
             metadata_writer(&loc, &other).unwrap(),
-            MetadataWriter::Replaced
-        );
+            MetadataWriter::Replaced(_)
+        ));
     }
 
     /// The state a damaged committed directory must have.
@@ -829,10 +896,13 @@ mod tests {
         assert!(
             matches!(metadata_writer(&loc, &meta).unwrap(), MetadataWriter::Commit(r) if r.save_id == "s")
         );
-        assert_eq!(
-            metadata_writer(&loc, b"other").unwrap(),
-            MetadataWriter::Replaced
-        );
+        // The damage a reader is told is the state `status` gives once the file holds those bytes.
+        let MetadataWriter::Replaced(damage) = metadata_writer(&loc, b"other").unwrap() else {
+            panic!("not replaced")
+        };
+        assert_eq!(damage.repairable.as_deref(), Some("s"));
+        std::fs::write(dir.path().join(METADATA_FILE), b"other").unwrap();
+        assert_eq!(checkpoint_state(&loc).unwrap(), damage.into());
     }
 
     #[test]

@@ -707,7 +707,9 @@ fn verify(
         json,
     );
     // The item count is known only once .metadata is read; verify() reports progress per item.
-    let ckpt_items = Checkpoint::open(dir)?
+    // Opened as found: verify reports a `.metadata` that no commit wrote as a problem.
+    let ckpt_items = Checkpoint::open_as_found(dir)?
+        .0
         .metadata
         .entries
         .values()
