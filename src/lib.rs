@@ -32,3 +32,17 @@ pub mod workers;
 pub mod writer;
 
 pub use error::{Error, Result};
+
+/// The golden checkpoints that real torch and megatron-core wrote, kept in the repository
+/// (`tests/fixtures/`, made by `tools/fixtures/`; tests/fixtures/README.md), for the unit tests.
+/// Panics when absent: a golden test that cannot find its goldens must fail, not pass vacuously.
+#[cfg(test)]
+pub(crate) fn golden_fixtures() -> std::path::PathBuf {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    assert!(
+        dir.join("dcp").is_dir(),
+        "golden fixtures not found at {}",
+        dir.display()
+    );
+    dir
+}

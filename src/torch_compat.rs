@@ -529,13 +529,8 @@ mod tests {
     use super::*;
 
     fn fixture(v: &str) -> Vec<u8> {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures/dcp");
-        let dir = if dir.exists() {
-            dir
-        } else {
-            std::path::PathBuf::from("/work/shared/fixtures/dcp")
-        };
-        std::fs::read(dir.join(format!("torch-{v}/.metadata"))).unwrap()
+        let path = crate::golden_fixtures().join(format!("dcp/torch-{v}/.metadata"));
+        std::fs::read(path).unwrap()
     }
 
     #[test]

@@ -1,5 +1,5 @@
 //! Golden tests: our torch.save archives must be byte-identical to the ones real torch wrote in
-//! `../shared/fixtures/dcp/torch-2.3.1` and `torch-2.5.1` (those versions write no
+//! `tests/fixtures/dcp/torch-2.3.1` and `torch-2.5.1` (those versions write no
 //! `.format_version` record, which our max-compat profile also leaves out).
 
 mod common;

@@ -1,4 +1,4 @@
-//! Every golden checkpoint in `../shared/fixtures/` (torch 2.3.1, 2.5.1, 2.8.0, 2.15.0 and
+//! Every golden checkpoint in `tests/fixtures/` (torch 2.3.1, 2.5.1, 2.8.0, 2.15.0 and
 //! megatron-core 0.13.1, 0.15.0, 0.16.1 incl. MoE) reads back byte-exactly: each tensor's bytes hash
 //! to the sha256 in its `expected.json`, and so does each byte object's archive.
 

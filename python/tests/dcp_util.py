@@ -12,6 +12,17 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
+# The golden checkpoints that real torch and megatron-core wrote (tests/fixtures/README.md).
+FIXTURES = Path(__file__).resolve().parents[2] / "tests" / "fixtures"
+
+
+def golden() -> list[Path]:
+    """Every golden checkpoint directory (``dcp/torch-*``, ``megatron/core-*``), sorted. Raises when
+    they are missing: a golden test that finds no goldens must fail, not be skipped."""
+    found = sorted(d for kind in ("dcp", "megatron") for d in (FIXTURES / kind).iterdir() if (d / ".metadata").is_file())
+    assert len(found) >= 8, f"golden fixtures not found under {FIXTURES}: {found}"
+    return found
+
 
 def _load(sd, reader) -> None:
     """``dcp.load`` in one process. torch < 2.5's public ``load`` has no ``no_dist`` and puts every

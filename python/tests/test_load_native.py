@@ -7,18 +7,16 @@ from __future__ import annotations
 
 import pickle
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
 
 import shardwise
-from dcp_util import bits
+from dcp_util import bits, golden
 from load_util import dcp_tensors, request, save_grid
 from shardwise import _native
 
-FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures"
-GOLDEN = sorted(p for kind in ("dcp", "megatron") for p in (FIXTURES / kind).glob("*") if (p / ".metadata").exists())
+GOLDEN = golden()
 
 
 def regions(t: torch.Tensor, g: torch.Generator, n: int = 3):

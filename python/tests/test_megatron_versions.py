@@ -14,7 +14,6 @@ import hashlib
 import importlib.metadata
 import json
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,9 +21,8 @@ import torch
 import mcore_workers
 import shardwise
 from conftest import _run
-from dcp_util import bits, read_all
+from dcp_util import bits, golden, read_all
 
-FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "megatron"
 VERSION = importlib.metadata.version("megatron-core")
 
 
@@ -80,7 +78,7 @@ def test_shardwise_reads_the_release_own_checkpoint(matrix):
 
 @pytest.mark.parametrize(
     "fixture",
-    sorted(FIXTURES.glob(f"core-{VERSION}_*")),
+    [p for p in golden() if p.parent.name == "megatron" and p.name.startswith(f"core-{VERSION}_")],
     ids=lambda p: p.name,
 )
 def test_shardwise_reads_the_release_golden_fixture(fixture):

@@ -25,11 +25,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 import shardwise
-from dcp_util import row_shard, save_ranks, tree_digest
+from dcp_util import FIXTURES, golden, row_shard, save_ranks, tree_digest
 
 CLI = [sys.executable, "-m", "shardwise.cli"]
-FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures"
-GOLDEN = sorted(p for kind in ("dcp", "megatron") for p in (FIXTURES / kind).glob("*") if (p / ".metadata").exists())
+GOLDEN = golden()
 
 
 def cli(*args, timeout=60):

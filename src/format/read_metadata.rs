@@ -1296,18 +1296,10 @@ mod tests {
         assert_eq!(md.entries, entries);
     }
 
-    fn fixtures() -> std::path::PathBuf {
-        std::env::var_os("SHARDWISE_FIXTURES")
-            .map(std::path::PathBuf::from)
-            .unwrap_or_else(|| {
-                std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures")
-            })
-    }
-
     fn fixture_dirs() -> Vec<std::path::PathBuf> {
         let mut dirs = Vec::new();
         for group in ["dcp", "megatron"] {
-            for e in std::fs::read_dir(fixtures().join(group)).unwrap() {
+            for e in std::fs::read_dir(crate::golden_fixtures().join(group)).unwrap() {
                 dirs.push(e.unwrap().path());
             }
         }

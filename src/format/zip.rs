@@ -2,12 +2,13 @@
 //! out, so that every offset is known before a byte of payload is written.
 //!
 //! Layout facts (torch 2.3.1 `caffe2/serialize/inline_container.cc`, checked byte for byte against
-//! `../shared/fixtures/dcp/torch-2.3.1`): all entries STORED under one folder `archive/`; each local
-//! header has version 0, flags 0x0808 (data descriptor + UTF-8) and zero CRC/sizes; an extra field
-//! `"FB"` of `'Z'` bytes pads every record's data to a 64-byte boundary from the archive start; a data
-//! descriptor follows each record; the central directory is followed by a zip64 end record, a zip64
-//! locator and the classic end record, always. Records of 4 GiB or more, or at offsets of 4 GiB or
-//! more, get zip64 extra fields (APPNOTE 4.5.3), counted in the padding as `getPadding` does.
+//! the golden `tests/fixtures/dcp/torch-2.3.1`, `tests/golden.rs`): all entries STORED under one
+//! folder `archive/`; each local header has version 0, flags 0x0808 (data descriptor + UTF-8) and
+//! zero CRC/sizes; an extra field `"FB"` of `'Z'` bytes pads every record's data to a 64-byte
+//! boundary from the archive start; a data descriptor follows each record; the central directory is
+//! followed by a zip64 end record, a zip64 locator and the classic end record, always. Records of
+//! 4 GiB or more, or at offsets of 4 GiB or more, get zip64 extra fields (APPNOTE 4.5.3), counted in
+//! the padding as `getPadding` does.
 
 use crate::format::dtype::DType;
 use crate::format::pickle::Pickler;

@@ -2,15 +2,14 @@
 
 use std::path::PathBuf;
 
-/// `../shared/fixtures` beside the repository, or `$SHARDWISE_FIXTURES`. Panics when absent: a
+/// The golden checkpoints that real torch and megatron-core wrote, kept in the repository
+/// (`tests/fixtures/`, made by `tools/fixtures/`; tests/fixtures/README.md). Panics when absent: a
 /// golden test that cannot find its goldens must fail, not pass vacuously.
 pub fn fixtures() -> PathBuf {
-    let dir = std::env::var_os("SHARDWISE_FIXTURES")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/fixtures"));
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
     assert!(
         dir.join("dcp").is_dir(),
-        "golden fixtures not found at {} (set SHARDWISE_FIXTURES)",
+        "golden fixtures not found at {}",
         dir.display()
     );
     dir
