@@ -1,6 +1,7 @@
 //! CUDA through cudarc's driver API, loaded at run time: the crate builds and imports without CUDA,
 //! and every entry point reports a missing or failing driver as [`Error::Gpu`] instead of the panic
-//! cudarc would raise (rust-crates.md §2.1).
+//! cudarc would raise (cudarc 0.19.10 with `dynamic-loading`: `CudaContext::new` panics when
+//! `libcuda.so.1` cannot be loaded).
 //!
 //! What shardwise needs from CUDA: the primary context (the one torch uses), a side stream per
 //! device ordered after the caller's current stream, async device-to-host copies into pinned host

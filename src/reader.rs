@@ -36,7 +36,7 @@ use crate::storage::{DataSource, Location};
 pub use crate::format::sidecar::ItemChecksum as Recorded;
 
 /// Key prefix of the common state inside DCP (megatron-core 0.19: `common_state/shard_0_1`,
-/// megatron-torch-dist.md §1.2).
+/// `dist_checkpointing/serialization.py` `save`).
 pub const COMMON_STATE_PREFIX: &str = "common_state";
 
 /// An open checkpoint directory.
@@ -242,7 +242,7 @@ impl Checkpoint {
     }
 
     /// The common state: `common.pt` when present (megatron-core ≤ 0.18 layout), else the
-    /// `common_state` byte object (0.19, megatron-torch-dist.md §1.2); None when there is neither.
+    /// `common_state` byte object (0.19, [`COMMON_STATE_PREFIX`]); None when there is neither.
     /// Raw torch.save bytes, never unpickled here; every zip record is checked against its CRC-32
     /// and `data.pkl` must decode as a pickle (symbolically, nothing is executed).
     ///

@@ -1,5 +1,6 @@
 //! Host staging buffers, allocated once per process and reused across saves (fresh pinned
-//! allocations cost seconds per GiB, anchors.md §3b), and the ordering of saves on one rank.
+//! allocations cost about 0.5 s per GiB: BENCHMARKS.md, "GPU save on a node"), and the ordering
+//! of saves on one rank.
 //!
 //! The pool holds `count` buffers of `buffer_size` bytes: pinned (page-locked) when a CUDA driver is
 //! there, so device-to-host copies run at full speed, plain memory otherwise. A save takes buffers

@@ -1,8 +1,9 @@
 //! Which torch releases can read a checkpoint's `.metadata`, and rewriting it into the form an
 //! older release reads.
 //!
-//! Facts (`../shared/reference/dcp-format.md` §3.4, §3.5, §8; `torch/distributed/checkpoint/
-//! metadata.py` of each wheel): every torch 2.3–2.15 reads `.metadata` with plain `pickle.load`.
+//! Facts (`torch/distributed/checkpoint/metadata.py` and `filesystem.py` of each wheel, 2.3.1–2.15.0;
+//! each release's own `.metadata` among the golden fixtures, tests/fixtures/README.md): every torch
+//! 2.3–2.15 reads `.metadata` with plain `pickle.load`.
 //! - torch 2.15 pickles `TensorProperties` as a 6-tuple (`strides` appended); torch ≤ 2.14's
 //!   `__setstate__` unpacks exactly 5 ("too many values to unpack (expected 5)").
 //! - torch 2.4 added `StorageMeta` (`Metadata.storage_meta`); 2.3 cannot unpickle that class.
@@ -39,7 +40,7 @@ use crate::storage::Location;
 pub struct Torch(pub u32, pub u32);
 
 /// The oldest and the newest torch release whose DCP `.metadata` classes shardwise knows (read
-/// from each wheel's `torch/distributed/checkpoint/metadata.py`, dcp-format.md): a claim about a
+/// from each wheel's `torch/distributed/checkpoint/metadata.py`): a claim about a
 /// release outside them would be a guess.
 pub const OLDEST_KNOWN: Torch = Torch(2, 3);
 pub(crate) const NEWEST_KNOWN: Torch = Torch(2, 15);

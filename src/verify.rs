@@ -11,7 +11,8 @@
 //!   for checkpoints shardwise wrote, the CRC-32 recorded for the item in the checksum sidecar
 //!   (through the reader, which checks it on every read);
 //! - the common state: `common.pt` (megatron-core ≤ 0.18) or the `common_state` object (0.19):
-//!   zip CRCs and a `data.pkl` that decodes (megatron-torch-dist.md §1.2, §1.4); for a checkpoint
+//!   zip CRCs and a `data.pkl` that decodes (megatron-core 0.16.1 `strategies/common.py`, 0.19.2
+//!   `serialization.py`); for a checkpoint
 //!   shardwise committed, `common.pt` whole against the size and CRC-32 its `COMMITTED` record
 //!   holds (a changed byte that no zip record's CRC covers is found too);
 //! - a torch DCP `use_collectives=False` directory: no rank-local `__{rank}.metadata` newer than
@@ -22,7 +23,7 @@
 //!   ([`crate::format::globals`]); any other (`posix.system`, ...) is a problem naming it, found
 //!   without unpickling anything;
 //! - `metadata.json`: a JSON object whose `sharded_backend` is `torch_dist` and with no field
-//!   megatron-core ≤ 0.18's `CheckpointingConfig(**config)` would refuse (§1.3).
+//!   megatron-core ≤ 0.18's `CheckpointingConfig(**config)` would refuse (`dist_checkpointing/core.py`).
 //!
 //! The quick mode reads no item: layout, file sizes, sidecar placement, `metadata.json`, the
 //! globals of `.metadata`, and that the common state exists.

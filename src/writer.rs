@@ -1,9 +1,10 @@
 //! Writes one rank's items into its `.distcp` data file: every tensor chunk and byte object becomes
-//! a self-contained torch.save archive at a precomputed offset (dcp-format.md §2.1), byte objects
-//! first, then tensors, as torch's `_write_files_from_queue` orders them. Payloads are split into
-//! pieces that rayon copies with positioned writes while computing their CRC-32s; the CRCs are
-//! combined per archive and the archive tails written last. On request, the SHA-256 of the whole
-//! file is computed from the bytes as they are written (never read back): see [`InOrder`].
+//! a self-contained torch.save archive at a precomputed offset (torch's `filesystem.py`
+//! `_write_item`), byte objects first, then tensors, as torch's `_write_files_from_queue` orders
+//! them. Payloads are split into pieces that rayon copies with positioned writes while computing
+//! their CRC-32s; the CRCs are combined per archive and the archive tails written last. On request,
+//! the SHA-256 of the whole file is computed from the bytes as they are written (never read back):
+//! see [`InOrder`].
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -71,7 +72,8 @@ impl Payload<'_> {
 }
 
 /// One byte object to save: `bytes` must already be a complete torch.save archive
-/// (dcp-format.md §2.3); `fqn` is its DCP key (Megatron's ShardedObject `unique_key`).
+/// (torch's `DefaultSavePlanner.transform_object` saves each with `torch.save`); `fqn` is its DCP
+/// key (Megatron's ShardedObject `unique_key`).
 pub struct ByteObject<'a> {
     /// DCP key (Megatron's ShardedObject `unique_key`).
     pub fqn: String,

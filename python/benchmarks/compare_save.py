@@ -4,7 +4,7 @@ interleaved, by
 * ``shardwise``        -- ``shardwise.megatron.save`` (no collective);
 * ``megatron``         -- Megatron's own ``dist_checkpointing.save`` (``torch_dist``, its defaults),
                           on CPU with gloo through the two monkeypatches of
-                          ``shared/reference/probes/megatron_cpu_gloo_save.py``;
+                          ``python/tests/mcore.py`` (``patch_cuda_for_cpu``);
 * ``dcp``              -- ``torch.distributed.checkpoint.save`` with ``FileSystemWriter`` on the same
                           shards (Megatron's own conversion to torch ShardedTensors, done outside the
                           timer);

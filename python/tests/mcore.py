@@ -1,8 +1,9 @@
 """Helpers for real multi-process megatron-core runs on CPU with gloo (used by the tests and the demo).
 
 Megatron's torch_dist save calls two CUDA helpers unconditionally, so workers that run Megatron's own
-save or load patch them exactly as ``../shared/reference/probes/megatron_cpu_gloo_save.py`` does:
-``torch.cuda.synchronize`` becomes a no-op and ``torch.cuda.current_device`` returns ``'cpu'``.
+save or load patch them (``patch_cuda_for_cpu``, as ``tools/fixtures/make_megatron_fixtures.py`` does
+for the golden fixtures): ``torch.cuda.synchronize`` becomes a no-op and ``torch.cuda.current_device``
+returns ``'cpu'``.
 """
 
 from __future__ import annotations

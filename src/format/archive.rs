@@ -1,4 +1,5 @@
-//! Reads one DCP item: a torch.save zip archive (dcp-format.md §2.2) held in memory or mapped.
+//! Reads one DCP item: a torch.save zip archive (`torch/serialization.py` `_save`, torch 2.3.1–2.15.0;
+//! layout in [`crate::format::zip`]) held in memory or mapped.
 //! Sizes come from the central directory (torch's local headers hold zeros), zip64 records are
 //! honoured, every offset is bounds-checked against the blob, and nothing is copied.
 

@@ -71,8 +71,9 @@ impl DType {
     ];
 
     /// Whether the writer accepts it: complex and uint16/32/64 are left out because torch 2.4–2.5
-    /// cannot load unsigned ones (weights-only allowlist, dcp-format.md §2.2) and the issue's
-    /// max-compat profile names exactly the twelve in [`DType::ALL`].
+    /// cannot load unsigned ones (the weights-only unpickler's allowlist; torch 2.6's
+    /// `torch/storage.py` `_new_dtypes` adds them) and the max-compat profile names exactly
+    /// the twelve in [`DType::ALL`].
     pub fn writable(self) -> bool {
         DType::ALL.contains(&self)
     }

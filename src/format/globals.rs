@@ -4,8 +4,9 @@
 //! Unpickling imports every global a `GLOBAL`/`STACK_GLOBAL` opcode names (`find_class`, which
 //! runs the module's import code) and calls what `REDUCE`/`NEWOBJ`/`BUILD` are given, so a pickle
 //! whose globals include `posix.system` or `builtins.eval` runs code on load. Which loader reads
-//! which pickle, and how strictly (dcp-format.md §2.3, §2.5, §3.1; megatron-torch-dist.md §1.4,
-//! §1.5):
+//! which pickle, and how strictly (torch 2.3.1–2.15.0 `torch/distributed/checkpoint/filesystem.py`
+//! and `default_planner.py`; megatron-core 0.16.1 `dist_checkpointing/strategies/common.py` and
+//! 0.19.2 `serialization.py`):
 //! - `.metadata`: plain `pickle.load` in every torch 2.3–2.15 (`FileSystemReader.read_metadata`),
 //!   no restriction at all: [`Pickle::Metadata`];
 //! - every item's `data.pkl` and `common.pt`'s: `torch.load`, with `weights_only=False` for byte
@@ -82,8 +83,8 @@ const DTYPES: &[&str] = &[
     "uint8",
 ];
 
-/// The classes a DCP `.metadata` pickles, by module as the pickle stores it (dcp-format.md §3.2,
-/// §3.3; megatron-torch-dist.md §1.5), besides `torch.<dtype>` ([`DTYPES`]):
+/// The classes a DCP `.metadata` pickles, by module as the pickle stores it (each golden fixture's
+/// `pickle_globals`, tests/fixtures/README.md), besides `torch.<dtype>` ([`DTYPES`]):
 /// torch 2.3–2.15's `metadata.py` and `filesystem.py`, torch ≤ 2.2's `_shard` copies, the
 /// `SavePlan`s megatron-core ≤ 0.19 keeps in `all_local_plans` (`planner.py`, with
 /// `filesystem._StoragePrefix` as their `storage_data`), megatron-core 0.15's `MCoreMetadata` and

@@ -1,6 +1,9 @@
 //! The global DCP `.metadata` pickle, in the "max-compat" profile that torch 2.3 through 2.15 load
-//! (`../shared/reference/dcp-format.md` §3.7 and §7): protocol 2, `TensorProperties` as a 5-tuple
-//! state, no `StorageMeta`, `_StorageInfo` without `transform_descriptors`, `version = "1.0.0"`.
+//! (each reads it with a plain `pickle.load`, `FileSystemReader.read_metadata`; torch ≤ 2.14's
+//! `TensorProperties.__setstate__` takes exactly 5 fields and torch 2.3 has no `StorageMeta`):
+//! protocol 2, `TensorProperties` as a 5-tuple state, no `StorageMeta`, `_StorageInfo` without
+//! `transform_descriptors`, `version = "1.0.0"`. What each release writes instead: the golden
+//! fixtures, tests/fixtures/README.md.
 //!
 //! Class paths are those of `torch/distributed/checkpoint/metadata.py` and `filesystem.py`
 //! (torch 2.3.1 – 2.15.0).
@@ -253,7 +256,8 @@ fn emit(
     p.setitems();
 
     // planner_data: the flat path of every key, which lets `_EmptyStateDictLoadPlanner` and
-    // `format_utils.dcp_to_torch_save` rebuild the dict on 2.3 as well (dcp-format.md §4.1).
+    // `format_utils.dcp_to_torch_save` rebuild the dict on 2.3 as well (torch 2.3.1
+    // `default_planner.py`).
     p.str("planner_data");
     p.empty_dict();
     p.mark();
@@ -369,8 +373,9 @@ pub fn volume(sizes: &[u64]) -> Option<u64> {
 }
 
 /// Checks the chunks of one tensor key the way DCP's `_validate_global_plan` does at save time
-/// (and its loader never does, dcp-format.md §4.2): every chunk lies inside `shape`, no two
-/// overlap, and together they cover it exactly. `origin(i)` names chunk `i` in messages.
+/// (`default_planner.py`, torch 2.3.1–2.15.0; its loader, `planner_helpers.py`, never does): every
+/// chunk lies inside `shape`, no two overlap, and together they cover it exactly. `origin(i)` names
+/// chunk `i` in messages.
 ///
 /// Errors: a message naming the key, the offending chunks' origins and their boxes.
 pub fn check_layout(

@@ -17,14 +17,14 @@ pub mod zip;
 pub const METADATA_FILE: &str = ".metadata";
 
 /// The common (non-sharded) state of a Megatron checkpoint of megatron-core <= 0.18, a torch.save
-/// archive beside `.metadata` (megatron-torch-dist.md §1.2).
+/// archive beside `.metadata` (megatron-core 0.16.1 `dist_checkpointing/strategies/common.py`).
 pub const COMMON_FILE: &str = "common.pt";
 
 /// Megatron's `metadata.json`: its name in the checkpoint directory.
 pub const METADATA_JSON_FILE: &str = "metadata.json";
 
 /// Megatron's `metadata.json` in the 4-field form that megatron-core ≤0.18 requires and 0.19 accepts
-/// (megatron-torch-dist.md §1.3, `CheckpointingConfig` in `dist_checkpointing/core.py`).
+/// (`CheckpointingConfig` in `dist_checkpointing/core.py` of megatron-core 0.16.1 and 0.19.2).
 pub const MEGATRON_METADATA_JSON: &str = r#"{"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1}"#;
 
 /// An empty vector with room for `n` items if that much memory can be had, else with none (it

@@ -2,7 +2,9 @@
 //! emits). Handles torch 2.3–2.15 (`StorageMeta`, 5- and 6-tuple `TensorProperties`, pathlib
 //! variants, `transform_descriptors`), torch ≤2.2's `_shard` classes, and Megatron's variants
 //! (`mcore_data`, `MCoreMetadata`, `all_local_plans`), which are recognised by class name and
-//! field, never by running their code (dcp-format.md §3, megatron-torch-dist.md §1.5).
+//! field, never by running their code (torch 2.3.1–2.15.0 `torch/distributed/checkpoint/metadata.py`,
+//! megatron-core 0.13.1–0.19.2 `dist_checkpointing/strategies/torch.py`; a fixture of each form in
+//! tests/fixtures/README.md).
 //!
 //! Speed and memory (a `.metadata` holds millions of chunks at scale, and every rank parses it):
 //! the one opcode decoder of `format::unpickle` runs with a builder made for DCP ([`Dcp`]) instead

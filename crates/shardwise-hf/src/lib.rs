@@ -10,8 +10,10 @@
 //! [`rules`] and [`gdn`] (the rule slices), [`families`] (the architectures), [`config`]
 //! (hyperparameters from config.json and the stored args, and their checks), [`plan`] (the table
 //! applied to the checkpoint's keys), [`write`] (shard plan, safetensors headers, index),
-//! [`output`] (the folder and the commit). Name mapping:
-//! megatron-torch-dist.md §2.7 and §4.3, shared/reference/hf-mappings-2026.md. Output files:
+//! [`output`] (the folder and the commit). Name mapping: megatron-core 0.16.1's key names
+//! (`transformer/transformer_block.py`, `moe/experts.py`), slime's `megatron_to_hf/*.py`,
+//! Megatron-Bridge's bridges and transformers 5.24's `conversion_mapping.py`; the families in
+//! docs/hf.md. Output files:
 //! safetensors sharded as `model-0000k-of-0000n.safetensors` with
 //! `model.safetensors.index.json`, as `transformers` writes them.
 

@@ -2,7 +2,8 @@
 //! as boxes of checkpoint tensors, plus the checks that the config's required tensors are all
 //! produced with the shapes the config implies.
 //!
-//! Checkpoint keys (megatron-torch-dist.md §2.7): layer-stacked `decoder.layers.<sub>` with a
+//! Checkpoint keys (megatron-core 0.16.1 `transformer/transformer_block.py` `sharded_state_dict`,
+//! `moe/experts.py`): layer-stacked `decoder.layers.<sub>` with a
 //! leading layer axis, or `decoder.layers.{i}.<sub>`; experts with an expert axis on
 //! `.experts.experts.`.
 

@@ -59,7 +59,7 @@ pub(crate) fn gate_up(_: &Dims, key: &str, shape: &[u64]) -> Result<Vec<Vec<(u64
 }
 
 /// `linear_qkv` rows per query group: `[q (heads/groups heads), k, v]`, each head `head_dim`
-/// rows (megatron-torch-dist.md §4.3).
+/// rows (slime `megatron_to_hf/qwen2.py`, Megatron-Bridge `qwen3_moe_bridge.py`).
 fn qkv_per_group(d: &Dims, key: &str, shape: &[u64]) -> Result<Vec<Vec<(u64, u64)>>> {
     let (g, h) = (d.groups, d.head_dim);
     let n = d.heads / g.max(1);
@@ -104,7 +104,7 @@ const fn experts(src: &'static [&'static str], outs: &'static [Out], split: Spli
 
 // ---- rule slices --------------------------------------------------------------------------------
 
-/// Embedding, final norm and output layer (megatron-torch-dist.md §4.3).
+/// Embedding, final norm and output layer (slime `megatron_to_hf/llama.py`, `qwen2.py`).
 pub(crate) const COMMON_MODEL: &[Rule] = &[
     rule(
         &["embedding.word_embeddings.weight"],
