@@ -39,20 +39,27 @@ pub fn host_bound() -> usize {
     {
         return b;
     }
-    let total_kib = std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|m| {
-            m.lines()
-                .find_map(|l| l.strip_prefix("MemTotal:"))
-                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<usize>().ok())
-        })
-        .unwrap_or(0);
+    let total = host_memory().unwrap_or(0) as usize;
     let local_ranks = std::env::var("LOCAL_WORLD_SIZE")
         .ok()
         .and_then(|v| v.parse::<usize>().ok())
         .filter(|&n| n > 0)
         .unwrap_or(1);
-    total_kib.saturating_mul(1024) / 2 / local_ranks
+    total / 2 / local_ranks
+}
+
+/// The machine's memory in bytes (`MemTotal` of `/proc/meminfo`); None where there is none.
+pub fn host_memory() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kib = meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse::<u64>()
+        .ok()?;
+    Some(kib.saturating_mul(1024))
 }
 
 /// One staging buffer.

@@ -592,9 +592,11 @@ def to_hf(
     tokenizer: _Path | None = None,
     quantize: str | None = None,
     quantize_format: str | None = None,
+    allow_config_mismatch: Sequence[str] | None = None,
 ) -> ToHfSummary:
     """Converts checkpoint ``checkpoint_dir`` to HF safetensors in ``out_dir``; see
-    ``shardwise to-hf``."""
+    ``shardwise to-hf``. ``allow_config_mismatch``: config fields (a list of str) whose
+    disagreement with the stored args converts with a warning (``--allow-config-mismatch``)."""
 
 def from_hf(
     hf_dir: _Path,

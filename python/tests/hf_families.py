@@ -333,7 +333,8 @@ def gdn_model(cfg):
                 linear_value_head_dim=tc.linear_value_head_dim, linear_num_key_heads=tc.linear_num_key_heads,
                 linear_num_value_heads=tc.linear_num_value_heads, num_experts=tc.num_moe_experts,
                 make_vocab_size_divisible_by=128, tensor_model_parallel_size=tp, vocab_size=cfg.vocab_size,
-                norm_epsilon=tc.layernorm_epsilon, max_position_embeddings=cfg.max_position_embeddings)
+                norm_epsilon=tc.layernorm_epsilon, max_position_embeddings=cfg.max_position_embeddings,
+                rope_type="rope", use_rope_scaling=False)
     if mtp_layers:
         args.update(mtp_num_layers=mtp_layers)
     if moe:

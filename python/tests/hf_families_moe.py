@@ -409,7 +409,8 @@ def megatron_args(family: str, cfg, tc) -> dict:
                 rotary_base=int(cfg.rope_parameters["rope_theta"]),
                 tensor_model_parallel_size=tc.tensor_model_parallel_size, norm_epsilon=tc.layernorm_epsilon,
                 vocab_size=cfg.vocab_size, make_vocab_size_divisible_by=128,
-                max_position_embeddings=cfg.max_position_embeddings)
+                max_position_embeddings=cfg.max_position_embeddings,
+                rope_type=getattr(tc, "rope_type", None) or "rope", use_rope_scaling=False)
     if family == "minimax_m2":
         args["qk_layernorm"] = False  # Megatron-Bridge's setting: its spec injects the full-dim norms itself
     return args

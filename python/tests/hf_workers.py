@@ -121,7 +121,9 @@ def save_and_forward(rank, world, port, base, arch, url=None):
                               max_position_embeddings=cfg.max_position_embeddings,
                               rotary_base=int(_rope_theta(cfg)),
                               moe_router_topk=cfg.num_experts_per_tok if moe else None,
-                              moe_router_score_function="softmax", moe_router_pre_softmax=False)
+                              moe_router_score_function="softmax", moe_router_pre_softmax=False,
+                              swiglu=True, qk_layernorm=arch != "llama", rope_type="rope",
+                              use_rope_scaling=False)
     # "megatron": Megatron's own save (megatron-core 0.19: args inside the .distcp files'
     # common_state object); "shardwise": common.pt; "noargs": no args stored at all.
     for who in ("shardwise", "s3") if url else ("megatron", "shardwise", "noargs"):

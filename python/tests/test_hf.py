@@ -106,8 +106,8 @@ FIELD_CASES = {
     "qwen3_moe": [
         (dict(num_experts=8), r"num_experts: config.json says 8, args.num_experts says 4"),
         (dict(moe_intermediate_size=16), r"moe_intermediate_size: config.json says 16, args.moe_ffn_hidden_size says 32"),
-        (dict(mlp_only_layers=[1]), r"MoE layer pattern: config.json gives E- .*args.moe_layer_freq gives EE"),
-        (dict(decoder_sparse_step=2), r"MoE layer pattern: config.json gives -E .*args.moe_layer_freq gives EE"),
+        (dict(mlp_only_layers=[1]), r"MoE layer pattern .*: config.json gives E- .*args.moe_layer_freq gives EE"),
+        (dict(decoder_sparse_step=2), r"MoE layer pattern .*: config.json gives -E .*args.moe_layer_freq gives EE"),
     ],
 }
 
@@ -155,8 +155,12 @@ def test_a_tensor_the_config_requires_but_never_produced_is_an_error(saved, tmp_
     cfg["model_type"] = "qwen3"  # qwen3 needs q_norm / k_norm, which a llama checkpoint lacks
     bad = tmp_path / "config.json"
     bad.write_text(json.dumps(cfg))
-    with pytest.raises(shardwise.ValidationError, match=r"HF tensors the config requires were not produced: .*q_norm"):
+    # The stored args say so first (llama's args: no qk_layernorm); allowed, the tensors still do.
+    with pytest.raises(shardwise.ValidationError, match=r"q_norm and k_norm: qwen3 implies it, args.qk_layernorm says false"):
         shardwise.to_hf(str(base / "shardwise"), str(tmp_path / "o"), hf_config=str(bad))
+    with pytest.raises(shardwise.ValidationError, match=r"HF tensors the config requires were not produced: .*q_norm"):
+        shardwise.to_hf(str(base / "shardwise"), str(tmp_path / "o"), hf_config=str(bad),
+                        allow_config_mismatch=["qk_layernorm"])
     assert not list((tmp_path / "o").glob("*.safetensors")) if (tmp_path / "o").exists() else True
 
 

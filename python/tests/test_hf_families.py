@@ -181,8 +181,8 @@ def test_multimodal_qwen3_5_config_loads_with_its_declared_architecture(saved, t
     bad = json.loads(config.read_text())
     bad["vision_config"]["depth"] = 3
     (tmp_path / "bad.json").write_text(json.dumps(bad))
-    with pytest.raises(shardwise.InvalidArgumentError, match=r"its vision tower is not the one vision_config "
-                                                              r"describes \(depth 3\): 12 missing"):
+    with pytest.raises(shardwise.InvalidArgumentError, match=r"vision_config.depth = 3, but --base-hf .* holds 2 "
+                                                              r"vision blocks \(model.visual.blocks.\*\)"):
         shardwise.to_hf(str(ckpt), str(tmp_path / "bad"), hf_config=str(tmp_path / "bad.json"), base_hf=str(release))
     assert not (tmp_path / "bad").exists()
 
@@ -436,13 +436,13 @@ MOE_WRONG_FIELDS = [
     ("deepseek_v3", "qk_rope_head_dim", 16, "qk_rope_head_dim: config.json says 16, args.qk_pos_emb_head_dim says 8"),
     ("deepseek_v3", "v_head_dim", 16, "v_head_dim: config.json says 16, args.v_head_dim says 12"),
     ("deepseek_v3", "n_shared_experts", 1,
-     r"n_shared_experts\*moe_intermediate_size: config.json says 32, args.moe_shared_expert_intermediate_size says 64"),
-    ("deepseek_v3", "first_k_dense_replace", 2, "MoE layer pattern: config.json gives --E .*first_k_dense_replace 2"),
-    ("deepseek_v3", "n_routed_experts", 4, "num_experts: config.json says 4, args.num_experts says 8"),
+     "n_shared_experts: config.json says 1, args.moe_shared_expert_intermediate_size says 64 = 2 x moe_ffn_hidden_size 32"),
+    ("deepseek_v3", "first_k_dense_replace", 2, "MoE layer pattern .*: config.json gives --E .*first_k_dense_replace 2"),
+    ("deepseek_v3", "n_routed_experts", 16, "num_experts: config.json says 16, args.num_experts says 8"),
     ("deepseek_v3", "moe_intermediate_size", 16, "moe_intermediate_size: config.json says 16, args.moe_ffn_hidden_size"),
     ("deepseek_v3", "intermediate_size", 128, "intermediate_size: config.json says 128, args.ffn_hidden_size says 96"),
-    ("glm4_moe", "first_k_dense_replace", 0, "MoE layer pattern: config.json gives EEE"),
-    ("glm4_moe", "n_shared_experts", 2, r"n_shared_experts\*moe_intermediate_size: config.json says 64"),
+    ("glm4_moe", "first_k_dense_replace", 0, "MoE layer pattern .*: config.json gives EEE"),
+    ("glm4_moe", "n_shared_experts", 2, "n_shared_experts: config.json says 2, args.moe_shared_expert_intermediate_size says 32 = 1 x"),
     ("glm4_moe", "use_qk_norm", False, "use_qk_norm: config.json says false, args.qk_layernorm says true"),
     ("glm4_moe", "attention_bias", False, "attention_bias: config.json says false, args.add_qkv_bias says true"),
     ("glm4_moe", "head_dim", 8, "head_dim: config.json says 8, args.kv_channels says 16"),
@@ -460,12 +460,12 @@ MOE_WRONG_FIELDS = [
     ("deepseek_v32", "index_n_heads", 8, "index_n_heads: config.json says 8, args.dsa_indexer_n_heads says 4"),
     ("deepseek_v32", "index_head_dim", 32, "index_head_dim: config.json says 32, args.dsa_indexer_head_dim says 16"),
     ("deepseek_v32", "index_topk", 8, "index_topk: config.json says 8, args.dsa_indexer_topk says 4"),
-    ("deepseek_v32", "mlp_layer_types", ["dense", "dense", "sparse"], "MoE layer pattern: config.json gives --E"),
+    ("deepseek_v32", "mlp_layer_types", ["dense", "dense", "sparse"], "MoE layer pattern .*: config.json gives --E"),
     ("hybrid_glm_moe_dsa", "indexer_types", ["full", "shared", "shared"],
      r"indexer_types: config.json gives FSS, args.dsa_indexer_topk_freq \d+ and dsa_indexer_skip_topk_offset \d+ "
      r"give FFS .*Megatron counts a HybridModel's layers"),
     ("hybrid_glm_moe_dsa", "mlp_layer_types", ["dense", "dense", "sparse"],
-     "MoE layer pattern: config.json gives --E .* args.hybrid_layer_pattern gives -EE"),
+     "MoE layer pattern .*: config.json gives --E .* args.hybrid_layer_pattern gives -EE"),
     ("hybrid_glm_moe_dsa", "q_lora_rank", 32, "q_lora_rank: config.json says 32, args.q_lora_rank says 24"),
     # A HybridModel's args count attention and MLP layers apart: 6 layers are 3 HF layers.
     ("hybrid_qwen3", "num_hidden_layers", 4, "num_hidden_layers: config.json says 4, args.num_layers says 3"),

@@ -216,6 +216,12 @@ struct ToHfFlags {
     /// Skip checkpoint keys that no rule maps instead of failing.
     #[arg(long)]
     allow_unmapped: bool,
+    /// Convert although config.json's FIELD (or the args field it is compared with)
+    /// disagrees with the checkpoint's stored args (repeatable): the disagreement becomes a
+    /// warning, and config.json is written as given, so the export keeps the config's value.
+    /// A FIELD the architecture does not compare is refused.
+    #[arg(long, value_name = "FIELD")]
+    allow_config_mismatch: Vec<String>,
     #[arg(long, help = JSON_HELP)]
     json: bool,
     /// Bound in seconds on each object-store request, its retries included (default: 30 s
@@ -313,6 +319,7 @@ impl ToHfFlags {
             tokenizer: self.tokenizer.clone(),
             quantize: self.quantize.clone(),
             quantize_format: self.quantize_format.clone(),
+            allow_config_mismatch: self.allow_config_mismatch.clone(),
         })
     }
 }

@@ -6,7 +6,7 @@ use serde_json::{Map, Value as Json};
 
 use super::families;
 use super::layout::HybridPattern;
-use super::spec::{ArchSpec, Check, Dims, LayerPattern, Rel, MAX_COUNT};
+use super::spec::{ArchSpec, Check, Dims, LayerPattern, Rel, When, MAX_COUNT, MTP_FIELDS};
 use shardwise::error::{Error, Result};
 use shardwise::format::archive::records;
 use shardwise::format::dtype::DType;
@@ -70,11 +70,20 @@ impl Dims {
                 cfg.insert(k.into(), v);
             }
         }
-        if let Some(rope) = rope_scaling_from_args(args) {
-            cfg.insert("rope_parameters".into(), rope);
-        }
+        // Plain RoPE unless the args say a scaling: never the family's default scaling (gpt_oss's
+        // yarn), which the args did not train with.
+        let rope = rope_scaling_from_args(args).unwrap_or_else(|| {
+            let mut plain = Map::new();
+            plain.insert("rope_type".into(), "default".into());
+            plain.into()
+        });
+        cfg.insert("rope_parameters".into(), rope);
         check_required_from_args(spec, &cfg)?;
-        Dims::new(spec, cfg)
+        let mut d = Dims::new(spec, cfg)?;
+        // Only what the args say: a field they do not say is refused by `config_from_args`
+        // (`unsaid`), never filled with transformers' default here.
+        d.defaults.clear();
+        Ok(d)
     }
 
     /// gpt_oss's attention window of each layer (None: full attention): `sliding_window` on the
@@ -114,12 +123,15 @@ fn row_from_args(spec: &ArchSpec, c: &Check, args: &Args) -> Vec<(&'static str, 
         // are kept.
         Rel::Vocab => one(args.field("vocab_size").map(Json::from)),
         // As stored: an integer stays one (DSA's `index_topk`).
-        Rel::Float | Rel::Derived => one(args
+        Rel::Float => one(args
             .raw(c.args)
             .filter(|v| v.is_number() || v.is_boolean())
             .cloned()),
         Rel::TopkNorm => one(topk_norm_from_args(c, args).map(Json::from)),
         Rel::SharedExperts => one(shared_experts_from_args(c, args).map(Json::from)),
+        // The family's own (its rules), SwiGLU's silu (transformers' default), and the RoPE scaling
+        // (`rope_scaling_from_args`, refused by `config_from_args`).
+        Rel::Router | Rel::Activation | Rel::RopeScaling => Vec::new(),
         Rel::AttnLayers => args
             .attn_layers()
             .map(|p| ("layer_types", p.into()))
@@ -225,6 +237,15 @@ fn check_required_from_args(spec: &ArchSpec, cfg: &Map<String, Json>) -> Result<
     Ok(())
 }
 
+/// Args fields whose None Megatron computes as a number (megatron-core 0.19 `moe_utils.py`
+/// `topk_routing_with_score_function`: no scaling factor scales by 1; no groups is one group, all
+/// of it kept).
+const NONE_MEANS: &[(&str, f64)] = &[
+    ("moe_router_topk_scaling_factor", 1.0),
+    ("moe_router_num_groups", 1.0),
+    ("moe_router_group_topk", 1.0),
+];
+
 /// Megatron's `args` (an `argparse.Namespace`), its attributes as JSON values (ints, floats,
 /// bools, strings, None and lists of them; other objects as null).
 pub(crate) struct Args(pub Map<String, Json>);
@@ -325,6 +346,15 @@ impl Args {
     /// A number of the args (None when absent or not a number).
     pub fn float(&self, k: &str) -> Option<f64> {
         self.raw(k).and_then(|v| v.as_f64())
+    }
+
+    /// A number of the args as Megatron computes with it: the stored number, or for a None the
+    /// number Megatron then uses ([`NONE_MEANS`]); None when absent, or None with no such number.
+    pub fn value(&self, k: &str) -> Option<f64> {
+        match self.0.get(k)? {
+            Json::Null => NONE_MEANS.iter().find(|(f, _)| *f == k).map(|(_, v)| *v),
+            v => v.as_f64(),
+        }
     }
 
     /// Per layer, the attention type (`linear_attention` or `full_attention`):
@@ -488,6 +518,130 @@ fn json_of(v: &Value, depth: usize) -> Json {
         ),
         _ => Json::Null,
     }
+}
+
+/// Checks the config's values as Megatron and the serving engines compute with them (the config's
+/// own or transformers' defaults): a positive, finite norm epsilon; a positive integer context
+/// length; an MTP layer count that is a non-negative integer (not -1, "1", null, 1.5 or true,
+/// which transformers and vLLM would read otherwise than from-hf); for a model with experts a
+/// router top-k from 1 to the experts, and a group-limited router whose groups fit
+/// ([`check_router_groups`]); a boolean where a check row reads one. Run by from-hf before
+/// anything is planned and by to-hf before anything is written (on a config built from the args
+/// too). `source` names the config in messages (`config.json`, or the config built from the
+/// args).
+///
+/// Errors: [`Error::InvalidArgument`] naming the field and its value.
+pub(crate) fn check_values(d: &Dims, source: &str) -> Result<()> {
+    let bad = |k: &str, v: &Json, why: &str| Err(value_error(d, source, k, v, why));
+    let positive = |v: &Json| v.as_f64().is_some_and(|x| x > 0.0 && x.is_finite());
+    if let Some(v) = d.value("rms_norm_eps").filter(|v| !positive(v)) {
+        return bad(
+            "rms_norm_eps",
+            v,
+            "the norms' epsilon must be a positive number (Megatron's --norm-epsilon)",
+        );
+    }
+    if let Some(v) = d
+        .value("max_position_embeddings")
+        .filter(|v| v.as_u64().unwrap_or(0) == 0)
+    {
+        return bad(
+            "max_position_embeddings",
+            v,
+            "the context length must be a positive integer",
+        );
+    }
+    for k in MTP_FIELDS {
+        if let Some(v) = d.cfg.get(*k).filter(|v| v.as_u64().is_none()) {
+            return bad(k, v, "an MTP layer count must be a non-negative integer");
+        }
+    }
+    for c in d
+        .spec
+        .checks()
+        .filter(|c| matches!(c.rel, Rel::TopkNorm | Rel::Same | Rel::Not))
+    {
+        if let Some(v) = d.cfg.get(c.hf).filter(|v| !v.is_boolean()) {
+            return bad(c.hf, v, "must be true or false");
+        }
+    }
+    if d.num_experts > 0 {
+        check_router_groups(d, source)?;
+    }
+    Ok(())
+}
+
+/// `"<source>: <k> = <v>: <why>"`, the value marked as transformers' default when the config does
+/// not state it.
+fn value_error(d: &Dims, source: &str, k: &str, v: &Json, why: &str) -> Error {
+    let default = if d.stated(k) {
+        ""
+    } else {
+        " (transformers' default: the config has none)"
+    };
+    Error::InvalidArgument(format!("{source}: {k} = {v}{default}: {why}"))
+}
+
+/// The router of a model with `d.num_experts` experts: `num_experts_per_tok` picks 1 to all of
+/// them; a group-limited router (a family with `n_group`, `topk_group`) has `n_group` dividing the
+/// experts into groups of at least 2 (transformers scores a group by its top 2), `topk_group` from
+/// 1 to `n_group`, and its kept groups hold the top-k; with more than one group, Megatron scores a
+/// group by its top `topk / topk_group` (MC 0.19 `moe_utils.py` `group_limited_topk`), so that
+/// must be transformers' 2.
+///
+/// Errors: [`Error::InvalidArgument`] naming the field and its value.
+fn check_router_groups(d: &Dims, source: &str) -> Result<()> {
+    let e = d.num_experts;
+    let int = |k: &str| d.value(k).map(|v| (v.as_u64(), v.clone()));
+    let bad = |k: &str, v: &Json, why: String| Err(value_error(d, source, k, v, &why));
+    let topk = match int("num_experts_per_tok") {
+        Some((Some(k), _)) if (1..=e).contains(&k) => k,
+        Some((_, v)) => {
+            return bad(
+                "num_experts_per_tok",
+                &v,
+                format!("a router picks 1 to {e} experts per token (num_experts {e})"),
+            )
+        }
+        None => return Ok(()),
+    };
+    if !d.spec.checks().any(|c| c.hf == "n_group") {
+        return Ok(());
+    }
+    let (Some((g, gv)), Some((kg, kgv))) = (int("n_group"), int("topk_group")) else {
+        return Ok(());
+    };
+    let Some(g) = g.filter(|&g| g >= 1 && e % g == 0 && (g == 1 || e / g >= 2)) else {
+        return bad(
+            "n_group",
+            &gv,
+            format!("the groups must split num_experts {e} evenly, at least 2 experts each"),
+        );
+    };
+    let Some(kg) = kg.filter(|&k| (1..=g).contains(&k)) else {
+        return bad(
+            "topk_group",
+            &kgv,
+            format!("a router keeps 1 to n_group = {g} groups"),
+        );
+    };
+    if topk > kg * (e / g) {
+        return bad(
+            "num_experts_per_tok",
+            &Json::from(topk),
+            format!("topk_group = {kg} groups of {} experts hold fewer", e / g),
+        );
+    }
+    if g > 1 && topk / kg != 2 {
+        return bad(
+            "topk_group",
+            &kgv,
+            format!(
+                "with n_group = {g}, transformers scores a group by its top 2 experts and Megatron by its top num_experts_per_tok / topk_group = {topk} / {kg}: the two route differently unless that is 2"
+            ),
+        );
+    }
+    Ok(())
 }
 
 /// The MTP layers to convert, and what to warn about: the checkpoint holds `in_ckpt` of them
@@ -784,8 +938,8 @@ fn unsaid(d: &Dims) -> Vec<String> {
         .checks()
         .filter(|c| match c.rel {
             Rel::Eq => d.required_field(c.hf),
-            Rel::Float | Rel::Not | Rel::AttnLayers | Rel::SlidingWindow => true,
-            Rel::Derived => moe || !c.args.starts_with("moe_"),
+            Rel::Not | Rel::AttnLayers | Rel::SlidingWindow => true,
+            Rel::Float => moe || !c.args.starts_with("moe_"),
             Rel::TopkNorm | Rel::SharedExperts => moe,
             _ => false,
         })
@@ -807,6 +961,7 @@ fn unsaid(d: &Dims) -> Vec<String> {
 }
 
 /// The outcome of checking the config against the args.
+#[derive(Debug)]
 pub(crate) struct ArgsCheck {
     /// `"passed"`, or `"skipped: ..."` when nothing could be checked.
     pub status: String,
@@ -817,22 +972,37 @@ pub(crate) struct ArgsCheck {
 }
 
 /// Checks every row of the architecture's check table; `rows` is the embedding's row count.
+/// `allow` (`--allow-config-mismatch`) names rows (by config or args field) whose disagreement is
+/// a warning instead: config.json is written as given, so its value is the one the export keeps.
 ///
-/// Errors: [`Error::Validation`] naming each disagreeing field with both values.
-pub(crate) fn check_args(d: &Dims, args: Option<&Args>, rows: Option<u64>) -> Result<ArgsCheck> {
+/// Errors: [`Error::InvalidArgument`] for an `allow` name of no row ([`check_allowed`]);
+/// [`Error::Validation`] naming each other disagreeing field with both values.
+pub(crate) fn check_args(
+    d: &Dims,
+    args: Option<&Args>,
+    rows: Option<u64>,
+    allow: &[String],
+) -> Result<ArgsCheck> {
+    check_allowed(d, allow)?;
     let mut diffs = Vec::new();
     let mut unchecked = Vec::new();
     let mut warnings = Vec::new();
-    for finding in d.spec.checks().filter_map(|c| check_row(d, c, args, rows)) {
-        match finding {
-            Finding::Differs(m) => diffs.push(m),
-            Finding::Unchecked(m) => unchecked.push(m),
-            Finding::Warning(m) => warnings.push(m),
+    for c in d.spec.checks() {
+        match check_row(d, c, args, rows) {
+            Some(Finding::Differs(m)) => match allowed(c, allow) {
+                Some(name) => warnings.push(format!(
+                    "{m} (--allow-config-mismatch {name}: written as config.json says, not as the args say)"
+                )),
+                None => diffs.push(m),
+            },
+            Some(Finding::Unchecked(m)) => unchecked.push(m),
+            Some(Finding::Warning(m)) => warnings.push(m),
+            None => {}
         }
     }
     if !diffs.is_empty() {
         return Err(Error::Validation(format!(
-            "config.json disagrees with the checkpoint: {}",
+            "config.json disagrees with the checkpoint: {}; pass --allow-config-mismatch FIELD to export config.json's value anyway",
             diffs.join("; ")
         )));
     }
@@ -845,6 +1015,38 @@ pub(crate) fn check_args(d: &Dims, args: Option<&Args>, rows: Option<u64>) -> Re
         unchecked,
         warnings,
     })
+}
+
+/// The name in `allow` of check row `c` (its config field or its args field), if any.
+fn allowed<'a>(c: &Check, allow: &'a [String]) -> Option<&'a str> {
+    allow
+        .iter()
+        .find(|a| **a == c.hf || **a == c.args)
+        .map(String::as_str)
+}
+
+/// Checks that every `--allow-config-mismatch` name is a compared field of the architecture (a
+/// misspelt name would otherwise allow nothing, silently).
+///
+/// Errors: [`Error::InvalidArgument`] naming the unknown name and the architecture's fields.
+fn check_allowed(d: &Dims, allow: &[String]) -> Result<()> {
+    let Some(bad) = allow
+        .iter()
+        .find(|a| !d.spec.checks().any(|c| **a == c.hf || **a == c.args))
+    else {
+        return Ok(());
+    };
+    let mut names: Vec<&str> = Vec::new();
+    for c in d.spec.checks() {
+        if !names.contains(&c.hf) {
+            names.push(c.hf);
+        }
+    }
+    Err(Error::InvalidArgument(format!(
+        "--allow-config-mismatch {bad:?}: {} compares no such field (config fields: {})",
+        d.spec.model_types[0],
+        names.join(", ")
+    )))
 }
 
 /// What checking one row of the check table found (nothing: the row agrees, or is no check).
@@ -877,8 +1079,11 @@ fn check_row(d: &Dims, c: &Check, args: Option<&Args>, rows: Option<u64>) -> Opt
         (Rel::ArgsTrue | Rel::ArgsFalse, Some(a)) => check_implied_flag(d, c, a),
         (Rel::IndexerLayers, Some(a)) => check_indexer_layers(d, c, a),
         (Rel::MoeLayers, Some(a)) => check_moe_layers(d, c, a),
-        // Not checks: what a config built from the args reads.
-        (Rel::Derived | Rel::TopkNorm | Rel::SharedExperts, Some(_)) => None,
+        (Rel::TopkNorm, Some(a)) => check_topk_norm(d, c, a),
+        (Rel::SharedExperts, Some(a)) => check_shared_experts(d, c, a),
+        (Rel::Router, Some(a)) => check_router(d, c, a),
+        (Rel::RopeScaling, Some(a)) => check_rope_scaling(d, c, a),
+        (Rel::Activation, Some(a)) => check_activation(d, c, a),
     }
 }
 
@@ -973,11 +1178,287 @@ fn check_attn_layers(d: &Dims, c: &Check, a: &Args) -> Option<Finding> {
 
 /// [`Rel::Float`].
 fn check_float(d: &Dims, c: &Check, a: &Args) -> Option<Finding> {
-    match (d.float(c.hf), a.float(c.args)) {
-        (Some(h), Some(m)) if (h - m).abs() > 1e-9 * h.abs().max(m.abs()) => Some(says(c, h, m)),
+    if c.args.starts_with("moe_") && d.num_experts == 0 {
+        return None;
+    }
+    match (d.float(c.hf), a.value(c.args)) {
+        (Some(h), Some(m)) if (h - m).abs() > 1e-9 * h.abs().max(m.abs()) => Some(says(
+            c,
+            stated(d, c.hf, h),
+            match a.raw(c.args) {
+                Some(_) => m.to_string(),
+                None => format!("None ({m})"),
+            },
+        )),
         (Some(_), None) => Some(args_lack(c)),
         _ => None,
     }
+}
+
+/// `v`, marked as transformers' default when the config does not state field `k`.
+fn stated(d: &Dims, k: &str, v: impl std::fmt::Display) -> String {
+    if d.stated(k) {
+        v.to_string()
+    } else {
+        format!("nothing (transformers' default {v})")
+    }
+}
+
+/// [`Rel::TopkNorm`].
+fn check_topk_norm(d: &Dims, c: &Check, a: &Args) -> Option<Finding> {
+    if d.num_experts == 0 {
+        return None;
+    }
+    let (h, m) = (d.flag(c.hf)?, topk_norm_from_args(c, a));
+    match m {
+        Some(m) if m != h => Some(Finding::Differs(format!(
+            "{}: {HF_SRC} says {}, but args.{} {} with moe_router_pre_softmax {} renormalises the top-k: {m}",
+            c.hf,
+            stated(d, c.hf, h),
+            c.args,
+            a.raw(c.args).map_or("None".into(), |v| v.to_string()),
+            a.flag("moe_router_pre_softmax").unwrap_or(false),
+        ))),
+        Some(_) => None,
+        None => Some(Finding::Unchecked(format!(
+            "{} (args has no {} / moe_router_pre_softmax)",
+            c.hf, c.args
+        ))),
+    }
+}
+
+/// [`Rel::SharedExperts`].
+fn check_shared_experts(d: &Dims, c: &Check, a: &Args) -> Option<Finding> {
+    if d.num_experts == 0 {
+        return None;
+    }
+    if !a.0.contains_key(c.args) {
+        return Some(args_lack(c));
+    }
+    let h = d.field(c.hf).unwrap_or(0);
+    let size = a.field(c.args).unwrap_or(0);
+    let Some(each) = a.field("moe_ffn_hidden_size").filter(|&f| f > 0) else {
+        return Some(Finding::Unchecked(format!(
+            "{} (args has no moe_ffn_hidden_size)",
+            c.hf
+        )));
+    };
+    let m = (size % each == 0).then_some(size / each);
+    (m != Some(h)).then(|| {
+        Finding::Differs(format!(
+            "{}: {HF_SRC} says {}, args.{} says {size} = {} x moe_ffn_hidden_size {each}",
+            c.hf,
+            stated(d, c.hf, h),
+            c.args,
+            m.map_or(format!("{:.2}", size as f64 / each as f64), |m| m
+                .to_string())
+        ))
+    })
+}
+
+/// What the family's router computes, in Megatron's terms: whether it scores by sigmoid with the
+/// expert bias (its rules require `mlp.router.expert_bias` on every MoE layer: deepseek_v3,
+/// glm4_moe, the DSA families, minimax_m2; Qwen's optional bias is no sigmoid router), and whether
+/// it renormalises its top-k whatever the config says (a family without a `norm_topk_prob` row:
+/// mixtral, gpt_oss, qwen3_5_moe, minimax_m2). The one reading of the family for both directions:
+/// from-hf writes these args, to-hf checks them ([`Rel::Router`]).
+pub(crate) fn family_router(d: &Dims) -> (bool, bool) {
+    let sigmoid = d
+        .spec
+        .layer_rule("mlp.router.expert_bias")
+        .is_some_and(|r| r.when == When::MoeLayer);
+    let always_renormalises = !d.spec.checks().any(|c| c.rel == Rel::TopkNorm);
+    (sigmoid, always_renormalises)
+}
+
+/// [`Rel::Router`].
+fn check_router(d: &Dims, c: &Check, a: &Args) -> Option<Finding> {
+    if d.num_experts == 0 {
+        return None;
+    }
+    let Some(score) = a.raw(c.args).and_then(|v| v.as_str()) else {
+        return Some(args_lack(c));
+    };
+    let (sigmoid, renormalises) = family_router(d);
+    let model_type = d.spec.model_types[0];
+    let want = if sigmoid { "sigmoid" } else { "softmax" };
+    let differs = |m: String| Some(Finding::Differs(format!("{}: {m}", c.hf)));
+    if score != want {
+        return differs(format!(
+            "{model_type} routes by {want} scores, args.{} says {score}",
+            c.args
+        ));
+    }
+    if sigmoid && a.flag("moe_router_enable_expert_bias") == Some(false) {
+        return differs(format!(
+            "{model_type} adds the expert bias (e_score_correction_bias) to its sigmoid scores, args.moe_router_enable_expert_bias says false"
+        ));
+    }
+    if renormalises && a.flag("moe_router_pre_softmax") == Some(true) {
+        return differs(format!(
+            "{model_type} renormalises its top-k (softmax over the top-k), args.moe_router_pre_softmax says true (softmax over all experts)"
+        ));
+    }
+    None
+}
+
+/// [`Rel::Activation`].
+fn check_activation(d: &Dims, c: &Check, a: &Args) -> Option<Finding> {
+    let act = d.value(c.hf).map_or("silu".into(), |v| match v.as_str() {
+        Some(s) => s.to_string(),
+        None => v.to_string(),
+    });
+    let Some(swiglu) = a.flag(c.args) else {
+        return Some(args_lack(c));
+    };
+    let squared = a.flag("squared_relu") == Some(true);
+    if act == "silu" && swiglu && !squared {
+        return None;
+    }
+    Some(Finding::Differs(format!(
+        "{}: {HF_SRC} says {} (a gated MLP: act(gate) x up), args.{} says {swiglu}{} (Megatron's --swiglu is silu)",
+        c.hf,
+        stated(d, c.hf, &act),
+        c.args,
+        if squared { ", squared_relu true" } else { "" }
+    )))
+}
+
+/// yarn's parameters: the config's name and Megatron-LM's argument (`arguments.py`, core_r0.19.0).
+pub(crate) const YARN_ARGS: &[(&str, &str)] = &[
+    ("factor", "rotary_scaling_factor"),
+    (
+        "original_max_position_embeddings",
+        "yarn_original_max_position_embeddings",
+    ),
+    ("beta_fast", "yarn_beta_fast"),
+    ("beta_slow", "yarn_beta_slow"),
+    ("mscale", "mscale"),
+    ("mscale_all_dim", "mscale_all_dim"),
+];
+
+/// A RoPE scaling as one side computes it.
+#[derive(Debug, PartialEq)]
+pub(crate) enum Scaling {
+    /// Plain RoPE.
+    Plain,
+    /// llama3's, with megatron-core's fixed low_freq_factor 1, high_freq_factor 4 and
+    /// original_max_position_embeddings 8192: its factor.
+    Llama3(Option<f64>),
+    /// yarn's: each of [`YARN_ARGS`] the side states.
+    Yarn(Vec<(&'static str, f64)>),
+    /// One Megatron has no arguments for (the config's description).
+    Other(String),
+}
+
+impl std::fmt::Display for Scaling {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Scaling::Plain => write!(f, "plain RoPE"),
+            Scaling::Llama3(k) => write!(f, "llama3 scaling (factor {})", show_num(*k)),
+            Scaling::Yarn(p) => {
+                let p: Vec<String> = p.iter().map(|(k, v)| format!("{k} {v}")).collect();
+                write!(f, "yarn scaling ({})", p.join(", "))
+            }
+            Scaling::Other(s) => write!(f, "{s}, which Megatron has no arguments for"),
+        }
+    }
+}
+
+fn show_num(v: Option<f64>) -> String {
+    v.map_or("None".into(), |v| v.to_string())
+}
+
+/// The config's RoPE scaling (its `rope_parameters` or `rope_scaling`, `rope_type` or `type`;
+/// else transformers' default, [`Dims::rope_params`]).
+pub(crate) fn config_scaling(d: &Dims) -> Scaling {
+    let Some(p) = d.rope_params() else {
+        return Scaling::Plain;
+    };
+    let num = |k: &str| p.get(k).and_then(|v| v.as_f64());
+    let kind = p
+        .get("rope_type")
+        .or_else(|| p.get("type"))
+        .and_then(|v| v.as_str())
+        .unwrap_or("default");
+    match kind {
+        "default" => Scaling::Plain,
+        "llama3"
+            if num("low_freq_factor") == Some(1.0)
+                && num("high_freq_factor") == Some(4.0)
+                && num("original_max_position_embeddings") == Some(8192.0) =>
+        {
+            Scaling::Llama3(num("factor"))
+        }
+        "llama3" => Scaling::Other(
+            "rope_type \"llama3\" with another low_freq_factor, high_freq_factor or original_max_position_embeddings than megatron-core's 1, 4, 8192".into(),
+        ),
+        "yarn" => Scaling::Yarn(
+            YARN_ARGS
+                .iter()
+                .filter_map(|(k, _)| Some((*k, num(k)?)))
+                .collect(),
+        ),
+        other => Scaling::Other(format!("rope_type {other:?}")),
+    }
+}
+
+/// The args' RoPE scaling (`--use-rope-scaling` llama3's; `--rope-type yarn` or
+/// `--position-embedding-type yarn`; `rope_type` None: yarn for MLA, MC `MLATransformerConfig`);
+/// None when the args say none of `rope_type`, `use_rope_scaling`, `position_embedding_type`.
+fn args_scaling(a: &Args) -> Option<Scaling> {
+    let said = ["rope_type", "use_rope_scaling", "position_embedding_type"];
+    if !said.iter().any(|k| a.0.contains_key(*k)) {
+        return None;
+    }
+    let rope_type = a.raw("rope_type").and_then(|v| v.as_str());
+    let yarn = rope_type == Some("yarn")
+        || a.raw("position_embedding_type").and_then(|v| v.as_str()) == Some("yarn")
+        || (rope_type.is_none() && a.flag("multi_latent_attention") == Some(true));
+    Some(if a.flag("use_rope_scaling") == Some(true) {
+        Scaling::Llama3(a.value("rope_scaling_factor"))
+    } else if yarn {
+        Scaling::Yarn(
+            YARN_ARGS
+                .iter()
+                .filter_map(|(k, m)| Some((*k, a.value(m)?)))
+                .collect(),
+        )
+    } else {
+        Scaling::Plain
+    })
+}
+
+/// Whether two scalings compute the same: the same kind and factor, and yarn's other parameters
+/// equal where both sides state them.
+fn same_scaling(h: &Scaling, m: &Scaling) -> bool {
+    match (h, m) {
+        (Scaling::Yarn(h), Scaling::Yarn(m)) => {
+            let get = |p: &[(&str, f64)], k: &str| p.iter().find(|(n, _)| *n == k).map(|(_, v)| *v);
+            get(h, "factor") == get(m, "factor")
+                && h.iter().all(|(k, v)| get(m, k).is_none_or(|w| w == *v))
+        }
+        _ => h == m,
+    }
+}
+
+/// [`Rel::RopeScaling`].
+fn check_rope_scaling(d: &Dims, c: &Check, a: &Args) -> Option<Finding> {
+    let Some(m) = args_scaling(a) else {
+        return Some(Finding::Unchecked(format!(
+            "{} (args has no rope_type / use_rope_scaling)",
+            c.hf
+        )));
+    };
+    let h = config_scaling(d);
+    (!same_scaling(&h, &m)).then(|| {
+        Finding::Differs(format!(
+            "{}: {HF_SRC} says {h}, args say {m} (args.rope_type {}, use_rope_scaling {})",
+            c.hf,
+            a.raw("rope_type").map_or("None".into(), |v| v.to_string()),
+            a.flag("use_rope_scaling").unwrap_or(false)
+        ))
+    })
 }
 
 /// [`Rel::SlidingWindow`].
@@ -1042,6 +1523,15 @@ fn check_indexer_layers(d: &Dims, c: &Check, a: &Args) -> Option<Finding> {
     }
 }
 
+/// The config fields of a MoE layer pattern, for messages.
+fn pattern_fields(p: LayerPattern) -> &'static str {
+    match p {
+        LayerPattern::QwenSparseStep => "mlp_only_layers, decoder_sparse_step",
+        LayerPattern::FirstKDense => "first_k_dense_replace, mlp_layer_types",
+        LayerPattern::AllMoe | LayerPattern::Dense => "every layer",
+    }
+}
+
 /// [`Rel::MoeLayers`].
 fn check_moe_layers(d: &Dims, c: &Check, a: &Args) -> Option<Finding> {
     match a.moe_layers() {
@@ -1049,7 +1539,8 @@ fn check_moe_layers(d: &Dims, c: &Check, a: &Args) -> Option<Finding> {
             let show =
                 |v: &[bool]| -> String { v.iter().map(|&m| if m { 'E' } else { '-' }).collect() };
             Some(Finding::Differs(format!(
-                "MoE layer pattern: {HF_SRC} gives {} ({} experts{}), args.{} gives {} (E: MoE layer)",
+                "MoE layer pattern ({}): {HF_SRC} gives {} ({} experts{}), args.{} gives {} (E: MoE layer)",
+                pattern_fields(d.spec.moe_layers),
                 show(&d.moe_layers),
                 d.num_experts,
                 match c.hf {
@@ -1138,7 +1629,8 @@ mod tests {
             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
             "intermediate_size": 128, "moe_intermediate_size": 32, "num_experts": 4,
             "vocab_size": 250, "tie_word_embeddings": false, "decoder_sparse_step": 1,
-            "mlp_only_layers": [], "rms_norm_eps": 1e-6})
+            "mlp_only_layers": [], "rms_norm_eps": 1e-6, "max_position_embeddings": 4096,
+            "num_experts_per_tok": 2, "norm_topk_prob": true})
     }
 
     fn args() -> Args {
@@ -1148,7 +1640,10 @@ mod tests {
             "num_experts": 4, "moe_layer_freq": 1, "untie_embeddings_and_output_weights": true,
             "vocab_size": 250, "padded_vocab_size": 256, "make_vocab_size_divisible_by": 128,
             "tensor_model_parallel_size": 2, "moe_shared_expert_intermediate_size": null,
-            "norm_epsilon": 1e-6})
+            "norm_epsilon": 1e-6, "max_position_embeddings": 4096, "rotary_base": 10000,
+            "moe_router_topk": 2, "moe_router_score_function": "softmax",
+            "moe_router_pre_softmax": false, "swiglu": true, "qk_layernorm": true,
+            "rope_type": "rope", "use_rope_scaling": false})
         else {
             unreachable!()
         };
@@ -1157,7 +1652,7 @@ mod tests {
 
     fn check(cfg: &Json, a: Option<&Args>, rows: u64) -> std::result::Result<ArgsCheck, String> {
         let d = Dims::from_config(cfg, None).map_err(|e| e.to_string())?;
-        check_args(&d, a, Some(rows)).map_err(|e| e.to_string())
+        check_args(&d, a, Some(rows), &[]).map_err(|e| e.to_string())
     }
 
     #[test]
@@ -1175,8 +1670,14 @@ mod tests {
             ("tie_word_embeddings", json!(true), "tie_word_embeddings: config.json says true, args.untie_embeddings_and_output_weights says true"),
             ("vocab_size", json!(257), "vocab_size: config.json says 257, the checkpoint's embedding has 256 rows"),
             ("vocab_size", json!(249), "vocab_size: config.json says 249, args.vocab_size says 250"),
-            ("mlp_only_layers", json!([0]), "MoE layer pattern: config.json gives -E (4 experts), args.moe_layer_freq gives EE"),
+            ("mlp_only_layers", json!([0]), "MoE layer pattern (mlp_only_layers, decoder_sparse_step): config.json gives -E (4 experts), args.moe_layer_freq gives EE"),
             ("rms_norm_eps", json!(1e-5), "rms_norm_eps: config.json says 0.00001, args.norm_epsilon says 0.000001"),
+            ("max_position_embeddings", json!(8192), "max_position_embeddings: config.json says 8192, args.max_position_embeddings says 4096"),
+            ("rope_theta", json!(1e6), "rope_theta: config.json says 1000000, args.rotary_base says 10000"),
+            ("num_experts_per_tok", json!(3), "num_experts_per_tok: config.json says 3, args.moe_router_topk says 2"),
+            ("norm_topk_prob", json!(false), "norm_topk_prob: config.json says false, but args.moe_router_score_function \"softmax\" with moe_router_pre_softmax false renormalises the top-k: true"),
+            ("hidden_act", json!("gelu"), "hidden_act: config.json says gelu (a gated MLP: act(gate) x up), args.swiglu says true"),
+            ("rope_parameters", json!({"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}), "rope_parameters: config.json says yarn scaling (factor 4), args say plain RoPE (args.rope_type \"rope\", use_rope_scaling false)"),
         ];
         for (field, value, want) in cases {
             let mut cfg = qwen3_moe();
@@ -1200,6 +1701,162 @@ mod tests {
         assert!(
             err.contains("intermediate_size: config.json says 96, args.ffn_hidden_size says 128"),
             "{err}"
+        );
+    }
+
+    #[test]
+    fn an_allowed_mismatch_is_a_warning_and_an_unknown_name_refused() {
+        let mut cfg = qwen3_moe();
+        cfg["num_experts_per_tok"] = json!(3);
+        let d = Dims::from_config(&cfg, None).unwrap();
+        let a = args();
+        let allow = |names: &[&str]| {
+            let names: Vec<String> = names.iter().map(|s| s.to_string()).collect();
+            check_args(&d, Some(&a), Some(256), &names).map_err(|e| e.to_string())
+        };
+        let e = allow(&[]).unwrap_err();
+        assert!(e.contains("pass --allow-config-mismatch FIELD"), "{e}");
+        // By the config field or the args field.
+        for name in ["num_experts_per_tok", "moe_router_topk"] {
+            let w = allow(&[name]).unwrap().warnings;
+            assert_eq!(w.len(), 1, "{w:?}");
+            assert!(w[0].starts_with("num_experts_per_tok: config.json says 3, args.moe_router_topk says 2 (--allow-config-mismatch"), "{w:?}");
+            assert!(
+                w[0].contains("written as config.json says, not as the args say"),
+                "{w:?}"
+            );
+        }
+        // Another field's allowance does not cover it; a name of no row is refused.
+        assert!(allow(&["rope_theta"]).is_err());
+        let e = allow(&["num_expert_per_tok"]).unwrap_err();
+        assert!(e.contains("--allow-config-mismatch \"num_expert_per_tok\": qwen3_moe compares no such field (config fields: num_hidden_layers,"), "{e}");
+    }
+
+    #[test]
+    fn the_router_shared_experts_and_rope_scaling_are_compared_as_computed() {
+        let mut a = args();
+        // A sigmoid router where qwen3_moe's softmax routes.
+        a.0.insert("moe_router_score_function".into(), json!("sigmoid"));
+        let e = check(&qwen3_moe(), Some(&a), 256).unwrap_err();
+        assert!(e.contains("router scoring: qwen3_moe routes by softmax scores, args.moe_router_score_function says sigmoid"), "{e}");
+        // Absent from config.json: transformers' default (qwen3_moe's norm_topk_prob is false).
+        let mut cfg = qwen3_moe();
+        cfg.as_object_mut().unwrap().remove("norm_topk_prob");
+        let e = check(&cfg, Some(&args()), 256).unwrap_err();
+        assert!(
+            e.contains("norm_topk_prob: config.json says nothing (transformers' default false)"),
+            "{e}"
+        );
+        // deepseek_v3: its default n_shared_experts 1 against 64 / 32; None scales by 1.
+        let mut ds = args_of(json!({"num_experts": 8, "moe_ffn_hidden_size": 32,
+            "moe_shared_expert_intermediate_size": 64, "moe_router_topk_scaling_factor": null}));
+        let d = deepseek(json!({"n_routed_experts": 8, "moe_intermediate_size": 32,
+            "routed_scaling_factor": 1.0}));
+        let found = |a: &Args, hf: &str| {
+            let c = d.spec.checks().find(|c| c.hf == hf).unwrap();
+            check_row(&d, c, Some(a), None)
+        };
+        assert!(matches!(found(&ds, "n_shared_experts"),
+            Some(Finding::Differs(m)) if m == "n_shared_experts: config.json says nothing (transformers' default 1), args.moe_shared_expert_intermediate_size says 64 = 2 x moe_ffn_hidden_size 32"));
+        assert_eq!(found(&ds, "routed_scaling_factor"), None);
+        ds.0.insert("moe_shared_expert_intermediate_size".into(), json!(48));
+        assert!(
+            matches!(found(&ds, "n_shared_experts"), Some(Finding::Differs(m)) if m.contains("says 48 = 1.50 x"))
+        );
+        // MLA's rope_type None is yarn (MLATransformerConfig's default).
+        let mla = args_of(json!({"rope_type": null, "multi_latent_attention": true,
+            "rotary_scaling_factor": 40.0}));
+        assert!(matches!(found(&mla, "rope_parameters"),
+            Some(Finding::Differs(m)) if m.contains("config.json says plain RoPE, args say yarn scaling (factor 40)")));
+        let plain = args_of(json!({"rope_type": "rope", "use_rope_scaling": false}));
+        assert_eq!(found(&plain, "rope_parameters"), None);
+        assert!(matches!(
+            found(&args_of(json!({})), "rope_parameters"),
+            Some(Finding::Unchecked(_))
+        ));
+    }
+
+    #[test]
+    fn values_megatron_and_serving_cannot_use_are_refused_naming_them() {
+        let refused = |field: &str, v: Json| {
+            let mut cfg = qwen3_moe();
+            cfg[field] = v;
+            let d = Dims::from_config(&cfg, None).map_err(|e| e.to_string())?;
+            check_values(&d, "config.json").map_err(|e| e.to_string())
+        };
+        assert!(refused("rms_norm_eps", json!(1e-6)).is_ok());
+        for (field, v, want) in [
+            (
+                "rms_norm_eps",
+                json!(-1),
+                "config.json: rms_norm_eps = -1: the norms' epsilon must be a positive number",
+            ),
+            ("rms_norm_eps", json!("1e-6"), "rms_norm_eps = \"1e-6\""),
+            (
+                "max_position_embeddings",
+                json!(-5),
+                "max_position_embeddings = -5: the context length must be a positive integer",
+            ),
+            (
+                "num_experts_per_tok",
+                json!(0),
+                "num_experts_per_tok = 0: a router picks 1 to 4 experts per token",
+            ),
+            (
+                "num_experts_per_tok",
+                json!(5),
+                "num_experts_per_tok = 5: a router picks 1 to 4",
+            ),
+            (
+                "norm_topk_prob",
+                json!(1),
+                "norm_topk_prob = 1: must be true or false",
+            ),
+        ] {
+            let e = refused(field, v).unwrap_err();
+            assert!(e.contains(want), "{field}: {e}");
+        }
+        for v in [json!(-1), json!("1"), json!(null), json!(1.5), json!(true)] {
+            let e = refused("num_nextn_predict_layers", v.clone()).unwrap_err();
+            assert!(e.contains(&format!("num_nextn_predict_layers = {v}: an MTP layer count must be a non-negative integer")), "{e}");
+        }
+        // A grouped router whose groups do not fit; and transformers' default n_group 8 of 4 experts.
+        let grouped =
+            |extra: Json| check_values(&deepseek(extra), "config.json").map_err(|e| e.to_string());
+        let ok =
+            json!({"n_routed_experts": 8, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2});
+        assert!(grouped(ok.clone()).is_ok());
+        for (k, v, want) in [
+            (
+                "n_group",
+                json!(3),
+                "n_group = 3: the groups must split num_experts 8 evenly",
+            ),
+            (
+                "topk_group",
+                json!(5),
+                "topk_group = 5: a router keeps 1 to n_group = 4 groups",
+            ),
+            (
+                "topk_group",
+                json!(1),
+                "num_experts_per_tok = 4: topk_group = 1 groups of 2 experts hold fewer",
+            ),
+            (
+                "num_experts_per_tok",
+                json!(2),
+                "topk_group = 2: with n_group = 4, transformers scores a group by its top 2",
+            ),
+        ] {
+            let mut c = ok.clone();
+            c[k] = v;
+            let e = grouped(c).unwrap_err();
+            assert!(e.contains(want), "{k}: {e}");
+        }
+        let e = grouped(json!({"n_routed_experts": 4, "num_experts_per_tok": 2})).unwrap_err();
+        assert!(
+            e.contains("n_group = 8 (transformers' default: the config has none): the groups"),
+            "{e}"
         );
     }
 
@@ -1244,7 +1901,7 @@ mod tests {
         };
         let warn = |eps| {
             let d = Dims::from_config(&cfg(eps), None).unwrap();
-            check_args(&d, None, None).unwrap().warnings
+            check_args(&d, None, None, &[]).unwrap().warnings
         };
         assert!(warn(1e-6).is_empty());
         let w = warn(1e-5);
@@ -1451,7 +2108,7 @@ mod tests {
         );
         // As stored: the integer RoPE base stays one; an absent field gives nothing.
         assert_eq!(
-            got(row("rope_theta", "rotary_base", Rel::Derived)),
+            got(row("rope_theta", "rotary_base", Rel::Float)),
             vec![("rope_theta", json!(10000))]
         );
         assert_eq!(got(row("hidden_size", "hidden_size", Rel::Eq)), vec![]);
@@ -1550,7 +2207,7 @@ mod tests {
         a.0.insert("moe_layer_freq".into(), json!([0, 1]));
         assert!(matches!(
             check_row(&d, row("num_experts", Rel::MoeLayers), Some(&a), None),
-            Some(Finding::Differs(m)) if m.starts_with("MoE layer pattern: config.json gives EE")
+            Some(Finding::Differs(m)) if m.starts_with("MoE layer pattern (mlp_only_layers, decoder_sparse_step): config.json gives EE")
         ));
         // Without args only the vocabulary is checked, against the embedding's rows.
         assert_eq!(check_row(&d, hidden, None, Some(256)), None);
@@ -1605,6 +2262,15 @@ mod tests {
         let mut a = args();
         // Args that do not say the router's top-k, its scoring, the RoPE base and the context
         // length: refused, each named, rather than a config with transformers' defaults.
+        for k in [
+            "max_position_embeddings",
+            "rotary_base",
+            "moe_router_topk",
+            "moe_router_score_function",
+            "moe_router_pre_softmax",
+        ] {
+            a.0.remove(k);
+        }
         let d = Dims::from_args(&a, Some("qwen3_moe")).unwrap();
         let e = config_from_args(&d, Some(256), DType::BF16)
             .unwrap_err()
@@ -1700,7 +2366,7 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(
-            e.contains("moe_router_topk_scaling_factor (routed_scaling_factor), moe_shared_expert_intermediate_size (n_shared_experts)"),
+            e.contains("moe_shared_expert_intermediate_size (n_shared_experts), moe_router_topk_scaling_factor (routed_scaling_factor)"),
             "{e}"
         );
     }

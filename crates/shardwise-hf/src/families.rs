@@ -7,13 +7,14 @@ use super::rules::*;
 use super::spec::{check, ArchSpec, Check, LayerPattern, Rel, Rule};
 use shardwise::error::{Error, Result};
 
-/// The checks of the dense grouped-query families (llama, qwen2, qwen3).
+/// The checks of llama and qwen2.
 const DENSE_GQA_CHECKS: &[&[Check]] = &[
     BASE_CHECKS,
     HEAD_SPLIT_CHECKS,
     DENSE_CHECKS,
-    BASE_DERIVED,
-    ROPE_THETA_DERIVED,
+    CONTEXT_CHECKS,
+    SWIGLU_CHECKS,
+    ROPE_THETA_CHECKS,
 ];
 
 /// deepseek_v32's and glm_moe_dsa's layer: deepseek_v3's with DeepSeek sparse attention's indexer
@@ -35,6 +36,8 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
         model: COMMON_MODEL,
         layer: &[ATTN_QKV, NORMS, DENSE_MLP],
         checks: DENSE_GQA_CHECKS,
+        defaults: r#"{"rms_norm_eps": 1e-06, "max_position_embeddings": 2048, "rope_theta": 10000.0,
+                "hidden_act": "silu"}"#,
         moe_layers: LayerPattern::Dense,
         mtp: None,
         multimodal: None,
@@ -46,6 +49,8 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
         model: COMMON_MODEL,
         layer: &[QKV_BIAS_REQUIRED, ATTN_QKV, NORMS, DENSE_MLP],
         checks: DENSE_GQA_CHECKS,
+        defaults: r#"{"rms_norm_eps": 1e-06, "max_position_embeddings": 32768,
+                "rope_theta": 10000.0, "hidden_act": "silu"}"#,
         moe_layers: LayerPattern::Dense,
         mtp: None,
         multimodal: None,
@@ -56,7 +61,17 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
         experts_field: "num_experts",
         model: COMMON_MODEL,
         layer: &[ATTN_QKV, QK_NORM, NORMS, DENSE_MLP],
-        checks: DENSE_GQA_CHECKS,
+        checks: &[
+            BASE_CHECKS,
+            HEAD_SPLIT_CHECKS,
+            DENSE_CHECKS,
+            CONTEXT_CHECKS,
+            SWIGLU_CHECKS,
+            QK_NORM_CHECKS,
+            ROPE_THETA_CHECKS,
+        ],
+        defaults: r#"{"rms_norm_eps": 1e-06, "max_position_embeddings": 32768,
+                "rope_theta": 10000.0, "hidden_act": "silu"}"#,
         moe_layers: LayerPattern::Dense,
         mtp: None,
         multimodal: None,
@@ -72,11 +87,16 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
             HEAD_SPLIT_CHECKS,
             DENSE_CHECKS,
             QWEN_MOE_CHECKS,
-            BASE_DERIVED,
-            ROPE_THETA_DERIVED,
-            TOPK_DERIVED,
-            TOPK_NORM_DERIVED,
+            CONTEXT_CHECKS,
+            SWIGLU_CHECKS,
+            QK_NORM_CHECKS,
+            ROPE_THETA_CHECKS,
+            TOPK_CHECKS,
+            TOPK_NORM_CHECKS,
         ],
+        defaults: r#"{"rms_norm_eps": 1e-06, "max_position_embeddings": 32768,
+                "rope_theta": 10000.0, "hidden_act": "silu", "num_experts_per_tok": 8,
+                "norm_topk_prob": false}"#,
         moe_layers: LayerPattern::QwenSparseStep,
         mtp: None,
         multimodal: None,
@@ -92,11 +112,17 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
             ROPE_CHECKS,
             MLA_CHECKS,
             DEEPSEEK_MOE_CHECKS,
-            BASE_DERIVED,
-            TOPK_DERIVED,
-            TOPK_NORM_DERIVED,
-            GROUPED_ROUTER_DERIVED,
+            CONTEXT_CHECKS,
+            SWIGLU_CHECKS,
+            TOPK_CHECKS,
+            TOPK_NORM_CHECKS,
+            GROUPED_ROUTER_CHECKS,
         ],
+        defaults: r#"{"partial_rotary_factor": 1.0, "rms_norm_eps": 1e-06,
+                "max_position_embeddings": 4096, "rope_theta": 10000.0,
+                "hidden_act": "silu", "num_experts_per_tok": 8, "norm_topk_prob": true,
+                "routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4,
+                "n_shared_experts": 1}"#,
         moe_layers: LayerPattern::FirstKDense,
         mtp: Some(&DEEPSEEK_MTP),
         multimodal: None,
@@ -120,11 +146,17 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
             ROPE_CHECKS,
             GLM_ATTN_CHECKS,
             DEEPSEEK_MOE_CHECKS,
-            BASE_DERIVED,
-            TOPK_DERIVED,
-            TOPK_NORM_DERIVED,
-            GROUPED_ROUTER_DERIVED,
+            CONTEXT_CHECKS,
+            SWIGLU_CHECKS,
+            TOPK_CHECKS,
+            TOPK_NORM_CHECKS,
+            GROUPED_ROUTER_CHECKS,
         ],
+        defaults: r#"{"rms_norm_eps": 1e-05, "max_position_embeddings": 131072,
+                "rope_theta": 10000.0, "partial_rotary_factor": 0.5, "hidden_act": "silu",
+                "num_experts_per_tok": 8, "norm_topk_prob": true,
+                "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1,
+                "n_shared_experts": 1}"#,
         moe_layers: LayerPattern::FirstKDense,
         mtp: Some(&DEEPSEEK_MTP),
         multimodal: None,
@@ -141,9 +173,14 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
             ROPE_CHECKS,
             MIXTRAL_CHECKS,
             &[check("sliding_window", "window_size", Rel::SlidingWindow)],
-            BASE_DERIVED,
-            TOPK_DERIVED,
+            CONTEXT_CHECKS,
+            GPT_OSS_CHECKS,
+            TOPK_CHECKS,
         ],
+        defaults: r#"{"partial_rotary_factor": 1.0, "rms_norm_eps": 1e-05,
+                "max_position_embeddings": 131072, "rope_theta": 150000.0,
+                "num_experts_per_tok": 4, "swiglu_limit": 7.0,
+                "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "original_max_position_embeddings": 4096}}"#,
         moe_layers: LayerPattern::AllMoe,
         mtp: None,
         multimodal: None,
@@ -169,10 +206,15 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
             gdn::GDN_CHECKS,
             ROPE_CHECKS,
             gdn::GDN_MOE_CHECKS,
-            BASE_DERIVED,
-            TOPK_DERIVED,
-            TOPK_NORM_DERIVED,
+            CONTEXT_CHECKS,
+            SWIGLU_CHECKS,
+            QK_NORM_CHECKS,
+            TOPK_CHECKS,
+            TOPK_NORM_CHECKS,
         ],
+        defaults: r#"{"rms_norm_eps": 1e-06, "max_position_embeddings": 32768,
+                "rope_theta": 10000.0, "partial_rotary_factor": 0.25, "hidden_act": "silu",
+                "num_experts_per_tok": 10, "norm_topk_prob": true}"#,
         moe_layers: LayerPattern::QwenSparseStep,
         mtp: Some(&gdn::QWEN_MTP),
         multimodal: None,
@@ -197,9 +239,14 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
             gdn::GDN_CHECKS,
             ROPE_CHECKS,
             gdn::GDN_MOE_CHECKS,
-            BASE_DERIVED,
-            TOPK_DERIVED,
+            CONTEXT_CHECKS,
+            SWIGLU_CHECKS,
+            QK_NORM_CHECKS,
+            TOPK_CHECKS,
         ],
+        defaults: r#"{"rms_norm_eps": 1e-06, "max_position_embeddings": 32768,
+                "rope_theta": 10000.0, "partial_rotary_factor": 0.25, "hidden_act": "silu",
+                "num_experts_per_tok": 8}"#,
         moe_layers: LayerPattern::AllMoe,
         mtp: Some(&gdn::QWEN_MTP),
         multimodal: Some(&gdn::QWEN3_5_MOE_MULTIMODAL),
@@ -216,8 +263,12 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
             DENSE_CHECKS,
             gdn::GDN_CHECKS,
             ROPE_CHECKS,
-            BASE_DERIVED,
+            CONTEXT_CHECKS,
+            SWIGLU_CHECKS,
+            QK_NORM_CHECKS,
         ],
+        defaults: r#"{"rms_norm_eps": 1e-06, "max_position_embeddings": 32768,
+                "rope_theta": 10000.0, "partial_rotary_factor": 0.25, "hidden_act": "silu"}"#,
         moe_layers: LayerPattern::Dense,
         mtp: Some(&gdn::QWEN_MTP),
         multimodal: Some(&gdn::QWEN3_5_MULTIMODAL),
@@ -240,11 +291,17 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
                 "dsa_indexer_rope_interleaved",
                 Rel::ArgsFalse,
             )],
-            BASE_DERIVED,
-            TOPK_DERIVED,
-            TOPK_NORM_DERIVED,
-            GROUPED_ROUTER_DERIVED,
+            CONTEXT_CHECKS,
+            SWIGLU_CHECKS,
+            TOPK_CHECKS,
+            TOPK_NORM_CHECKS,
+            GROUPED_ROUTER_CHECKS,
         ],
+        defaults: r#"{"index_topk": 2048, "partial_rotary_factor": 1.0, "rms_norm_eps": 1e-06,
+                "max_position_embeddings": 163840, "rope_theta": 10000.0,
+                "hidden_act": "silu", "num_experts_per_tok": 8, "norm_topk_prob": true,
+                "routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4,
+                "n_shared_experts": 1}"#,
         moe_layers: LayerPattern::FirstKDense,
         mtp: Some(&DEEPSEEK_V32_MTP),
         multimodal: None,
@@ -267,11 +324,17 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
                 "dsa_indexer_rope_interleaved",
                 Rel::ArgsTrue,
             )],
-            BASE_DERIVED,
-            TOPK_DERIVED,
-            TOPK_NORM_DERIVED,
-            GROUPED_ROUTER_DERIVED,
+            CONTEXT_CHECKS,
+            SWIGLU_CHECKS,
+            TOPK_CHECKS,
+            TOPK_NORM_CHECKS,
+            GROUPED_ROUTER_CHECKS,
         ],
+        defaults: r#"{"index_topk": 2048, "partial_rotary_factor": 1.0, "rms_norm_eps": 1e-05,
+                "max_position_embeddings": 202752, "rope_theta": 10000.0,
+                "hidden_act": "silu", "num_experts_per_tok": 8, "norm_topk_prob": true,
+                "routed_scaling_factor": 2.5, "n_group": 1, "topk_group": 1,
+                "n_shared_experts": 1}"#,
         moe_layers: LayerPattern::FirstKDense,
         mtp: Some(&GLM_DSA_MTP),
         multimodal: None,
@@ -287,9 +350,13 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
             HEAD_SPLIT_CHECKS,
             ROPE_CHECKS,
             MIXTRAL_CHECKS,
-            BASE_DERIVED,
-            TOPK_DERIVED,
+            CONTEXT_CHECKS,
+            SWIGLU_CHECKS,
+            TOPK_CHECKS,
         ],
+        defaults: r#"{"partial_rotary_factor": 1.0, "rms_norm_eps": 1e-06,
+                "max_position_embeddings": 196608, "rope_theta": 5000000.0,
+                "hidden_act": "silu", "num_experts_per_tok": 8}"#,
         moe_layers: LayerPattern::AllMoe,
         // The releases ship no MTP weights: a checkpoint's MTP layers are refused, saying so
         // (`rules::MTP_NOT_RELEASED`).
@@ -306,10 +373,13 @@ pub(crate) static ARCHS: &[ArchSpec] = &[
             BASE_CHECKS,
             HEAD_SPLIT_CHECKS,
             MIXTRAL_CHECKS,
-            BASE_DERIVED,
-            ROPE_THETA_DERIVED,
-            TOPK_DERIVED,
+            CONTEXT_CHECKS,
+            SWIGLU_CHECKS,
+            ROPE_THETA_CHECKS,
+            TOPK_CHECKS,
         ],
+        defaults: r#"{"rms_norm_eps": 1e-05, "max_position_embeddings": 131072,
+                "rope_theta": 1000000.0, "hidden_act": "silu", "num_experts_per_tok": 2}"#,
         moe_layers: LayerPattern::AllMoe,
         mtp: None,
         multimodal: None,
@@ -333,4 +403,47 @@ pub(crate) fn arch(name: &str) -> Result<&'static ArchSpec> {
                 known.join(", ")
             ))
         })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+
+    use super::ARCHS;
+
+    /// docs/hf.md's "Compared pairs" table lists every check row of every family, and no other
+    /// (the Python tests flip each of its rows).
+    #[test]
+    fn the_compared_pairs_table_is_every_check_row() {
+        let doc = include_str!("../../../docs/hf.md");
+        let start = doc
+            .find("#### Compared pairs")
+            .expect("the table's heading");
+        let table = &doc[start..start + doc[start..].find("\nNot compared").unwrap()];
+        let documented: BTreeSet<(String, String)> = table
+            .lines()
+            .filter(|l| l.starts_with("| `"))
+            .map(|l| {
+                let cell = |i: usize| l.split('|').nth(i).unwrap().trim().trim_matches('`');
+                (cell(1).to_string(), cell(2).to_string())
+            })
+            .collect();
+        let code: BTreeSet<(String, String)> = ARCHS
+            .iter()
+            .flat_map(|a| a.checks())
+            .map(|c| (c.hf.to_string(), c.args.to_string()))
+            .collect();
+        assert_eq!(documented, code);
+    }
+
+    /// Every family's defaults are a JSON object of numbers, strings, booleans and RoPE parameters.
+    #[test]
+    fn every_familys_defaults_parse() {
+        for a in ARCHS {
+            let v: serde_json::Value = serde_json::from_str(a.defaults).unwrap();
+            let m = v.as_object().unwrap();
+            assert!(m.contains_key("rms_norm_eps") && m.contains_key("max_position_embeddings"));
+            assert!(m.contains_key("rope_theta"), "{}", a.model_types[0]);
+        }
+    }
 }

@@ -24,6 +24,11 @@ use shardwise::error::{Error, Result};
 
 type Rows = Result<Vec<Vec<(u64, u64)>>>;
 
+/// A row count for a message ("overflow" for none).
+fn show_rows(rows: Option<u64>) -> String {
+    rows.map_or("more than 64-bit".into(), |r| r.to_string())
+}
+
 /// The GDN sizes, from the config.
 struct Gdn {
     /// Key heads, value heads per key head, key and value head dims.
@@ -46,12 +51,25 @@ impl Gdn {
                 "{key}: linear_num_value_heads = {nv} is not a multiple of linear_num_key_heads = {nk}"
             )));
         }
-        Ok(Gdn {
+        let g = Gdn {
             nk,
             r: nv / nk,
             dk: f("linear_key_head_dim")?,
             dv: f("linear_value_head_dim")?,
-        })
+        };
+        // Every size below is a part of the fused in_proj's rows: checked once, so none wraps
+        // into a row count that could match a stored tensor.
+        let rows = (|| {
+            let qk = nk.checked_mul(g.dk)?;
+            let v = nv.checked_mul(g.dv)?;
+            qk.checked_add(v)?.checked_add(nv)?.checked_mul(2)
+        })();
+        if rows.is_none() {
+            return Err(Error::Validation(format!(
+                "{key}: linear_num_key_heads = {nk}, linear_num_value_heads = {nv} and their head dims give more than 64-bit rows"
+            )));
+        }
+        Ok(g)
     }
     fn qk(&self) -> u64 {
         self.nk * self.dk
@@ -143,11 +161,13 @@ fn conv_qkv(d: &Dims, key: &str, shape: &[u64]) -> Rows {
 fn qkv_gated(d: &Dims, key: &str, shape: &[u64]) -> Rows {
     let (g, h) = (d.groups, d.head_dim);
     let n = d.heads / g.max(1);
-    let per = (2 * n + 2) * h;
-    if g == 0 || d.heads % g != 0 || shape.first() != Some(&(g * per)) {
+    // Checked: the group count sizes the ranges below only once the tensor's rows confirm it.
+    let per = (2 * n + 2).saturating_mul(h);
+    let rows = g.checked_mul(per);
+    if g == 0 || d.heads % g != 0 || rows.is_none() || shape.first() != rows.as_ref() {
         return Err(Error::Validation(format!(
             "{key}: {:?} rows do not fit gated attention: num_attention_heads = {} in num_key_value_heads = {g} groups of head_dim = {h}, rows per group [q; gate; k; v] ({} rows)",
-            shape.first(), d.heads, g * per
+            shape.first(), d.heads, show_rows(rows)
         )));
     }
     let q = (0..g)

@@ -104,6 +104,9 @@ pub struct ToHfRequest {
     pub quantize: Option<String>,
     /// [`QuantizeFormat`]'s names.
     pub quantize_format: Option<String>,
+    /// `--allow-config-mismatch`: config fields (or their args fields) whose disagreement with the
+    /// stored args is a warning, not a refusal ([`HfOptions::allow_config_mismatch`]).
+    pub allow_config_mismatch: Vec<String>,
 }
 
 impl Default for ToHfRequest {
@@ -123,6 +126,7 @@ impl Default for ToHfRequest {
             tokenizer: None,
             quantize: None,
             quantize_format: None,
+            allow_config_mismatch: Vec::new(),
         }
     }
 }
@@ -198,6 +202,10 @@ pub struct HfOptions {
     pub quantize: Option<Quantize>,
     /// `--quantize-format`: compressed-tensors (the default) or modelopt (`nvfp4` only).
     pub quantize_format: Option<QuantizeFormat>,
+    /// `--allow-config-mismatch FIELD`: check rows (named by config or args field) whose
+    /// disagreement with the stored args converts with a warning; config.json is written as
+    /// given, so the export keeps its value. A name of no row of the architecture is refused.
+    pub allow_config_mismatch: Vec<String>,
 }
 
 impl HfOptions {
@@ -232,6 +240,7 @@ impl HfOptions {
                 .as_deref()
                 .map(str::parse)
                 .transpose()?,
+            allow_config_mismatch: user.allow_config_mismatch,
         })
     }
 }
@@ -252,7 +261,8 @@ pub struct HfSummary {
     pub args_check: String,
     /// Check rows the stored args could not decide (an older Megatron without the field).
     pub args_unchecked: Vec<String>,
-    /// What the user should know about the output (e.g. a norm epsilon transformers ignores).
+    /// What the user should know about the output (e.g. a norm epsilon transformers ignores, a
+    /// disagreement `--allow-config-mismatch` let through).
     pub warnings: Vec<String>,
     /// Embedding and output rows beyond `vocab_size` left out (Megatron's vocabulary padding,
     /// checked to be no more than its padding explains).
@@ -829,6 +839,11 @@ fn setup(ckpt: &Checkpoint, opts: &HfOptions, compare: bool) -> Result<Setup> {
         }
     };
     d.layout = layout;
+    let source = match &json {
+        Some(_) => output::CONFIG,
+        None => "the config built from the args",
+    };
+    config::check_values(&d, source)?;
     let pieces = ckpt.metadata.entries.iter().map(|(k, e)| match e {
         shardwise::format::metadata::Entry::Tensor {
             global_shape,
@@ -877,7 +892,7 @@ fn setup(ckpt: &Checkpoint, opts: &HfOptions, compare: bool) -> Result<Setup> {
             }
             _ => None,
         });
-    let mut check = config::check_args(&d, args.as_ref(), rows)?;
+    let mut check = config::check_args(&d, args.as_ref(), rows, &opts.allow_config_mismatch)?;
     check.warnings.extend(mtp_warnings);
     let config = match &given {
         Some(b) => Some(config::output_config(b, &d, opts.text_only)?),

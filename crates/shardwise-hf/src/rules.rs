@@ -63,7 +63,9 @@ pub(crate) fn gate_up(_: &Dims, key: &str, shape: &[u64]) -> Result<Vec<Vec<(u64
 fn qkv_per_group(d: &Dims, key: &str, shape: &[u64]) -> Result<Vec<Vec<(u64, u64)>>> {
     let (g, h) = (d.groups, d.head_dim);
     let n = d.heads / g.max(1);
-    if g == 0 || d.heads % g != 0 || shape[0] != g * (n + 2) * h {
+    // Checked: the group count sizes the ranges below only once the tensor's rows confirm it.
+    let rows = g.checked_mul(n + 2).and_then(|x| x.checked_mul(h));
+    if g == 0 || d.heads % g != 0 || rows != Some(shape[0]) {
         return Err(Error::Validation(format!(
             "{key}: {} rows do not fit num_attention_heads = {} in num_key_value_heads = {} groups of head_dim = {h}",
             shape[0], d.heads, g
@@ -714,7 +716,7 @@ pub(crate) const BASE_CHECKS: &[Check] = &[
     check("num_hidden_layers", "num_layers", Rel::Eq),
     check("hidden_size", "hidden_size", Rel::Eq),
     check("num_attention_heads", "num_attention_heads", Rel::Eq),
-    check("vocab_size", "padded_vocab_size", Rel::Vocab),
+    check("vocab_size", "vocab_size", Rel::Vocab),
     check(
         "tie_word_embeddings",
         "untie_embeddings_and_output_weights",
@@ -724,48 +726,59 @@ pub(crate) const BASE_CHECKS: &[Check] = &[
     check("rms_norm_eps", "norm_epsilon", Rel::Float),
 ];
 
-/// What a config built from the args takes from them beyond the checked rows (every family):
-/// the context length Megatron trained with.
-pub(crate) const BASE_DERIVED: &[Check] = &[check(
-    "max_position_embeddings",
-    "max_position_embeddings",
-    Rel::Derived,
-)];
+/// What every family computes with beyond its sizes: the context length (Megatron's
+/// `--max-position-embeddings`, its training length; a release may declare another for the same
+/// weights: `--allow-config-mismatch max_position_embeddings`) and the RoPE scaling.
+pub(crate) const CONTEXT_CHECKS: &[Check] = &[
+    check(
+        "max_position_embeddings",
+        "max_position_embeddings",
+        Rel::Float,
+    ),
+    check("rope_parameters", "rope_type", Rel::RopeScaling),
+];
 
-/// The RoPE base of the families without [`ROPE_CHECKS`] (a config built from the args says it;
-/// a given config.json is not checked for it).
-pub(crate) const ROPE_THETA_DERIVED: &[Check] = &[check("rope_theta", "rotary_base", Rel::Derived)];
+/// The SwiGLU MLP of every family but gpt_oss (whose clamped GLU is [`GPT_OSS_CHECKS`]').
+pub(crate) const SWIGLU_CHECKS: &[Check] = &[check("hidden_act", "swiglu", Rel::Activation)];
 
-/// The router's top-k (`--moe-router-topk`), every MoE family.
-pub(crate) const TOPK_DERIVED: &[Check] = &[check(
-    "num_experts_per_tok",
-    "moe_router_topk",
-    Rel::Derived,
-)];
+/// The RoPE base of the families without [`ROPE_CHECKS`].
+pub(crate) const ROPE_THETA_CHECKS: &[Check] = &[check("rope_theta", "rotary_base", Rel::Float)];
+
+/// The router of every MoE family: its top-k (`--moe-router-topk`) and its scoring.
+pub(crate) const TOPK_CHECKS: &[Check] = &[
+    check("num_experts_per_tok", "moe_router_topk", Rel::Float),
+    check("router scoring", "moe_router_score_function", Rel::Router),
+];
 
 /// Whether the router renormalises its top-k (the families whose config has `norm_topk_prob`).
-pub(crate) const TOPK_NORM_DERIVED: &[Check] = &[check(
+pub(crate) const TOPK_NORM_CHECKS: &[Check] = &[check(
     "norm_topk_prob",
     "moe_router_score_function",
     Rel::TopkNorm,
 )];
 
 /// deepseek_v3's grouped router (`--moe-router-topk-scaling-factor`, `--moe-router-num-groups`,
-/// `--moe-router-group-topk`) and its shared expert count.
-pub(crate) const GROUPED_ROUTER_DERIVED: &[Check] = &[
+/// `--moe-router-group-topk`; None: no scaling, one group).
+pub(crate) const GROUPED_ROUTER_CHECKS: &[Check] = &[
     check(
         "routed_scaling_factor",
         "moe_router_topk_scaling_factor",
-        Rel::Derived,
+        Rel::Float,
     ),
-    check("n_group", "moe_router_num_groups", Rel::Derived),
-    check("topk_group", "moe_router_group_topk", Rel::Derived),
-    check(
-        "n_shared_experts",
-        "moe_shared_expert_intermediate_size",
-        Rel::SharedExperts,
-    ),
+    check("n_group", "moe_router_num_groups", Rel::Float),
+    check("topk_group", "moe_router_group_topk", Rel::Float),
 ];
+
+/// The q/k norms transformers' Qwen3 families always apply (Megatron `--qk-layernorm`).
+pub(crate) const QK_NORM_CHECKS: &[Check] =
+    &[check("q_norm and k_norm", "qk_layernorm", Rel::ArgsTrue)];
+
+/// gpt_oss's clamped GLU: transformers clamps at `swiglu_limit` (MC `activation_func_clamp_value`).
+pub(crate) const GPT_OSS_CHECKS: &[Check] = &[check(
+    "swiglu_limit",
+    "activation_func_clamp_value",
+    Rel::Float,
+)];
 
 /// The head split of standard attention (every architecture but MLA's: transformers' deepseek_v3
 /// `head_dim` is `qk_rope_head_dim`, and Megatron's `kv_channels` is unused by MLA).
@@ -820,15 +833,16 @@ pub(crate) const GLM_ATTN_CHECKS: &[Check] = &[
     check("attention_bias", "add_qkv_bias", Rel::Same),
 ];
 
-/// deepseek_v3 / glm4_moe: dense and expert FFN sizes, shared experts, the first dense layers.
+/// deepseek_v3 / glm4_moe: dense and expert FFN sizes, shared experts (their count; their
+/// tensors' shape is `n_shared_experts × moe_intermediate_size`), the first dense layers.
 pub(crate) const DEEPSEEK_MOE_CHECKS: &[Check] = &[
     check("intermediate_size", "ffn_hidden_size", Rel::Eq),
     check("num_experts", "num_experts", Rel::Eq),
     check("moe_intermediate_size", "moe_ffn_hidden_size", Rel::Eq),
     check(
-        "n_shared_experts*moe_intermediate_size",
+        "n_shared_experts",
         "moe_shared_expert_intermediate_size",
-        Rel::Eq,
+        Rel::SharedExperts,
     ),
     check("first_k_dense_replace", "moe_layer_freq", Rel::MoeLayers),
 ];

@@ -26,9 +26,14 @@ pub(crate) struct ArchSpec {
     /// Rules for per-layer keys (sub-key after `decoder.layers.{i}.`, or after `decoder.layers.`
     /// when layers are stacked on a leading axis).
     pub layer: &'static [&'static [Rule]],
-    /// Config fields tied to Megatron's stored args: checked against them, and the source of a
-    /// config.json built from them (the [`Rel::Derived`] rows only the latter).
+    /// Config fields tied to Megatron's stored args: each checked against them, and the source of
+    /// a config.json built from them.
     pub checks: &'static [&'static [Check]],
+    /// transformers' defaults (5.25, the family's config class) of the fields the checks and
+    /// [`super::config::check_values`] read, as a JSON object: what transformers and the serving
+    /// engines that load its config classes use when config.json lacks the field. RoPE fields may
+    /// also sit in a `rope_parameters` object (a family whose default is a RoPE scaling).
+    pub defaults: &'static str,
     /// Which layers are MoE.
     pub moe_layers: LayerPattern,
     /// The HF layout of Megatron's multi-token prediction layers (`mtp.layers.{k}.*`); None: the
@@ -231,8 +236,11 @@ pub(crate) enum Rel {
     /// (an int N: layer i is full attention iff (i + 1) % N == 0; a list: 1 linear, 0 full) and
     /// `experimental_attention_variant` `gated_delta_net`.
     AttnLayers,
-    /// Equal numbers, integer or not (the rotary fraction); the config field is also looked up
-    /// in `rope_parameters` (transformers 5 keeps it there).
+    /// Equal numbers, integer or not, as each side computes with them: the config's (also looked
+    /// up in `rope_parameters`, where transformers 5 keeps the RoPE fields), else transformers'
+    /// default ([`ArchSpec::defaults`]); the args', Megatron's None read as what Megatron then
+    /// computes ([`super::config::Args::value`]). A row of a router field (args `moe_*`) applies
+    /// to a model with experts only.
     Float,
     /// The architecture implies that this args flag is true (the `hf` name says what in the
     /// message); false in args is an error, absent is unchecked.
@@ -254,18 +262,28 @@ pub(crate) enum Rel {
     /// `modeling_deepseek_v3.py`); Megatron applies `layernorm_epsilon` to every norm. Another
     /// epsilon (config, else args) is converted with a warning: those two norms then differ.
     MlaNormEps,
-    /// Not a check: a config built from the args takes the field from this args field as stored
-    /// (a number or a boolean). Not checked because an HF release may declare another value for
-    /// the same model (Megatron's `max_position_embeddings` is its training length), or because
-    /// no tensor depends on it and Megatron keeps it under several flags.
-    Derived,
-    /// Not a check: `norm_topk_prob` from the router's scoring (MC 0.19 `moe_utils.py`
-    /// `topk_routing_with_score_function`): a sigmoid router always renormalises its top-k; a
-    /// softmax router does unless `moe_router_pre_softmax` (softmax over all experts, then top-k).
+    /// `norm_topk_prob` (default: transformers') against the router's scoring (MC 0.19
+    /// `moe_utils.py` `topk_routing_with_score_function`): a sigmoid router always renormalises its
+    /// top-k; a softmax one does unless `moe_router_pre_softmax` (softmax over all experts, then
+    /// top-k). A model with experts only.
     TopkNorm,
-    /// Not a check: deepseek_v3's `n_shared_experts`, Megatron's
-    /// `moe_shared_expert_intermediate_size / moe_ffn_hidden_size` (0 without shared experts).
+    /// deepseek_v3's `n_shared_experts` (default: transformers') against Megatron's
+    /// `moe_shared_expert_intermediate_size / moe_ffn_hidden_size` (None: 0 shared experts). A
+    /// model with experts only.
     SharedExperts,
+    /// The router's scoring the family computes (sigmoid with the expert bias where the family's
+    /// rules require `e_score_correction_bias`, else softmax; a family without `norm_topk_prob`
+    /// renormalises its top-k) against `moe_router_score_function` and, for those,
+    /// `moe_router_pre_softmax` (see [`super::config::family_router`]). A model with experts only.
+    Router,
+    /// The RoPE scaling (`rope_parameters` / `rope_scaling`: none, llama3's, yarn's, with its
+    /// factors; default: transformers') against Megatron's (`--use-rope-scaling`,
+    /// `--rope-scaling-factor`; `--rope-type yarn` and its `--rotary-scaling-factor`, `--yarn-*`,
+    /// `--mscale*`; `rope_type` None is yarn for MLA, MC `MLATransformerConfig`).
+    RopeScaling,
+    /// The MLP's activation: config `hidden_act` (default `silu`) is SwiGLU's `silu`, and args
+    /// say `swiglu` (Megatron's gated silu MLP), not `squared_relu`.
+    Activation,
 }
 
 // ---- constructors ------------------------------------------------------------------------------
@@ -364,6 +382,10 @@ impl ArchSpec {
 /// allocation of its size. [`Dims::check_held`] then holds counts to what the input stores.
 pub(crate) const MAX_COUNT: u64 = 1 << 20;
 
+/// The config fields that hold an MTP layer count, in any family ([`MtpSpec::field`]; from-hf
+/// looks for MTP tensors under either).
+pub(crate) const MTP_FIELDS: &[&str] = &["num_nextn_predict_layers", "mtp_num_hidden_layers"];
+
 /// Config fields that are counts or sizes: a negative or fractional value is named as such
 /// (rather than reported as missing).
 const COUNTS: &[&str] = &[
@@ -386,6 +408,8 @@ pub(crate) struct Dims {
     pub spec: &'static ArchSpec,
     /// The config (config.json, or the one derived from args), transformers' field names.
     pub cfg: Map<String, Json>,
+    /// transformers' defaults of the family ([`ArchSpec::defaults`]).
+    pub defaults: Map<String, Json>,
     pub num_layers: u64,
     pub hidden: u64,
     pub heads: u64,
@@ -414,9 +438,14 @@ impl Dims {
     ///
     /// Errors: [`Error::InvalidArgument`] for a missing required field.
     pub(crate) fn new(spec: &'static ArchSpec, cfg: Map<String, Json>) -> Result<Dims> {
+        let defaults = match serde_json::from_str(spec.defaults) {
+            Ok(Json::Object(m)) => m,
+            _ => unreachable!("ArchSpec::defaults is a JSON object (tested)"),
+        };
         let mut d = Dims {
             spec,
             cfg,
+            defaults,
             num_layers: 0,
             hidden: 0,
             heads: 0,
@@ -474,12 +503,13 @@ impl Dims {
     ///
     /// Errors: [`Error::InvalidArgument`] naming the field, its value and `pieces`.
     pub(crate) fn check_held(&self, pieces: u64, what: &str) -> Result<()> {
+        let mtp = MTP_FIELDS.iter().map(|&k| (k, self.field(k).unwrap_or(0)));
         let counts = [
             ("num_hidden_layers", self.num_layers),
             ("num_experts", self.num_experts),
             ("MTP layers", self.declared_mtp()),
         ];
-        for (k, n) in counts {
+        for (k, n) in counts.into_iter().chain(mtp) {
             if n > pieces {
                 return Err(Error::InvalidArgument(format!(
                     "config.json: {k} = {n}, but {what} holds only {pieces} tensors; it is not this model's config"
@@ -494,8 +524,8 @@ impl Dims {
     /// `num_experts` is mixtral's and gpt_oss's `num_local_experts`, deepseek_v3's and glm4_moe's
     /// `n_routed_experts`; a product's factor that is a number ([`Out::shape`]) is itself;
     /// `a+b` and `a*b` (MLA's head sizes, shared experts' FFN) are the sum and product of the
-    /// fields, unless the config holds that name (a config derived from args does). None when
-    /// absent.
+    /// fields, unless the config holds that name (a config derived from args does); else the
+    /// family's default ([`ArchSpec::defaults`]). None when absent.
     pub fn field(&self, k: &str) -> Option<u64> {
         if let Ok(n) = k.parse::<u64>() {
             return Some(n);
@@ -512,24 +542,63 @@ impl Dims {
         if let Some((a, b)) = k.split_once('*') {
             return self.field(a)?.checked_mul(self.field(b)?);
         }
-        match k {
+        let v = match k {
             "num_key_value_heads" => raw(k).or_else(|| raw("num_attention_heads")),
             "head_dim" => raw(k).or_else(|| {
                 Some(raw("hidden_size")? / raw("num_attention_heads").filter(|&h| h > 0)?)
             }),
             "num_experts" => raw("num_local_experts").or_else(|| raw("n_routed_experts")),
             _ => raw(k),
-        }
-    }
-    /// A boolean config field.
-    pub fn flag(&self, k: &str) -> Option<bool> {
-        self.cfg.get(k).and_then(|v| v.as_bool())
+        };
+        v.or_else(|| self.default(k)?.as_u64())
     }
 
-    /// A number of the config, at the top level or in `rope_parameters`.
-    pub fn float(&self, k: &str) -> Option<f64> {
+    /// transformers' default of config field `k` for this family (top level, else in its default
+    /// `rope_parameters`), None when it has none listed.
+    fn default(&self, k: &str) -> Option<&Json> {
+        let rope = self.defaults.get("rope_parameters").and_then(|r| r.get(k));
+        self.defaults.get(k).or(rope)
+    }
+
+    /// Config field `k` as transformers reads it: the config's (top level, else in
+    /// `rope_parameters`), else the family's default; None when neither says it (or says null).
+    pub fn value(&self, k: &str) -> Option<&Json> {
         let rope = self.cfg.get("rope_parameters").and_then(|r| r.get(k));
-        self.cfg.get(k).or(rope).and_then(|v| v.as_f64())
+        self.cfg
+            .get(k)
+            .or(rope)
+            .or_else(|| self.default(k))
+            .filter(|v| !v.is_null())
+    }
+
+    /// Whether the config itself states field `k` (top level or in `rope_parameters`), rather than
+    /// leaving it to transformers' default.
+    pub fn stated(&self, k: &str) -> bool {
+        let rope = self.cfg.get("rope_parameters").and_then(|r| r.get(k));
+        self.cfg.get(k).or(rope).is_some()
+    }
+
+    /// The RoPE parameters transformers reads: the config's `rope_parameters` (transformers 5) or
+    /// `rope_scaling` (4.x) object, else the family's default ones; None for plain RoPE.
+    pub fn rope_params(&self) -> Option<&Map<String, Json>> {
+        ["rope_parameters", "rope_scaling"]
+            .iter()
+            .find_map(|k| self.cfg.get(*k)?.as_object())
+            .or_else(|| self.defaults.get("rope_parameters")?.as_object())
+    }
+
+    /// A boolean config field (else the family's default).
+    pub fn flag(&self, k: &str) -> Option<bool> {
+        match self.cfg.get(k) {
+            Some(v) => v.as_bool(),
+            None => self.default(k)?.as_bool(),
+        }
+    }
+
+    /// A number of the config, at the top level or in `rope_parameters` (else the family's
+    /// default, see [`Dims::value`]).
+    pub fn float(&self, k: &str) -> Option<f64> {
+        self.value(k)?.as_f64()
     }
 
     /// Layer `l`'s attention type: the config's `layer_types[l]`, or from `full_attention_interval`

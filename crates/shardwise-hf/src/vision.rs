@@ -86,12 +86,58 @@ fn stored_tensors(dir: &Path, prefix: &str) -> Result<BTreeMap<String, Stored>> 
     Ok(out)
 }
 
-/// A product of `vision_config` fields (a number stands for itself); None when one is absent.
+/// A product of `vision_config` fields (a number stands for itself); None when one is absent or
+/// the product overflows (never a wrapped size that could match a stored shape).
 fn product(vc: &Map<String, Json>, fields: &[&str]) -> Option<u64> {
-    fields
-        .iter()
-        .map(|f| f.parse().ok().or_else(|| vc.get(*f)?.as_u64()))
-        .product()
+    fields.iter().try_fold(1u64, |n, f| {
+        n.checked_mul(f.parse().ok().or_else(|| vc.get(*f)?.as_u64())?)
+    })
+}
+
+/// The vision blocks `stored` holds: the distinct `{b}` of its `<prefix>blocks.{b}.` names.
+fn held_blocks(stored: &BTreeMap<String, Stored>, prefix: &str) -> u64 {
+    let blocks: std::collections::BTreeSet<&str> = stored
+        .keys()
+        .filter_map(|k| {
+            k.strip_prefix(prefix)?
+                .strip_prefix("blocks.")?
+                .split('.')
+                .next()
+        })
+        .collect();
+    blocks.len() as u64
+}
+
+/// The vision tensors `mm.vision` implies for `vision_config` `vc` with `depth` blocks: name ->
+/// (shape, the fields of each dimension).
+///
+/// Errors: [`Error::InvalidArgument`] naming a tensor whose shape lacks a field.
+fn wanted(
+    vc: &Map<String, Json>,
+    mm: &Multimodal,
+    depth: u64,
+) -> Result<BTreeMap<String, (Vec<u64>, String)>> {
+    let mut want = BTreeMap::new();
+    for o in mm.vision {
+        let shape: Option<Vec<u64>> = o.shape.iter().map(|f| product(vc, f)).collect();
+        let Some(shape) = shape else {
+            return Err(Error::InvalidArgument(format!(
+                "config.json's vision_config lacks a field of {}'s shape {:?} (or its product overflows)",
+                o.name, o.shape
+            )));
+        };
+        let fields: Vec<String> = o.shape.iter().map(|f| f.join(" x ")).collect();
+        let blocks = if o.name.contains("{b}") { depth } else { 1 };
+        for b in 0..blocks {
+            let name = format!(
+                "{}{}",
+                mm.vision_prefix,
+                o.name.replace("{b}", &b.to_string())
+            );
+            want.insert(name, (shape.clone(), fields.join(", ")));
+        }
+    }
+    Ok(want)
 }
 
 /// The vision tensors of the multimodal model, as copies of `base`'s: every tensor
@@ -124,27 +170,18 @@ pub(crate) fn vision_tensors(
             "vision_config.out_hidden_size is {out_hidden}, the text model's hidden_size {hidden}"
         )));
     }
-    let mut want: BTreeMap<String, (Vec<u64>, String)> = BTreeMap::new();
-    for o in mm.vision {
-        let shape: Option<Vec<u64>> = o.shape.iter().map(|f| product(vc, f)).collect();
-        let Some(shape) = shape else {
-            return Err(Error::InvalidArgument(format!(
-                "config.json's vision_config lacks a field of {}'s shape {:?}",
-                o.name, o.shape
-            )));
-        };
-        let fields: Vec<String> = o.shape.iter().map(|f| f.join(" x ")).collect();
-        let blocks = if o.name.contains("{b}") { depth } else { 1 };
-        for b in 0..blocks {
-            let name = format!(
-                "{}{}",
-                mm.vision_prefix,
-                o.name.replace("{b}", &b.to_string())
-            );
-            want.insert(name, (shape.clone(), fields.join(", ")));
-        }
-    }
     let stored = stored_tensors(base, mm.vision_prefix)?;
+    // Checked before the names of `depth` blocks are built: a count from config.json sizes
+    // nothing until the files confirm it.
+    let held = held_blocks(&stored, mm.vision_prefix);
+    if depth > held {
+        return Err(Error::InvalidArgument(format!(
+            "vision_config.depth = {depth}, but --base-hf {} holds {held} vision blocks ({}blocks.*)",
+            base.display(),
+            mm.vision_prefix
+        )));
+    }
+    let want = wanted(vc, mm, depth)?;
     let missing: Vec<&str> = want
         .keys()
         .filter(|n| !stored.contains_key(*n))
@@ -181,7 +218,10 @@ pub(crate) fn vision_tensors(
         let dtype = dtype_of_st(s.dtype).ok_or_else(|| {
             Error::UnsupportedDtype(format!("{name}: {:?} in --base-hf", s.dtype))
         })?;
-        if shape.iter().product::<u64>() * dtype.itemsize() != s.len {
+        let bytes = shape
+            .iter()
+            .try_fold(dtype.itemsize(), |n, &d| n.checked_mul(d));
+        if bytes != Some(s.len) {
             return Err(Error::InvalidArgument(format!(
                 "--base-hf {}: {name}'s data range is {} bytes, not {shape:?} of {}",
                 base.display(),

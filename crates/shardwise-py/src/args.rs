@@ -68,6 +68,29 @@ pub(super) fn wholes(name: &str, value: &Bound<'_, PyAny>) -> PyResult<Vec<u64>>
     Ok(out)
 }
 
+/// A list of `str` (a list or tuple; a lone `str` is refused, not read as its characters); None is
+/// an empty list.
+pub(super) fn str_list(name: &str, value: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<String>> {
+    let want = "a list of str";
+    let Some(value) = value.filter(|v| !v.is_none()) else {
+        return Ok(Vec::new());
+    };
+    let listlike = value.is_instance_of::<pyo3::types::PyList>()
+        || value.is_instance_of::<pyo3::types::PyTuple>();
+    if !listlike {
+        return Err(refuse(name, want, value));
+    }
+    let mut out = Vec::new();
+    for item in value.try_iter()? {
+        let item = item?;
+        if !item.is_instance_of::<pyo3::types::PyString>() {
+            return Err(refuse(name, want, value));
+        }
+        out.push(item.extract::<String>()?);
+    }
+    Ok(out)
+}
+
 /// A bound in seconds: an `int` or a `float` (not a `bool`), finite, >= 0 and at most
 /// [`shardwise::commit::wait::MAX_TIMEOUT_S`] (the rule of [`timeout_from_secs`], shared with the CLI).
 pub(super) fn seconds(name: &str, value: &Bound<'_, PyAny>) -> PyResult<Duration> {

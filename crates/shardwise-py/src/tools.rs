@@ -6,7 +6,7 @@ use std::time::Duration;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use super::args::{opt_positive, opt_seconds, positive, seconds};
+use super::args::{opt_positive, opt_seconds, positive, seconds, str_list};
 use super::report::to_dict;
 use super::{location, to_py};
 use shardwise::commit::wait::Freshness;
@@ -19,14 +19,16 @@ use shardwise::commit::wait::Freshness;
 /// (without the MTP layers), `tokenizer` (the tokenizer folder to copy; default the
 /// checkpoint's `tokenizer/`), `quantize` (`"fp8-block"`, `"mxfp4"`, `"nvfp4"` or `"mxfp8"`: see
 /// `shardwise to-hf --quantize`), `quantize_format` (`"compressed-tensors"` or `"modelopt"`, for
-/// `"nvfp4"`). Returns the summary as a dict with the fields of
+/// `"nvfp4"`), `allow_config_mismatch` (a list of config field names, each a `str`: see
+/// `shardwise to-hf --allow-config-mismatch`). Returns the summary as a dict with the fields of
 /// `shardwise to-hf --json` (`tensors`, `bytes`, `files`, `seconds`, `gb_per_s`, `skipped_keys`,
 /// `args_check`, `args_unchecked`, `warnings`, `padding_rows_dropped`, `config_written`,
 /// `mtp_layers`, `vision_tensors`, `quantized`, `tokenizer_files`, `part`, `committed`).
-/// Raises `InvalidArgumentError` (also for `workers` that is not a whole number >= 1),
-/// `ValidationError`, `StorageError`, `CorruptFileError`.
+/// Raises `InvalidArgumentError` (also for `workers` that is not a whole number >= 1, and an
+/// `allow_config_mismatch` that is not a list of str), `ValidationError`, `StorageError`,
+/// `CorruptFileError`.
 #[pyfunction]
-#[pyo3(signature = (checkpoint_dir, out_dir, *, hf_config=None, arch=None, dtype=None, max_shard_size="5GB", workers=None, allow_unmapped=false, overwrite=false, part=None, base_hf=None, text_only=false, drop_mtp=false, tokenizer=None, quantize=None, quantize_format=None))]
+#[pyo3(signature = (checkpoint_dir, out_dir, *, hf_config=None, arch=None, dtype=None, max_shard_size="5GB", workers=None, allow_unmapped=false, overwrite=false, part=None, base_hf=None, text_only=false, drop_mtp=false, tokenizer=None, quantize=None, quantize_format=None, allow_config_mismatch=None))]
 #[allow(clippy::too_many_arguments)]
 pub(super) fn to_hf(
     py: Python<'_>,
@@ -46,7 +48,9 @@ pub(super) fn to_hf(
     tokenizer: Option<PathBuf>,
     quantize: Option<String>,
     quantize_format: Option<String>,
+    allow_config_mismatch: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Py<PyAny>> {
+    let allow_config_mismatch = str_list("allow_config_mismatch", allow_config_mismatch)?;
     let opts = shardwise_hf::HfOptions::from_user(shardwise_hf::ToHfRequest {
         hf_config,
         arch,
@@ -62,6 +66,7 @@ pub(super) fn to_hf(
         tokenizer,
         quantize,
         quantize_format,
+        allow_config_mismatch,
     })
     .map_err(to_py)?;
     let s = py

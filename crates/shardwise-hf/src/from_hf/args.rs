@@ -20,7 +20,8 @@
 
 use std::collections::BTreeMap;
 
-use super::super::spec::{Check, Dims, LayerPattern, Rel, When};
+use super::super::config::{config_scaling, Scaling, YARN_ARGS};
+use super::super::spec::{Check, Dims, LayerPattern, Rel};
 use shardwise::error::{Error, Result};
 use shardwise::format::pickle::Pickler;
 use shardwise::format::zip::object_archive;
@@ -159,9 +160,10 @@ fn row_args(d: &Dims, lay: &Layout, c: &Check) -> Result<Vec<(&'static str, Arg)
             a.extend(d.vocab_size.map(|v| ("vocab_size", int(v))));
             a
         }
-        // As the config states it (an integer stays one: DSA's `index_topk` is Megatron's int
-        // `--dsa-indexer-topk`); a config built from the args copies it back as stored.
-        Rel::Float | Rel::Derived => number(d, c.hf, c.args)
+        // As the config states it, else transformers' default (an integer stays one: DSA's
+        // `index_topk` is Megatron's int `--dsa-indexer-topk`); a config built from the args
+        // copies it back as stored.
+        Rel::Float => number(d, c.hf, c.args)
             .map(|v| (c.args, v))
             .into_iter()
             .collect(),
@@ -169,10 +171,17 @@ fn row_args(d: &Dims, lay: &Layout, c: &Check) -> Result<Vec<(&'static str, Arg)
         Rel::IndexerLayers => indexer_args(d, c)?,
         // A warning of to-hf only; norm_epsilon itself is the Float row's.
         Rel::MlaNormEps => Vec::new(),
-        // The router's scoring: [`router`], written for every MoE family by [`moe_args`].
-        Rel::TopkNorm => Vec::new(),
-        // The shared experts' size is the Eq row of `moe_shared_expert_intermediate_size`.
-        Rel::SharedExperts => Vec::new(),
+        // The router's scoring: [`router`], written for every MoE family by [`moe_args`]; the
+        // RoPE scaling: [`rope_scaling`].
+        Rel::TopkNorm | Rel::Router | Rel::RopeScaling => Vec::new(),
+        // The shared experts' size, `n_shared_experts x moe_intermediate_size`.
+        Rel::SharedExperts => d
+            .field("n_shared_experts*moe_intermediate_size")
+            .filter(|_| d.num_experts > 0)
+            .map(|v| (c.args, int(v)))
+            .into_iter()
+            .collect(),
+        Rel::Activation => activation_args(d, c)?,
         Rel::MoeLayers => moe_layer_args(d),
         Rel::AttnLayers => attention_args(d),
         Rel::SlidingWindow => window_args(d),
@@ -203,6 +212,19 @@ fn indexer_args(d: &Dims, c: &Check) -> Result<Vec<(&'static str, Arg)>> {
         (c.args, int(freq)),
         ("dsa_indexer_skip_topk_offset", int(offset)),
     ])
+}
+
+/// SwiGLU's `--swiglu`: the gated MLP every family here computes with `silu`.
+///
+/// Errors: [`Error::Validation`] for another `hidden_act`, which no Megatron argument computes.
+fn activation_args(d: &Dims, c: &Check) -> Result<Vec<(&'static str, Arg)>> {
+    match d.value(c.hf) {
+        Some(v) if v.as_str() != Some("silu") => Err(Error::Validation(format!(
+            "{}: config.json says {v}: Megatron's gated MLP here is SwiGLU (--swiglu, silu); no Megatron argument computes act(gate) x up with another activation",
+            c.hf
+        ))),
+        _ => Ok(vec![(c.args, Arg::Bool(true))]),
+    }
 }
 
 /// `moe_layer_freq` of a model with experts: 1 when every layer is MoE, else the list.
@@ -316,12 +338,11 @@ fn moe_args(d: &Dims) -> Result<Vec<(String, Arg)>> {
     .collect())
 }
 
-/// A number of the config for args field `args` (top level or `rope_parameters`), as the config
-/// states it: an integer stays one, and so does an integral RoPE base (Megatron-LM's
+/// A number of the config for args field `args` (top level or `rope_parameters`, else
+/// transformers' default: [`Dims::value`]), as the config states it: an integer stays one, and so does an integral RoPE base (Megatron-LM's
 /// `--rotary-base` is an int); a boolean stays one. None when absent or null.
 fn number(d: &Dims, hf: &str, args: &str) -> Option<Arg> {
-    let rope = d.cfg.get("rope_parameters").and_then(|r| r.get(hf));
-    match d.cfg.get(hf).or(rope)? {
+    match d.value(hf)? {
         serde_json::Value::Bool(b) => Some(Arg::Bool(*b)),
         v => match (v.as_i64(), v.as_f64()) {
             (Some(i), _) => Some(Arg::Int(i)),
@@ -335,23 +356,17 @@ fn number(d: &Dims, hf: &str, args: &str) -> Option<Arg> {
 }
 
 /// The router's scoring in Megatron's terms (MC 0.19 `moe_utils.py`
-/// `topk_routing_with_score_function`): a family whose rule table requires an expert bias on
-/// every MoE layer (`mlp.router.expert_bias`, HF `e_score_correction_bias`: deepseek_v3,
-/// glm4_moe, the DSA families, minimax_m2) routes by sigmoid scores with that bias, which Megatron always
-/// renormalises over the top-k; the others by softmax. A softmax router renormalises its top-k
-/// unless `moe_router_pre_softmax` (softmax over all experts, then top-k): HF's `norm_topk_prob`
-/// where the family's config has it (the `TopkNorm` row), else always (mixtral, gpt_oss,
-/// qwen3_5_moe renormalise unconditionally). The inverse of [`super::super::config`]'s reading.
+/// `topk_routing_with_score_function`), as [`super::super::config::family_router`] reads the
+/// family: sigmoid scores with the expert bias, which Megatron always renormalises over the top-k,
+/// or softmax, which renormalises its top-k unless `moe_router_pre_softmax` (softmax over all
+/// experts, then top-k): HF's `norm_topk_prob` (else transformers' default) where the family's
+/// config has it (the `TopkNorm` row), else always. The inverse of
+/// [`super::super::config`]'s reading.
 ///
-/// Errors: [`Error::Validation`] when the config lacks `norm_topk_prob` where the family has it,
-/// or a sigmoid router's `norm_topk_prob` is false (no Megatron router computes that).
+/// Errors: [`Error::Validation`] when `norm_topk_prob` is no boolean, or a sigmoid router's
+/// `norm_topk_prob` is false (no Megatron router computes that).
 fn router(d: &Dims) -> Result<Vec<(String, Arg)>> {
-    // Qwen's rule maps an expert bias only when a checkpoint has one (`When::Optional`): its HF
-    // router is softmax whatever Megatron trained.
-    let sigmoid = d
-        .spec
-        .layer_rule("mlp.router.expert_bias")
-        .is_some_and(|r| r.when == When::MoeLayer);
+    let (sigmoid, always) = super::super::config::family_router(d);
     let norm = match d.spec.checks().find(|c| c.rel == Rel::TopkNorm) {
         Some(c) => d.flag(c.hf).ok_or_else(|| {
             Error::Validation(format!(
@@ -359,7 +374,7 @@ fn router(d: &Dims) -> Result<Vec<(String, Arg)>> {
                 c.hf
             ))
         })?,
-        None => true,
+        None => always,
     };
     if sigmoid && !norm && d.field("num_experts_per_tok") != Some(1) {
         return Err(Error::Validation(
@@ -379,8 +394,8 @@ fn router(d: &Dims) -> Result<Vec<(String, Arg)>> {
     ])
 }
 
-/// The config's RoPE scaling (`rope_parameters`, or transformers 4's `rope_scaling`, `rope_type`
-/// or `type`) in Megatron-LM's arguments (`arguments.py`, core_r0.19.0): none is `--rope-type
+/// The config's RoPE scaling ([`config_scaling`]: `rope_parameters`, or transformers 4's
+/// `rope_scaling`, `rope_type` or `type`; else transformers' default) in Megatron-LM's arguments (`arguments.py`, core_r0.19.0): none is `--rope-type
 /// rope` (an MLA model's default is yarn), llama3's is `--use-rope-scaling` with
 /// `--rope-scaling-factor` (megatron-core's llama3 scaling fixes low_freq_factor 1,
 /// high_freq_factor 4 and original_max_position_embeddings 8192), yarn's `--rope-type yarn` with
@@ -391,50 +406,35 @@ fn router(d: &Dims) -> Result<Vec<(String, Arg)>> {
 /// Errors: [`Error::Validation`] for a scaling Megatron has no arguments for (another type, or
 /// llama3's with other fixed factors).
 fn rope_scaling(d: &Dims) -> Result<Vec<(String, Arg)>> {
-    let params = ["rope_parameters", "rope_scaling"]
-        .iter()
-        .find_map(|k| d.cfg.get(*k).filter(|v| v.is_object()));
-    let get = |k: &str| params.and_then(|p| p.get(k));
-    let kind = get("rope_type")
-        .or_else(|| get("type"))
-        .and_then(|v| v.as_str())
-        .unwrap_or("default");
-    let num = |k: &str| get(k).and_then(|v| v.as_f64());
-    let float = |k: &str| num(k).map_or(Arg::None, Arg::Float);
+    let get = |k: &str| d.rope_params().and_then(|p| p.get(k));
+    let float = |k: &str| {
+        get(k)
+            .and_then(|v| v.as_f64())
+            .map_or(Arg::None, Arg::Float)
+    };
     let mut a = vec![("use_rope_scaling".to_string(), Arg::Bool(false))];
-    match kind {
-        "default" => a.push(("rope_type".into(), Arg::Str("rope".into()))),
-        "llama3"
-            if num("low_freq_factor") == Some(1.0)
-                && num("high_freq_factor") == Some(4.0)
-                && num("original_max_position_embeddings") == Some(8192.0) =>
-        {
+    match config_scaling(d) {
+        Scaling::Plain => a.push(("rope_type".into(), Arg::Str("rope".into()))),
+        Scaling::Llama3(_) => {
             a = vec![
                 ("use_rope_scaling".into(), Arg::Bool(true)),
                 ("rope_scaling_factor".into(), float("factor")),
                 ("rope_type".into(), Arg::Str("rope".into())),
             ];
         }
-        "yarn" => {
+        Scaling::Yarn(_) => {
             a.push(("rope_type".into(), Arg::Str("yarn".into())));
-            a.push(("rotary_scaling_factor".into(), float("factor")));
-            for (hf, args) in [
-                ("original_max_position_embeddings", "yarn_original_max_position_embeddings"),
-                ("beta_fast", "yarn_beta_fast"),
-                ("beta_slow", "yarn_beta_slow"),
-                ("mscale", "mscale"),
-                ("mscale_all_dim", "mscale_all_dim"),
-            ] {
+            for (hf, args) in YARN_ARGS {
                 let v = match get(hf).and_then(|v| v.as_i64()) {
                     Some(i) if hf.starts_with("original") => Arg::Int(i),
                     _ => float(hf),
                 };
-                a.push((args.into(), v));
+                a.push((args.to_string(), v));
             }
         }
-        other => {
+        Scaling::Other(what) => {
             return Err(Error::Validation(format!(
-                "rope_type {other:?}: Megatron-LM has no arguments for this RoPE scaling (--rope-type rope or yarn, --use-rope-scaling for llama3's with low_freq_factor 1, high_freq_factor 4, original_max_position_embeddings 8192)"
+                "{what}: Megatron-LM has no arguments for this RoPE scaling (--rope-type rope or yarn, --use-rope-scaling for llama3's with low_freq_factor 1, high_freq_factor 4, original_max_position_embeddings 8192)"
             )))
         }
     }
@@ -598,7 +598,7 @@ mod tests {
             vec![("hidden_size", Arg::Int(64))]
         );
         assert_eq!(
-            got(row("vocab_size", "padded_vocab_size", Rel::Vocab)),
+            got(row("vocab_size", "vocab_size", Rel::Vocab)),
             vec![
                 ("padded_vocab_size", Arg::Int(256)),
                 ("vocab_size", Arg::Int(250))
@@ -707,7 +707,7 @@ mod tests {
         other["rope_parameters"]["high_freq_factor"] = serde_json::json!(2.0);
         assert!(get(other)
             .unwrap_err()
-            .contains("rope_type \"llama3\": Megatron-LM has no arguments"));
+            .contains("rope_type \"llama3\" with another low_freq_factor"));
         let e = get(serde_json::json!({"rope_parameters": {"rope_type": "dynamic"}})).unwrap_err();
         assert!(e.contains("rope_type \"dynamic\""), "{e}");
     }
@@ -727,8 +727,14 @@ mod tests {
         cfg["norm_topk_prob"] = serde_json::json!(false);
         let e = router(&dims(cfg)).err().unwrap().to_string();
         assert!(e.contains("always renormalises"), "{e}");
-        // Absent: refused, not guessed.
-        let e = router(&dims(moe)).err().unwrap().to_string();
+        // Absent: transformers' default (deepseek_v3's is true), as the served model computes.
+        let r: BTreeMap<String, Arg> = router(&dims(moe)).unwrap().into_iter().collect();
+        assert_eq!(r["moe_router_pre_softmax"], Arg::Bool(false));
+        // Not a boolean: refused, not guessed.
+        let mut cfg = serde_json::json!({"n_routed_experts": 8, "num_experts_per_tok": 2,
+            "first_k_dense_replace": 0});
+        cfg["norm_topk_prob"] = serde_json::json!("yes");
+        let e = router(&dims(cfg)).err().unwrap().to_string();
         assert!(
             e.contains("config.json has no boolean norm_topk_prob"),
             "{e}"

@@ -216,27 +216,50 @@ pub fn parse_max_file_size(s: &str) -> Result<u64> {
     crate::parse_size(s)
 }
 
-/// Megatron-LM's padded vocabulary: `vocab` rounded up to a multiple of `divisible_by x tp`
-/// (`megatron/training/tokenizer` `_vocab_size_with_padding`). The padding rows are written (each
-/// a copy of the last row), so they are bounded: at most as many as the vocabulary itself (real
-/// runs pad 128 x TP rows onto tens of thousands); more is a mistyped flag, not a model.
+/// Megatron-LM's padded vocabulary, by Megatron's rule and nothing more: `vocab` rounded up to a
+/// multiple of `divisible_by x tp` (megatron-core 0.19.2 `megatron/training/vocab_utils.py`
+/// `calculate_padded_vocab_size`, which refuses a multiplier below 1; Megatron-LM
+/// `megatron/training/tokenizer/tokenizer.py` `_vocab_size_with_padding`). 250 at TP 4 is 512.
 ///
-/// Errors: [`Error::InvalidArgument`] for a padding larger than the vocabulary (or one that
-/// overflows).
+/// Errors: [`Error::InvalidArgument`] for `divisible_by` 0 (Megatron's ValueError) or a padded
+/// size beyond 64-bit arithmetic.
 pub(crate) fn padded_vocab(vocab: u64, divisible_by: u64, tp: u64) -> Result<u64> {
-    let padded = divisible_by
+    if divisible_by == 0 {
+        return Err(Error::InvalidArgument(
+            "--make-vocab-size-divisible-by 0: it must be at least 1".into(),
+        ));
+    }
+    divisible_by
         .checked_mul(tp)
         .filter(|&m| m > 0)
         .and_then(|m| vocab.div_ceil(m).checked_mul(m))
-        .filter(|&p| p - vocab <= vocab);
-    padded.ok_or_else(|| {
-        Error::InvalidArgument(match divisible_by {
-            0 => "--make-vocab-size-divisible-by 0: it must be at least 1".into(),
-            _ => format!(
-                "--make-vocab-size-divisible-by {divisible_by} x --tensor-model-parallel-size {tp} pads the vocabulary of {vocab} with more rows than it has"
-            ),
+        .ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "--make-vocab-size-divisible-by {divisible_by} x --tensor-model-parallel-size {tp}: the padded vocabulary of {vocab} is beyond 64-bit sizes"
+            ))
         })
-    })
+}
+
+/// The padded embedding (and output layer) fits in memory: from-hf builds each Megatron tensor
+/// whole before writing it (`run::run_job`), so `padded x hidden` elements of `dtype` must be
+/// allocatable; a larger one (a mistyped `--make-vocab-size-divisible-by`) is refused here rather
+/// than aborting on the allocation. `memory`: the machine's (None: not known, not checked).
+///
+/// Errors: [`Error::InvalidArgument`] naming the padded size, its bytes and the memory.
+fn check_padded_fits(padded: u64, hidden: u64, dtype: DType, memory: Option<u64>) -> Result<()> {
+    let bytes = padded
+        .checked_mul(hidden)
+        .and_then(|n| n.checked_mul(dtype.itemsize()));
+    match (bytes, memory) {
+        (Some(b), Some(m)) if b > m => Err(Error::InvalidArgument(format!(
+            "the padded vocabulary of {padded} rows makes an embedding of {padded} x {hidden} {} ({b} bytes), more than this machine's {m} bytes of memory: check --make-vocab-size-divisible-by and --tensor-model-parallel-size",
+            dtype.torch_name()
+        ))),
+        (None, _) => Err(Error::InvalidArgument(format!(
+            "the padded vocabulary of {padded} rows x hidden_size {hidden} is beyond 64-bit sizes: check --make-vocab-size-divisible-by and --tensor-model-parallel-size"
+        ))),
+        _ => Ok(()),
+    }
 }
 
 /// `--tensor-model-parallel-size` as Megatron accepts it: at least 1, and dividing the attention
@@ -293,7 +316,7 @@ fn tracker_entry(iteration: u64) -> (String, String) {
 /// the config declares MTP layers under any family's field, on the layers after the last decoder
 /// layer (where DeepSeek-V3's, GLM's and the DSA families' releases put them).
 fn mtp_tensors(d: &Dims, names: &[String]) -> Vec<String> {
-    let declared = ["num_nextn_predict_layers", "mtp_num_hidden_layers"]
+    let declared = super::spec::MTP_FIELDS
         .iter()
         .filter_map(|f| d.field(f))
         .fold(d.declared_mtp(), u64::max);
@@ -530,6 +553,7 @@ impl Conversion {
             check_outside(ckpt_dir, &hf_dir.join(f), "HF file")?;
         }
         let mut d = Dims::from_config(&src.config, opts.arch.as_deref())?;
+        super::config::check_values(&d, crate::output::CONFIG)?;
         // A multimodal folder: the text model under its own prefix, beside the vision tower.
         let multimodal = d.spec.multimodal.filter(|_| d.multimodal);
         if let Some(mm) = multimodal {
@@ -547,6 +571,12 @@ impl Conversion {
             vocab,
             opts.make_vocab_size_divisible_by,
             opts.tensor_model_parallel_size,
+        )?;
+        check_padded_fits(
+            padded_vocab,
+            d.hidden,
+            opts.dtype,
+            shardwise::staging::host_memory(),
         )?;
         let shapes: plan::HfShapes = src
             .tensors
@@ -957,10 +987,25 @@ mod tests {
         assert_eq!(padded_vocab(250, 128, 2).unwrap(), 256);
         assert_eq!(padded_vocab(257, 128, 2).unwrap(), 512);
         assert_eq!(padded_vocab(151936, 128, 8).unwrap(), 152576);
-        // Zero, overflow and a padding larger than the vocabulary are refused.
-        for (d, tp) in [(0, 1), (128, 0), (1 << 40, 1 << 30), (128, 4)] {
+        // Megatron's rule alone: 250 at TP 4 pads to 512, more rows than the vocabulary.
+        assert_eq!(padded_vocab(250, 128, 4).unwrap(), 512);
+        assert_eq!(padded_vocab(250, 1 << 40, 1).unwrap(), 1 << 40);
+        // Zero and overflow are refused.
+        for (d, tp) in [(0, 1), (128, 0), (1 << 40, 1 << 30)] {
             assert!(padded_vocab(250, d, tp).is_err(), "{d} x {tp}");
         }
+        // The padded embedding must fit in memory (or in 64 bits).
+        let gib = Some(1 << 30);
+        assert!(check_padded_fits(512, 64, DType::BF16, gib).is_ok());
+        assert!(check_padded_fits(1 << 40, 64, DType::BF16, None).is_ok());
+        let e = check_padded_fits(1 << 40, 64, DType::BF16, gib)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("more than this machine's 1073741824 bytes"),
+            "{e}"
+        );
+        assert!(check_padded_fits(1 << 60, 64, DType::BF16, gib).is_err());
         assert_eq!(tracker_entry(0), ("release".into(), "release".into()));
         assert_eq!(tracker_entry(42), ("42".into(), "iter_0000042".into()));
     }
