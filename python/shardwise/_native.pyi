@@ -217,6 +217,9 @@ class ToHfSummary(TypedDict):
     quantized: int
     """HF tensors of the whole conversion written quantized."""
     tokenizer_files: int
+    nonfinite: dict[str, int]
+    """HF tensors written by this process holding NaN or infinities: name -> how many (in the
+    output dtype; a quantized one only with ``allow_nonfinite``, else the conversion raises)."""
     part: str | None
     """``"i/n"`` for one part of a split conversion."""
     committed: bool
@@ -244,6 +247,9 @@ class FromHfSummary(TypedDict):
     vision_tensors: int
     vision_prefix: str | None
     warnings: list[str]
+    nonfinite: dict[str, int]
+    """HF tensors read holding NaN or infinities: name -> how many (in the output dtype, after
+    dequantization); reported, not refused."""
     stacked_layers: bool
     padded_vocab_size: int
     iteration: int
@@ -593,6 +599,7 @@ def to_hf(
     quantize: str | None = None,
     quantize_format: str | None = None,
     allow_config_mismatch: Sequence[str] | None = None,
+    allow_nonfinite: bool = False,
 ) -> ToHfSummary:
     """Converts checkpoint ``checkpoint_dir`` to HF safetensors in ``out_dir``; see
     ``shardwise to-hf``. ``allow_config_mismatch``: config fields (a list of str) whose

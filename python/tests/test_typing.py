@@ -182,6 +182,12 @@ def _matches(value, ann: ast.expr, where: str) -> list[str]:
         if not isinstance(value, list):
             return [f"{where}: {value!r} is not {text}"]
         return [p for i, v in enumerate(value) for p in _matches(v, ann.slice, f"{where}[{i}]")]
+    if isinstance(ann, ast.Subscript) and ast.unparse(ann.value) == "dict":
+        if not isinstance(value, dict):
+            return [f"{where}: {value!r} is not {text}"]
+        key, val = ann.slice.elts
+        return [p for k, v in value.items()
+                for p in _matches(k, key, f"{where} key {k!r}") + _matches(v, val, f"{where}[{k!r}]")]
     if isinstance(ann, ast.Subscript) and ast.unparse(ann.value) == "Literal":
         allowed = [e.value for e in (ann.slice.elts if isinstance(ann.slice, ast.Tuple) else [ann.slice])]
         return [] if value in allowed else [f"{where}: {value!r} is not {text}"]

@@ -213,6 +213,11 @@ struct ToHfFlags {
     /// transformers) or modelopt (W4A16_NVFP4 with hf_quant_config.json, for TensorRT-LLM).
     #[arg(long, value_name = "LAYOUT")]
     quantize_format: Option<String>,
+    /// With --quantize: quantize a weight that holds NaN or infinities anyway, with a warning
+    /// each, instead of refusing the conversion (a NaN can become a finite code, an infinity
+    /// an infinite or zero scale that turns its block or scale group into NaN).
+    #[arg(long)]
+    allow_nonfinite: bool,
     /// Skip checkpoint keys that no rule maps instead of failing.
     #[arg(long)]
     allow_unmapped: bool,
@@ -320,6 +325,7 @@ impl ToHfFlags {
             quantize: self.quantize.clone(),
             quantize_format: self.quantize_format.clone(),
             allow_config_mismatch: self.allow_config_mismatch.clone(),
+            allow_nonfinite: self.allow_nonfinite,
         })
     }
 }
@@ -1184,6 +1190,7 @@ fn from_hf(hf: &Path, out: &Path, opts: &FromHfOptions, json: bool) -> Outcome {
     for w in &summary.warnings {
         let _ = writeln!(err, "shardwise: warning: {}", shown(w));
     }
+    warn_nonfinite(&summary.nonfinite);
     if let (n @ 1.., Some(prefix)) = (summary.vision_tensors, &summary.vision_prefix) {
         let _ = writeln!(
             err,
@@ -1229,6 +1236,24 @@ fn from_hf(hf: &Path, out: &Path, opts: &FromHfOptions, json: bool) -> Outcome {
     Ok(0)
 }
 
+/// A conversion's tensors holding NaN or infinities (its summary's `nonfinite`), on stderr: one
+/// line naming each with its count.
+fn warn_nonfinite(nonfinite: &std::collections::BTreeMap<String, u64>) {
+    if nonfinite.is_empty() {
+        return;
+    }
+    let listed: Vec<String> = nonfinite
+        .iter()
+        .map(|(name, n)| format!("{} ({n})", shown(name)))
+        .collect();
+    let _ = writeln!(
+        std::io::stderr(),
+        "shardwise: warning: {} hold NaN or infinite values, written as they are: {}",
+        count(nonfinite.len(), "tensor"),
+        listed.join(", ")
+    );
+}
+
 fn to_hf(dir: &Location, out: &Path, opts: &HfOptions, json: bool) -> Outcome {
     let bar = spinner(
         "to-hf {spinner} {binary_bytes} written {binary_bytes_per_sec} {elapsed}",
@@ -1262,6 +1287,7 @@ fn to_hf(dir: &Location, out: &Path, opts: &HfOptions, json: bool) -> Outcome {
     for w in &summary.warnings {
         let _ = writeln!(err, "shardwise: warning: {w}");
     }
+    warn_nonfinite(&summary.nonfinite);
     if json {
         print_json(&summary)?;
     } else {

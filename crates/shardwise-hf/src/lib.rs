@@ -20,6 +20,7 @@
 mod config;
 pub mod diff;
 mod families;
+mod finite;
 mod from_hf;
 pub mod fuzzing;
 mod gdn;
@@ -33,6 +34,7 @@ mod tokenizer;
 mod vision;
 mod write;
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -107,6 +109,8 @@ pub struct ToHfRequest {
     /// `--allow-config-mismatch`: config fields (or their args fields) whose disagreement with the
     /// stored args is a warning, not a refusal ([`HfOptions::allow_config_mismatch`]).
     pub allow_config_mismatch: Vec<String>,
+    /// Quantize tensors that hold NaN or infinities anyway (a warning each), instead of refusing.
+    pub allow_nonfinite: bool,
 }
 
 impl Default for ToHfRequest {
@@ -127,6 +131,7 @@ impl Default for ToHfRequest {
             quantize: None,
             quantize_format: None,
             allow_config_mismatch: Vec::new(),
+            allow_nonfinite: false,
         }
     }
 }
@@ -206,6 +211,9 @@ pub struct HfOptions {
     /// disagreement with the stored args converts with a warning; config.json is written as
     /// given, so the export keeps its value. A name of no row of the architecture is refused.
     pub allow_config_mismatch: Vec<String>,
+    /// `--allow-nonfinite`: quantize a tensor that holds NaN or infinities anyway (its summary
+    /// warns), instead of refusing the conversion before it commits anything.
+    pub allow_nonfinite: bool,
 }
 
 impl HfOptions {
@@ -241,6 +249,7 @@ impl HfOptions {
                 .map(str::parse)
                 .transpose()?,
             allow_config_mismatch: user.allow_config_mismatch,
+            allow_nonfinite: user.allow_nonfinite,
         })
     }
 }
@@ -279,6 +288,11 @@ pub struct HfSummary {
     pub quantized: usize,
     /// Tokenizer files copied (from `--tokenizer` or `<checkpoint>/tokenizer/`).
     pub tokenizer_files: usize,
+    /// HF tensors written by this process that hold NaN or infinities, with how many: counted in
+    /// the values written (as the output dtype: a float32 value beyond float16's range becomes an
+    /// infinity), for a quantized tensor in the values it was quantized from (only with
+    /// `allow_nonfinite`; otherwise the conversion is refused). Empty when every value is finite.
+    pub nonfinite: BTreeMap<String, u64>,
     /// `"i/n"` for one part of a split conversion.
     pub part: Option<String>,
     /// Whether the index is committed (always for one process; for a part, when every part has
@@ -322,9 +336,12 @@ pub fn to_hf(
     let ckpt = Checkpoint::open(ckpt)?;
     let c = Conversion::plan(&ckpt, opts, scheme)?;
     let shards = shard_plan(&c.tensors, opts)?;
-    let (which, committed) = write_and_commit(&ckpt, &c, &shards, out_dir, opts, progress)?;
+    let (which, written, committed) =
+        write_and_commit(&ckpt, &c, &shards, out_dir, opts, progress)?;
     let seconds = t0.elapsed().as_secs_f64();
     let bytes: u64 = which.iter().map(|&k| shards.shards[k].data_len).sum();
+    let mut warnings = c.check.warnings;
+    warnings.extend(nonfinite_warnings(&c.tensors, &written));
     Ok(HfSummary {
         tensors: which.iter().map(|&k| shards.shards[k].tensors.len()).sum(),
         bytes,
@@ -334,7 +351,7 @@ pub fn to_hf(
         skipped_keys: c.skipped,
         args_check: c.check.status,
         args_unchecked: c.check.unchecked,
-        warnings: c.check.warnings,
+        warnings,
         padding_rows_dropped: match (c.rows, c.d.vocab_size) {
             (Some(r), Some(v)) => r.saturating_sub(v),
             _ => 0,
@@ -344,6 +361,10 @@ pub fn to_hf(
         vision_tensors: c.vision_tensors,
         quantized: c.quantized,
         tokenizer_files: if committed { c.tokenizer_files } else { 0 },
+        nonfinite: written
+            .into_iter()
+            .map(|(name, found)| (name, found.total()))
+            .collect(),
         part: opts.part.map(|p| format!("{}/{}", p.index, p.count)),
         committed,
     })
@@ -507,10 +528,12 @@ fn shard_plan(tensors: &[HfTensor], opts: &HfOptions) -> Result<write::ShardPlan
 }
 
 /// Phases 4 and 5: writes this conversion's shard files (all, or this part's), then commits (the
-/// index last); returns the shard files written and whether the folder is committed.
+/// index last); returns the shard files written, the non-finite values of the HF tensors written
+/// ([`write::write_shards`]), and whether the folder is committed. When a write fails, what this run wrote goes: the staged shards (or this part's),
+/// and the output folder when this run made it.
 ///
-/// Errors: storage errors, the read and conversion errors of [`write::write_shards`],
-/// [`Error::Interrupted`] (nothing committed).
+/// Errors: storage errors, the read and conversion errors of [`write::write_shards`] (a tensor to
+/// quantize holding NaN or infinities among them), [`Error::Interrupted`] (nothing committed).
 fn write_and_commit(
     ckpt: &Checkpoint,
     c: &Conversion,
@@ -518,49 +541,89 @@ fn write_and_commit(
     out_dir: &Path,
     opts: &HfOptions,
     progress: &(dyn Fn(u64) + Sync),
-) -> Result<(Vec<usize>, bool)> {
+) -> Result<(Vec<usize>, BTreeMap<String, finite::NonFinite>, bool)> {
     let index = write::index_bytes(shards);
+    let made_dir = !out_dir.exists();
     create_dir_all(out_dir)?;
     let write = |which: &[usize], path: &dyn Fn(usize) -> PathBuf| {
-        write::write_shards(
+        let values = write::Values {
+            dtype: opts.dtype,
+            allow_nonfinite: opts.allow_nonfinite,
+        };
+        let written = write::write_shards(
             ckpt,
             &c.tensors,
             shards,
             which,
-            opts.dtype,
+            values,
             opts.threads,
             path,
             progress,
-        )
-    };
-    let Some(part) = opts.part else {
-        let staging = output::stage(out_dir)?;
-        let which: Vec<usize> = (0..shards.shards.len()).collect();
-        if let Err(e) = write(&which, &|k| staging.join(shards.file_name(k))) {
-            // Nothing was committed; the staged shards are of no use (best effort: a later run
-            // removes a leftover staging folder too).
-            let _ = std::fs::remove_dir_all(&staging);
-            return Err(e);
+        );
+        if written.is_err() {
+            // Nothing was committed; what was written is of no use (best effort: a later run
+            // removes a leftover staging folder or part file too).
+            for &k in which {
+                let _ = std::fs::remove_file(path(k));
+            }
         }
-        output::commit(out_dir, &staging, shards, &index, &c.files)?;
-        return Ok((which, true));
+        written
     };
-    if output::prepare_part(out_dir, shards, &index)? {
-        return Ok((Vec::new(), true));
+    let result = (|| {
+        let Some(part) = opts.part else {
+            let staging = output::stage(out_dir)?;
+            let which: Vec<usize> = (0..shards.shards.len()).collect();
+            let written = write(&which, &|k| staging.join(shards.file_name(k)));
+            if written.is_err() {
+                let _ = std::fs::remove_dir_all(&staging);
+            }
+            let written = written?;
+            output::commit(out_dir, &staging, shards, &index, &c.files)?;
+            return Ok((which, written, true));
+        };
+        if output::prepare_part(out_dir, shards, &index)? {
+            return Ok((Vec::new(), BTreeMap::new(), true));
+        }
+        let which = part.shards(shards.shards.len());
+        let written = write(&which, &|k| {
+            output::part_temp(out_dir, &shards.file_name(k), part)
+        })?;
+        let committed = output::commit_part(
+            out_dir,
+            &source_identity(ckpt, &c.tensors)?,
+            shards,
+            part,
+            &index,
+            &c.files,
+        )?;
+        Ok((which, written, committed))
+    })();
+    if result.is_err() && made_dir {
+        // `remove_dir` only removes an empty folder: another part's files stay.
+        let _ = std::fs::remove_dir(out_dir.join(output::PARTS));
+        let _ = std::fs::remove_dir(out_dir);
     }
-    let which = part.shards(shards.shards.len());
-    write(&which, &|k| {
-        output::part_temp(out_dir, &shards.file_name(k), part)
-    })?;
-    let committed = output::commit_part(
-        out_dir,
-        &source_identity(ckpt, &c.tensors)?,
-        shards,
-        part,
-        &index,
-        &c.files,
-    )?;
-    Ok((which, committed))
+    result
+}
+
+/// One warning per quantized tensor of `tensors` that `nonfinite` lists (written with
+/// `allow_nonfinite`): what its quantized form holds instead.
+fn nonfinite_warnings(
+    tensors: &[HfTensor],
+    nonfinite: &BTreeMap<String, finite::NonFinite>,
+) -> Vec<String> {
+    tensors
+        .iter()
+        .filter_map(|t| {
+            let (scheme, found) = (t.quant?, nonfinite.get(&t.name)?);
+            Some(format!(
+                "{} holds {}, quantized anyway (--allow-nonfinite, {}): a NaN may have become a finite code, an infinity an infinite or zero scale, which turns its block or scale group into NaN when dequantized",
+                t.name,
+                found.describe(),
+                scheme.quantize_name()
+            ))
+        })
+        .collect()
 }
 
 /// What a quantized conversion declares: config.json's `quantization_config`, and the files
@@ -631,7 +694,7 @@ fn quantize_plan(
             if input % g != 0 {
                 return Err(Error::InvalidArgument(format!(
                     "--quantize {}: {} {:?}: its input dimension {input} is not a multiple of the {g}-element scale group",
-                    opts_name(scheme),
+                    scheme.quantize_name(),
                     t.name,
                     t.shape,
                 )));
@@ -670,16 +733,6 @@ fn quantize_plan(
         config,
         files: Vec::new(),
     })
-}
-
-/// The `--quantize` name of `scheme`, for messages.
-fn opts_name(scheme: quant::Scheme) -> &'static str {
-    match scheme {
-        quant::Scheme::Fp8Block(_) => "fp8-block",
-        quant::Scheme::Mxfp4 => "mxfp4",
-        quant::Scheme::Nvfp4(_) => "nvfp4",
-        quant::Scheme::Mxfp8 => "mxfp8",
-    }
 }
 
 /// Moves the quantized members of each scale group ([`quant::scale_group`]) right after the

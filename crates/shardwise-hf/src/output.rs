@@ -26,7 +26,7 @@ use shardwise::error::{Error, Result};
 use shardwise::storage::{atomic_create, atomic_write, create_dir_all, fsync_dir, Location};
 
 const STAGING: &str = ".to-hf-staging";
-const PARTS: &str = ".to-hf-parts";
+pub(crate) const PARTS: &str = ".to-hf-parts";
 /// The HF model config: its name in an HF folder (transformers `CONFIG_NAME`).
 pub(crate) const CONFIG: &str = "config.json";
 

@@ -425,6 +425,16 @@ impl Scheme {
         }
     }
 
+    /// The `--quantize` name of the scheme, for messages.
+    pub(crate) fn quantize_name(self) -> &'static str {
+        match self {
+            Scheme::Fp8Block(_) => "fp8-block",
+            Scheme::Mxfp4 => "mxfp4",
+            Scheme::Nvfp4(_) => "nvfp4",
+            Scheme::Mxfp8 => "mxfp8",
+        }
+    }
+
     /// Whether the scheme keeps MTP layers unquantized: NVFP4 and MXFP8 follow ModelOpt's default
     /// exclusions ([`MODELOPT_DISABLED`] `mtp.*`; DeepSeek's MTP layer, `model.layers.{L}`, is one
     /// ModelOpt never sees, as transformers does not load it); block FP8 quantizes them as
@@ -690,24 +700,6 @@ pub(crate) fn prepared(name: &str, values: &[u8], dtype: DType, out: DType) -> R
 /// largest of its members' ([`quantize_prepared`]'s `group_amax`).
 pub(crate) fn amax(x: &[f32]) -> f32 {
     nvfp4::amax(x)
-}
-
-/// The bytes of the tensors [`stored`] lists for HF tensor `name` (`values`: `shape` in `dtype`,
-/// float32, bfloat16 or float16), concatenated in that order; a tensor quantized alone (no
-/// [`scale_group`] partner). See [`quantize_prepared`].
-///
-/// Errors: those of the quantizers, naming `name`.
-pub(crate) fn quantize(
-    name: &str,
-    scheme: Scheme,
-    values: &[u8],
-    dtype: DType,
-    out: DType,
-    shape: &[u64],
-) -> Result<Vec<u8>> {
-    let x = prepared(name, values, dtype, out)?;
-    let a = amax(&x);
-    quantize_prepared(name, scheme, x, out, shape, a)
 }
 
 /// The bytes of the tensors [`stored`] lists for HF tensor `name` from its [`prepared`] values `x`
@@ -1523,6 +1515,20 @@ mod tests {
         assert_eq!(bytes.len(), 32 + 2);
         assert!(bytes[..16].iter().all(|&b| b == 0) && bytes[16..32].iter().all(|&b| b == 0x77));
         assert_eq!(&bytes[32..], &[0, 126]); // amax 3: 3 / 6 = 2^-1
+    }
+
+    /// [`quantize_prepared`] of a tensor quantized alone, from its stored bytes.
+    fn quantize(
+        name: &str,
+        scheme: Scheme,
+        values: &[u8],
+        dtype: DType,
+        out: DType,
+        shape: &[u64],
+    ) -> Result<Vec<u8>> {
+        let x = prepared(name, values, dtype, out)?;
+        let a = amax(&x);
+        quantize_prepared(name, scheme, x, out, shape, a)
     }
 
     #[test]

@@ -5,10 +5,12 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
+use std::sync::Mutex;
 
 use rayon::prelude::*;
 use serde::Serialize;
 
+use super::finite::{self, NonFinite};
 use super::plan::{read_hf_tensor, HfTensor};
 use super::quant;
 use shardwise::error::{Error, Result, Stopped};
@@ -245,21 +247,34 @@ pub(crate) fn shard_plan(
     Ok(plan)
 }
 
+/// How [`write_shards`] writes values: `dtype` the output dtype (None: as stored), and whether
+/// non-finite values are quantized anyway (`--allow-nonfinite`) instead of refused.
+#[derive(Clone, Copy)]
+pub(crate) struct Values {
+    pub dtype: Option<DType>,
+    pub allow_nonfinite: bool,
+}
+
 /// Writes shards `which` of `plan` (indices into `plan.shards`), shard k to `path(k)`: headers
-/// first, then every tensor of those shards read, converted to `out_dtype` and written at its
-/// offset by `threads` workers; files are synced. `progress(bytes)` is called as tensors are
-/// written. Returns the data bytes written.
+/// first, then every tensor of those shards read, converted to `values.dtype` (or quantized) and
+/// written at its offset by `threads` workers; files are synced. `progress(bytes)` is called as
+/// tensors are written. Returns the non-finite values of each HF tensor written that holds any
+/// ([`finite`]), by name.
+///
+/// Errors: the reads' and conversions' errors; [`Error::Validation`] for a tensor to quantize
+/// that holds NaN or infinities ([`finite::refusal`]) unless `values.allow_nonfinite`; storage
+/// errors; [`Error::Interrupted`].
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn write_shards(
     ckpt: &Checkpoint,
     tensors: &[HfTensor],
     plan: &ShardPlan,
     which: &[usize],
-    out_dtype: Option<DType>,
+    values: Values,
     threads: usize,
     path: &dyn Fn(usize) -> PathBuf,
     progress: &(dyn Fn(u64) + Sync),
-) -> Result<u64> {
+) -> Result<BTreeMap<String, NonFinite>> {
     // The write jobs: each a run of (tensor, file, absolute offset), one tensor or a scale group.
     let mut jobs: Vec<Vec<(usize, usize, u64)>> = Vec::new();
     let mut files = Vec::with_capacity(which.len());
@@ -275,7 +290,7 @@ pub(crate) fn write_shards(
                 Some(run) if tensors[i].with_previous => run.push((i, f, data_start + off)),
                 _ => jobs.push(vec![(i, f, data_start + off)]),
             }
-            off += written_bytes(&tensors[i], out_dtype);
+            off += written_bytes(&tensors[i], values.dtype);
         }
         files.push(file);
     }
@@ -283,6 +298,7 @@ pub(crate) fn write_shards(
         .num_threads(threads.max(1))
         .build()
         .map_err(|e| Error::InvalidArgument(format!("thread pool: {e}")))?;
+    let nonfinite = Mutex::new(BTreeMap::new());
     // The workers run on the pool while this thread watches for Ctrl-C (the interrupt check runs
     // Python's signal handlers, which only the calling thread may): a job not yet started, and a
     // job between its read and its write, stop with `Interrupted`, so the conversion ends within
@@ -299,35 +315,44 @@ pub(crate) fn write_shards(
                 .with_max_len(1)
                 .map(|run| -> Result<u64> {
                     stopped()?;
-                    let outputs = run_bytes(ckpt, tensors, run, out_dtype)?;
+                    let outputs = run_bytes(ckpt, tensors, run, values)?;
                     stopped()?;
                     let mut n = 0;
-                    for (&(_, f, off), bytes) in run.iter().zip(outputs) {
+                    for (&(i, f, off), (bytes, found)) in run.iter().zip(outputs) {
                         files[f].write_at(&bytes, off)?;
                         progress(bytes.len() as u64);
                         n += bytes.len() as u64;
+                        if found.total() > 0 {
+                            let mut m = nonfinite.lock().unwrap_or_else(|e| e.into_inner());
+                            m.insert(tensors[i].name.clone(), found);
+                        }
                     }
                     Ok(n)
                 })
                 .sum::<Result<u64>>()
         })
     });
-    let total = total?;
+    total?;
     for f in &files {
         f.sync()?;
     }
-    Ok(total)
+    Ok(nonfinite.into_inner().unwrap_or_else(|e| e.into_inner()))
 }
 
-/// The bytes written for each tensor of `run` (a tensor, or a scale group's members in order):
-/// each read, then converted to the output dtype, or quantized ([`quant::quantize_prepared`]) with
-/// the largest `|x|` over the whole run as its tensor-scale statistic.
+/// The bytes written for each tensor of `run` (a tensor, or a scale group's members in order),
+/// with the non-finite values of what it writes: each read, then converted to the output dtype
+/// (counted in the bytes written), or rounded to it and quantized ([`quant::quantize_prepared`],
+/// counted in the rounded values, and refused unless `values.allow_nonfinite`) with the largest
+/// `|x|` over the whole run as its tensor-scale statistic.
+///
+/// Errors: the reads' and conversions' errors; [`Error::Validation`] for non-finite values to
+/// quantize, naming the first member of the run that holds any.
 fn run_bytes(
     ckpt: &Checkpoint,
     tensors: &[HfTensor],
     run: &[(usize, usize, u64)],
-    out_dtype: Option<DType>,
-) -> Result<Vec<Vec<u8>>> {
+    values: Values,
+) -> Result<Vec<(Vec<u8>, NonFinite)>> {
     let read = |t: &HfTensor| -> Result<Vec<u8>> {
         let item = t.src_dtype.itemsize();
         let mut buf = vec![0u8; (t.shape.iter().product::<u64>() * item) as usize];
@@ -336,38 +361,48 @@ fn run_bytes(
     };
     if let [(i, _, _)] = run {
         let t = &tensors[*i];
-        let out = t.out_dtype(out_dtype);
-        let buf = read(t)?;
-        return Ok(vec![match t.quant {
-            // Rounded to the output dtype and quantized in one pass over the values.
-            Some(s) => quant::quantize(&t.name, s, &buf, t.src_dtype, out, &t.shape)?,
-            None if out == t.src_dtype => buf,
-            None => convert(&buf, t.src_dtype, out)?,
-        }]);
+        if t.quant.is_none() {
+            let out = t.out_dtype(values.dtype);
+            let buf = read(t)?;
+            let buf = if out == t.src_dtype {
+                buf
+            } else {
+                convert(&buf, t.src_dtype, out)?
+            };
+            let found = finite::count(&buf, out);
+            return Ok(vec![(buf, found)]);
+        }
     }
-    // A scale group: every member is quantized (see `gather_scale_groups`).
-    let mut values = Vec::with_capacity(run.len());
+    // Quantized: a tensor alone, or a scale group (every member is quantized, see
+    // `gather_scale_groups`), rounded to the output dtype and checked before any is quantized.
+    let mut prepared = Vec::with_capacity(run.len());
     for &(i, _, _) in run {
         let t = &tensors[i];
-        let out = t.out_dtype(out_dtype);
-        values.push(quant::prepared(&t.name, &read(t)?, t.src_dtype, out)?);
-    }
-    let group_amax = values.iter().map(|x| quant::amax(x)).fold(0f32, f32::max);
-    run.iter()
-        .zip(values)
-        .map(|(&(i, _, _), x)| {
-            let t = &tensors[i];
-            let scheme = t.quant.ok_or_else(|| {
-                Error::Validation(format!("{}: in a scale group but not quantized", t.name))
-            })?;
-            quant::quantize_prepared(
+        let out = t.out_dtype(values.dtype);
+        let scheme = t.quant.ok_or_else(|| {
+            Error::Validation(format!("{}: in a scale group but not quantized", t.name))
+        })?;
+        let x = quant::prepared(&t.name, &read(t)?, t.src_dtype, out)?;
+        let found = finite::count_f32(&x);
+        if found.total() > 0 && !values.allow_nonfinite {
+            return Err(Error::Validation(finite::refusal(
+                scheme.quantize_name(),
                 &t.name,
-                scheme,
-                x,
-                t.out_dtype(out_dtype),
-                &t.shape,
-                group_amax,
-            )
+                found,
+                out,
+            )));
+        }
+        prepared.push((t, scheme, out, x, found));
+    }
+    let group_amax = prepared
+        .iter()
+        .map(|(_, _, _, x, _)| quant::amax(x))
+        .fold(0f32, f32::max);
+    prepared
+        .into_iter()
+        .map(|(t, scheme, out, x, found)| {
+            let bytes = quant::quantize_prepared(&t.name, scheme, x, out, &t.shape, group_amax)?;
+            Ok((bytes, found))
         })
         .collect()
 }

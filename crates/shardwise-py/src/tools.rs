@@ -20,15 +20,18 @@ use shardwise::commit::wait::Freshness;
 /// checkpoint's `tokenizer/`), `quantize` (`"fp8-block"`, `"mxfp4"`, `"nvfp4"` or `"mxfp8"`: see
 /// `shardwise to-hf --quantize`), `quantize_format` (`"compressed-tensors"` or `"modelopt"`, for
 /// `"nvfp4"`), `allow_config_mismatch` (a list of config field names, each a `str`: see
-/// `shardwise to-hf --allow-config-mismatch`). Returns the summary as a dict with the fields of
+/// `shardwise to-hf --allow-config-mismatch`), `allow_nonfinite` (quantize a weight holding NaN or
+/// infinities anyway, a warning each; without it such a weight raises `ValidationError` naming
+/// it, before anything is committed). Returns the summary as a dict with the fields of
 /// `shardwise to-hf --json` (`tensors`, `bytes`, `files`, `seconds`, `gb_per_s`, `skipped_keys`,
 /// `args_check`, `args_unchecked`, `warnings`, `padding_rows_dropped`, `config_written`,
-/// `mtp_layers`, `vision_tensors`, `quantized`, `tokenizer_files`, `part`, `committed`).
+/// `mtp_layers`, `vision_tensors`, `quantized`, `tokenizer_files`, `nonfinite`, `part`,
+/// `committed`).
 /// Raises `InvalidArgumentError` (also for `workers` that is not a whole number >= 1, and an
 /// `allow_config_mismatch` that is not a list of str), `ValidationError`, `StorageError`,
 /// `CorruptFileError`.
 #[pyfunction]
-#[pyo3(signature = (checkpoint_dir, out_dir, *, hf_config=None, arch=None, dtype=None, max_shard_size="5GB", workers=None, allow_unmapped=false, overwrite=false, part=None, base_hf=None, text_only=false, drop_mtp=false, tokenizer=None, quantize=None, quantize_format=None, allow_config_mismatch=None))]
+#[pyo3(signature = (checkpoint_dir, out_dir, *, hf_config=None, arch=None, dtype=None, max_shard_size="5GB", workers=None, allow_unmapped=false, overwrite=false, part=None, base_hf=None, text_only=false, drop_mtp=false, tokenizer=None, quantize=None, quantize_format=None, allow_config_mismatch=None, allow_nonfinite=false))]
 #[allow(clippy::too_many_arguments)]
 pub(super) fn to_hf(
     py: Python<'_>,
@@ -49,6 +52,7 @@ pub(super) fn to_hf(
     quantize: Option<String>,
     quantize_format: Option<String>,
     allow_config_mismatch: Option<&Bound<'_, PyAny>>,
+    allow_nonfinite: bool,
 ) -> PyResult<Py<PyAny>> {
     let allow_config_mismatch = str_list("allow_config_mismatch", allow_config_mismatch)?;
     let opts = shardwise_hf::HfOptions::from_user(shardwise_hf::ToHfRequest {
@@ -67,6 +71,7 @@ pub(super) fn to_hf(
         quantize,
         quantize_format,
         allow_config_mismatch,
+        allow_nonfinite,
     })
     .map_err(to_py)?;
     let s = py

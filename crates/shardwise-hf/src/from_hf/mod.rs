@@ -18,6 +18,7 @@ mod plan;
 mod run;
 mod source;
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -195,6 +196,11 @@ pub struct FromHfSummary {
     pub vision_prefix: Option<String>,
     /// What was converted otherwise than the folder or config.json suggests.
     pub warnings: Vec<String>,
+    /// HF tensors read by this process that hold NaN or infinities, with how many (counted in
+    /// the values written, in the output dtype, after dequantization for a quantized release).
+    /// Reported, not refused: the checkpoint holds what the folder holds. Empty when every value
+    /// is finite.
+    pub nonfinite: BTreeMap<String, u64>,
     pub stacked_layers: bool,
     pub padded_vocab_size: u64,
     pub iteration: u64,
@@ -527,12 +533,14 @@ struct Conversion {
     save_id: String,
 }
 
-/// What phase 3 wrote: tensor chunks, their bytes, data files.
+/// What phase 3 wrote: tensor chunks, their bytes, data files, and the HF tensors read that hold
+/// NaN or infinities, with how many.
 #[derive(Default)]
 struct Written {
     chunks: usize,
     bytes: u64,
     files: usize,
+    nonfinite: BTreeMap<String, u64>,
 }
 
 impl Conversion {
@@ -641,11 +649,14 @@ impl Conversion {
         let none_pt = none_list_archive();
         let objects = extra_state_objects(&self.extra, &none_pt);
         let jobs = |g: usize| &self.plan.jobs[self.groups.get(g).cloned().unwrap_or(0..0)];
+        let nonfinite = std::sync::Mutex::new(BTreeMap::new());
         let convert = |g: usize, stop: &AtomicBool| -> Result<Vec<Vec<u8>>> {
             jobs(g)
                 .iter()
                 .map(|j| {
-                    let b = run::run_job(&self.src, j, opts.dtype, stop)?;
+                    let (b, found) = run::run_job(&self.src, j, opts.dtype, stop)?;
+                    let mut m = nonfinite.lock().unwrap_or_else(|e| e.into_inner());
+                    m.extend(found.into_iter().map(|(name, n)| (name, n.total())));
                     progress(b.len() as u64);
                     Ok(b)
                 })
@@ -690,19 +701,25 @@ impl Conversion {
                 chunks: tensors.len(),
                 bytes: tensors.iter().map(|t| t.data.len()).sum(),
                 files: report.data_file.is_some() as usize,
+                nonfinite: BTreeMap::new(),
             })
         };
         let written = convert_then_save(&pool, &mine, convert, save)?;
         if interrupted() {
             return Err(Error::Interrupted(Stopped::Commit));
         }
-        Ok(written
-            .into_iter()
-            .fold(Written::default(), |a, w| Written {
+        Ok(written.into_iter().fold(
+            Written {
+                nonfinite: nonfinite.into_inner().unwrap_or_else(|e| e.into_inner()),
+                ..Written::default()
+            },
+            |a, w| Written {
                 chunks: a.chunks + w.chunks,
                 bytes: a.bytes + w.bytes,
                 files: a.files + w.files,
-            }))
+                nonfinite: a.nonfinite,
+            },
+        ))
     }
 
     /// The summary of a conversion that wrote `written` in `took`.
@@ -741,6 +758,7 @@ impl Conversion {
             vision_tensors: self.left.vision,
             vision_prefix: self.vision_prefix.map(str::to_string),
             warnings: self.warnings,
+            nonfinite: written.nonfinite,
             stacked_layers: p.stacked,
             padded_vocab_size: self.padded_vocab,
             iteration: opts.iteration,

@@ -8,18 +8,30 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use super::super::plan::invert_post;
 use super::plan::{Chunk, Job};
 use super::source::HfSource;
+use crate::finite::NonFinite;
 use shardwise::error::{Error, Result, Stopped};
 use shardwise::format::dtype::DType;
 
-/// The Megatron source tensor of job `j` in `dtype` (`experts x rows x rest`, C order); `stop`
-/// (Ctrl-C) is checked before each HF tensor is read.
+/// The HF tensors a job read that hold NaN or infinities, with what they hold.
+pub(crate) type Found = Vec<(String, NonFinite)>;
+
+/// The Megatron source tensor of job `j` in `dtype` (`experts x rows x rest`, C order), and the
+/// non-finite values of each HF tensor it reads that holds any (counted as read into `dtype`,
+/// dequantized when quantized: what the checkpoint will hold); `stop` (Ctrl-C) is checked before
+/// each HF tensor is read.
 ///
 /// Errors: [`Error::Interrupted`] when `stop` is set; the reader's and [`invert_post`]'s.
-pub(crate) fn run_job(src: &HfSource, j: &Job, dtype: DType, stop: &AtomicBool) -> Result<Vec<u8>> {
+pub(crate) fn run_job(
+    src: &HfSource,
+    j: &Job,
+    dtype: DType,
+    stop: &AtomicBool,
+) -> Result<(Vec<u8>, Found)> {
     let item = dtype.itemsize() as usize;
     let row = j.rest.iter().product::<u64>() as usize * item;
     let rows = j.rows as usize;
     let mut buf = vec![0u8; j.numel() as usize * item];
+    let mut nonfinite = Vec::new();
     for input in &j.inputs {
         if stop.load(Ordering::Relaxed) {
             return Err(Error::Interrupted(Stopped::Commit));
@@ -27,6 +39,10 @@ pub(crate) fn run_job(src: &HfSource, j: &Job, dtype: DType, stop: &AtomicBool) 
         let n = input.shape.iter().product::<u64>() as usize;
         let mut tmp = vec![0u8; n * item];
         src.read(&input.name, dtype, &mut tmp)?;
+        let found = crate::finite::count(&tmp, dtype);
+        if found.total() > 0 {
+            nonfinite.push((input.name.clone(), found));
+        }
         invert_post(j.post, dtype, &input.shape, &mut tmp)?;
         let per_expert = tmp.len() / j.experts as usize;
         for e in 0..j.experts as usize {
@@ -49,7 +65,7 @@ pub(crate) fn run_job(src: &HfSource, j: &Job, dtype: DType, stop: &AtomicBool) 
             }
         }
     }
-    Ok(buf)
+    Ok((buf, nonfinite))
 }
 
 /// Chunk `c`'s bytes in its job's buffer.
