@@ -89,13 +89,18 @@ const METADATA_JSON_FIELDS: [&str; 4] = [
 ];
 
 /// Verifies the checkpoint at `loc` (directory or object-store prefix), reading every item;
-/// `progress(n)` is called as items complete.
+/// `items(total)` is called once `.metadata` is decoded, with the number of items it names, then
+/// `progress(n)` as items complete.
 ///
 /// Errors: only when `.metadata` itself (or the checksum sidecar) cannot be read or decoded
 /// (naming the globals outside the allow-list that `.metadata` holds, if any); every other
 /// finding is a [`Problem`] in the report.
-pub fn verify(loc: &Location, progress: &(dyn Fn(u64) + Sync)) -> Result<Report> {
-    run(loc, false, progress)
+pub fn verify(
+    loc: &Location,
+    items: &dyn Fn(u64),
+    progress: &(dyn Fn(u64) + Sync),
+) -> Result<Report> {
+    run(loc, false, items, progress)
 }
 
 /// `verify --quick`: the checks that need no item data (layout, item bounds against the real file
@@ -103,10 +108,15 @@ pub fn verify(loc: &Location, progress: &(dyn Fn(u64) + Sync)) -> Result<Report>
 ///
 /// Errors: as [`verify`].
 pub fn verify_quick(loc: &Location) -> Result<Report> {
-    run(loc, true, &|_| {})
+    run(loc, true, &|_| {}, &|_| {})
 }
 
-fn run(loc: &Location, quick: bool, progress: &(dyn Fn(u64) + Sync)) -> Result<Report> {
+fn run(
+    loc: &Location,
+    quick: bool,
+    total: &dyn Fn(u64),
+    progress: &(dyn Fn(u64) + Sync),
+) -> Result<Report> {
     let (ckpt, damage) = match Checkpoint::open_as_found(loc) {
         Ok(c) => c,
         // A `.metadata` that is no DCP metadata may still be one that pickle.load runs: the
@@ -170,6 +180,7 @@ fn run(loc: &Location, quick: bool, progress: &(dyn Fn(u64) + Sync)) -> Result<R
         }
     }
     report.items = items.len();
+    total(items.len() as u64);
     report.problems.extend(check_megatron_files(&ckpt, quick));
     let (listed, _) = loc.list("")?;
     let newer = crate::dcp_local::stale_metadata(&listed);

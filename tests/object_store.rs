@@ -91,7 +91,7 @@ fn streamed_object_is_byte_identical_to_the_local_file() {
         let (chunk, _) = ckpt.chunk(&format!("layer.{i}.weight"), 0).unwrap();
         assert_eq!(chunk.storage(), &data[i][..]);
     }
-    let report = shardwise::verify::verify(&remote, &|_| {}).unwrap();
+    let report = shardwise::verify::verify(&remote, &|_| {}, &|_| {}).unwrap();
     assert!(report.problems.is_empty(), "{:?}", report.problems);
     assert_eq!(report.sidecar_checked, 3000);
 

@@ -7,6 +7,7 @@ Each case starts from a copy of one small valid 2-rank checkpoint and damages it
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import shutil
@@ -96,6 +97,84 @@ HOSTILE_PICKLES = {
 def test_hostile_metadata_pickle(ckpt, case):
     (ckpt / ".metadata").write_bytes(HOSTILE_PICKLES[case])
     expect_error(ckpt, shardwise.CorruptFileError)
+
+
+# Hostile .metadata pickles and the global each names, as verify must report it (it said "corrupt"
+# and no more): the first two from HOSTILE_PICKLES; pickle.dumps(os.system) on Linux names posix.
+NAMED_GLOBALS = {
+    "os_system_global": (HOSTILE_PICKLES["os_system_global"], "os.system"),
+    "builtins_eval_stack_global": (HOSTILE_PICKLES["builtins_eval_stack_global"], "builtins.eval"),
+    "posix_system": (P2 + b"cposix\nsystem\n(S'touch " + MARKER.encode() + b"'\ntR.", "posix.system"),
+    "subprocess_popen": (P2 + b"csubprocess\nPopen\n(S'true'\ntR.", "subprocess.Popen"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NAMED_GLOBALS))
+def test_verify_names_the_globals_of_a_hostile_metadata(ckpt, case):
+    raw, named = NAMED_GLOBALS[case]
+    (ckpt / ".metadata").write_bytes(raw)
+    before = tree_digest(ckpt)
+    for args in (["verify", str(ckpt)], ["verify", "--quick", str(ckpt)]):
+        out = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 1, (out.returncode, out.stdout, out.stderr)
+        assert f"pickle names {named} outside the classes a checkpoint holds" in out.stderr, out.stderr
+    assert tree_digest(ckpt) == before
+
+
+def _peak_rss_run(code: str, *args) -> tuple[str, int]:
+    """Runs ``code`` in a fresh Python (``sys.argv[1:]`` = ``args``); its stdout and its peak RSS
+    in bytes (``VmHWM`` of /proc/self/status, read as it ends)."""
+    tail = "\nprint('VmHWM', [l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1])"
+    out = subprocess.run([sys.executable, "-c", code + tail, *map(str, args)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[-1].startswith("VmHWM"), out.stdout
+    return "\n".join(lines[:-1]), int(lines[-1].split()[1]) * 1024
+
+
+# The CLI in this process (its output first, then its exit code): the extension is loaded, as the
+# command would load it, before the peak is read.
+RUN_CLI = "import sys\nfrom shardwise import _native\nprint(_native.cli_main(['shardwise', *sys.argv[1:]]))"
+
+
+@pytest.mark.parametrize("recorded", [True, False])
+def test_trailing_bytes_after_the_metadata_pickle_are_damage_read_in_bounded_memory(ckpt, recorded):
+    """2 GiB appended to `.metadata` (a sparse file: no disk used). verify and status read it whole
+    (2.1 GB of RAM) and called a committed save's "not the one committed"; now they read the pickle
+    to its STOP, or the committed length, and report the trailing bytes as damage, with a peak RSS
+    of the process, Python included, below 300 MB."""
+    if not recorded:
+        shutil.rmtree(ckpt / ".shardwise")  # as torch or Megatron leave it
+    meta = ckpt / ".metadata"
+    size = meta.stat().st_size
+    grown = size + (2 << 30)
+    os.truncate(meta, grown)
+    before = {**tree_digest(ckpt), ".metadata": None}
+    stamp = (meta.stat().st_size, meta.stat().st_mtime_ns)
+    said = {}
+    for command in ("verify", "status"):
+        said[command], peak = _peak_rss_run(RUN_CLI, command, ckpt)
+        assert said[command].splitlines()[-1] == "1", said[command]
+        assert peak < 300 << 20, f"{command}: peak RSS {peak >> 20} MiB"
+    if recorded:
+        assert f"followed by {grown - size} bytes that no writer leaves" in said["status"], said["status"]
+    else:
+        out = subprocess.run([*CLI, "status", "--json", str(ckpt)], capture_output=True, text=True, timeout=60)
+        reason = json.loads(out.stdout)["reason"]
+        assert reason.startswith(f".metadata has {grown - size} bytes after its pickle ends at byte {size}"), reason
+    v = subprocess.run([*CLI, "verify", str(ckpt)], capture_output=True, text=True, timeout=60)
+    assert v.returncode == 1 and f"{grown - size} bytes" in v.stdout, v.stdout
+    assert {**tree_digest(ckpt), ".metadata": None} == before and (meta.stat().st_size, meta.stat().st_mtime_ns) == stamp
+    if recorded:
+        # A load refuses it (the damage status reports); merge --repair writes the committed one back.
+        with pytest.raises(shardwise.CorruptFileError, match="bytes that no writer leaves"):
+            open_and_read(ckpt)
+        r = subprocess.run([*CLI, "merge", "--repair", str(ckpt)], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and meta.stat().st_size == size, (r.stdout, r.stderr)
+        assert subprocess.run([*CLI, "verify", str(ckpt)], capture_output=True, timeout=60).returncode == 0
+    else:
+        open_and_read(ckpt)  # as torch's pickle.load, the reader stops at the pickle's end
 
 
 @pytest.mark.parametrize("cut", [1, 100, "half"])

@@ -17,6 +17,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
 import shardwise
 import shardwise.megatron as swm
+from dcp_util import tree_digest
 
 SHARDWISE = str(Path(sys.executable).parent / "shardwise")
 
@@ -129,3 +130,82 @@ def test_a_whole_save_verifies_and_loads(saves, tmp_path):
     v = sw("verify", x)
     assert v.returncode == 0 and "2 items, 2 checked against save-time CRC-32s: OK" in v.stdout, v.stdout
     _loads_right(x, saves[1])
+
+
+# --- what status and merge --repair say is true (issue 44) ------------------------------------------
+
+CLI = [sys.executable, "-m", "shardwise.cli"]
+
+
+def cli(*args):
+    return subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, timeout=120)
+
+
+def _two_rank_save(d, states, timeout_s=5.0):
+    """Ranks 1 then 0 of one save into ``d`` (rank 0 merges); rank 0's error, or None."""
+    import uuid
+
+    sid = uuid.uuid4().hex
+    swm.save(states[1], d, rank=1, world_size=2, save_id=sid, wait_for_commit=False)
+    try:
+        swm.save(states[0], d, rank=0, world_size=2, save_id=sid, timeout_s=timeout_s)
+    except shardwise.ShardwiseError as e:
+        return e
+    return None
+
+
+def test_status_recommends_merge_only_when_it_would_commit(tmp_path):
+    """Two ranks save the same chunk: the merge fails its validation, and every part is there.
+    `status` said "`shardwise merge` would commit it", and `merge` refused. Now status names the
+    failure and recommends nothing, and merge still refuses, committing nothing. A save that failed
+    only for a rank that published late is still recommended, and merge commits it."""
+    full = {"w": ShardedTensor.from_rank_offsets("w", torch.ones(4, 8), replica_id=0)}
+    d = tmp_path / "overlap"
+    err = _two_rank_save(d, [full, full])
+    assert isinstance(err, shardwise.ValidationError) and "both save the same chunk" in str(err), err
+    data = {p.name: p.read_bytes() for p in d.glob("__*.distcp")}
+    st = cli("status", d)
+    assert st.returncode == 1 and "failed: validation failed: key w: rank 0 and rank 1 both save" in st.stdout
+    assert "would commit" not in st.stdout and "shardwise merge" not in st.stdout, st.stdout
+    js = json.loads(cli("status", d, "--json").stdout)
+    assert js["saves"][0]["state"] == "failed" and "would commit" not in js["saves"][0]["detail"], js
+    m = cli("merge", d)
+    assert m.returncode == 1 and "both save the same chunk" in m.stderr and "nothing committed" in m.stderr, m.stderr
+    assert not (d / ".metadata").exists() and not list(d.glob(".shardwise/*/COMMITTED"))
+    assert {p.name: p.read_bytes() for p in d.glob("__*.distcp")} == data
+    # The control: rank 1's part arrives after the merger gave up; status recommends merge, truly.
+    d = tmp_path / "late"
+    import uuid
+
+    sid = uuid.uuid4().hex
+    with pytest.raises(shardwise.MissingRanksError):
+        swm.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(4, 8), (0, 0, 2), replica_id=0)}, d,
+                 rank=0, world_size=2, save_id=sid, timeout_s=0.5)
+    swm.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(4, 8), (0, 1, 2), replica_id=0)}, d,
+             rank=1, world_size=2, save_id=sid, wait_for_commit=False)
+    st = cli("status", d)
+    assert "every rank's part is now present: `shardwise merge` would commit it" in st.stdout, st.stdout
+    assert cli("merge", d).returncode == 0 and cli("verify", d).returncode == 0
+
+
+def test_repair_of_a_flipped_data_byte_says_what_it_checked(saves, tmp_path):
+    """A bit flipped in a data file keeps its size: the commit state is "committed" (status does not
+    read data), and `merge --repair` said "committed and whole". It says now what it checked and
+    that verify reads the data; verify names the item; nothing changes."""
+    x = _copy(saves, tmp_path)
+    item = shardwise.open(x).metadata("q")["chunks"][0]
+    data = x / item["relative_path"]
+    raw = bytearray(data.read_bytes())
+    raw[item["offset"] + item["length"] - 8] ^= 0x10  # inside the tensor's bytes, before the zip's end records
+    data.write_bytes(bytes(raw))
+    before = tree_digest(x)
+    r = cli("merge", "--repair", x)
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert "whole" not in r.stderr, r.stderr
+    assert "the data's CRC-32s were not read: `shardwise verify" in r.stderr, r.stderr
+    assert "every data file has at least its recorded size" in r.stderr
+    v = cli("verify", x)
+    assert v.returncode == 1 and "PROBLEM q" in v.stdout and "CRC-32" in v.stdout, v.stdout
+    assert tree_digest(x) == before
+    with pytest.raises(shardwise.CorruptFileError, match="CRC-32"):
+        _load(x)

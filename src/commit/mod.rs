@@ -17,8 +17,8 @@
 //!
 //! 5. (Locally, [`merge`] has taken the `COMMITTING` lock.) [`collect_and_validate`]: a current
 //!    part of every rank, each folded into the global index as it is read, the whole validated,
-//!    and every data file still the one its part names; [`common_state`] (pure): a Megatron save
-//!    has a `common.pt`.
+//!    every data file still the one its part names, a Megatron save's `common.pt` there and the
+//!    ranks agreed on the integrity manifest ([`gather`]).
 //! 6. [`encode`]: the checksum sidecar and `.metadata`, encoded at once and streamed to storage as
 //!    they are made ([`Location::create_streamed`]): the sidecar is published, `.metadata` only
 //!    staged (written and fsynced under a temporary name); then [`place_common`]: rank 0's staged
@@ -43,6 +43,7 @@
 //! only-if-absent too (hard link of a temporary file).
 
 pub mod attempt;
+mod gather;
 pub mod liveness;
 pub mod lock;
 pub mod manifest;
@@ -61,6 +62,7 @@ use crate::format::sidecar::{self, Checksums, CHECKSUMS_FILE};
 use crate::format::METADATA_FILE;
 use crate::format::{COMMON_FILE, MEGATRON_METADATA_JSON, METADATA_JSON_FILE};
 use crate::storage::{Location, Mode, Staged};
+use gather::{collect_and_validate, Validated};
 use liveness::now_ns;
 use lock::{CommitLock, Lock};
 use manifest::Manifest;
@@ -71,7 +73,7 @@ use part::{
 pub use record::CommitSummary;
 use record::{not_committed, read_commit_record, CommitRecord, Digest, Digester};
 use state::{CheckpointState, MetadataWriter};
-use wait::{collect_parts, stale_reason, Backoff, Freshness};
+use wait::{Backoff, Freshness};
 
 /// Reads the checksum sidecar of the save that committed the checkpoint's current `.metadata`,
 /// `writer` ([`state::metadata_writer`]), if it has one; `.shardwise/checksums` of shardwise < 0.2
@@ -102,7 +104,7 @@ pub fn read_checksums(loc: &Location, writer: &MetadataWriter) -> Result<Option<
 /// Errors: as [`read_checksums`].
 pub fn same_tensor_crcs(a: &Location, b: &Location) -> Result<Option<bool>> {
     let sums = |loc: &Location| -> Result<Option<Checksums>> {
-        let Some(meta) = loc.read(METADATA_FILE)? else {
+        let Some(meta) = loc.read_held(METADATA_FILE)? else {
             return Ok(None);
         };
         read_checksums(loc, &state::metadata_writer(loc, &meta)?)
@@ -245,9 +247,16 @@ pub fn repair(loc: &Location, timeout: Duration) -> Result<(String, CommitSummar
             )))
         }
         CheckpointState::Committed { .. } => {
+            // What the state checked, no more: the data's bytes were not read, and `--repair`
+            // rebuilds only the commit's own files from the parts, never data.
             return Err(Error::InvalidArgument(format!(
-                "{loc} is committed and whole: nothing to repair"
-            )))
+                "{loc} is committed: its .metadata and common.pt are the ones its commit \
+                 recorded (same size and CRC-32, or the storage stamp the commit saw: size and \
+                 modification time, or ETag) and every data file has at least its recorded size, \
+                 so there is nothing `merge --repair` rebuilds (it rewrites .metadata and the \
+                 commit record from the parts, never data); the data's CRC-32s were not read: \
+                 `shardwise verify {loc}` checks them"
+            )));
         }
         CheckpointState::NotCommitted { reason } => {
             return Err(Error::InvalidArgument(format!(
@@ -324,10 +333,12 @@ fn commit_unguarded(
         parts,
         counts,
         global,
+        megatron,
+        common,
+        mut integrity,
     } = collect_and_validate(loc, save_id, world_size, timeout, fresh)?;
-    let CommonState { megatron, common } = common_state(&parts)?;
+    let common = common.as_ref();
     let common_digest = common_digest(loc, common)?;
-    let mut integrity = Manifest::of_parts(&parts)?;
     let meta = encode(loc, save_id, &global, publish, integrity.is_some())?;
     let record = commit_record(
         save_id,
@@ -349,89 +360,6 @@ fn commit_unguarded(
     };
     tidy(loc, save_id, &record);
     Ok(record.summary)
-}
-
-/// Step 5's outcome: a current part of every rank, folded into the global index and validated.
-struct Validated {
-    parts: Vec<RankPart>,
-    /// Each rank's (tensor chunks, byte objects), for the record's layout.
-    counts: BTreeMap<u32, (usize, usize)>,
-    global: validate::Global,
-}
-
-/// Step 5: waits for a current part of every rank, folds each into the index as it is read (then
-/// drops its items), validates the whole, and checks that no data file changed since its part.
-///
-/// Errors: as [`collect_parts`] and [`validate::Fold::finish`]; [`Error::Validation`] naming the
-/// rank whose data file changed.
-fn collect_and_validate(
-    loc: &Location,
-    save_id: &str,
-    world_size: u32,
-    timeout: Duration,
-    fresh: &Freshness,
-) -> Result<Validated> {
-    // Each part is folded into the index as it is read, then dropped; its item counts are kept
-    // for the record's layout.
-    let fold = validate::Fold::default();
-    let counts = std::sync::Mutex::new(BTreeMap::new());
-    let parts = collect_parts(loc, save_id, world_size, timeout, fresh, &|p, items| {
-        let n = (items.0.len(), items.1.len());
-        counts
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(p.rank, n);
-        fold.add_part(p, items)
-    })?;
-    let counts = counts.into_inner().unwrap_or_else(|e| e.into_inner());
-    let global = fold.finish(&parts)?;
-    check_data_files_unchanged(loc, &parts)?;
-    Ok(Validated {
-        parts,
-        counts,
-        global,
-    })
-}
-
-/// A data file may have been rewritten while the merger waited for the last part: each part's
-/// files must still be the ones it published (whatever the part's age).
-///
-/// Errors: [`Error::Validation`] naming the rank and why; storage errors.
-fn check_data_files_unchanged(loc: &Location, parts: &[RankPart]) -> Result<()> {
-    use rayon::prelude::*;
-
-    let any = Freshness {
-        since_ns: None,
-        failed_since_ns: 0,
-    };
-    parts
-        .par_iter()
-        .try_for_each(|p| match stale_reason(loc, p, &any)? {
-            None => Ok(()),
-            Some(why) => Err(Error::Validation(format!("rank {}: {why}", p.rank))),
-        })
-}
-
-/// Whether the parts are a Megatron save, and the `common.pt` one of them wrote.
-#[derive(Debug, PartialEq)]
-struct CommonState<'p> {
-    megatron: bool,
-    common: Option<&'p FileRecord>,
-}
-
-/// The common state the commit publishes: a Megatron save (the first part says) must have one.
-/// Pure.
-///
-/// Errors: [`Error::Validation`] for a Megatron save without `common.pt`.
-fn common_state(parts: &[RankPart]) -> Result<CommonState<'_>> {
-    let megatron = parts.first().is_some_and(|p| p.megatron);
-    let common = parts.iter().find_map(|p| p.common.as_ref());
-    if megatron && common.is_none() {
-        return Err(Error::Validation(
-            "no rank wrote common.pt (Megatron loaders require it)".into(),
-        ));
-    }
-    Ok(CommonState { megatron, common })
 }
 
 /// The digest of `common`'s bytes, read where it is staged, or in place (an earlier attempt of
@@ -787,6 +715,7 @@ pub(crate) mod testing {
 
 #[cfg(test)]
 mod tests {
+    use super::gather::{common_state, CommonState};
     use super::testing::{committed, memory, publish};
     use super::*;
 

@@ -16,12 +16,14 @@
 
 use std::collections::BTreeMap;
 
+use super::gather::merge_problem;
 use super::lock::dead_merger;
 use super::part::{listed_parts, read_failed, read_part, Marker, STATE_DIR};
 use super::record::{file_now, read_commit_record, CommitRecord, Digest, FileNow};
 use super::wait::{stale_reason, Freshness};
 use crate::error::Result;
 use crate::format::metadata::Entry;
+use crate::format::read_metadata::trailing_bytes;
 use crate::format::METADATA_FILE;
 use crate::format::{COMMON_FILE, METADATA_JSON_FILE};
 use crate::storage::Location;
@@ -118,26 +120,36 @@ pub fn checkpoint_state(loc: &Location) -> Result<CheckpointState> {
 }
 
 /// The damage of a directory whose saves left `records` (newest first) when its `.metadata` is not
-/// one their commits wrote: `found`, its digest, or None when it is absent.
+/// one their commits wrote: `found` ([`metadata_record`]).
 ///
 /// Errors: as [`damage`].
 fn metadata_damage(
     loc: &Location,
     ids: &[String],
     records: &[CommitRecord],
-    found: Option<Digest>,
+    found: Found,
 ) -> Result<Damage> {
     let r = &records[0];
+    let (m, id) = (r.metadata, &r.save_id);
     let reason = match found {
-        None => format!(
-            ".metadata is missing, although save {} committed it",
-            r.save_id
+        Found::Absent => format!(".metadata is missing, although save {id} committed it"),
+        Found::Other { size, crc32 } => format!(
+            ".metadata ({size} bytes{}) is not the one save {id} committed ({} bytes, CRC-32 \
+             {:08x}): replaced or damaged",
+            crc32.map_or(String::new(), |c| format!(", CRC-32 {c:08x}")),
+            m.size,
+            m.crc32
         ),
-        Some(digest) => format!(
-            ".metadata ({} bytes, CRC-32 {:08x}) is not the one save {} committed ({} bytes, \
-             CRC-32 {:08x}): replaced or damaged",
-            digest.size, digest.crc32, r.save_id, r.metadata.size, r.metadata.crc32
-        ),
+        Found::Trailing { record, trailing } => {
+            let r = &records[record];
+            let reason = format!(
+                ".metadata is the one save {} committed ({} bytes, CRC-32 {:08x}) followed by {} \
+                 bytes that no writer leaves: appended since the commit (torch's pickle.load \
+                 stops before them)",
+                r.save_id, r.metadata.size, r.metadata.crc32, trailing
+            );
+            return damage(loc, ids, records, reason, r);
+        }
     };
     damage(loc, ids, records, reason, r)
 }
@@ -193,7 +205,8 @@ fn unrecorded_state(
     ids: &[String],
     legacy_marker: bool,
 ) -> Result<CheckpointState> {
-    let Some(meta) = loc.read(METADATA_FILE)? else {
+    // Mapped locally: the decoder reads the pickle up to its STOP, never bytes after it.
+    let Some(meta) = loc.read_held(METADATA_FILE)? else {
         return Ok(CheckpointState::NotCommitted {
             reason: ".metadata is absent".into(),
         });
@@ -251,6 +264,27 @@ fn commit_records(loc: &Location, ids: &[String]) -> Records {
     }
 }
 
+/// A `.metadata` that no record of its directory wrote ([`metadata_record`]).
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) enum Found {
+    /// There is none.
+    Absent,
+    /// Other bytes, of `size`; `crc32` when they were read (a size some record has).
+    Other {
+        /// Size in bytes.
+        size: u64,
+        /// CRC-32 of the whole file, when read.
+        crc32: Option<u32>,
+    },
+    /// The `.metadata` of `records[record]`, followed by `trailing` more bytes.
+    Trailing {
+        /// Index into the records.
+        record: usize,
+        /// Bytes after those the record's commit wrote.
+        trailing: u64,
+    },
+}
+
 /// The record among `records` (newest first) whose commit wrote the `.metadata` of `loc`: the one
 /// rule for "which save wrote `.metadata`" (commit state, retention, and the reader's choice of
 /// checksums all ask it).
@@ -258,21 +292,24 @@ fn commit_records(loc: &Location, ids: &[String]) -> Records {
 ///   and CRC-32 (these bytes, not a later file, are the ones being trusted).
 /// - Otherwise by the file's storage stamp alone while it has the one a record holds (no read:
 ///   this is what keeps `status` and retention O(1) in the `.metadata` size), else by the size and
-///   CRC-32 of the whole file.
+///   CRC-32 of the file.
 ///
-/// `Err(None)`: `.metadata` is absent; `Err(Some(digest))`: no record wrote it.
+/// Only as many bytes as the longest record no longer than the file are looked at (read, or
+/// hashed of `read`): a `.metadata` grown by gigabytes costs no more than the committed one.
+/// `Err`: which `.metadata` it is instead ([`Found`]), the newest record's followed by trailing
+/// bytes among them.
 ///
 /// Errors: storage errors.
 pub(crate) fn metadata_record<'a>(
     loc: &Location,
     records: &'a [CommitRecord],
     read: Option<&[u8]>,
-) -> Result<std::result::Result<&'a CommitRecord, Option<Digest>>> {
-    let digest = match read {
-        Some(meta) => Digest::of(meta),
+) -> Result<std::result::Result<&'a CommitRecord, Found>> {
+    let size = match read {
+        Some(meta) => meta.len() as u64,
         None => {
             let Some(stamp) = loc.stamp(METADATA_FILE)? else {
-                return Ok(Err(None));
+                return Ok(Err(Found::Absent));
             };
             if let Some(r) = records
                 .iter()
@@ -280,16 +317,46 @@ pub(crate) fn metadata_record<'a>(
             {
                 return Ok(Ok(r));
             }
-            let Some(meta) = loc.read(METADATA_FILE)? else {
-                return Ok(Err(None));
-            };
-            Digest::of(&meta)
+            match loc.size(METADATA_FILE)? {
+                Some(size) => size,
+                None => return Ok(Err(Found::Absent)),
+            }
         }
     };
-    Ok(records
+    let Some(longest) = records
         .iter()
-        .find(|r| r.metadata == digest)
-        .ok_or(Some(digest)))
+        .map(|r| r.metadata.size)
+        .filter(|&n| n <= size)
+        .max()
+    else {
+        return Ok(Err(Found::Other { size, crc32: None }));
+    };
+    let held;
+    let prefix: &[u8] = match read {
+        Some(meta) => &meta[..longest as usize],
+        None => {
+            held = loc.open_data(METADATA_FILE)?.read_range(0..longest)?;
+            &held
+        }
+    };
+    let digest = |n: u64| Digest::of(&prefix[..(n as usize).min(prefix.len())]);
+    if let Some(r) = records
+        .iter()
+        .find(|r| r.metadata.size == size && digest(size) == r.metadata)
+    {
+        return Ok(Ok(r));
+    }
+    if let Some(k) = records
+        .iter()
+        .position(|r| r.metadata.size < size && digest(r.metadata.size) == r.metadata)
+    {
+        return Ok(Err(Found::Trailing {
+            record: k,
+            trailing: size - records[k].metadata.size,
+        }));
+    }
+    let crc32 = (longest == size).then(|| digest(size).crc32);
+    Ok(Err(Found::Other { size, crc32 }))
 }
 
 /// Who wrote a checkpoint's current `.metadata`, as far as shardwise can tell.
@@ -367,10 +434,13 @@ fn missing_committed_file(loc: &Location, r: &CommitRecord) -> Result<Option<Str
 }
 
 /// The files a torch or Megatron `.metadata` names, each with the length it needs (bytes), or why
-/// it is not DCP metadata.
+/// it is not DCP metadata, or bytes follow its pickle ([`trailing_bytes`]).
 fn needed_files(meta: &[u8]) -> std::result::Result<BTreeMap<String, u64>, String> {
     let parsed = crate::format::read_metadata::read_metadata(meta)
         .map_err(|e| format!(".metadata is not DCP metadata: {}", e.0))?;
+    if let Some(why) = trailing_bytes(meta.len() as u64, parsed.pickle_len) {
+        return Err(why);
+    }
     let mut need: BTreeMap<String, u64> = BTreeMap::new();
     for entry in parsed.entries.values() {
         let storages: Vec<_> = match entry {
@@ -444,12 +514,12 @@ pub enum SaveState {
         /// The dead merger's pid and host.
         holder: String,
     },
-    /// The merger gave up; `mergeable` when every rank's part is now present and its data files
-    /// are unchanged, so `shardwise merge` would commit.
+    /// The merger gave up; `mergeable` when `shardwise merge` would now commit.
     Failed {
         /// The merger's reason.
         reason: String,
-        /// Every part is present and its data files unchanged: `shardwise merge` would commit.
+        /// Every rank's part is now present, its data files unchanged, and the parts pass every
+        /// check the merge makes (`gather::merge_problem`): `shardwise merge` would commit.
         mergeable: bool,
     },
     /// Waiting for parts (see [`crate::commit::wait::missing_ranks`]); `stale` parts describe
@@ -517,9 +587,12 @@ pub fn save_state(loc: &Location, save_id: &str, world_size: u32) -> Result<Save
     let (present, stale) = part_states(loc, save_id, world_size)?;
     let complete = world_size > 0 && present.iter().all(|&p| p);
     if let Some(f) = read_failed(loc, save_id) {
+        // Recommended only when the merge would commit: the parts that are all there now pass
+        // every check the merge makes (a save that failed its validation fails it again).
+        let mergeable = complete && merge_problem(loc, save_id, world_size)?.is_none();
         return Ok(SaveState::Failed {
             reason: f.reason,
-            mergeable: complete,
+            mergeable,
         });
     }
     Ok(SaveState::Incomplete { stale })
@@ -686,17 +759,38 @@ mod tests {
             .unwrap();
         assert_eq!(found(None), Ok("s".into()));
         // The bytes a reader holds are judged by their own digest.
-        assert_eq!(found(Some(&other)), Err(Some(Digest::of(&other))));
+        let other_found = Found::Other {
+            size: other.len() as u64,
+            crc32: Some(Digest::of(&other).crc32),
+        };
+        assert_eq!(found(Some(&other)), Err(other_found.clone()));
         assert_eq!(found(Some(&original)), Ok("s".into()));
         // A new mtime (past the kernel's coarse clock tick): the stamp no longer matches, the
         // file is read.
         std::thread::sleep(std::time::Duration::from_millis(20));
         std::fs::write(&path, &other).unwrap();
-        assert_eq!(found(None), Err(Some(Digest::of(&other))));
+        assert_eq!(found(None), Err(other_found));
         std::fs::write(&path, &original).unwrap();
         assert_eq!(found(None), Ok("s".into()));
+        // Bytes appended: only the committed length is read, and the record is named.
+        let mut grown = original.clone();
+        grown.extend_from_slice(&[0; 100]);
+        std::fs::write(&path, &grown).unwrap();
+        let trailing = Found::Trailing {
+            record: 0,
+            trailing: 100,
+        };
+        assert_eq!(found(None), Err(trailing.clone()));
+        assert_eq!(found(Some(&grown)), Err(trailing));
+        // Shorter than any record: nothing to read.
+        std::fs::write(&path, &original[..10]).unwrap();
+        let short = Found::Other {
+            size: 10,
+            crc32: None,
+        };
+        assert_eq!(found(None), Err(short));
         std::fs::remove_file(&path).unwrap();
-        assert_eq!(found(None), Err(None));
+        assert_eq!(found(None), Err(Found::Absent));
         assert!(matches!(
             metadata_writer(&loc, &other).unwrap(),
             MetadataWriter::Replaced(_)

@@ -32,7 +32,9 @@ use crate::format::dtype::DType;
 use crate::format::metadata::{Chunk, Entry, StorageInfo};
 use crate::format::pickle::FxBuildHasher;
 use crate::format::split::{self, Plan, Sizes};
-use crate::format::unpickle::{decode, decode_batch, decode_skipping, err, Build, UnpickleError};
+use crate::format::unpickle::{
+    decode_batch, decode_skipping, decode_with_len, err, Build, UnpickleError,
+};
 
 /// A decoding failure, with the path of the offending field.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -80,6 +82,22 @@ pub struct CheckpointMetadata {
     pub class: String,
     /// Megatron ≤0.15 `mcore_data[key]['nd_reformulated_orig_global_shape']`.
     pub nd_reformulated: BTreeMap<String, Vec<u64>>,
+    /// The pickle's length in bytes, through its `STOP` opcode: bytes after it are never read
+    /// (by this decoder or torch's `pickle.load`), and no writer leaves any ([`trailing_bytes`]).
+    pub pickle_len: u64,
+}
+
+/// Why a `.metadata` of `file_len` bytes whose pickle ends at `pickle_len` ([`CheckpointMetadata`])
+/// is damaged, or None when the pickle fills the file. No writer leaves bytes after a pickle's
+/// `STOP`: they were appended later (torch's `pickle.load` ignores them).
+pub fn trailing_bytes(file_len: u64, pickle_len: u64) -> Option<String> {
+    (file_len > pickle_len).then(|| {
+        format!(
+            ".metadata has {} bytes after its pickle ends at byte {pickle_len}: no writer leaves \
+             any, so they were appended to it (torch's pickle.load stops before them)",
+            file_len - pickle_len
+        )
+    })
 }
 
 /// The DCP classes whose objects [`Dcp`] keeps, by class name (any module: torch ≤2.2 pickles
@@ -863,10 +881,11 @@ fn splits(len: usize) -> bool {
 /// Decodes `bytes` with the DCP builder: split into batches decoded in parallel ([`split`]) when
 /// `sizes` is given and the pickle splits, else (and whenever a split decode fails) sequentially,
 /// which gives every error.
+/// Returns the decoded tables, the pickle's value and its length in bytes (through `STOP`).
 fn decode_dcp<'a>(
     bytes: &'a [u8],
     sizes: Option<Sizes>,
-) -> Result<(Decoded<'a>, V), UnpickleError> {
+) -> Result<(Decoded<'a>, V, usize), UnpickleError> {
     if let Some(plan) = sizes.and_then(|s| split::plan(bytes, s)) {
         if !plan.batches.is_empty() {
             match decode_split(bytes, plan) {
@@ -876,20 +895,23 @@ fn decode_dcp<'a>(
         }
     }
     let mut b = Dcp::new(bytes);
-    let top = decode(bytes, &mut b)?;
-    Ok((Decoded::whole(b), top))
+    let (top, len) = decode_with_len(bytes, &mut b)?;
+    Ok((Decoded::whole(b), top, len))
 }
 
-fn decode_split<'a>(bytes: &'a [u8], plan: Plan<'a>) -> Result<(Decoded<'a>, V), UnpickleError> {
+fn decode_split<'a>(
+    bytes: &'a [u8],
+    plan: Plan<'a>,
+) -> Result<(Decoded<'a>, V, usize), UnpickleError> {
     let (main, parts) = {
         let plan = &plan;
         rayon::join(
             || {
                 let mut b = Dcp::new(bytes);
-                let (top, exports) = decode_skipping(bytes, &mut b, plan)?;
+                let ((top, exports), len) = decode_skipping(bytes, &mut b, plan)?;
                 b.exports = exports;
                 b.spare = Vec::new();
-                Ok((b, top))
+                Ok((b, top, len))
             },
             || {
                 (0..plan.batches.len())
@@ -907,12 +929,12 @@ fn decode_split<'a>(bytes: &'a [u8], plan: Plan<'a>) -> Result<(Decoded<'a>, V),
     };
     // The plan (8 bytes per memo key) goes before the entries are made.
     drop(plan);
-    let (main, top) = main?;
+    let (main, top, len) = main?;
     let d = Decoded::link(main, parts?)?;
     if let V::Ref(_) = top {
         return err("the pickle's value is a value of another part");
     }
-    Ok((d, top))
+    Ok((d, top, len))
 }
 
 /// Decodes `.metadata` bytes.
@@ -925,7 +947,7 @@ pub fn read_metadata(bytes: &[u8]) -> R<CheckpointMetadata> {
 /// [`read_metadata`], split into batches of `sizes` (None: sequentially). The result does not
 /// depend on `sizes` (the fuzz target checks it).
 pub(crate) fn read_metadata_split(bytes: &[u8], sizes: Option<Sizes>) -> R<CheckpointMetadata> {
-    let (mut d, top) = decode_dcp(bytes, sizes)
+    let (mut d, top, pickle_len) = decode_dcp(bytes, sizes)
         .map_err(|e| MetadataError(format!("not a readable pickle: {e}")))?;
     // The parse's scratch goes before the entries are made: only the tables they come from stay.
     d.main.spare = Vec::new();
@@ -1004,6 +1026,7 @@ pub(crate) fn read_metadata_split(bytes: &[u8], sizes: Option<Sizes>) -> R<Check
         transforms,
         class,
         nd_reformulated,
+        pickle_len: pickle_len as u64,
     })
 }
 
@@ -1565,11 +1588,25 @@ mod tests {
         let plan = split::plan(&bytes, Sizes::METADATA).unwrap();
         assert!(plan.batches.len() >= 10, "{:?}", plan.batches);
         let plan_len = plan.batches.len();
-        let (b, top) = decode_split(&bytes, plan).unwrap();
+        let (b, top, len) = decode_split(&bytes, plan).unwrap();
         assert!(matches!(top, V::Obj { .. }) && b.parts.len() == plan_len);
+        assert_eq!(len, bytes.len());
         let md = read_metadata_split(&bytes, Some(Sizes::METADATA)).unwrap();
         assert_eq!(md, read_metadata_split(&bytes, None).unwrap());
         assert_eq!(md.entries, entries);
+        // Bytes after the pickle: both decodes stop at its STOP and say where it ends.
+        let mut grown = bytes.clone();
+        grown.extend_from_slice(&[0xAB; 4096]);
+        for sizes in [Some(Sizes::METADATA), None] {
+            let g = read_metadata_split(&grown, sizes).unwrap();
+            assert_eq!((g.pickle_len, &g.entries), (bytes.len() as u64, &entries));
+        }
+        assert_eq!(trailing_bytes(bytes.len() as u64, bytes.len() as u64), None);
+        let why = trailing_bytes(grown.len() as u64, bytes.len() as u64).unwrap();
+        assert!(
+            why.starts_with(".metadata has 4096 bytes after its pickle ends at byte"),
+            "{why}"
+        );
     }
 
     #[test]

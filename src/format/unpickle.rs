@@ -829,6 +829,17 @@ impl<'a, B: Build<'a>> Vm<'a, '_, '_, B> {
 /// Errors: [`UnpickleError`] for malformed or truncated input, unsupported opcodes (`INST`, `OBJ`,
 /// `EXT*`, out-of-band buffers) and the builder's errors.
 pub fn decode<'a, B: Build<'a>>(input: &'a [u8], b: &mut B) -> Result<B::V, UnpickleError> {
+    decode_with_len(input, b).map(|(v, _)| v)
+}
+
+/// [`decode`], also returning the pickle's length: the bytes through its `STOP` opcode. What
+/// follows is never read (Python's `pickle.load` stops there too).
+///
+/// Errors: as [`decode`].
+pub fn decode_with_len<'a, B: Build<'a>>(
+    input: &'a [u8],
+    b: &mut B,
+) -> Result<(B::V, usize), UnpickleError> {
     let mut vm = Vm {
         input,
         pos: 0,
@@ -844,20 +855,22 @@ pub fn decode<'a, B: Build<'a>>(input: &'a [u8], b: &mut B) -> Result<B::V, Unpi
         sparse: HashMap::new(),
         memo_count: 0,
     };
-    vm.run()
+    let v = vm.run()?;
+    Ok((v, vm.pos))
 }
 
 /// The main part of a split decode: decodes `input` like [`decode`], but hands each batch of
 /// `plan` to the builder ([`Build::splice`]) instead of decoding it; [`decode_batch`] decodes
 /// them. A memo reference into a batch is answered from the plan's leaves, or else by the
-/// builder's [`Build::memo_ref`]. Returns the pickle's value and this part's exported memo keys.
+/// builder's [`Build::memo_ref`]. Returns the pickle's value and this part's exported memo keys,
+/// and the pickle's length ([`decode_with_len`]).
 ///
 /// Errors: as [`decode`]; also those of `splice` and `memo_ref`.
 pub fn decode_skipping<'a, B: Build<'a>>(
     input: &'a [u8],
     b: &mut B,
     plan: &Plan<'a>,
-) -> Result<PartValue<B::V>, UnpickleError> {
+) -> Result<(PartValue<B::V>, usize), UnpickleError> {
     let mut prefix = Vec::with_capacity(plan.batches.len() + 1);
     let mut n = 0u32;
     prefix.push(0);
@@ -888,7 +901,7 @@ pub fn decode_skipping<'a, B: Build<'a>>(
         memo_count: 0,
     };
     let v = vm.run()?;
-    Ok((v, vm.exports()))
+    Ok(((v, vm.exports()), vm.pos))
 }
 
 /// Decodes batch `k` of `plan` on its own: an empty list (dict) stands in for its container, and

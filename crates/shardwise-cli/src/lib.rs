@@ -719,20 +719,8 @@ fn verify(
         "verify {bar:40} {pos}/{len} items {elapsed}",
         json,
     );
-    // The item count is known only once .metadata is read; verify() reports progress per item.
-    // Opened as found: verify reports a `.metadata` that no commit wrote as a problem.
-    let ckpt_items = Checkpoint::open_as_found(dir)?
-        .0
-        .metadata
-        .entries
-        .values()
-        .map(|e| match e {
-            Entry::Tensor { chunks, .. } => chunks.len() as u64,
-            Entry::Bytes { .. } => 1,
-        })
-        .sum();
-    bar.set_length(ckpt_items);
-    let mut report = shardwise::verify::verify(dir, &|n| bar.inc(n))?;
+    // The item count is known once .metadata is decoded; verify() reports progress per item.
+    let mut report = shardwise::verify::verify(dir, &|n| bar.set_length(n), &|n| bar.inc(n))?;
     bar.finish_and_clear();
     torch_compat(dir, torch, &mut report, json)?;
     verify_output(dir, &report, json)
