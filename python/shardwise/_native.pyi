@@ -39,6 +39,7 @@ __all__ = [
     "SaveOptions",
     "Region",
     "check_seconds",
+    "check_whole",
     "MAX_TIMEOUT_S",
     "merge",
     "merge_rank_local",
@@ -49,6 +50,7 @@ __all__ = [
     "ShardwiseError",
     "UnsupportedDtypeError",
     "InvalidArgumentError",
+    "InvalidArgumentTypeError",
     "MissingKeyError",
     "ValidationError",
     "MissingRanksError",
@@ -77,8 +79,13 @@ class ShardwiseError(Exception):
 class UnsupportedDtypeError(ShardwiseError):
     """A tensor dtype the DCP writer does not support."""
 
-class InvalidArgumentError(ShardwiseError):
-    """Arguments that contradict themselves."""
+class InvalidArgumentError(ShardwiseError, ValueError):
+    """Arguments out of range or that contradict themselves (a ValueError); an argument of the wrong
+    type is an InvalidArgumentTypeError."""
+
+class InvalidArgumentTypeError(InvalidArgumentError, TypeError):
+    """An argument of the wrong type (a TypeError, and an InvalidArgumentError): a ``bool`` where a
+    count or rank is meant, a ``str`` where a list of names is."""
 
 class MissingKeyError(ShardwiseError):
     """A requested key is not in the checkpoint."""
@@ -678,3 +685,7 @@ def process_start_ns() -> int:
 
 def check_seconds(name: str, value: float) -> float:
     """Checks a bound in seconds by the rule of every wait; returns it as a float."""
+
+def check_whole(name: str, value: SupportsIndex, min: int = 0, max: int | None = None) -> int:
+    """Checks a whole-number argument (``min..=max``; not a ``bool``) by the rule of every other;
+    returns it as an ``int``."""

@@ -22,7 +22,8 @@ import time
 from typing import Optional
 
 from ._fs import atomic_write
-from ._native import InvalidArgumentError, MissingRanksError, check_seconds
+from . import _args
+from ._native import InvalidArgumentError, InvalidArgumentTypeError, MissingRanksError, check_seconds
 
 # Barrier names become directory names.
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
@@ -46,10 +47,8 @@ class BarrierTimeoutError(MissingRanksError):
 
 
 def _check_rank(rank: int, world_size: int) -> None:
-    if not isinstance(world_size, int) or world_size < 1:
-        raise InvalidArgumentError(f"world_size must be an integer >= 1, got {world_size!r}")
-    if not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise InvalidArgumentError(f"rank {rank!r} is not in 0..world_size ({world_size})")
+    _args.whole("world_size", world_size, 1)
+    _args.whole("rank", rank, 0, world_size - 1)
 
 
 def record_phase(dir: str, rank: int, phase: str) -> None:
@@ -59,13 +58,14 @@ def record_phase(dir: str, rank: int, phase: str) -> None:
     barrier timeout on another rank can say where this one is.
 
     Raises:
-        InvalidArgumentError: negative rank or a non-string phase.
+        InvalidArgumentTypeError: a rank that is not an ``int`` (a ``bool`` among them), a phase
+            that is not a ``str``.
+        InvalidArgumentError: a negative rank.
         OSError: ``dir`` cannot be written.
     """
-    if not isinstance(rank, int) or rank < 0:
-        raise InvalidArgumentError(f"rank must be an integer >= 0, got {rank!r}")
+    _args.whole("rank", rank)
     if not isinstance(phase, str):
-        raise InvalidArgumentError(f"phase must be a string, got {type(phase).__name__}")
+        raise InvalidArgumentTypeError(f"phase must be a string, got {type(phase).__name__}")
     phases = os.path.join(os.fspath(dir), "phases")
     os.makedirs(phases, exist_ok=True)
     record = {"phase": phase, "time": time.time(), "host": socket.gethostname(), "pid": os.getpid()}
@@ -115,10 +115,14 @@ def barrier(
     Raises:
         BarrierTimeoutError (a ``MissingRanksError``, hence a ``ShardwiseError``): ranks still missing
             at the timeout; the message names them and the last phase each reported and how long ago.
-        InvalidArgumentError: bad rank, world_size, name or timeout.
+        InvalidArgumentTypeError: a rank or world_size that is not an ``int`` (a ``bool`` among
+            them), a name that is not a ``str``, a timeout that is not a number.
+        InvalidArgumentError: a rank, world_size, name or timeout out of range.
     """
     _check_rank(rank, world_size)
-    if not isinstance(name, str) or not _NAME.match(name):
+    if not isinstance(name, str):
+        raise InvalidArgumentTypeError(f"barrier name must be a string, got {type(name).__name__}")
+    if not _NAME.match(name):
         raise InvalidArgumentError(f"barrier name {name!r} must match {_NAME.pattern}")
     timeout_s = check_seconds("timeout_s", timeout_s)  # the rule of every shardwise wait
     dir = os.fspath(dir)

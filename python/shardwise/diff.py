@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Iterable, Optional
 
-from . import _native
+from . import _args, _native
 
 if TYPE_CHECKING:
     from ._native import DiffReport
@@ -29,11 +29,15 @@ def diff(a, b, *, atol: float = 0.0, rtol: float = 0.0, keys: Optional[Iterable[
     ``close``, ``different``, ``only_in_a``, ``only_in_b`` or ``unreadable`` and ``exit_code`` what
     the command would return (0 same, 1 different, 2 unreadable).
 
-    Raises ``StorageError`` / ``CorruptFileError`` when a side cannot be opened, ``InvalidArgumentError``
-    for bad arguments, the ``to-hf`` mapping's ``ValidationError`` in HF mode.
+    Raises ``StorageError`` / ``CorruptFileError`` when a side cannot be opened,
+    ``InvalidArgumentTypeError`` (a ``TypeError``) for an argument of the wrong type (a tolerance
+    that is not a number, ``keys`` given as one string instead of a list, a ``bool`` for
+    ``workers``), ``InvalidArgumentError`` (a ``ValueError``) for one out of range, the ``to-hf``
+    mapping's ``ValidationError`` in HF mode.
     """
     return _native.diff(
         os.fsdecode(a), os.fsdecode(b),
-        atol=float(atol), rtol=float(rtol), keys=list(keys or []), exclude=list(exclude or []),
+        atol=_args.number("atol", atol), rtol=_args.number("rtol", rtol),
+        keys=_args.names("keys", keys), exclude=_args.names("exclude", exclude),
         hf_config=None if hf_config is None else os.fspath(hf_config), arch=arch,
         allow_unmapped=allow_unmapped, workers=workers)

@@ -10,6 +10,7 @@ import os
 import warnings
 from typing import Any, Callable, Iterator, Optional
 
+from . import _args
 from ._fs import is_url
 from ._native import InvalidArgumentError
 from .load import load, load_common_state_dict
@@ -200,13 +201,15 @@ def install(*, load: bool = True, **save_kwargs) -> None:
     ``save_kwargs`` are passed to :func:`save` on every call (e.g. ``timeout_s=1800``,
     ``balance_dp=...``). Idempotent: a second call only updates ``save_kwargs``. Undo with
     :func:`uninstall`. Megatron's collectives *around* the save in
-    ``megatron.training.checkpointing.save_checkpoint`` remain (see docs/megatron.md).
+    ``megatron.training.checkpointing.save_checkpoint`` remain (see docs/megatron.md). Raises
+    ``InvalidArgumentTypeError`` (a ``TypeError``) for a ``load`` that is not a ``bool``.
     """
     import functools
 
     import megatron.core.dist_checkpointing as mdc
     import megatron.core.dist_checkpointing.serialization as mser
 
+    _args.flag("load", load)
     replacement = functools.partial(dist_checkpointing_save, **save_kwargs)
     functools.update_wrapper(replacement, dist_checkpointing_save)
     routes: dict[str, Callable[..., Any]] = {"save": replacement}

@@ -20,7 +20,7 @@ import pickle
 import threading
 from typing import Any, Iterable, Optional, Union
 
-from . import _native, requested_keys
+from . import _args, _native, requested_keys
 from ._fs import is_url
 from ._native import InvalidArgumentError, ValidationError
 from .megatron_errors import KeyMismatchError, UnsafeObjectError, megatron_compatible
@@ -266,9 +266,13 @@ def load(
         UnsafeObjectError: an object or the common state needs a class not allowed.
         KeyMismatchError: ``raise_unexpected``/``raise_all`` found keys that do not match.
         MissingRanksError: (``*_all``) ranks had not published their requested keys in time.
-        InvalidArgumentError: a ``metadata.json`` naming another backend; ``*_all`` with an
-            object-store URL, or without a rank and world size; a ``timeout_s`` or
-            ``staging_budget_bytes`` out of range; a HybridModel request against a GPT checkpoint
+        InvalidArgumentTypeError: (a ``TypeError``) ``rank``, ``world_size``,
+            ``staging_budget_bytes`` that is not an ``int`` (a ``bool`` among them), ``timeout_s``
+            that is not a number, ``check_crc`` or ``validate_access_integrity`` that is not a
+            ``bool``; checked before anything is read, whatever ``strict`` is.
+        InvalidArgumentError: (a ``ValueError``) a ``metadata.json`` naming another backend;
+            ``*_all`` with an object-store URL, or without a rank and world size; a ``rank``,
+            ``world_size``, ``timeout_s`` or ``staging_budget_bytes`` out of range; a HybridModel request against a GPT checkpoint
             without ``hybrid_layer_pattern``, or with a pattern Megatron's interop cannot pair with
             GPT layers (or a megatron-core without it).
         ValidationError: also a GPT checkpoint whose stored ``num_layers`` differs from the
@@ -283,8 +287,13 @@ def load(
     from megatron.core.dist_checkpointing.validation import StrictHandling, parse_strict_flag
 
     checkpoint_dir = os.fsdecode(checkpoint_dir)
-    if timeout_s is not None:  # checked before any read, also when no tensor is requested
+    # Checked before any read, also when the strict mode does not use them.
+    if timeout_s is not None:
         _native.check_seconds("timeout_s", timeout_s)
+    _args.opt_whole("rank", rank)
+    _args.opt_whole("world_size", world_size, 1)
+    _args.flag("check_crc", check_crc)
+    _args.flag("validate_access_integrity", validate_access_integrity)
     strict = parse_strict_flag(strict)
     _check_backend(checkpoint_dir, timeout_s)
 

@@ -15,16 +15,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable
 
-from . import _native
+from . import _args, _native
 
 if TYPE_CHECKING:
     from ._native import FromHfSummary, ToHfSummary
 
 
 def _parts(parts: int) -> int:
-    if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
-        raise _native.InvalidArgumentError(f"parts must be a whole number >= 1, got {parts!r}")
-    return parts
+    return _args.whole("parts", parts, 1)
 
 
 def _to_hf_part(src: str, dst: str, **options) -> ToHfSummary:

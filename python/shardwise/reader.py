@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import os
 from typing import TYPE_CHECKING, Optional, Union
 
@@ -75,7 +76,9 @@ class Reader:
 
         Only the chunks that overlap the request are read; memory is the size of the result.
         Raises ``MissingKeyError`` for a key the checkpoint lacks, ``IndexError`` for an index
-        outside the shape, ``ValidationError`` when the saved chunks do not cover the request
+        outside the shape, ``InvalidArgumentTypeError`` (a ``TypeError``, as a list's index of
+        another type) for an index that is not an ``int`` (a ``bool`` among them) or a slice,
+        ``ValidationError`` when the saved chunks do not cover the request
         (checked before the result is allocated), ``InvalidArgumentError`` when it does not fit in
         memory, ``CorruptFileError`` for damaged items. On checkpoints
         shardwise wrote, every item read is checked against the CRC-32 recorded at save time
@@ -136,7 +139,8 @@ def _region(shape: list[int], index: Optional[Index]) -> tuple[list[int], list[i
             offsets.append(start)
             sizes.append(max(0, stop - start))
             keep.append(True)
-        elif isinstance(ix, int):
+        elif not isinstance(ix, bool) and hasattr(type(ix), "__index__"):  # ints, numpy's integers
+            ix = operator.index(ix)
             i = ix + n if ix < 0 else ix
             if not 0 <= i < n:
                 raise IndexError(f"index {ix} is out of range for dimension {d} of size {n}")
@@ -144,7 +148,10 @@ def _region(shape: list[int], index: Optional[Index]) -> tuple[list[int], list[i
             sizes.append(1)
             keep.append(False)
         else:
-            raise IndexError(f"unsupported index {ix!r}: use ints and slices")
+            # As a list's index: an index of another type (a bool among them) is a TypeError.
+            raise _native.InvalidArgumentTypeError(
+                f"index {ix!r} of type {type(ix).__name__}: use ints (not bools) and step-1 slices"
+            )
     return offsets, sizes, keep
 
 

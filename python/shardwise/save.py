@@ -21,7 +21,7 @@ import zlib
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union, overload
 
-from . import _native
+from . import _args, _native
 from ._fs import is_url
 from ._native import InvalidArgumentError
 from .megatron_errors import megatron_compatible
@@ -186,7 +186,9 @@ class DPBalance:
         ):
             if size is None and rank is None and what == "expert_dp":
                 continue
-            if not isinstance(size, int) or not isinstance(rank, int) or size < 1 or not 0 <= rank < size:
+            _args.whole(f"DPBalance {what}_size", size, 1)
+            _args.whole(f"DPBalance {what}_rank", rank)
+            if not rank < size:
                 raise InvalidArgumentError(f"DPBalance: {what}_rank {rank!r} is not in 0..{what}_size ({size!r})")
 
     @classmethod

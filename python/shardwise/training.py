@@ -9,7 +9,7 @@ import shutil
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union, cast, overload
 
-from . import _native
+from . import _args, _native
 from ._fs import atomic_write, is_url
 from ._native import InvalidArgumentError
 from .megatron_errors import megatron_compatible
@@ -69,7 +69,8 @@ def update_tracker(save_root: str, iteration: int) -> bool:
         it names a later iteration, which is left as it is.
 
     Raises:
-        InvalidArgumentError: ``iteration`` is not an integer >= 0.
+        InvalidArgumentTypeError: ``iteration`` is not an ``int`` (a ``bool`` among them).
+        InvalidArgumentError: ``iteration`` is negative.
         NotCommittedError: ``save_root/iter_{iteration:07d}`` holds no committed checkpoint.
         StorageError: the tracker or its lock cannot be written.
     """
@@ -77,8 +78,7 @@ def update_tracker(save_root: str, iteration: int) -> bool:
 
     from ._native import NotCommittedError, StorageError
 
-    if not isinstance(iteration, int) or iteration < 0:
-        raise InvalidArgumentError(f"iteration must be an integer >= 0, got {iteration!r}")
+    _args.whole("iteration", iteration)
     save_root = os.fspath(save_root)
     ckpt = checkpoint_name(save_root, iteration)
     if not _is_committed(ckpt):
@@ -113,13 +113,14 @@ def apply_retention(save_root: str, current_iteration: int, keep_last: int) -> l
     so a crash mid-delete never leaves a partial directory that still looks like a checkpoint.
 
     Raises:
-        InvalidArgumentError: ``keep_last`` < 1.
+        InvalidArgumentTypeError: ``current_iteration`` or ``keep_last`` is not an ``int``.
+        InvalidArgumentError: ``keep_last`` < 1, a negative ``current_iteration``.
         StorageError: a directory cannot be renamed or deleted.
     """
     from ._native import StorageError
 
-    if not isinstance(keep_last, int) or keep_last < 1:
-        raise InvalidArgumentError(f"keep_last must be an integer >= 1, got {keep_last!r}")
+    _args.whole("current_iteration", current_iteration)
+    _args.whole("keep_last", keep_last, 1)
     save_root = os.fspath(save_root)
     older = []
     for name in os.listdir(save_root):
@@ -166,11 +167,11 @@ def retain(save_root: str, keep: int) -> list[str]:
     directory that looks like a checkpoint.
 
     Raises:
+        InvalidArgumentTypeError: ``keep`` is not an ``int`` (a ``bool`` among them).
         InvalidArgumentError: ``keep`` < 1.
         StorageError: a directory cannot be renamed or deleted.
     """
-    if not isinstance(keep, int) or keep < 1:
-        raise InvalidArgumentError(f"keep must be an integer >= 1, got {keep!r}")
+    _args.whole("keep", keep, 1)
     committed = committed_iterations(save_root)
     if not committed:
         return []
@@ -308,15 +309,15 @@ def save_checkpoint(
         its ``wait()`` returns that report once the save committed and the tracker moved.
 
     Raises:
+        InvalidArgumentTypeError: ``iteration`` or ``keep_last`` that is not an ``int`` (a ``bool``
+            among them), ``timeout_s`` that is not a number.
         InvalidArgumentError: negative ``iteration``, ``keep_last`` < 1, ``timeout_s`` not a finite
             number of seconds in ``0..1e9``, or ``common_state`` keys that collide with the sharded
             state dict.
         Everything :func:`save` raises; on any error the tracker is not moved and nothing is deleted.
     """
-    if not isinstance(iteration, int) or iteration < 0:
-        raise InvalidArgumentError(f"iteration must be an integer >= 0, got {iteration!r}")
-    if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
-        raise InvalidArgumentError(f"keep_last must be an integer >= 1, got {keep_last!r}")
+    _args.whole("iteration", iteration)
+    _args.opt_whole("keep_last", keep_last, 1)
     if on_unchanged not in ("warn", "error", "ignore"):
         raise InvalidArgumentError(f"on_unchanged must be 'warn', 'error' or 'ignore', got {on_unchanged!r}")
     _native.check_seconds("timeout_s", timeout_s)  # before the save root is created

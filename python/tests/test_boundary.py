@@ -18,7 +18,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor
 import shardwise
 import shardwise.dcp
 import shardwise.megatron as swm
-from dcp_util import row_shard
+from dcp_util import row_shard, tree_digest
 from shardwise import _native
 
 SHARDWISE = str(Path(sys.executable).parent / "shardwise")
@@ -256,3 +256,112 @@ def test_a_file_given_as_the_checkpoint_dir_is_named_as_such(tmp_path):
     with pytest.raises(shardwise.StorageError, match="is a file, not a checkpoint directory"):
         swm.load(request, str(f))
     assert f.read_bytes() == b"x"
+
+
+# --- the type a Python user expects (issue 44) -------------------------------------------------------
+# A wrong type is an InvalidArgumentTypeError (a TypeError), a value out of range an
+# InvalidArgumentError (a ValueError); both are ShardwiseErrors and name the argument. Before: load
+# took rank="0" and rank=2**70, from_hf took workers=True as 1, and diff split keys="decoder.*" into
+# its characters.
+
+
+def _raises(kind, name, fn, *args, **kw):
+    """``fn(*args, **kw)`` raises ``kind`` (TypeError or ValueError), a ShardwiseError naming ``name``."""
+    with pytest.raises(kind) as e:
+        fn(*args, **kw)
+    assert isinstance(e.value, shardwise.ShardwiseError) and name in str(e.value), (type(e.value), e.value)
+    if kind is TypeError:
+        assert isinstance(e.value, shardwise.InvalidArgumentTypeError)
+    else:
+        assert not isinstance(e.value, TypeError), e.value
+    return e.value
+
+
+def test_argument_errors_are_type_and_value_errors():
+    assert issubclass(shardwise.InvalidArgumentError, ValueError)
+    assert issubclass(shardwise.InvalidArgumentTypeError, TypeError)
+    assert issubclass(shardwise.InvalidArgumentTypeError, shardwise.InvalidArgumentError)
+    assert shardwise.InvalidArgumentTypeError.__module__ == "shardwise"
+    assert _native.check_whole("n", 3, 1, 5) == 3
+    _raises(TypeError, "n", _native.check_whole, "n", True)
+    _raises(TypeError, "n", _native.check_whole, "n", 2.0)
+    _raises(ValueError, "n", _native.check_whole, "n", 2**70)
+    _raises(ValueError, "n", _native.check_whole, "n", 6, 1, 5)
+
+
+def test_load_checks_rank_and_world_size_whatever_the_strict_mode(tmp_path):
+    d = tmp_path / "c"
+    swm.save(state(), str(d), rank=0, world_size=1)
+    before = tree_digest(d)
+    request = lambda: {"w": ShardedTensor.from_rank_offsets("w", torch.empty(4, 8), replica_id=0)}  # noqa: E731
+    for strict in ("assume_ok_unexpected", "return_all"):
+        e = _raises(TypeError, "rank", swm.load, request(), str(d), strict=strict, rank="0", world_size=1)
+        # Through the direct API the error is a megatron-core CheckpointingException too.
+        from megatron.core.dist_checkpointing.core import CheckpointingException
+
+        assert isinstance(e, CheckpointingException)
+        _raises(ValueError, "rank", swm.load, request(), str(d), strict=strict, rank=2**70, world_size=1)
+        _raises(TypeError, "rank", swm.load, request(), str(d), strict=strict, rank=True, world_size=1)
+        _raises(TypeError, "world_size", swm.load, request(), str(d), strict=strict, rank=0, world_size=1.0)
+        _raises(ValueError, "world_size", swm.load, request(), str(d), strict=strict, rank=0, world_size=0)
+        _raises(TypeError, "check_crc", swm.load, request(), str(d), strict=strict, check_crc=1)
+    _raises(ValueError, "rank", swm.load, request(), str(d), strict="return_all", rank=1, world_size=1)
+    assert torch.equal(swm.load(request(), str(d), rank=0, world_size=1)["w"], state()["w"].data)
+    assert tree_digest(d) == before
+
+
+def test_from_hf_to_hf_and_diff_refuse_wrong_types_before_writing(tmp_path):
+    d = tmp_path / "c"
+    swm.save(state(), str(d), rank=0, world_size=1)
+    hf, out = tmp_path / "hf", tmp_path / "out"
+    _raises(TypeError, "workers", shardwise.from_hf, str(hf), str(out), workers=True)
+    _raises(TypeError, "iteration", shardwise.from_hf, str(hf), str(out), iteration=True)
+    _raises(ValueError, "iteration", shardwise.from_hf, str(hf), str(out), iteration=-1)
+    _raises(ValueError, "iteration", shardwise.from_hf, str(hf), str(out), iteration=2**70)
+    _raises(TypeError, "tensor_model_parallel_size", shardwise.from_hf, str(hf), str(out),
+            tensor_model_parallel_size="2")
+    _raises(TypeError, "make_vocab_size_divisible_by", shardwise.from_hf, str(hf), str(out),
+            make_vocab_size_divisible_by=128.0)
+    _raises(TypeError, "workers", shardwise.to_hf, str(d), str(out), workers=True)
+    _raises(ValueError, "workers", shardwise.to_hf, str(d), str(out), workers=0)
+    assert not out.exists()
+    # One string is not a list of patterns (it was split into its characters: "d", "e", ...).
+    _raises(TypeError, "keys", shardwise.diff, str(d), str(d), keys="decoder.*")
+    _raises(TypeError, "exclude", shardwise.diff, str(d), str(d), exclude="w")
+    _raises(TypeError, "keys", shardwise.diff, str(d), str(d), keys=["w", 3])
+    _raises(TypeError, "atol", shardwise.diff, str(d), str(d), atol="0.1")
+    _raises(TypeError, "rtol", shardwise.diff, str(d), str(d), rtol=True)
+    assert shardwise.diff(str(d), str(d), keys=["w"], atol=0)["equal"] == 1
+    assert shardwise.diff(str(d), str(d), keys=("w*",), exclude=iter(["x"]))["equal"] == 1
+
+
+def test_save_training_and_barrier_arguments_are_typed(tmp_path):
+    import numpy as np
+
+    d = tmp_path / "c"
+    _raises(TypeError, "rank", swm.save, state(), str(d), rank="0", world_size=1)
+    _raises(ValueError, "rank", swm.save, state(), str(d), rank=2**70, world_size=1)
+    _raises(TypeError, "DPBalance dp_size", swm.DPBalance, dp_size=True, dp_rank=0)
+    _raises(ValueError, "dp_rank", swm.DPBalance, dp_size=2, dp_rank=2)
+    assert not d.exists()
+    root = tmp_path / "root"
+    _raises(TypeError, "iteration", swm.save_checkpoint, str(root), True, state(), rank=0, world_size=1)
+    _raises(ValueError, "iteration", swm.save_checkpoint, str(root), -1, state(), rank=0, world_size=1)
+    _raises(ValueError, "keep_last", swm.save_checkpoint, str(root), 1, state(), rank=0, world_size=1, keep_last=0)
+    _raises(TypeError, "keep_last", swm.save_checkpoint, str(root), 1, state(), rank=0, world_size=1, keep_last=True)
+    assert not root.exists()
+    from shardwise import training
+
+    root.mkdir()
+    _raises(TypeError, "keep", training.retain, str(root), True)
+    _raises(TypeError, "iteration", training.update_tracker, str(root), True)
+    _raises(TypeError, "rank", shardwise.barrier, tmp_path / "b", "b1", True, 1, 1.0)
+    _raises(ValueError, "rank", shardwise.barrier, tmp_path / "b", "b1", 1, 1, 1.0)
+    _raises(TypeError, "world_size", shardwise.barrier, tmp_path / "b", "b1", 0, "1", 1.0)
+    _raises(TypeError, "rank", shardwise.record_phase, tmp_path / "b", True, "x")
+    _raises(TypeError, "load", swm.install, load=1)
+    # An index of the wrong type, as a list's: a bool is not row 1; numpy's integers are indices.
+    swm.save(state(), str(d), rank=0, world_size=1)
+    r = shardwise.open(d)
+    _raises(TypeError, "index", r.read, "w", True)
+    assert torch.equal(r.read("w", np.int64(1)), r.read("w", 1))

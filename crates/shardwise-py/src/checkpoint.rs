@@ -7,7 +7,7 @@ use pyo3::types::{PyBytes, PyDict, PyList};
 
 use super::args::{opt_positive, opt_seconds, opt_whole, whole, wholes};
 use super::report::to_dict;
-use super::{location, to_py, InvalidArgumentError};
+use super::{invalid_argument, location, to_py};
 use shardwise::error::Error;
 use shardwise::format::metadata::Entry;
 use shardwise::reader::Checkpoint;
@@ -47,13 +47,13 @@ impl Region {
             key,
         };
         if inner.offsets.len() != inner.sizes.len() {
-            return Err(InvalidArgumentError::new_err(format!(
+            return Err(invalid_argument(format!(
                 "{}: offsets {:?} and sizes {:?} differ in dimensions",
                 inner.key, inner.offsets, inner.sizes
             )));
         }
         if inner.ptr == 0 && inner.nbytes > 0 {
-            return Err(InvalidArgumentError::new_err(format!(
+            return Err(invalid_argument(format!(
                 "{}: data_ptr is null for {} bytes",
                 inner.key, inner.nbytes
             )));
@@ -211,7 +211,7 @@ impl PyCheckpoint {
     fn read_into(&self, py: Python<'_>, region: &Bound<'_, Region>) -> PyResult<()> {
         let r = &region.get().inner;
         if let Some(d) = r.device {
-            return Err(InvalidArgumentError::new_err(format!(
+            return Err(invalid_argument(format!(
                 "{}: read_into reads into host memory, the region is on CUDA device {d} (use load_into)",
                 r.key
             )));

@@ -9,6 +9,8 @@
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyDict, PyTuple, PyType};
 
 use shardwise::error::Error;
 use shardwise::storage::Location;
@@ -30,12 +32,6 @@ create_exception!(
     UnsupportedDtypeError,
     ShardwiseError,
     "A tensor dtype the DCP writer does not support."
-);
-create_exception!(
-    shardwise,
-    InvalidArgumentError,
-    ShardwiseError,
-    "Arguments that contradict themselves."
 );
 create_exception!(
     shardwise,
@@ -86,11 +82,87 @@ create_exception!(
     "A shardwise or checkpoint file is malformed."
 );
 
+/// `InvalidArgumentError`, a `ShardwiseError` and a `ValueError`, and its subclass
+/// `InvalidArgumentTypeError`, also a `TypeError`: classes of two bases, which `create_exception!`
+/// cannot declare, so Python's `type` makes them, once, with the `__module__` of the others.
+static INVALID_ARGUMENT: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+static INVALID_ARGUMENT_TYPE: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+
+/// A class `name` of `bases`, made by Python's `type(name, bases, {"__module__": "shardwise",
+/// "__doc__": doc})`.
+fn exception_class(
+    py: Python<'_>,
+    name: &str,
+    doc: &str,
+    bases: Vec<Bound<'_, PyType>>,
+) -> PyResult<Py<PyType>> {
+    let dict = PyDict::new(py);
+    dict.set_item("__module__", "shardwise")?;
+    dict.set_item("__doc__", doc)?;
+    let class = py
+        .get_type::<PyType>()
+        .call1((name, PyTuple::new(py, bases)?, dict))?;
+    Ok(class.cast_into::<PyType>()?.unbind())
+}
+
+/// The class of an argument out of range, or of arguments that contradict themselves:
+/// `InvalidArgumentError(ShardwiseError, ValueError)`.
+fn invalid_argument_class(py: Python<'_>) -> PyResult<&Bound<'_, PyType>> {
+    INVALID_ARGUMENT
+        .get_or_try_init(py, || {
+            exception_class(
+                py,
+                "InvalidArgumentError",
+                "Arguments out of range or that contradict themselves (a ValueError); an \
+                 argument of the wrong type is an InvalidArgumentTypeError.",
+                vec![
+                    py.get_type::<ShardwiseError>(),
+                    py.get_type::<pyo3::exceptions::PyValueError>(),
+                ],
+            )
+        })
+        .map(|c| c.bind(py))
+}
+
+/// The class of an argument of the wrong type (a `bool` where a count is meant, a `str` where a
+/// list of names is): `InvalidArgumentTypeError(InvalidArgumentError, TypeError)`.
+fn invalid_argument_type_class(py: Python<'_>) -> PyResult<&Bound<'_, PyType>> {
+    INVALID_ARGUMENT_TYPE
+        .get_or_try_init(py, || {
+            exception_class(
+                py,
+                "InvalidArgumentTypeError",
+                "An argument of the wrong type (a TypeError, and an InvalidArgumentError).",
+                vec![
+                    invalid_argument_class(py)?.clone(),
+                    py.get_type::<pyo3::exceptions::PyTypeError>(),
+                ],
+            )
+        })
+        .map(|c| c.bind(py))
+}
+
+/// An `InvalidArgumentError` (a `ValueError`) with `msg`.
+pub(crate) fn invalid_argument(msg: String) -> PyErr {
+    Python::attach(|py| match invalid_argument_class(py) {
+        Ok(class) => PyErr::from_type(class.clone(), msg),
+        Err(e) => e,
+    })
+}
+
+/// An `InvalidArgumentTypeError` (a `TypeError` and an `InvalidArgumentError`) with `msg`.
+pub(crate) fn invalid_argument_type(msg: String) -> PyErr {
+    Python::attach(|py| match invalid_argument_type_class(py) {
+        Ok(class) => PyErr::from_type(class.clone(), msg),
+        Err(e) => e,
+    })
+}
+
 pub(crate) fn to_py(e: Error) -> PyErr {
     let msg = e.to_string();
     match e {
         Error::UnsupportedDtype(_) => UnsupportedDtypeError::new_err(msg),
-        Error::InvalidArgument(_) => InvalidArgumentError::new_err(msg),
+        Error::InvalidArgument(_) => invalid_argument(msg),
         Error::MissingKey { .. } => MissingKeyError::new_err(msg),
         Error::Validation(_) => ValidationError::new_err(msg),
         Error::MissingRanks { .. } => MissingRanksError::new_err(msg),
@@ -142,6 +214,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<save::SaveOptions>()?;
     m.add_class::<checkpoint::Region>()?;
     m.add_function(wrap_pyfunction!(args::check_seconds, m)?)?;
+    m.add_function(wrap_pyfunction!(args::check_whole, m)?)?;
     m.add("MAX_TIMEOUT_S", shardwise::commit::wait::MAX_TIMEOUT_S)?;
     m.add_function(wrap_pyfunction!(tools::merge, m)?)?;
     m.add_function(wrap_pyfunction!(tools::merge_rank_local, m)?)?;
@@ -153,10 +226,8 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
         "UnsupportedDtypeError",
         py.get_type::<UnsupportedDtypeError>(),
     )?;
-    m.add(
-        "InvalidArgumentError",
-        py.get_type::<InvalidArgumentError>(),
-    )?;
+    m.add("InvalidArgumentError", invalid_argument_class(py)?)?;
+    m.add("InvalidArgumentTypeError", invalid_argument_type_class(py)?)?;
     m.add("MissingKeyError", py.get_type::<MissingKeyError>())?;
     m.add("ValidationError", py.get_type::<ValidationError>())?;
     m.add("MissingRanksError", py.get_type::<MissingRanksError>())?;

@@ -17,7 +17,9 @@ use pyo3::types::PyBytes;
 
 use super::args::{opt_positive, opt_seconds, opt_whole, positive, seconds, whole, wholes};
 use super::report::to_dict;
-use super::{location, to_py, InvalidArgumentError, NotCommittedError, ShardwiseError};
+use super::{
+    invalid_argument, invalid_argument_type, location, to_py, NotCommittedError, ShardwiseError,
+};
 use shardwise::commit::part::ObjectShard;
 use shardwise::format::dtype::DType;
 use shardwise::save::{save_rank as rust_save_rank, SaveReport};
@@ -82,7 +84,7 @@ impl Chunk {
             fqn,
         };
         if chunk.data_ptr == 0 && chunk.nbytes > 0 {
-            return Err(InvalidArgumentError::new_err(format!(
+            return Err(invalid_argument(format!(
                 "{}: data_ptr is null for {} bytes",
                 chunk.fqn, chunk.nbytes
             )));
@@ -184,7 +186,7 @@ impl ObjectItem {
     ) -> PyResult<Self> {
         let data = data
             .cast::<PyBytes>()
-            .map_err(|_| InvalidArgumentError::new_err(format!("{fqn}: data must be bytes")))?
+            .map_err(|_| invalid_argument_type(format!("{fqn}: data must be bytes")))?
             .as_bytes()
             .to_vec();
         let shard = match (key, global_shape, global_offset) {
@@ -196,7 +198,7 @@ impl ObjectItem {
                     global_offset: wholes("global_offset", offset)?,
                 };
                 if shard.global_shape.len() != shard.global_offset.len() {
-                    return Err(InvalidArgumentError::new_err(format!(
+                    return Err(invalid_argument(format!(
                         "{fqn}: global_shape {:?} and global_offset {:?} differ in dimensions",
                         shard.global_shape, shard.global_offset
                     )));
@@ -204,7 +206,7 @@ impl ObjectItem {
                 Some(shard)
             }
             _ => {
-                return Err(InvalidArgumentError::new_err(format!(
+                return Err(invalid_argument(format!(
                     "{fqn}: key, global_shape and global_offset are all given or all None"
                 )))
             }

@@ -6,7 +6,7 @@ use std::time::Duration;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use super::args::{opt_positive, opt_seconds, positive, seconds, str_list};
+use super::args::{opt_positive, opt_seconds, positive, seconds, str_list, whole};
 use super::report::to_dict;
 use super::{location, to_py};
 use shardwise::commit::wait::Freshness;
@@ -85,10 +85,14 @@ pub(super) fn to_hf(
 
 /// Converts the Hugging Face folder `hf_dir` into a torch_dist checkpoint in `ckpt_dir`; see
 /// `shardwise from-hf`. `dtype` bf16, fp16 or fp32; `transformer_impl` transformer_engine or
-/// local; `workers` threads; `max_file_size` like "1GB" or "auto" (the largest tensor); `part` like "0/2". Returns the summary as a dict (chunks, keys,
-/// bytes, files, seconds, gb_per_s, hf_tensors, dequantized, skipped, stacked_layers,
-/// padded_vocab_size, iteration, part, committed, tracker, mtp_layers, dropped_mtp,
-/// vision_tensors, vision_prefix, warnings). `drop_mtp`: convert without the folder's MTP layers.
+/// local; `workers` threads; `max_file_size` like "1GB" or "auto" (the largest tensor); `part`
+/// like "0/2"; `drop_mtp`: convert without the folder's MTP layers. Returns the summary as a dict
+/// (chunks, keys, bytes, files, seconds, gb_per_s, hf_tensors, dequantized, skipped,
+/// stacked_layers, padded_vocab_size, iteration, part, committed, tracker, mtp_layers,
+/// dropped_mtp, vision_tensors, vision_prefix, warnings, nonfinite).
+/// Raises `InvalidArgumentTypeError` for a count that is not an `int` (a `bool` among them),
+/// `InvalidArgumentError` for one out of range or another bad value, `ValidationError`,
+/// `UnsupportedDtypeError`, `StorageError`.
 #[pyfunction]
 #[pyo3(signature = (hf_dir, ckpt_dir, *, arch=None, dtype="bf16", transformer_impl="transformer_engine", moe_grouped_gemm=false, make_vocab_size_divisible_by=128, tensor_model_parallel_size=1, iteration=0, tracker=false, workers=None, max_file_size="auto", part=None, overwrite=false, allow_unmapped=false, drop_mtp=false))]
 #[allow(clippy::too_many_arguments)]
@@ -100,11 +104,11 @@ pub(super) fn from_hf(
     dtype: &str,
     transformer_impl: &str,
     moe_grouped_gemm: bool,
-    make_vocab_size_divisible_by: u64,
-    tensor_model_parallel_size: u64,
-    iteration: u64,
+    #[pyo3(from_py_with = vocab_divisor)] make_vocab_size_divisible_by: u64,
+    #[pyo3(from_py_with = tensor_parallel)] tensor_model_parallel_size: u64,
+    #[pyo3(from_py_with = iteration_arg)] iteration: u64,
     tracker: bool,
-    workers: Option<usize>,
+    workers: Option<&Bound<'_, PyAny>>,
     max_file_size: &str,
     part: Option<String>,
     overwrite: bool,
@@ -120,7 +124,7 @@ pub(super) fn from_hf(
         tensor_model_parallel_size,
         iteration,
         tracker,
-        workers,
+        workers: opt_positive("workers", workers)?,
         max_file_size: max_file_size.into(),
         part,
         overwrite,
@@ -133,6 +137,18 @@ pub(super) fn from_hf(
         .map_err(to_py)?;
     let json = serde_json::to_string(&s).expect("serializable");
     Ok(py.import("json")?.call_method1("loads", (json,))?.unbind())
+}
+
+/// `from_hf`'s whole-number arguments, by the rule of every other ([`whole`]; their ranges are
+/// `from-hf`'s own checks), each naming its argument.
+fn vocab_divisor(v: &Bound<'_, PyAny>) -> PyResult<u64> {
+    whole("make_vocab_size_divisible_by", v)
+}
+fn tensor_parallel(v: &Bound<'_, PyAny>) -> PyResult<u64> {
+    whole("tensor_model_parallel_size", v)
+}
+fn iteration_arg(v: &Bound<'_, PyAny>) -> PyResult<u64> {
+    whole("iteration", v)
 }
 
 /// Compares checkpoints `a` and `b` (directories, URLs, or one HF safetensors folder); see
