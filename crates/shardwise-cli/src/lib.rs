@@ -23,7 +23,7 @@ use shardwise::status::{format_name, read_parts, save_ids, status_report, Status
 use shardwise::storage::Location;
 use shardwise_hf::{FromHfOptions, FromHfRequest, HfOptions, ToHfRequest};
 
-const EXIT_CODES: &str = "Exit codes:\n  0  success (verify: no problem found; status: committed and whole)\n  1  the operation failed, verify found problems, or status found the checkpoint damaged or not committed\n  2  bad command line\n  130  interrupted (Ctrl-C) during a wait; nothing committed\n  141  stdout was closed early (e.g. `| head`); nothing more is printed";
+const EXIT_CODES: &str = "Exit codes:\n  0  success (verify: no problem found; status: committed, the data not read)\n  1  the operation failed, verify found problems, or status found the checkpoint damaged or not committed\n  2  bad command line\n  130  interrupted (Ctrl-C) during a wait; nothing committed\n  141  stdout was closed early (e.g. `| head`); nothing more is printed";
 /// Help of every `--json` flag (docs/cli.md lists each command's fields).
 const JSON_HELP: &str =
     "Print one JSON object on stdout instead of text: sizes in plain bytes, durations in seconds";
@@ -873,7 +873,8 @@ fn status(dir: &Location, keys: bool, json: bool, repair: bool) -> Outcome {
     Ok(status_exit_code(&checkpoint))
 }
 
-/// `status`'s exit code: 0 only for a committed checkpoint that is whole; damaged or not committed
+/// `status`'s exit code: 0 only for a committed checkpoint (its files as the commit recorded; the
+/// data's bytes are `verify`'s to check); damaged or not committed
 /// is [`EXIT_FAILED`], as `verify` exits on problems, so that `shardwise status DIR && resume`
 /// never resumes from a checkpoint a load would refuse or read wrong.
 fn status_exit_code(checkpoint: &CheckpointState) -> i32 {
