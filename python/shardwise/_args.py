@@ -40,19 +40,24 @@ def number(name: str, value: Any) -> float:
     return float(value)
 
 
+def items(name: str, value: Any) -> list:
+    """``value``, an iterable, as a list; a ``str`` or ``bytes`` is refused, not split into its
+    characters."""
+    if isinstance(value, (str, bytes)):
+        raise InvalidArgumentTypeError(f"{name} must be a list, not one string: {name}=[{value!r}] for one, "
+                                       f"got {_kind(value)}")
+    try:
+        return list(value)
+    except TypeError:
+        raise InvalidArgumentTypeError(f"{name} must be a list, got {_kind(value)}") from None
+
+
 def names(name: str, value: Any) -> list[str]:
-    """``value``, an iterable of ``str`` (None: none), as a list. A single ``str`` is refused, not
-    split into its characters."""
+    """``value``, an iterable of ``str`` (None: none), as a list (:func:`items`)."""
     if value is None:
         return []
-    want = f"{name} must be a list of strings"
-    if isinstance(value, (str, bytes)):
-        raise InvalidArgumentTypeError(f"{want}, not one string: {name}=[{value!r}] for one, got {_kind(value)}")
-    try:
-        items = list(value)
-    except TypeError:
-        raise InvalidArgumentTypeError(f"{want}, got {_kind(value)}") from None
-    for item in items:
+    found = items(name, value)
+    for item in found:
         if not isinstance(item, str):
-            raise InvalidArgumentTypeError(f"{want}, got an element {_kind(item)}")
-    return items
+            raise InvalidArgumentTypeError(f"{name} must be a list of strings, got an element {_kind(item)}")
+    return found

@@ -160,8 +160,10 @@ def load_common_state_dict(checkpoint_dir, *, safe_globals: Iterable = ()) -> di
     """The common (non-sharded) state of a checkpoint: ``common.pt`` (megatron-core <= 0.18 and
     shardwise saves), else 0.19's ``common_state`` object; ``{}`` for a plain DCP checkpoint that
     has neither. Unpickled with ``weights_only=True`` (:class:`UnsafeObjectError` otherwise).
-    Routed as ``megatron.core.dist_checkpointing.load_common_state_dict`` by ``install()``."""
+    Routed as ``megatron.core.dist_checkpointing.load_common_state_dict`` by ``install()``.
+    ``safe_globals`` given as one string raises ``InvalidArgumentTypeError`` (a ``TypeError``)."""
     checkpoint_dir = os.fsdecode(checkpoint_dir)
+    safe_globals = _args.items("safe_globals", safe_globals)
     _check_backend(checkpoint_dir)
     return _read_common(open_cached(checkpoint_dir), safe_globals)
 
@@ -294,6 +296,7 @@ def load(
     _args.opt_whole("world_size", world_size, 1)
     _args.flag("check_crc", check_crc)
     _args.flag("validate_access_integrity", validate_access_integrity)
+    safe_globals = _args.items("safe_globals", safe_globals)
     strict = parse_strict_flag(strict)
     _check_backend(checkpoint_dir, timeout_s)
 

@@ -306,6 +306,8 @@ def test_load_checks_rank_and_world_size_whatever_the_strict_mode(tmp_path):
         _raises(ValueError, "world_size", swm.load, request(), str(d), strict=strict, rank=0, world_size=0)
         _raises(TypeError, "check_crc", swm.load, request(), str(d), strict=strict, check_crc=1)
     _raises(ValueError, "rank", swm.load, request(), str(d), strict="return_all", rank=1, world_size=1)
+    _raises(TypeError, "safe_globals", swm.load, request(), str(d), safe_globals="argparse.Namespace")
+    _raises(TypeError, "safe_globals", swm.load_common_state_dict, str(d), safe_globals="argparse.Namespace")
     assert torch.equal(swm.load(request(), str(d), rank=0, world_size=1)["w"], state()["w"].data)
     assert tree_digest(d) == before
 
