@@ -20,6 +20,9 @@
 
 use std::collections::BTreeSet;
 
+use std::rc::Rc;
+
+use crate::format::archive::{PidFields, StorageRef};
 use crate::format::unpickle::{decode, Build, UnpickleError};
 
 /// Which loader reads a pickle, and so which globals it may name.
@@ -306,10 +309,15 @@ pub fn allowed(pickle: Pickle, module: &str, name: &str) -> bool {
 /// What scanning a pickle found.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Scan {
+    /// Every global unpickling imports, as `module.name`, sorted.
+    pub imported: Vec<String>,
     /// Globals the pickle names outside the allow-list, as `module.name`, sorted.
     pub refused: Vec<String>,
+    /// The storages its persistent ids name (a torch.save pickle's tensors), in order.
+    pub storages: Vec<StorageRef>,
     /// Why the pickle does not decode to its end (`pickle.load` fails there too, after importing
-    /// the globals found before it, or cannot be checked here: `INST`, `OBJ`, `EXT*`).
+    /// the globals found before it, or cannot be checked here: `EXT*`), or a persistent id the
+    /// loader refuses.
     pub error: Option<UnpickleError>,
 }
 
@@ -337,26 +345,42 @@ impl Scan {
 /// The globals `pickle` would import when unpickled that a checkpoint's pickle of kind `kind` does
 /// not hold. Never imports or calls anything; memory O(input length) as in `format::unpickle`.
 pub fn scan(kind: Pickle, pickle: &[u8]) -> Scan {
-    let mut b = Imports::default();
+    let mut b = Imports {
+        kind,
+        globals: BTreeSet::new(),
+        storages: Vec::new(),
+    };
     let error = decode(pickle, &mut b).err();
+    let name = |(m, n): &(&str, &str)| format!("{m}.{n}");
     let refused = b
         .globals
-        .into_iter()
+        .iter()
         .filter(|(m, n)| !allowed(kind, m, n))
-        .map(|(m, n)| format!("{m}.{n}"))
+        .map(name)
         .collect();
-    Scan { refused, error }
+    let imported = b.globals.iter().map(name).collect();
+    Scan {
+        imported,
+        refused,
+        storages: b.storages,
+        error,
+    }
 }
 
-/// A builder that keeps only what `STACK_GLOBAL` needs (strings) and the globals named.
-#[derive(Default)]
+/// A builder that keeps only what `STACK_GLOBAL` and a persistent id need (strings, ints,
+/// globals, tuples), the globals named and the storages referenced.
 struct Imports<'a> {
+    kind: Pickle,
     globals: BTreeSet<(&'a str, &'a str)>,
+    storages: Vec<StorageRef>,
 }
 
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 enum Sym<'a> {
     Str(&'a str),
+    Int(i128),
+    Global(&'a str),
+    Tuple(Rc<[Sym<'a>]>),
     Other,
 }
 
@@ -370,8 +394,8 @@ impl<'a> Build<'a> for Imports<'a> {
     fn bool(&mut self, _: bool) -> Sym<'a> {
         Sym::Other
     }
-    fn int(&mut self, _: i128) -> Sym<'a> {
-        Sym::Other
+    fn int(&mut self, i: i128) -> Sym<'a> {
+        Sym::Int(i)
     }
     fn float(&mut self, _: f64) -> Sym<'a> {
         Sym::Other
@@ -382,8 +406,8 @@ impl<'a> Build<'a> for Imports<'a> {
     fn bytes(&mut self, _: &'a [u8]) -> Sym<'a> {
         Sym::Other
     }
-    fn tuple(&mut self, _: std::vec::Drain<'_, Sym<'a>>) -> R<Sym<'a>> {
-        Ok(Sym::Other)
+    fn tuple(&mut self, items: std::vec::Drain<'_, Sym<'a>>) -> R<Sym<'a>> {
+        Ok(Sym::Tuple(items.collect()))
     }
     fn empty_list(&mut self) -> R<Sym<'a>> {
         Ok(Sym::Other)
@@ -399,7 +423,7 @@ impl<'a> Build<'a> for Imports<'a> {
     }
     fn global(&mut self, module: &'a str, name: &'a str) -> Sym<'a> {
         self.globals.insert((module, name));
-        Sym::Other
+        Sym::Global(name)
     }
     fn stack_global(&mut self, module: Sym<'a>, name: Sym<'a>) -> R<Sym<'a>> {
         match (module, name) {
@@ -417,7 +441,39 @@ impl<'a> Build<'a> for Imports<'a> {
     fn build(&mut self, _: Sym<'a>, _: Sym<'a>) -> R<Sym<'a>> {
         Ok(Sym::Other)
     }
-    fn pers_id(&mut self, _: Sym<'a>) -> R<Sym<'a>> {
+    fn pers_id(&mut self, pid: Sym<'a>) -> R<Sym<'a>> {
+        if self.kind == Pickle::Metadata {
+            // pickle.load has no persistent_load: it fails here.
+            return Err(UnpickleError(
+                "a persistent id, which pickle.load of a .metadata cannot resolve".into(),
+            ));
+        }
+        let items: &[Sym<'a>] = match &pid {
+            Sym::Tuple(t) => t,
+            _ => &[],
+        };
+        let field = |i: usize| items.get(i);
+        let r = StorageRef::from_fields(PidFields {
+            items: items.len(),
+            typename: field(0).and_then(|s| match s {
+                Sym::Str(s) => Some(*s),
+                _ => None,
+            }),
+            class: field(1).and_then(|s| match s {
+                Sym::Global(n) => Some(*n),
+                _ => None,
+            }),
+            key: field(2).and_then(|s| match s {
+                Sym::Str(s) => Some(*s),
+                _ => None,
+            }),
+            numel: field(4).and_then(|s| match s {
+                Sym::Int(i) => Some(*i),
+                _ => None,
+            }),
+        })
+        .map_err(|e| UnpickleError(e.0))?;
+        self.storages.push(r);
         Ok(Sym::Other)
     }
 }
@@ -494,7 +550,36 @@ mod tests {
     #[test]
     fn a_clean_pickle_has_no_message() {
         let s = scan(Pickle::Metadata, b"\x80\x02ctorch\nSize\n)\x85R.");
-        assert_eq!(s, Scan::default());
+        assert_eq!((s.imported.as_slice(), s.refused.len()), (&["torch.Size".to_string()][..], 0));
         assert_eq!(s.message(), None);
+    }
+
+    /// INST and OBJ import and call too (protocol 0/1); pickle.load runs them.
+    #[test]
+    fn inst_and_obj_are_seen() {
+        let s = scan(Pickle::TorchSave, b"(S'x'\niposix\nsystem\n.");
+        assert_eq!((s.refused.as_slice(), s.error.is_none()), (&["posix.system".to_string()][..], true));
+        let s = scan(Pickle::TorchSave, b"(cposix\nsystem\nS'x'\no.");
+        assert_eq!(s.refused, ["posix.system"]);
+    }
+
+    /// A torch.save pickle's persistent ids must be storages (torch's persistent_load asserts
+    /// it); a `.metadata` may hold none (pickle.load has no persistent_load).
+    #[test]
+    fn persistent_ids_are_storages_or_an_error() {
+        let storage = b"\x80\x02(X\x07\x00\x00\x00storagectorch\nFloatStorage\nX\x01\x00\x00\x000X\x03\x00\x00\x00cpuK\x03tQ.";
+        let s = scan(Pickle::TorchSave, storage);
+        assert_eq!(s.error, None);
+        assert_eq!(
+            s.storages,
+            [StorageRef {
+                class: Some(crate::format::dtype::DType::F32),
+                key: "0".into(),
+                numel: 3
+            }]
+        );
+        assert!(scan(Pickle::Metadata, storage).error.is_some());
+        let text = scan(Pickle::TorchSave, b"Pfoo\n.");
+        assert!(text.message().unwrap().contains("persistent_load"), "{text:?}");
     }
 }

@@ -318,6 +318,9 @@ struct Vm<'a, 'b, 'p, B: Build<'a>> {
     sparse: HashMap<u32, B::V>,
     /// Number of memo keys set (`len(memo)`, which `MEMOIZE` uses as its index).
     memo_count: usize,
+    /// The only opcodes accepted, when the pickle is read as a stricter unpickler reads it
+    /// ([`WEIGHTS_ONLY_OPCODES`]); None: every opcode decoded here.
+    allowed: Option<&'static [u8]>,
 }
 
 impl<'a, B: Build<'a>> Vm<'a, '_, '_, B> {
@@ -539,6 +542,13 @@ impl<'a, B: Build<'a>> Vm<'a, '_, '_, B> {
                 continue;
             }
             let op = self.u8()?;
+            if self.allowed.is_some_and(|a| !a.contains(&op)) {
+                return err(format!(
+                    "pickle opcode 0x{op:02x} at offset {}, which torch's weights-only unpickler \
+                     refuses",
+                    self.pos - 1
+                ));
+            }
             match op {
                 0x80 => {
                     let proto = self.u8()?;
@@ -780,6 +790,27 @@ impl<'a, B: Build<'a>> Vm<'a, '_, '_, B> {
                     let v = self.b.stack_global(module, name)?;
                     self.push(v)
                 }
+                b'i' => {
+                    // INST: find_class(module, name)(*items since MARK) (pickle.py `load_inst`).
+                    let module = self.line()?;
+                    let name = self.line()?;
+                    let class = self.b.global(module, name);
+                    let at = self.pop_mark()?;
+                    let args = self.b.tuple(self.stack.drain(at..))?;
+                    let v = self.b.call(class, args)?;
+                    self.push(v)
+                }
+                b'o' => {
+                    // OBJ: the first item since MARK called with the others (`load_obj`).
+                    let at = self.pop_mark()?;
+                    if self.stack.len() <= at {
+                        return err("OBJ without a class");
+                    }
+                    let class = self.stack.remove(at);
+                    let args = self.b.tuple(self.stack.drain(at..))?;
+                    let v = self.b.call(class, args)?;
+                    self.push(v)
+                }
                 b'R' => {
                     let args = self.pop()?;
                     let func = self.pop()?;
@@ -826,8 +857,8 @@ impl<'a, B: Build<'a>> Vm<'a, '_, '_, B> {
 
 /// Decodes one pickle from `input`, making its values with `b`; returns the value `STOP` pops.
 ///
-/// Errors: [`UnpickleError`] for malformed or truncated input, unsupported opcodes (`INST`, `OBJ`,
-/// `EXT*`, out-of-band buffers) and the builder's errors.
+/// Errors: [`UnpickleError`] for malformed or truncated input, unsupported opcodes (`EXT*`,
+/// out-of-band buffers) and the builder's errors.
 pub fn decode<'a, B: Build<'a>>(input: &'a [u8], b: &mut B) -> Result<B::V, UnpickleError> {
     decode_with_len(input, b).map(|(v, _)| v)
 }
@@ -839,6 +870,14 @@ pub fn decode<'a, B: Build<'a>>(input: &'a [u8], b: &mut B) -> Result<B::V, Unpi
 pub fn decode_with_len<'a, B: Build<'a>>(
     input: &'a [u8],
     b: &mut B,
+) -> Result<(B::V, usize), UnpickleError> {
+    decode_with(input, b, None)
+}
+
+fn decode_with<'a, B: Build<'a>>(
+    input: &'a [u8],
+    b: &mut B,
+    allowed: Option<&'static [u8]>,
 ) -> Result<(B::V, usize), UnpickleError> {
     let mut vm = Vm {
         input,
@@ -854,6 +893,7 @@ pub fn decode_with_len<'a, B: Build<'a>>(
         memo: super::reserved(input.len() / 16),
         sparse: HashMap::new(),
         memo_count: 0,
+        allowed,
     };
     let v = vm.run()?;
     Ok((v, vm.pos))
@@ -899,6 +939,7 @@ pub fn decode_skipping<'a, B: Build<'a>>(
         memo: Vec::new(),
         sparse: HashMap::new(),
         memo_count: 0,
+        allowed: None,
     };
     let v = vm.run()?;
     Ok(((v, vm.exports()), vm.pos))
@@ -940,6 +981,7 @@ pub fn decode_batch<'a, B: Build<'a>>(
         memo: Vec::with_capacity(batch.memo_len as usize),
         sparse: HashMap::new(),
         memo_count: batch.memo_base as usize,
+        allowed: None,
     };
     let v = vm.run()?;
     Ok((v, vm.exports()))
@@ -1049,11 +1091,35 @@ impl<'a> Build<'a> for Symbolic {
 
 /// Reads one pickle from `input` as data.
 ///
-/// Errors: [`UnpickleError`] for malformed or truncated input, unsupported opcodes (`INST`, `OBJ`,
-/// `EXT*`, out-of-band buffers).
+/// Errors: [`UnpickleError`] for malformed or truncated input, unsupported opcodes (`EXT*`,
+/// out-of-band buffers).
 pub fn unpickle(input: &[u8]) -> Result<Unpickled, UnpickleError> {
+    unpickle_with(input, None)
+}
+
+/// The opcodes torch's weights-only unpickler reads (`torch/_weights_only_unpickler.py`, the same
+/// set in torch 2.3.1 and 2.15.0), which reads every tensor item of a DCP checkpoint from torch
+/// 2.4 on (`FileSystemReader.read_data`): PROTO, STOP, GLOBAL, NEWOBJ, REDUCE, BUILD, APPEND(S),
+/// SETITEM(S), MARK, TUPLE(1/2/3), NONE, NEWTRUE/NEWFALSE, EMPTY_TUPLE/LIST/DICT/SET,
+/// BININT(1/2), BINFLOAT, BINUNICODE, SHORT_BINSTRING, BINPERSID, (LONG_)BINGET, (LONG_)BINPUT,
+/// LONG1. torch.save's own protocol 1, 4 and 5 pickles fall outside it.
+pub const WEIGHTS_ONLY_OPCODES: &[u8] = &[
+    0x80, b'.', b'c', 0x81, b'R', b'b', b'a', b'e', b's', b'u', b'(', b't', 0x85, 0x86, 0x87,
+    b'N', 0x89, 0x88, b')', b']', b'}', 0x8f, b'J', b'K', b'M', b'G', b'X', b'U', b'Q', b'h',
+    b'j', b'q', b'r', 0x8a,
+];
+
+/// [`unpickle`] accepting only the opcodes torch's weights-only unpickler reads
+/// ([`WEIGHTS_ONLY_OPCODES`]): how a tensor item must be pickled for every torch to load it.
+///
+/// Errors: as [`unpickle`], and any other opcode.
+pub fn unpickle_weights_only(input: &[u8]) -> Result<Unpickled, UnpickleError> {
+    unpickle_with(input, Some(WEIGHTS_ONLY_OPCODES))
+}
+
+fn unpickle_with(input: &[u8], allowed: Option<&'static [u8]>) -> Result<Unpickled, UnpickleError> {
     let mut b = Symbolic::default();
-    let result = decode(input, &mut b);
+    let result = decode_with(input, &mut b, allowed).map(|(v, _)| v);
     // Whatever happened, the arena ends up in an Unpickled, whose Drop breaks its cycles.
     let mut out = Unpickled {
         root: Value::None,
