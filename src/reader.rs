@@ -24,7 +24,10 @@ use crate::commit::read_checksums;
 use crate::commit::record::CommitRecord;
 use crate::commit::state::{metadata_writer, Damage, MetadataWriter};
 use crate::error::{Error, Result};
-use crate::format::archive::{bad_record_crcs, records, stored_tensor, StoredTensor};
+use crate::format::dtype::DType;
+use crate::format::archive::{
+    bad_record_crcs, stored_tensor, stored_tensor_in, Archive, HeadTail, StoredTensor,
+};
 use crate::format::metadata::{volume, Chunk, Entry, StorageInfo};
 use crate::format::read_metadata::{read_metadata, CheckpointMetadata};
 use crate::format::unpickle::unpickle;
@@ -334,6 +337,16 @@ impl Checkpoint {
         Ok(bytes)
     }
 
+    /// [`Checkpoint::item`] without the CRC-32 check (`verify --quick` reads structures only).
+    pub(crate) fn item_unchecked(
+        &self,
+        key: &str,
+        storage: &StorageInfo,
+        limit: u64,
+    ) -> Result<ItemBytes> {
+        self.item_deferred(key, None, storage, limit).map(|(b, _)| b)
+    }
+
     /// [`Checkpoint::item`] with the CRC-32 check of an untransformed item left to the caller
     /// (so that it can run alongside the copy out of the item).
     fn item_deferred(
@@ -609,22 +622,9 @@ impl Checkpoint {
                 ),
             )
         };
-        let decoded = stored_tensor(&blob).map_err(|e| e.0).and_then(|tensor| {
-            if tensor.dtype != *dtype {
-                return Err(format!(
-                    "item holds {} but .metadata says {}",
-                    tensor.dtype.torch_name(),
-                    dtype.torch_name()
-                ));
-            }
-            if tensor.shape != c.sizes {
-                return Err(format!(
-                    "item has shape {:?} but the chunk is {:?}",
-                    tensor.shape, c.sizes
-                ));
-            }
-            Ok(tensor)
-        });
+        let decoded = stored_tensor(&blob)
+            .map_err(|e| e.0)
+            .and_then(|tensor| matches_chunk(tensor, *dtype, c));
         match decoded {
             Ok(tensor) => Ok((ChunkData { tensor, blob }, c, pending)),
             Err(reason) => {
@@ -635,6 +635,58 @@ impl Checkpoint {
                 Err(at(reason))
             }
         }
+    }
+
+    /// Decodes chunk `index` of tensor `key` as [`Checkpoint::chunk`] does, from only the bytes
+    /// torch reads before the tensor data (the archive's headers, `data.pkl` and central
+    /// directory): the payload is neither read nor checked (`verify --quick`). A mapped file
+    /// loads only the pages read; an object's item is read by its first and last bytes, as the
+    /// loader probes it.
+    ///
+    /// Errors: as [`Checkpoint::chunk`], without the CRC-32 check.
+    pub fn chunk_structure(&self, key: &str, index: usize) -> Result<()> {
+        let Entry::Tensor { dtype, chunks, .. } = self.entry(key)? else {
+            return Err(Error::InvalidArgument(format!(
+                "{key} is a byte object, not a tensor"
+            )));
+        };
+        let c = chunks
+            .get(index)
+            .ok_or_else(|| Error::InvalidArgument(format!("{key} has no chunk {index}")))?;
+        let file = self.file(&c.storage.relative_path)?;
+        let transformed = self
+            .metadata
+            .transforms
+            .contains_key(&(key.to_string(), Some(c.offsets.to_vec())));
+        if file.map.is_some() || transformed {
+            return self.chunk_deferred(key, index).map(|_| ());
+        }
+        let (offset, len) = (c.storage.offset, c.storage.length);
+        let at = |reason: String| {
+            corrupt(
+                self.dir.join(&c.storage.relative_path),
+                format!("{key} chunk {:?} (item at offset {offset}): {reason}", c.offsets),
+            )
+        };
+        let mut last = String::new();
+        for window in [4u64 << 10, 1 << 20] {
+            let (head_len, tail_len) = if len <= 2 * window { (len, 0) } else { (window, window) };
+            let end = offset.checked_add(len).filter(|&e| e <= file.len());
+            let end = end.ok_or_else(|| at(format!("passes the end of the file ({} bytes)", file.len())))?;
+            let head = file.source.read_range(offset..offset + head_len)?;
+            let tail = file.source.read_range(end - tail_len..end)?;
+            let blob = HeadTail {
+                size: len as usize,
+                head: &head,
+                tail: &tail,
+            };
+            match stored_tensor_in(&blob) {
+                Ok(t) => return matches_chunk(t, *dtype, c).map(|_| ()).map_err(at),
+                Err(e) if tail_len == 0 => return Err(at(e.0)),
+                Err(e) => last = e.0,
+            }
+        }
+        Err(at(last))
     }
 
     /// The raw bytes of byte object `key` (a torch.save archive).
@@ -674,6 +726,28 @@ impl Checkpoint {
             None => f(&data, c),
         })
     }
+}
+
+/// `tensor` when it is what chunk `c` of a tensor of `dtype` must hold; else why not.
+fn matches_chunk(
+    tensor: StoredTensor,
+    dtype: DType,
+    c: &Chunk,
+) -> std::result::Result<StoredTensor, String> {
+    if tensor.dtype != dtype {
+        return Err(format!(
+            "item holds {} but .metadata says {}",
+            tensor.dtype.torch_name(),
+            dtype.torch_name()
+        ));
+    }
+    if tensor.shape != c.sizes {
+        return Err(format!(
+            "item has shape {:?} but the chunk is {:?}",
+            tensor.shape, c.sizes
+        ));
+    }
+    Ok(tensor)
 }
 
 /// Items at least this large are hashed alongside the copy out of them.
@@ -725,14 +799,12 @@ pub fn crc32(bytes: &[u8]) -> u32 {
 
 /// Checks a common-state archive: every zip record against its CRC-32, and `data.pkl` decodes.
 fn check_common(bytes: &[u8]) -> std::result::Result<(), String> {
-    let recs = records(bytes).map_err(|e| format!("not a torch.save archive: {}", e.0))?;
-    if let Some(bad) = bad_record_crcs(bytes, &recs).into_iter().next() {
+    let archive =
+        Archive::read(bytes).map_err(|e| format!("not a torch.save archive: {}", e.0))?;
+    if let Some(bad) = bad_record_crcs(bytes, &archive.records).into_iter().next() {
         return Err(bad);
     }
-    let pkl = recs
-        .iter()
-        .find(|r| r.is_data_pkl())
-        .ok_or("no data.pkl record")?;
+    let pkl = archive.data_pkl().map_err(|e| e.0)?;
     unpickle(&bytes[pkl.start..pkl.start + pkl.len])
         .map(|_| ())
         .map_err(|e| format!("data.pkl does not decode: {}", e.0))

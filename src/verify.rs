@@ -25,8 +25,10 @@
 //! - `metadata.json`: a JSON object whose `sharded_backend` is `torch_dist` and with no field
 //!   megatron-core ≤ 0.18's `CheckpointingConfig(**config)` would refuse (`dist_checkpointing/core.py`).
 //!
-//! The quick mode reads no item: layout, file sizes, sidecar placement, `metadata.json`, the
-//! globals of `.metadata`, and that the common state exists.
+//! The quick mode reads no payload: layout, file sizes, sidecar placement, `metadata.json`, the
+//! globals of `.metadata`, that the common state exists, and each item's archive structure and
+//! pickle as torch reads them (a tensor item's headers, `data.pkl` and central directory, a byte
+//! object whole), with no CRC-32 computed.
 
 use rayon::prelude::*;
 use serde::Serialize;
@@ -35,7 +37,7 @@ use crate::commit::part::{marker_rel, STATE_DIR};
 use crate::commit::record::Digest;
 use crate::commit::state::{checkpoint_state, save_ids, CheckpointState, Damage};
 use crate::error::{Error, Result};
-use crate::format::archive::{bad_record_crcs, records, Record};
+use crate::format::archive::{bad_record_crcs, Archive};
 use crate::format::globals::{scan, Pickle};
 use crate::format::metadata::{check_layout, Chunk, Entry, StorageInfo};
 use crate::format::sidecar::CHECKSUMS_FILE;
@@ -181,7 +183,7 @@ fn run(
     }
     report.items = items.len();
     total(items.len() as u64);
-    report.problems.extend(check_megatron_files(&ckpt, quick));
+    report.problems.extend(check_megatron_files(&ckpt));
     let (listed, _) = loc.list("")?;
     let newer = crate::dcp_local::stale_metadata(&listed);
     if !newer.is_empty() {
@@ -202,7 +204,7 @@ fn run(
         .par_iter()
         .map(|it| {
             let r = if quick {
-                (check_placement(&ckpt, it), false)
+                (check_structure(&ckpt, it), false)
             } else {
                 check_item(&ckpt, it)
             };
@@ -326,11 +328,22 @@ fn metadata_globals(loc: &Location) -> Result<Option<Problem>> {
         }))
 }
 
-/// The problem with the globals of the `data.pkl` of a torch.save archive, if any.
-fn data_pkl_globals(blob: &[u8], recs: &[Record]) -> Option<String> {
-    recs.iter()
-        .filter(|r| r.is_data_pkl())
-        .find_map(|r| scan(Pickle::TorchSave, &blob[r.start..r.start + r.len]).message())
+/// The problem with the `data.pkl` of a torch.save archive, if any: globals a load would import
+/// outside the allow-list, a pickle that cannot be checked, or a storage its persistent ids name
+/// that torch would not read whole from its record.
+fn data_pkl_globals(blob: &[u8], archive: &Archive) -> Option<String> {
+    let Ok(r) = archive.data_pkl() else {
+        return Some(format!("no {}data.pkl record", archive.folder));
+    };
+    let found = scan(Pickle::TorchSave, &blob[r.start..r.start + r.len]);
+    let storage = found
+        .storages
+        .iter()
+        .find_map(|s| archive.storage(s).err().map(|e| e.0));
+    match (found.message(), storage) {
+        (Some(m), Some(s)) => Some(format!("{m}; {s}")),
+        (m, s) => m.or(s),
+    }
 }
 
 fn item_problem(it: &Item, message: String) -> Problem {
@@ -387,6 +400,36 @@ fn check_placement(ckpt: &Checkpoint, it: &Item) -> Vec<Problem> {
     problems
 }
 
+/// Quick mode's check of one item: its placement, then its archive and pickle as torch reads
+/// them, without reading or hashing its payload ([`Checkpoint::chunk_structure`]; a byte object
+/// is read whole).
+fn check_structure(ckpt: &Checkpoint, it: &Item) -> Vec<Problem> {
+    let mut problems = check_placement(ckpt, it);
+    if !problems.is_empty() {
+        return problems;
+    }
+    let found = match it.chunk {
+        Some((i, _)) => ckpt.chunk_structure(it.key, i).err().map(strip),
+        None => match ckpt.item_unchecked(it.key, &storage_of(it), 1 << 34) {
+            Err(e) => Some(strip(e)),
+            Ok(blob) => match Archive::read(&blob[..]) {
+                Ok(archive) => data_pkl_globals(&blob, &archive),
+                Err(e) => Some(format!("not a torch.save archive: {}", e.0)),
+            },
+        },
+    };
+    problems.extend(found.map(|m| item_problem(it, m)));
+    problems
+}
+
+fn storage_of(it: &Item) -> StorageInfo {
+    StorageInfo {
+        relative_path: it.path.into(),
+        offset: it.offset,
+        length: it.length,
+    }
+}
+
 /// Reads one item: decoding, zip CRCs and (through the reader) the sidecar CRC.
 fn check_item(ckpt: &Checkpoint, it: &Item) -> (Vec<Problem>, bool) {
     if it.path.is_empty() {
@@ -400,16 +443,7 @@ fn check_item(ckpt: &Checkpoint, it: &Item) -> (Vec<Problem>, bool) {
     }
     let blob = match it.chunk {
         Some((i, _)) => ckpt.chunk(it.key, i).map(|(d, _)| d.blob),
-        None => ckpt.item(
-            it.key,
-            None,
-            &StorageInfo {
-                relative_path: it.path.into(),
-                offset: it.offset,
-                length: it.length,
-            },
-            1 << 34,
-        ),
+        None => ckpt.item(it.key, None, &storage_of(it), 1 << 34),
     };
     let blob = match blob {
         Ok(b) => b,
@@ -418,11 +452,11 @@ fn check_item(ckpt: &Checkpoint, it: &Item) -> (Vec<Problem>, bool) {
             return (problems, checked);
         }
     };
-    match records(&blob) {
-        Ok(recs) => problems.extend(
-            bad_record_crcs(&blob, &recs)
+    match Archive::read(&blob[..]) {
+        Ok(archive) => problems.extend(
+            bad_record_crcs(&blob, &archive.records)
                 .into_iter()
-                .chain(data_pkl_globals(&blob, &recs))
+                .chain(data_pkl_globals(&blob, &archive))
                 .map(|m| item_problem(it, m)),
         ),
         Err(e) => problems.push(item_problem(
@@ -434,7 +468,7 @@ fn check_item(ckpt: &Checkpoint, it: &Item) -> (Vec<Problem>, bool) {
 }
 
 /// `metadata.json` and the common state.
-fn check_megatron_files(ckpt: &Checkpoint, quick: bool) -> Vec<Problem> {
+fn check_megatron_files(ckpt: &Checkpoint) -> Vec<Problem> {
     let loc = ckpt.location();
     let file_problem = |name: &str, message: String| Problem {
         key: name.to_string(),
@@ -505,12 +539,16 @@ fn check_megatron_files(ckpt: &Checkpoint, quick: bool) -> Vec<Problem> {
             }
         }
     }
-    if !quick && (has_common_pt || has_common_state) {
+    // Read in quick mode too: a small file, and what a load unpickles first.
+    if has_common_pt || has_common_state {
         match ckpt.read_common() {
             // The common_state object is an item: its data.pkl was scanned with the items.
             Ok(Some(common)) if common.source == COMMON_FILE => {
-                let recs = records(&common.bytes).unwrap_or_default(); // read_common checked it
-                if let Some(m) = data_pkl_globals(&common.bytes, &recs) {
+                // read_common checked the archive.
+                let found = Archive::read(&common.bytes[..])
+                    .ok()
+                    .and_then(|a| data_pkl_globals(&common.bytes, &a));
+                if let Some(m) = found {
                     problems.push(file_problem(COMMON_FILE, m));
                 }
             }

@@ -1,10 +1,44 @@
-//! Reads one DCP item: a torch.save zip archive (`torch/serialization.py` `_save`, torch 2.3.1–2.15.0;
-//! layout in [`crate::format::zip`]) held in memory or mapped.
-//! Sizes come from the central directory (torch's local headers hold zeros), zip64 records are
-//! honoured, every offset is bounds-checked against the blob, and nothing is copied.
+//! Reads one torch.save archive (a DCP item, `common.pt`; layout in [`crate::format::zip`]) held in
+//! memory or mapped, exactly as torch's reader resolves it, and refuses what torch would read
+//! differently or run.
+//!
+//! torch reads these archives with `PyTorchStreamReader` (`caffe2/serialize/inline_container.cc`)
+//! over miniz (`third_party/miniz-3.0.2/miniz.c`; torch 2.3.1 and 2.15.0 behave alike, tested by
+//! `python/tests/test_torch_reader_diff.py`). What that reader does, and so what [`Archive::read`]
+//! does or refuses:
+//! - `torch.load` (`torch/serialization.py`, `_is_zipfile`) treats the bytes as a zip only when they
+//!   *start* with a local header `PK\3\4`; anything else is unpickled as a legacy file, running the
+//!   pickle at its start. Refused.
+//! - miniz finds the end of the central directory as the last `PK\5\6` with 22 bytes after it, and
+//!   a zip64 end record right before the zip64 locator (`mz_zip_reader_read_central_dir`); sizes
+//!   and offsets come from the central directory, values saturated at `0xFFFFFFFF` from the first
+//!   zip64 extended-information field (`mz_zip_file_stat_internal`). An end record the locator does
+//!   not point at, or a second zip64 field, could be read two ways: refused.
+//! - The archive's folder is the first record's name up to its first `/` (`init`); every record
+//!   must be under it, compared case-sensitively (`getAllRecords`, called by `torch.load`'s
+//!   `_is_torchscript_zip`), and a record `constants.pkl` makes `torch.load` hand the file to
+//!   `torch.jit.load` (refused: that runs TorchScript).
+//! - Records are looked up **case-insensitively** (ASCII): `getRecord` calls
+//!   `mz_zip_reader_locate_file` with flags 0, a binary search over names sorted by
+//!   `mz_zip_reader_filename_less` (`MZ_TOLOWER`). Two names equal but for ASCII case are the same
+//!   name to torch, and which of them it finds depends on an unstable heap sort: refused, naming
+//!   both. With that refused, [`Archive::get`] finds exactly the record torch finds.
+//! - A "directory" (a name ending in `/` or the DOS directory attribute) extracts as nothing, which
+//!   leaves torch's buffer uninitialised; encrypted and patch records are not read; compressed
+//!   records are inflated by torch but never written by it: all refused.
+//! - `init` reads `.data/version`, else `version`, as `std::stoull` parses it, and refuses a value
+//!   outside 1..=10 (`kMinSupportedFileFormatVersion`, `kMaxSupportedFileFormatVersion`; measured
+//!   on torch 2.3.1 and 2.15.0). `_load` byteswaps every storage when `byteorder` says `big` and
+//!   fails on any other value but `little`, parses `.storage_alignment` with `int()`, and ends by
+//!   logging `.data/serialization_id` as a UTF-8 string.
+//! - A tensor's pickle must use only the opcodes torch's weights-only unpickler reads (DCP loads
+//!   tensor items with `weights_only=True` from torch 2.4), and every storage a pickle names must
+//!   be a record of exactly the bytes it declares ([`Archive::storage`]).
+//!
+//! Every offset is bounds-checked against the blob, and nothing is copied.
 
 use crate::format::dtype::DType;
-use crate::format::unpickle::{unpickle, Value};
+use crate::format::unpickle::{unpickle_weights_only, Value};
 
 /// Why an item could not be decoded.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -30,12 +64,6 @@ pub struct Record {
 }
 
 impl Record {
-    /// Whether this is the archive's pickle, `<archive name>/data.pkl`, which `torch.load`
-    /// unpickles (torch/serialization.py `_load`, 2.3–2.15).
-    pub fn is_data_pkl(&self) -> bool {
-        self.name.ends_with("/data.pkl") || self.name == "data.pkl"
-    }
-
     /// Whether the central directory records a CRC-32 for this record's data (a writer may leave
     /// it 0; torch writes real ones).
     pub fn has_crc(&self) -> bool {
@@ -99,10 +127,13 @@ impl Blob for HeadTail<'_> {
     }
 }
 
-fn field<const N: usize>(b: &(impl Blob + ?Sized), at: usize) -> R<[u8; N]> {
-    b.range(at..at + N)
-        .map(|s| s.try_into().unwrap())
+fn bytes_at<B: Blob + ?Sized>(b: &B, at: usize, len: usize) -> R<&[u8]> {
+    at.checked_add(len)
+        .and_then(|end| b.range(at..end))
         .ok_or_else(|| ArchiveError("truncated zip structure".into()))
+}
+fn field<const N: usize>(b: &(impl Blob + ?Sized), at: usize) -> R<[u8; N]> {
+    bytes_at(b, at, N).map(|s| s.try_into().unwrap())
 }
 fn le16(b: &(impl Blob + ?Sized), at: usize) -> R<u16> {
     field(b, at).map(u16::from_le_bytes)
@@ -114,113 +145,412 @@ fn le64(b: &(impl Blob + ?Sized), at: usize) -> R<u64> {
     field(b, at).map(u64::from_le_bytes)
 }
 
-/// Lists the records of a zip archive. Only STORED (method 0) records are accepted, as torch writes.
-///
-/// Errors: [`ArchiveError`] when the blob is not a complete zip (truncated, wrong `length` in the
-/// metadata, compressed records, offsets outside the blob).
-pub fn records(blob: &[u8]) -> R<Vec<Record>> {
-    records_in(blob)
+const LOCAL_SIG: u32 = 0x0403_4b50;
+const CENTRAL_SIG: u32 = 0x0201_4b50;
+const EOCD_SIG: u32 = 0x0605_4b50;
+const EOCD64_SIG: u32 = 0x0606_4b50;
+const LOCATOR_SIG: u32 = 0x0706_4b50;
+const EOCD_LEN: usize = 22;
+const EOCD64_LEN: usize = 56;
+const LOCATOR_LEN: usize = 20;
+const CENTRAL_LEN: usize = 46;
+const SATURATED: u64 = 0xFFFF_FFFF;
+/// miniz's `MZ_ZIP_MAX_ARCHIVE_FILENAME_SIZE`: `getAllRecords` copies names into a buffer of
+/// this size, so a longer one is cut short there.
+const MAX_NAME: usize = 512;
+/// Flags under which miniz reads no data: encrypted (bit 0), compressed patch (bit 5), strong
+/// encryption (bit 6), masked local headers (bit 13).
+const UNREADABLE_FLAGS: u16 = 0x0001 | 0x0020 | 0x0040 | 0x2000;
+/// `kMaxSupportedFileFormatVersion` of torch 2.3.1 and 2.15.0 (a `version` of 11 is refused).
+const MAX_FORMAT_VERSION: u64 = 10;
+
+/// Where the central directory lies: `entries` records in `size` bytes from `offset`.
+#[derive(Debug, PartialEq, Eq)]
+struct Directory {
+    entries: u64,
+    offset: u64,
+    size: u64,
 }
 
-/// [`records`] of an item held in part ([`Blob`]).
-pub fn records_in(blob: &(impl Blob + ?Sized)) -> R<Vec<Record>> {
-    // End of central directory: the last "PK\5\6" within the final 64 KiB + 22 bytes.
-    let lo = blob.size().saturating_sub(22 + 65535);
-    let eocd = (lo..=blob.size().saturating_sub(22))
+/// The central directory as miniz finds it (`mz_zip_reader_locate_header_sig` and
+/// `mz_zip_reader_read_central_dir`): the last end record with 22 bytes after it; a zip64 end
+/// record right before the zip64 locator, which must point at it.
+fn directory(blob: &(impl Blob + ?Sized)) -> R<Directory> {
+    let size = blob.size();
+    let lo = size.saturating_sub(EOCD_LEN + 65535);
+    let eocd = (lo..=size.saturating_sub(EOCD_LEN))
         .rev()
-        .find(|&i| blob.range(i..i + 4) == Some(b"PK\x05\x06"))
+        .find(|&i| blob.range(i..i + 4) == Some(&EOCD_SIG.to_le_bytes()[..]))
         .ok_or_else(|| {
             ArchiveError(
                 "no zip end-of-central-directory record (item truncated or length wrong)".into(),
             )
         })?;
-    let mut entries = le16(blob, eocd + 10)? as u64;
-    let mut cd_size = le32(blob, eocd + 12)? as u64;
-    let mut cd_offset = le32(blob, eocd + 16)? as u64;
-    if eocd >= 20 && blob.range(eocd - 20..eocd - 16) == Some(b"PK\x06\x07") {
-        let z64 = le64(blob, eocd - 20 + 8)?;
-        let z64 = usize::try_from(z64)
-            .map_err(|_| ArchiveError("zip64 record offset out of range".into()))?;
-        if blob.range(z64..z64.saturating_add(4)) != Some(b"PK\x06\x06") {
-            return bad("zip64 locator points at no zip64 end record");
-        }
-        entries = le64(blob, z64 + 32)?;
-        cd_size = le64(blob, z64 + 40)?;
-        cd_offset = le64(blob, z64 + 48)?;
-    }
-    let cd_end = cd_offset
-        .checked_add(cd_size)
-        .filter(|&e| e <= blob.size() as u64);
-    if cd_end.is_none() {
-        return bad("central directory lies outside the item");
-    }
-    if entries > cd_size / 46 {
-        return bad("central directory entry count exceeds its size");
-    }
-    let mut out = Vec::with_capacity(entries as usize);
-    let mut at = cd_offset as usize;
-    for _ in 0..entries {
-        if le32(blob, at)? != 0x0201_4b50 {
-            return bad("bad central directory entry signature");
-        }
-        let method = le16(blob, at + 10)?;
-        let crc = le32(blob, at + 16)?;
-        let mut csize = le32(blob, at + 20)? as u64;
-        let mut usize_ = le32(blob, at + 24)? as u64;
-        let name_len = le16(blob, at + 28)? as usize;
-        let extra_len = le16(blob, at + 30)? as usize;
-        let comment_len = le16(blob, at + 32)? as usize;
-        let mut local = le32(blob, at + 42)? as u64;
-        let name = blob
-            .range(at + 46..at + 46 + name_len)
-            .ok_or_else(|| ArchiveError("truncated file name".into()))?;
-        let name = String::from_utf8_lossy(name).into_owned();
-        let extra = blob
-            .range(at + 46 + name_len..at + 46 + name_len + extra_len)
-            .ok_or_else(|| ArchiveError("truncated extra field".into()))?;
-        // zip64 extended information: values present only for fields saturated at 0xFFFFFFFF.
-        let mut e = 0;
-        while e + 4 <= extra.len() {
-            let id = le16(extra, e)?;
-            let len = le16(extra, e + 2)? as usize;
-            if id == 1 {
-                let mut p = e + 4;
-                for field in [&mut usize_, &mut csize, &mut local] {
-                    if *field == 0xFFFF_FFFF {
-                        *field = le64(extra, p)?;
-                        p += 8;
-                    }
-                }
-            }
-            e += 4 + len;
-        }
-        if method != 0 || csize != usize_ {
+    let mut d = Directory {
+        entries: le16(blob, eocd + 10)?.into(),
+        offset: le32(blob, eocd + 16)?.into(),
+        size: le32(blob, eocd + 12)?.into(),
+    };
+    let mut disks = (le16(blob, eocd + 4)? as u32, le16(blob, eocd + 6)? as u32);
+    let mut on_this_disk: u64 = le16(blob, eocd + 8)?.into();
+    let locator = eocd.checked_sub(LOCATOR_LEN);
+    if let Some(loc) = locator.filter(|&l| le32(blob, l).ok() == Some(LOCATOR_SIG)) {
+        let at = loc
+            .checked_sub(EOCD64_LEN)
+            .filter(|&at| le32(blob, at).ok() == Some(EOCD64_SIG))
+            .ok_or_else(|| ArchiveError("zip64 locator without a zip64 end record before it".into()))?;
+        if le64(blob, loc + 8)? != at as u64 {
             return bad(format!(
-                "record {name} is compressed (method {method}); torch archives are STORED"
+                "the zip64 locator points at offset {}, the zip64 end record lies at {at}: readers \
+                 differ on which to take",
+                le64(blob, loc + 8)?
             ));
         }
-        let local = usize::try_from(local)
-            .map_err(|_| ArchiveError("local header offset out of range".into()))?;
-        if le32(blob, local)? != 0x0403_4b50 {
-            return bad(format!("record {name}: bad local header signature"));
+        if le64(blob, at + 4)? < 44 || le32(blob, loc + 16)? != 1 {
+            return bad("zip64 end record too short, or a multi-disk archive");
         }
-        let start =
-            local + 30 + le16(blob, local + 26)? as usize + le16(blob, local + 28)? as usize;
-        let end = (start as u64)
-            .checked_add(usize_)
-            .filter(|&e| e <= blob.size() as u64);
-        if end.is_none() {
-            return bad(format!("record {name} extends past the end of the item"));
+        d.entries = le64(blob, at + 32)?;
+        on_this_disk = le64(blob, at + 24)?;
+        d.size = le64(blob, at + 40)?;
+        d.offset = le64(blob, at + 48)?;
+        disks = (le32(blob, at + 16)?, le32(blob, at + 20)?);
+        if d.entries > u32::MAX as u64 || d.size > u32::MAX as u64 {
+            return bad("zip64 central directory larger than miniz reads");
         }
-        out.push(Record {
-            name,
-            start,
-            len: usize_ as usize,
-            crc,
-        });
-        at += 46 + name_len + extra_len + comment_len;
     }
-    Ok(out)
+    if d.entries != on_this_disk || !matches!(disks, (0, 0) | (1, 1)) {
+        return bad("a multi-disk zip archive");
+    }
+    if d.entries > d.size / CENTRAL_LEN as u64 {
+        return bad("central directory entry count exceeds its size");
+    }
+    if d.offset.checked_add(d.size).is_none_or(|e| e > size as u64) {
+        return bad("central directory lies outside the item");
+    }
+    Ok(d)
+}
+
+/// One central directory entry's fields, sizes already widened from its zip64 field.
+struct Entry {
+    name: String,
+    crc: u32,
+    size: u64,
+    local: u64,
+    /// Bytes the entry takes in the central directory.
+    len: usize,
+}
+
+/// The values of a zip64 extended-information field (id 1) for the fields saturated at
+/// `0xFFFFFFFF`, in APPNOTE 4.5.3's order: uncompressed size, compressed size, local header
+/// offset. Every field of `extra` must be well formed, and at most one may have id 1.
+fn zip64_values(extra: &[u8], name: &str, saturated: [&mut u64; 3]) -> R<()> {
+    let mut fields = Vec::new();
+    let mut e = 0;
+    while e < extra.len() {
+        let (Ok(id), Ok(len)) = (le16(extra, e), le16(extra, e + 2)) else {
+            return bad(format!("record {name}: truncated extra field"));
+        };
+        let body = bytes_at(extra, e + 4, len as usize)
+            .map_err(|_| ArchiveError(format!("record {name}: extra field overruns its entry")))?;
+        if id == 1 {
+            fields.push(body);
+        }
+        e += 4 + len as usize;
+    }
+    if fields.len() > 1 {
+        return bad(format!(
+            "record {name} has {} zip64 fields: readers differ on which to take",
+            fields.len()
+        ));
+    }
+    let mut p = 0;
+    for v in saturated.into_iter().filter(|v| **v == SATURATED) {
+        let Some(body) = fields.first() else {
+            return bad(format!("record {name}: a size is 0xFFFFFFFF without a zip64 field"));
+        };
+        *v = le64(*body, p)
+            .map_err(|_| ArchiveError(format!("record {name}: zip64 field too short")))?;
+        p += 8;
+    }
+    Ok(())
+}
+
+/// Parses the central directory entry at `at` with miniz's checks, and refuses what torch would
+/// not read as stored bytes (compressed, encrypted, directory entries).
+fn entry(blob: &(impl Blob + ?Sized), at: usize, archive_size: usize) -> R<Entry> {
+    if le32(blob, at)? != CENTRAL_SIG {
+        return bad("bad central directory entry signature");
+    }
+    let flags = le16(blob, at + 8)?;
+    let method = le16(blob, at + 10)?;
+    let crc = le32(blob, at + 16)?;
+    let mut csize: u64 = le32(blob, at + 20)?.into();
+    let mut usize_: u64 = le32(blob, at + 24)?.into();
+    let (name_len, extra_len, comment_len) = (
+        le16(blob, at + 28)? as usize,
+        le16(blob, at + 30)? as usize,
+        le16(blob, at + 32)? as usize,
+    );
+    let disk = le16(blob, at + 34)?;
+    let external = le32(blob, at + 38)?;
+    let mut local: u64 = le32(blob, at + 42)?.into();
+    let raw = bytes_at(blob, at + CENTRAL_LEN, name_len)?;
+    let name = std::str::from_utf8(raw)
+        .map_err(|_| ArchiveError(format!("record name {raw:?} is not UTF-8")))?
+        .to_string();
+    let extra = bytes_at(blob, at + CENTRAL_LEN + name_len, extra_len)?;
+    zip64_values(extra, &name, [&mut usize_, &mut csize, &mut local])?;
+    if disk != 0 && disk != 1 {
+        return bad(format!("record {name} lies on disk {disk}"));
+    }
+    if flags & UNREADABLE_FLAGS != 0 {
+        return bad(format!(
+            "record {name} is encrypted or a patch (flags {flags:#06x}): torch reads no bytes of it"
+        ));
+    }
+    if method != 0 || csize != usize_ {
+        return bad(format!(
+            "record {name} is compressed (method {method}); torch archives are STORED"
+        ));
+    }
+    if name.ends_with('/') || external & 0x10 != 0 {
+        return bad(format!(
+            "record {name} is a directory entry: torch reads it as uninitialised bytes"
+        ));
+    }
+    if local.checked_add(30 + csize).is_none_or(|e| e > archive_size as u64) {
+        return bad(format!("record {name} extends past the end of the item"));
+    }
+    Ok(Entry {
+        name,
+        crc,
+        size: usize_,
+        local,
+        len: CENTRAL_LEN + name_len + extra_len + comment_len,
+    })
+}
+
+/// The record of `e`: its data starts after its local header's name and extra field (miniz
+/// reads those lengths from the local header, not the central directory).
+fn record_of(blob: &(impl Blob + ?Sized), e: Entry) -> R<Record> {
+    let local = usize::try_from(e.local)
+        .map_err(|_| ArchiveError("local header offset out of range".into()))?;
+    if le32(blob, local)? != LOCAL_SIG {
+        return bad(format!("record {}: bad local header signature", e.name));
+    }
+    let start = local + 30 + le16(blob, local + 26)? as usize + le16(blob, local + 28)? as usize;
+    if (start as u64)
+        .checked_add(e.size)
+        .is_none_or(|end| end > blob.size() as u64)
+    {
+        return bad(format!("record {} extends past the end of the item", e.name));
+    }
+    Ok(Record {
+        name: e.name,
+        start,
+        len: e.size as usize,
+        crc: e.crc,
+    })
+}
+
+/// A torch.save archive as torch's reader resolves it (see the module docs).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Archive {
+    /// Every record, in central directory order.
+    pub records: Vec<Record>,
+    /// The folder all records are under, with its `/` (`archive/` when torch saved to a stream).
+    pub folder: String,
+}
+
+impl Archive {
+    /// Reads the archive's structure and the records torch reads before unpickling (`version`,
+    /// `byteorder`, `.storage_alignment`), refusing what torch would read differently or run.
+    ///
+    /// Errors: [`ArchiveError`] naming the record or structure: not a zip from its first byte,
+    /// truncated, wrong `length` in the metadata, ambiguous (two names equal but for case, two
+    /// zip64 fields, an unreferenced zip64 end record), a record torch does not read as stored
+    /// bytes, a TorchScript archive, or a `version`, `byteorder` or `.storage_alignment` torch
+    /// refuses or reads as byteswapped.
+    pub fn read(blob: &(impl Blob + ?Sized)) -> R<Archive> {
+        if blob.range(0..4) != Some(&LOCAL_SIG.to_le_bytes()[..]) {
+            return bad(
+                "does not start with a zip local header (PK\\3\\4): torch.load would unpickle it \
+                 as a legacy file",
+            );
+        }
+        let d = directory(blob)?;
+        let mut records = Vec::with_capacity(d.entries as usize);
+        let (mut at, end) = (d.offset as usize, (d.offset + d.size) as usize);
+        for _ in 0..d.entries {
+            let e = entry(blob, at, blob.size())?;
+            at += e.len;
+            if at > end {
+                return bad("central directory entry overruns the directory");
+            }
+            records.push(record_of(blob, e)?);
+        }
+        let archive = Archive {
+            folder: folder(&records)?,
+            records,
+        };
+        archive.check_names()?;
+        archive.check_torch_records(blob)?;
+        Ok(archive)
+    }
+
+    /// The record torch's `getRecord(name)` reads: `<folder><name>`, compared ignoring ASCII case
+    /// (names equal but for case were refused by [`Archive::read`]).
+    pub fn get(&self, name: &str) -> Option<&Record> {
+        let full = format!("{}{name}", self.folder);
+        self.records
+            .iter()
+            .find(|r| r.name.eq_ignore_ascii_case(&full))
+    }
+
+    /// The pickle `torch.load` unpickles (`_load`, `pickle_file="data.pkl"`).
+    ///
+    /// Errors: [`ArchiveError`] when there is none.
+    pub fn data_pkl(&self) -> R<&Record> {
+        self.get("data.pkl")
+            .ok_or_else(|| ArchiveError(format!("no {}data.pkl record", self.folder)))
+    }
+
+    /// Names torch's `getAllRecords` would reject or mistake (not under the folder, cut short or
+    /// at a NUL byte), a TorchScript archive, and names torch's lookup cannot tell apart.
+    fn check_names(&self) -> R<()> {
+        let mut folded: Vec<(String, &str)> = Vec::with_capacity(self.records.len());
+        for r in &self.records {
+            if r.name.len() >= MAX_NAME || r.name.contains('\0') {
+                return bad(format!(
+                    "record name {:?} is longer than torch reads or holds a NUL byte",
+                    r.name
+                ));
+            }
+            let Some(inner) = r.name.strip_prefix(&self.folder) else {
+                return bad(format!(
+                    "record {} is not under the archive's folder {} (torch.load refuses it)",
+                    r.name, self.folder
+                ));
+            };
+            if inner == "constants.pkl" {
+                return bad(format!(
+                    "record {} makes torch.load run the archive as TorchScript (torch.jit.load)",
+                    r.name
+                ));
+            }
+            folded.push((r.name.to_ascii_lowercase(), &r.name));
+        }
+        folded.sort();
+        if let Some(w) = folded.windows(2).find(|w| w[0].0 == w[1].0) {
+            return bad(if w[0].1 == w[1].1 {
+                format!(
+                    "record {} appears twice: torch's lookup may read either",
+                    w[0].1
+                )
+            } else {
+                format!(
+                    "records {} and {} differ only in case: torch looks names up ignoring case \
+                     and may read either",
+                    w[0].1, w[1].1
+                )
+            });
+        }
+        Ok(())
+    }
+
+    /// The records torch reads before the pickle, checked as torch checks them.
+    fn check_torch_records(&self, blob: &(impl Blob + ?Sized)) -> R<()> {
+        let content = |name: &str| -> R<Option<&[u8]>> {
+            self.get(name)
+                .map(|r| bytes_at(blob, r.start, r.len))
+                .transpose()
+        };
+        let version = match content(".data/version")? {
+            Some(v) => v,
+            None => content("version")?.ok_or_else(|| {
+                ArchiveError(format!("no {}version record (torch requires one)", self.folder))
+            })?,
+        };
+        match parse_version(version) {
+            Some(v) if (1..=MAX_FORMAT_VERSION).contains(&v) => {}
+            _ => {
+                return bad(format!(
+                    "version record {:?} is not a format version torch reads (1 to {MAX_FORMAT_VERSION})",
+                    String::from_utf8_lossy(version)
+                ))
+            }
+        }
+        match content("byteorder")? {
+            None | Some(b"little") => {}
+            Some(other) => {
+                return bad(format!(
+                    "byteorder record is {:?}: torch byteswaps (\"big\") or refuses it; shardwise \
+                     reads little-endian archives only",
+                    String::from_utf8_lossy(other)
+                ))
+            }
+        }
+        // `_load` ends by logging `zip_file.serialization_id()`, a C++ string pybind11 decodes
+        // as UTF-8 (torch/serialization.py, 2.3–2.15).
+        if let Some(id) = content(".data/serialization_id")? {
+            if std::str::from_utf8(id).is_err() {
+                return bad(".data/serialization_id record is not UTF-8 (torch.load fails on it)");
+            }
+        }
+        if let Some(a) = content(".storage_alignment")? {
+            let ok = std::str::from_utf8(a)
+                .ok()
+                .map(|s| s.trim_matches(|c: char| c.is_ascii_whitespace()))
+                .is_some_and(|s| {
+                    let digits = s.strip_prefix(['+', '-']).unwrap_or(s);
+                    !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit())
+                });
+            if !ok {
+                return bad(format!(
+                    ".storage_alignment record {:?} is not an int (torch's int() refuses it)",
+                    String::from_utf8_lossy(a)
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The archive's folder as torch's `init` takes it: the first record's name up to and including
+/// its first `/`.
+fn folder(records: &[Record]) -> R<String> {
+    let first = records
+        .first()
+        .ok_or_else(|| ArchiveError("archive does not contain any files".into()))?;
+    match first.name.find('/') {
+        Some(p) => Ok(first.name[..=p].to_string()),
+        None => bad(format!(
+            "record {} is not in a folder (torch refuses the archive)",
+            first.name
+        )),
+    }
+}
+
+/// The value `std::stoull` reads from the start of `bytes` (leading whitespace, an optional sign,
+/// decimal digits, anything after them ignored), as torch's `init` parses the version; None where
+/// it throws. A `-` wraps around as in C, to a value no version check accepts (`-0` reads 0).
+fn parse_version(bytes: &[u8]) -> Option<u64> {
+    // C's isspace: space, \t, \n, \v, \f, \r.
+    let s = bytes
+        .iter()
+        .position(|b| !matches!(b, b' ' | b'\t' | b'\n' | 0x0b | 0x0c | b'\r'))
+        .map_or(&[][..], |p| &bytes[p..]);
+    let (negative, s) = match s.first() {
+        Some(b'+') => (false, &s[1..]),
+        Some(b'-') => (true, &s[1..]),
+        _ => (false, s),
+    };
+    let n = s.iter().take_while(|b| b.is_ascii_digit()).count();
+    if n == 0 {
+        return None;
+    }
+    let v = std::str::from_utf8(&s[..n]).ok()?.parse::<u64>().ok()?;
+    Some(if negative { v.wrapping_neg() } else { v })
 }
 
 /// Records whose data fails the CRC-32 the central directory records for them, as messages
@@ -262,9 +592,12 @@ fn ints(v: &Value, what: &str) -> R<Vec<u64>> {
 }
 
 /// Decodes a tensor item: `data.pkl` must be `_rebuild_tensor_v2` (6 or 7 arguments) or
-/// `_rebuild_tensor_v3` over one storage record, as torch.save writes (torch/_utils.py, 2.3–2.15).
+/// `_rebuild_tensor_v3` over one storage record, as torch.save writes (torch/_utils.py, 2.3–2.15),
+/// read from the archive as torch reads it ([`Archive::read`]).
 ///
-/// Errors: [`ArchiveError`] for anything else, or a storage too small for shape/strides/offset.
+/// Errors: [`ArchiveError`] for anything else, a storage record whose length is not the one the
+/// pickle declares (torch sizes the storage from the pickle), or a storage too small for
+/// shape/strides/offset.
 pub fn stored_tensor(blob: &[u8]) -> R<StoredTensor> {
     stored_tensor_in(blob)
 }
@@ -272,17 +605,45 @@ pub fn stored_tensor(blob: &[u8]) -> R<StoredTensor> {
 /// [`stored_tensor`] of an item held in part ([`Blob`]): its first bytes (local headers and
 /// `data.pkl`) and its last ones (central directory) suffice.
 pub fn stored_tensor_in(blob: &(impl Blob + ?Sized)) -> R<StoredTensor> {
-    let recs = records_in(blob)?;
-    let pkl = recs
-        .iter()
-        .find(|r| r.is_data_pkl())
-        .ok_or_else(|| ArchiveError("no data.pkl record".into()))?;
-    let prefix = &pkl.name[..pkl.name.len() - "data.pkl".len()];
-    let pkl_bytes = blob
-        .range(pkl.start..pkl.start + pkl.len)
-        .ok_or_else(|| ArchiveError("truncated zip structure".into()))?;
-    let value = unpickle(pkl_bytes).map_err(|e| ArchiveError(format!("data.pkl: {e}")))?;
-    let Value::Call(call) = &*value else {
+    let archive = Archive::read(blob)?;
+    let pkl = archive.data_pkl()?;
+    // Tensor items are loaded with weights_only=True from torch 2.4 on (DCP's read_data).
+    let value = unpickle_weights_only(bytes_at(blob, pkl.start, pkl.len)?)
+        .map_err(|e| ArchiveError(format!("{}: {e}", pkl.name)))?;
+    let call = rebuild_call(&value)?;
+    let storage = storage_ref(&call.args[0])?;
+    let dtype = match call.dtype {
+        Some(d) => d,
+        None => storage.class.ok_or_else(|| {
+            ArchiveError("_rebuild_tensor_v2 over an untyped storage; not a plain tensor".into())
+        })?,
+    };
+    let storage_offset = int(&call.args[1], "storage_offset")?;
+    let shape = ints(&call.args[2], "size")?;
+    let strides = ints(&call.args[3], "stride")?;
+    if shape.len() != strides.len() {
+        return bad("size and stride differ in length");
+    }
+    let record = archive.storage(&storage)?.clone();
+    check_view(&shape, &strides, storage_offset, dtype, &record)?;
+    Ok(StoredTensor {
+        dtype,
+        shape,
+        strides,
+        storage_offset,
+        storage: record,
+    })
+}
+
+/// `data.pkl`'s top call: its arguments, and the dtype `_rebuild_tensor_v3` names (None for v2,
+/// whose dtype is its storage class's).
+struct RebuildCall {
+    args: Vec<Value>,
+    dtype: Option<DType>,
+}
+
+fn rebuild_call(value: &Value) -> R<RebuildCall> {
+    let Value::Call(call) = value else {
         return bad(format!("data.pkl holds {}, not a tensor", value.kind()));
     };
     let func = call
@@ -304,67 +665,145 @@ pub fn stored_tensor_in(blob: &(impl Blob + ?Sized)) -> R<StoredTensor> {
             ))
         }
     };
-    let Value::PersId(pid) = &args[0] else {
-        return bad("tensor storage is not a persistent id");
-    };
-    let pid = pid
-        .items()
-        .filter(|p| p.len() == 5)
-        .ok_or_else(|| ArchiveError("storage persistent id is not a 5-tuple".into()))?;
-    let class = pid[1]
-        .global()
-        .map(|(_, n)| n.to_string())
-        .unwrap_or_default();
-    let key = pid[2]
-        .as_str()
-        .ok_or_else(|| ArchiveError("storage key is not a string".into()))?
-        .to_string();
     let dtype = if v3 {
-        let (m, n) = args
-            .last()
-            .unwrap()
+        let (m, n) = args[6]
             .global()
             .ok_or_else(|| ArchiveError("_rebuild_tensor_v3 without a dtype".into()))?;
         if m != "torch" {
             return bad(format!("dtype global {m}.{n}"));
         }
-        DType::from_torch_name(n).map_err(|e| ArchiveError(e.to_string()))?
+        Some(DType::from_torch_name(n).map_err(|e| ArchiveError(e.to_string()))?)
     } else {
-        DType::from_legacy_storage(&class)
-            .ok_or_else(|| ArchiveError(format!("unknown storage class {class}")))?
+        None
     };
-    let storage_offset = int(&args[1], "storage_offset")?;
-    let shape = ints(&args[2], "size")?;
-    let strides = ints(&args[3], "stride")?;
-    if shape.len() != strides.len() {
-        return bad("size and stride differ in length");
-    }
-    let name = format!("{prefix}data/{key}");
-    let storage = recs
-        .iter()
-        .find(|r| r.name == name)
-        .cloned()
-        .ok_or_else(|| ArchiveError(format!("storage record {name} missing")))?;
-    // Highest element index any view position touches, checked against the storage size.
-    if shape.iter().all(|&s| s > 0) {
-        let mut last = storage_offset as u128;
-        for (&s, &st) in shape.iter().zip(&strides) {
-            last += (s as u128 - 1) * st as u128;
+    Ok(RebuildCall { args, dtype })
+}
+
+/// A storage persistent id, `('storage', <class>, key, location, numel)`
+/// (torch/serialization.py `persistent_load`, torch 2.3–2.15).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StorageRef {
+    /// The dtype of a typed (legacy) storage class; None for `UntypedStorage`, counted in bytes.
+    pub class: Option<DType>,
+    /// The record's name under `data/`.
+    pub key: String,
+    /// Its length in elements of `class` (bytes for `UntypedStorage`).
+    pub numel: u64,
+}
+
+/// A persistent id's fields as a decoder holds them (each None when of another kind).
+pub struct PidFields<'v> {
+    /// How many items the tuple has (0 when the id is not a tuple).
+    pub items: usize,
+    /// Item 0, a str.
+    pub typename: Option<&'v str>,
+    /// Item 1's name, a global.
+    pub class: Option<&'v str>,
+    /// Item 2, a str.
+    pub key: Option<&'v str>,
+    /// Item 4, an int.
+    pub numel: Option<i128>,
+}
+
+impl StorageRef {
+    /// The storage a persistent id names, as torch's `persistent_load` takes it: a 5-tuple whose
+    /// first item is `'storage'`; the class is found by its name alone (torch's `find_class` maps
+    /// any name holding "Storage" to a storage type, whatever the module).
+    ///
+    /// Errors: [`ArchiveError`] for any other persistent id (torch's load fails on it).
+    pub fn from_fields(f: PidFields<'_>) -> R<StorageRef> {
+        if f.items != 5 || f.typename != Some("storage") {
+            return bad(
+                "persistent id is not a ('storage', class, key, location, numel) tuple: torch's \
+                 persistent_load refuses it",
+            );
         }
-        if (last + 1) * dtype.itemsize() as u128 > storage.len as u128 {
+        let class = match f.class {
+            Some("UntypedStorage") => None,
+            Some(c) => Some(
+                DType::from_legacy_storage(c)
+                    .ok_or_else(|| ArchiveError(format!("unknown storage class {c}")))?,
+            ),
+            None => return bad("storage class is not a global"),
+        };
+        let key = f
+            .key
+            .ok_or_else(|| ArchiveError("storage key is not a string".into()))?
+            .to_string();
+        let numel = f
+            .numel
+            .and_then(|n| u64::try_from(n).ok())
+            .ok_or_else(|| ArchiveError("storage numel is not a non-negative int".into()))?;
+        Ok(StorageRef { class, key, numel })
+    }
+
+    /// The storage's length in bytes as torch computes it (`numel * element_size`).
+    pub fn nbytes(&self) -> Option<u64> {
+        self.numel.checked_mul(self.class.map_or(1, |c| c.itemsize()))
+    }
+}
+
+impl Archive {
+    /// The record storage `s` reads (`data/<key>`, looked up as [`Archive::get`] does), which
+    /// must hold exactly the bytes the reference declares: torch sizes the storage from the
+    /// pickle, not from the record (`get_storage_from_record(name, nbytes, ...)`), so it reads a
+    /// shorter record past its end.
+    ///
+    /// Errors: [`ArchiveError`] naming the record when it is missing or of another length.
+    pub fn storage(&self, s: &StorageRef) -> R<&Record> {
+        let name = format!("data/{}", s.key);
+        let r = self
+            .get(&name)
+            .ok_or_else(|| ArchiveError(format!("storage record {}{name} missing", self.folder)))?;
+        if s.nbytes() != Some(r.len as u64) {
             return bad(format!(
-                "storage of {} bytes is too small for shape {shape:?} stride {strides:?}",
-                storage.len
+                "storage record {} holds {} bytes but the pickle declares {} elements of {} bytes",
+                r.name,
+                r.len,
+                s.numel,
+                s.class.map_or(1, |c| c.itemsize())
             ));
         }
+        Ok(r)
     }
-    Ok(StoredTensor {
-        dtype,
-        shape,
-        strides,
-        storage_offset,
-        storage,
+}
+
+fn storage_ref(arg: &Value) -> R<StorageRef> {
+    let Value::PersId(pid) = arg else {
+        return bad("tensor storage is not a persistent id");
+    };
+    let items = pid.items().unwrap_or_default();
+    StorageRef::from_fields(PidFields {
+        items: items.len(),
+        typename: items.first().and_then(|v| v.as_str()),
+        class: items.get(1).and_then(|v| v.global()).map(|(_, n)| n),
+        key: items.get(2).and_then(|v| v.as_str()),
+        numel: items.get(4).and_then(|v| v.as_int()),
     })
+}
+
+/// The highest byte any view position touches lies inside the storage record.
+fn check_view(
+    shape: &[u64],
+    strides: &[u64],
+    storage_offset: u64,
+    dtype: DType,
+    storage: &Record,
+) -> R<()> {
+    if shape.iter().any(|&s| s == 0) {
+        return Ok(());
+    }
+    let mut last = storage_offset as u128;
+    for (&s, &st) in shape.iter().zip(strides) {
+        last += (s as u128 - 1) * st as u128;
+    }
+    if (last + 1) * dtype.itemsize() as u128 > storage.len as u128 {
+        return bad(format!(
+            "storage of {} bytes is too small for shape {shape:?} stride {strides:?}",
+            storage.len
+        ));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -422,6 +861,138 @@ mod tests {
             };
             assert!(stored_tensor_in(&short).is_err());
         }
+    }
+
+    /// Replaces every occurrence of `from` (local header and central directory) by `to`, of the
+    /// same length.
+    fn patched(b: &[u8], from: &[u8], to: &[u8]) -> Vec<u8> {
+        assert_eq!(from.len(), to.len());
+        let mut out = b.to_vec();
+        let mut i = 0;
+        while let Some(p) = out[i..].windows(from.len()).position(|w| w == from) {
+            out[i + p..i + p + to.len()].copy_from_slice(to);
+            i += p + to.len();
+        }
+        assert!(i > 0, "{from:?} not found");
+        out
+    }
+
+    /// A STORED zip of `records` (names as given), written by the zip crate.
+    fn zip_of(records: &[(&str, &[u8])]) -> Vec<u8> {
+        use std::io::Write;
+        let mut w = zip::ZipWriter::new(std::io::Cursor::new(Vec::new()));
+        let opts = zip::write::SimpleFileOptions::default()
+            .compression_method(zip::CompressionMethod::Stored);
+        for (name, data) in records {
+            w.start_file(*name, opts).unwrap();
+            w.write_all(data).unwrap();
+        }
+        w.finish().unwrap().into_inner()
+    }
+
+    fn err_of<T: std::fmt::Debug>(r: R<T>) -> String {
+        r.unwrap_err().0
+    }
+
+    /// torch looks records up ignoring ASCII case: an uppercase `DATA.PKL` is the pickle.
+    #[test]
+    fn names_are_looked_up_ignoring_case_as_torch_does() {
+        let b = patched(&archive(u64::from(u32::MAX)), b"archive/data.pkl", b"archive/DATA.PKL");
+        let a = Archive::read(&b[..]).unwrap();
+        assert_eq!(a.data_pkl().unwrap().name, "archive/DATA.PKL");
+        assert_eq!(stored_tensor(&b).unwrap().shape, vec![3, 4]);
+        let b = patched(&archive(u64::from(u32::MAX)), b"archive/data/0", b"archive/DATA/0");
+        assert_eq!(stored_tensor(&b).unwrap().storage.name, "archive/DATA/0");
+    }
+
+    /// Two names torch cannot tell apart are refused by name, whatever their order.
+    #[test]
+    fn twins_are_refused_naming_both() {
+        let v = b"3\n".as_slice();
+        for (first, second) in [("data.pkl", "DATA.PKL"), ("DATA.PKL", "data.pkl")] {
+            let b = zip_of(&[
+                (&format!("archive/{first}"), b"\x80\x02}."),
+                (&format!("archive/{second}"), b"\x80\x02]."),
+                ("archive/version", v),
+            ]);
+            let e = err_of(Archive::read(&b[..]));
+            assert!(e.contains("archive/data.pkl") && e.contains("archive/DATA.PKL"), "{e}");
+        }
+        let ok = zip_of(&[("archive/data.pkl", b"\x80\x02}."), ("archive/version", v)]);
+        assert!(Archive::read(&ok[..]).is_ok());
+    }
+
+    /// The folder is the first record's; every record must be under it exactly; no TorchScript.
+    #[test]
+    fn the_folder_and_torchscript_are_torchs() {
+        let v = b"3\n".as_slice();
+        let pkl = b"\x80\x02}.".as_slice();
+        let a = Archive::read(&zip_of(&[("x/data.pkl", pkl), ("x/version", v)])[..]).unwrap();
+        assert_eq!(a.folder, "x/");
+        for (records, needle) in [
+            (vec![("x/data.pkl", pkl), ("X/version", v)], "not under"),
+            (vec![("data.pkl", pkl), ("version", v)], "not in a folder"),
+            (vec![("a/data.pkl", pkl), ("a/version", v), ("a/constants.pkl", pkl)], "TorchScript"),
+            (vec![("a/data.pkl", pkl)], "version"),
+        ] {
+            let e = err_of(Archive::read(&zip_of(&records)[..]));
+            assert!(e.contains(needle), "{e}");
+        }
+    }
+
+    /// `version`, `byteorder`, `.storage_alignment` and `.data/serialization_id` as torch reads them.
+    #[test]
+    fn the_records_torch_reads_first() {
+        let pkl = b"\x80\x02}.".as_slice();
+        let with = |extra: &[(&str, &[u8])]| {
+            let mut r: Vec<(&str, &[u8])> = vec![("archive/data.pkl", pkl)];
+            r.extend_from_slice(extra);
+            Archive::read(&zip_of(&r)[..]).map(|_| ())
+        };
+        for ok in [&b" 3"[..], b"+3", b"10", b"3x", b"\t1\n"] {
+            assert!(with(&[("archive/version", ok)]).is_ok(), "{ok:?}");
+        }
+        for refused in [&b"0"[..], b"11", b"-0", b"-3", b"x3", b"", b"99999999999999999999999"] {
+            assert!(with(&[("archive/version", refused)]).is_err(), "{refused:?}");
+        }
+        let v: (&str, &[u8]) = ("archive/version", b"3");
+        assert!(err_of(with(&[v, (".data/version", b"3")])).contains("not under"));
+        assert!(with(&[v, ("archive/.data/version", b"x")]).is_err(), ".data/version wins");
+        assert!(with(&[v, ("archive/byteorder", b"little")]).is_ok());
+        for bo in [&b"big"[..], b"BIG", b"little\n", b""] {
+            assert!(err_of(with(&[v, ("archive/byteorder", bo)])).contains("byteorder"));
+        }
+        assert!(with(&[v, ("archive/.storage_alignment", b" 64\n")]).is_ok());
+        assert!(with(&[v, ("archive/.storage_alignment", b"6_4")]).is_err());
+        assert!(with(&[v, ("archive/.data/serialization_id", b"\xb6")]).is_err());
+    }
+
+    /// torch.load unpickles a file that does not start with a local header as a legacy pickle.
+    #[test]
+    fn a_zip_that_does_not_start_the_item_is_refused() {
+        let mut b = vec![0x80, 0x02, b'}', b'.'];
+        let zip = archive(u64::from(u32::MAX));
+        b.extend_from_slice(&zip);
+        assert!(err_of(Archive::read(&b[..])).contains("legacy"));
+    }
+
+    /// The storage record must hold exactly what the pickle declares.
+    #[test]
+    fn the_storage_is_sized_by_the_pickle() {
+        let b = archive(u64::from(u32::MAX));
+        let pkl = tensor_pickle_bytes(&b);
+        // numel 12 -> 11 (BININT1 before TUPLE BINPERSID).
+        let at = pkl.windows(3).position(|w| w == [b'K', 12, b't']).unwrap();
+        let mut bad = b.clone();
+        let start = b.windows(pkl.len()).position(|w| w == pkl).unwrap();
+        bad[start + at + 1] = 11;
+        assert!(err_of(stored_tensor(&bad)).contains("declares 11 elements"));
+    }
+
+    fn tensor_pickle_bytes(b: &[u8]) -> Vec<u8> {
+        let a = Archive::read(b).unwrap();
+        let r = a.data_pkl().unwrap();
+        b[r.start..r.start + r.len].to_vec()
     }
 
     #[test]

@@ -791,7 +791,7 @@ fn verify_output(dir: &Location, report: &shardwise::verify::Report, json: bool)
             count(report.keys, "key"),
             count(report.items, "item"),
             if report.quick {
-                "layout and sizes only (--quick: no data read)".to_string()
+                "structures and pickles only (--quick: no payload read)".to_string()
             } else {
                 format!(
                     "{} checked against save-time CRC-32s",

@@ -8,7 +8,7 @@ use super::families;
 use super::layout::HybridPattern;
 use super::spec::{ArchSpec, Check, Dims, LayerPattern, Rel, When, MAX_COUNT, MTP_FIELDS};
 use shardwise::error::{Error, Result};
-use shardwise::format::archive::records;
+use shardwise::format::archive::Archive;
 use shardwise::format::dtype::DType;
 use shardwise::format::unpickle::{unpickle, Value};
 use shardwise::reader::Checkpoint;
@@ -456,10 +456,8 @@ pub(crate) fn megatron_args(ckpt: &Checkpoint) -> Result<Option<Args>> {
         path: path.clone(),
         reason: r,
     };
-    let recs = records(&bytes).map_err(|e| corrupt(e.0))?;
-    let Some(pkl) = recs.iter().find(|r| r.name.ends_with("data.pkl")) else {
-        return Ok(None);
-    };
+    let archive = Archive::read(&bytes[..]).map_err(|e| corrupt(e.0))?;
+    let pkl = archive.data_pkl().map_err(|e| corrupt(e.0))?;
     let top = unpickle(&bytes[pkl.start..pkl.start + pkl.len]).map_err(|e| corrupt(e.0))?;
     // common.pt holds the state dict; megatron-core 0.19's `common_state` object holds it as the
     // one item of a list (its loader takes `loaded[0]`, serialization.py

@@ -757,8 +757,8 @@ mod tests {
         args.insert("rotary_percent".to_string(), Arg::Float(0.5));
         let bytes = common_pt(&args, 7);
         // Read back with our own unpickler (torch.load is exercised by the Python tests).
-        let recs = shardwise::format::archive::records(&bytes).unwrap();
-        let pkl = recs.iter().find(|r| r.name.ends_with("data.pkl")).unwrap();
+        let archive = shardwise::format::archive::Archive::read(&bytes[..]).unwrap();
+        let pkl = archive.data_pkl().unwrap();
         let v =
             shardwise::format::unpickle::unpickle(&bytes[pkl.start..pkl.start + pkl.len]).unwrap();
         let iteration = v.get("iteration").unwrap();
