@@ -9,7 +9,7 @@ pub fn unpickle(data: &[u8]) {
 
 /// The zip reader and the tensor item decoder.
 pub fn archive(data: &[u8]) {
-    let _ = crate::format::archive::records(data);
+    let _ = crate::format::archive::Archive::read(data);
     let _ = crate::format::archive::stored_tensor(data);
 }
 
@@ -33,3 +33,72 @@ pub fn metadata(data: &[u8]) {
         );
     }
 }
+
+/// What shardwise reads from a torch.save archive, for the differential test against torch's own
+/// reader (`python/tests/torch_reader_diff.py`, which compares it with what torch 2.15 and 2.3.1
+/// read from the same bytes): the archive's folder and record names, the bytes of each record
+/// `torch.load` reads by name (hex; null when absent), the tensor [`stored_tensor`] decodes (its
+/// storage bytes in hex), and the globals unpickling `data.pkl` imports. `{"error": ...}` when the
+/// archive is refused.
+///
+/// [`stored_tensor`]: crate::format::archive::stored_tensor
+pub fn archive_view(blob: &[u8]) -> serde_json::Value {
+    use crate::format::archive::{stored_tensor, Archive};
+    use crate::format::globals::{scan, Pickle};
+    use serde_json::json;
+    let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
+    let archive = match Archive::read(blob) {
+        Ok(a) => a,
+        Err(e) => return json!({ "error": e.0 }),
+    };
+    let records: serde_json::Map<String, serde_json::Value> = TORCH_READS
+        .iter()
+        .map(|n| {
+            let got = archive.get(n).map(|r| hex(&blob[r.start..r.start + r.len]));
+            (n.to_string(), json!(got))
+        })
+        .collect();
+    let tensor = match stored_tensor(blob) {
+        Ok(t) => json!({
+            "dtype": t.dtype.torch_name(),
+            "shape": t.shape,
+            "stride": t.strides,
+            "storage_offset": t.storage_offset,
+            "storage": hex(&blob[t.storage.start..t.storage.start + t.storage.len]),
+        }),
+        Err(e) => json!({ "error": e.0 }),
+    };
+    let pkl = archive.data_pkl().ok();
+    let globals = pkl.map(|r| {
+        let s = scan(Pickle::TorchSave, &blob[r.start..r.start + r.len]);
+        let storage = s
+            .storages
+            .iter()
+            .find_map(|st| archive.storage(st).err().map(|e| e.0));
+        json!({
+            "imported": s.imported,
+            "refused": s.refused,
+            "error": s.error.map(|e| e.0),
+            "storage_error": storage,
+        })
+    });
+    json!({
+        "folder": archive.folder,
+        "names": archive.records.iter().map(|r| &r.name).collect::<Vec<_>>(),
+        "records": records,
+        "tensor": tensor,
+        "globals": globals,
+    })
+}
+
+/// The records `torch.load` reads by name (torch/serialization.py `_load` and
+/// `PyTorchStreamReader::init`, torch 2.3–2.15).
+const TORCH_READS: &[&str] = &[
+    "data.pkl",
+    "byteorder",
+    "version",
+    ".data/version",
+    ".data/serialization_id",
+    ".format_version",
+    ".storage_alignment",
+];
