@@ -7,10 +7,10 @@ pub fn unpickle(data: &[u8]) {
     let _ = crate::format::unpickle::unpickle(data);
 }
 
-/// The zip reader and the tensor item decoder.
+/// The zip reader, the tensor item decoder and the checks of an object's tensors and globals
+/// ([`archive_view`], which runs them all).
 pub fn archive(data: &[u8]) {
-    let _ = crate::format::archive::Archive::read(data);
-    let _ = crate::format::archive::stored_tensor(data);
+    let _ = archive_view(data);
 }
 
 /// The `.metadata` decoder, sequential and split into batches decoded in parallel (small and
@@ -43,7 +43,7 @@ pub fn metadata(data: &[u8]) {
 ///
 /// [`stored_tensor`]: crate::format::archive::stored_tensor
 pub fn archive_view(blob: &[u8]) -> serde_json::Value {
-    use crate::format::archive::{stored_tensor, Archive};
+    use crate::format::archive::{object_tensors, stored_tensor, Archive};
     use crate::format::globals::{scan, Pickle};
     use serde_json::json;
     let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
@@ -74,7 +74,8 @@ pub fn archive_view(blob: &[u8]) -> serde_json::Value {
         let storage = s
             .storages
             .iter()
-            .find_map(|st| archive.storage(st).err().map(|e| e.0));
+            .find_map(|st| archive.storage(st).err().map(|e| e.0))
+            .or_else(|| object_tensors(&archive, blob).err().map(|e| e.0));
         json!({
             "imported": s.imported,
             "refused": s.refused,

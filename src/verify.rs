@@ -37,7 +37,7 @@ use crate::commit::part::{marker_rel, STATE_DIR};
 use crate::commit::record::Digest;
 use crate::commit::state::{checkpoint_state, save_ids, CheckpointState, Damage};
 use crate::error::{Error, Result};
-use crate::format::archive::{bad_record_crcs, Archive};
+use crate::format::archive::{bad_record_crcs, object_tensors, Archive};
 use crate::format::globals::{scan, Pickle};
 use crate::format::metadata::{check_layout, Chunk, Entry, StorageInfo};
 use crate::format::sidecar::CHECKSUMS_FILE;
@@ -329,21 +329,22 @@ fn metadata_globals(loc: &Location) -> Result<Option<Problem>> {
 }
 
 /// The problem with the `data.pkl` of a torch.save archive, if any: globals a load would import
-/// outside the allow-list, a pickle that cannot be checked, or a storage its persistent ids name
-/// that torch would not read whole from its record.
+/// outside the allow-list, a pickle that cannot be checked, a storage its persistent ids name
+/// that torch would not read whole from its record, or a tensor torch would fail to rebuild.
 fn data_pkl_globals(blob: &[u8], archive: &Archive) -> Option<String> {
     let Ok(r) = archive.data_pkl() else {
         return Some(format!("no {}data.pkl record", archive.folder));
     };
     let found = scan(Pickle::TorchSave, &blob[r.start..r.start + r.len]);
+    if let Some(m) = found.message() {
+        return Some(m);
+    }
+    // Only a pickle that imports nothing unexpected is decoded further.
     let storage = found
         .storages
         .iter()
         .find_map(|s| archive.storage(s).err().map(|e| e.0));
-    match (found.message(), storage) {
-        (Some(m), Some(s)) => Some(format!("{m}; {s}")),
-        (m, s) => m.or(s),
-    }
+    storage.or_else(|| object_tensors(archive, blob).err().map(|e| e.0))
 }
 
 fn item_problem(it: &Item, message: String) -> Problem {

@@ -36,7 +36,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 ORACLE = HERE / "torch_reader_oracle.py"
-TORCH231 = ROOT / ".venv" / "torch231" / "bin" / "python"
+# The side venv the Makefile installs (`.venv/torch231`), as test_torch231.py finds it.
+TORCH231 = Path(sys.prefix) / "torch231" / "bin" / "python"
 
 
 def shardwise_binary() -> Path:
@@ -135,9 +136,20 @@ def check_dir(directory: Path, binary: Path) -> list[tuple[str, str, list[tuple[
     return out
 
 
-def run(seconds: float, seed: int, corpus: Path | None, batch: int) -> Counter:
+def generate_into(directory: Path, rng: random.Random, n: int) -> dict:
+    """Writes ``n`` generated archives into ``directory``; returns them by file name."""
     import torch_reader_gen as gen
 
+    cases = {}
+    for i in range(n):
+        case = gen.generate(rng)
+        name = f"{i:05d}-{case.kind}-{'+'.join(case.mutations)}.bin"[:120]
+        (directory / name).write_bytes(case.data)
+        cases[name] = case
+    return cases
+
+
+def run(seconds: float, seed: int, corpus: Path | None, batch: int) -> Counter:
     rng = random.Random(seed)
     binary = shardwise_binary()
     seen: set[str] = set()
@@ -148,12 +160,7 @@ def run(seconds: float, seed: int, corpus: Path | None, batch: int) -> Counter:
     t0 = time.monotonic()
     while time.monotonic() - t0 < seconds:
         with tempfile.TemporaryDirectory() as tmp:
-            cases = {}
-            for i in range(batch):
-                case = gen.generate(rng)
-                name = f"{i:05d}-{case.kind}-{'+'.join(case.mutations)}.bin"[:120]
-                (Path(tmp) / name).write_bytes(case.data)
-                cases[name] = case
+            cases = generate_into(Path(tmp), rng, batch)
             for f, verdicts, view in check_dir(Path(tmp), binary):
                 for v, _ in verdicts:
                     stats[v] += 1

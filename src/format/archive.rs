@@ -38,6 +38,9 @@
 //! Every offset is bounds-checked against the blob, and nothing is copied.
 
 use crate::format::dtype::DType;
+use std::rc::Rc;
+
+use crate::format::globals::{scan, Pickle};
 use crate::format::unpickle::{unpickle_weights_only, Value};
 
 /// Why an item could not be decoded.
@@ -607,10 +610,33 @@ pub fn stored_tensor(blob: &[u8]) -> R<StoredTensor> {
 pub fn stored_tensor_in(blob: &(impl Blob + ?Sized)) -> R<StoredTensor> {
     let archive = Archive::read(blob)?;
     let pkl = archive.data_pkl()?;
+    let bytes = bytes_at(blob, pkl.start, pkl.len)?;
+    // Every global the pickle names is imported by torch 2.3's load (weights_only=False), and
+    // torch 2.4+'s weights-only load refuses any outside its allow-list: a tensor item names only
+    // those torch.save writes.
+    if let Some(g) = scan(Pickle::TorchSave, bytes)
+        .imported
+        .into_iter()
+        .find(|g| !plain_tensor_global(g))
+    {
+        return bad(format!(
+            "{} names {g}, which no plain tensor's pickle names",
+            pkl.name
+        ));
+    }
     // Tensor items are loaded with weights_only=True from torch 2.4 on (DCP's read_data).
-    let value = unpickle_weights_only(bytes_at(blob, pkl.start, pkl.len)?)
+    let value = unpickle_weights_only(bytes)
         .map_err(|e| ArchiveError(format!("{}: {e}", pkl.name)))?;
-    let call = rebuild_call(&value)?;
+    tensor_of(&archive, &value)
+}
+
+/// The tensor a `_rebuild_tensor_v2`/`_v3` call rebuilds from `archive`'s storages, checked as
+/// torch's rebuild checks it (torch/_utils.py; `Tensor.set_` bounds the view by the storage).
+///
+/// Errors: [`ArchiveError`] for anything else, a storage record of another size than declared,
+/// a view outside it, or a `requires_grad` torch refuses.
+pub fn tensor_of(archive: &Archive, value: &Value) -> R<StoredTensor> {
+    let call = rebuild_call(value)?;
     let storage = storage_ref(&call.args[0])?;
     let dtype = match call.dtype {
         Some(d) => d,
@@ -624,6 +650,23 @@ pub fn stored_tensor_in(blob: &(impl Blob + ?Sized)) -> R<StoredTensor> {
     if shape.len() != strides.len() {
         return bad("size and stride differ in length");
     }
+    match &call.args[4] {
+        Value::Bool(false) => {}
+        Value::Bool(true) if dtype.is_floating() => {}
+        other => {
+            return bad(format!(
+                "requires_grad is {} (torch sets it only as a bool, true only on floating tensors)",
+                other.kind()
+            ))
+        }
+    }
+    let hooks = match &call.args[5] {
+        Value::Call(c) => c.0.global(),
+        _ => None,
+    };
+    if hooks != Some(("collections", "OrderedDict")) {
+        return bad("backward_hooks is not an OrderedDict, as torch.save writes it");
+    }
     let record = archive.storage(&storage)?.clone();
     check_view(&shape, &strides, storage_offset, dtype, &record)?;
     Ok(StoredTensor {
@@ -633,6 +676,86 @@ pub fn stored_tensor_in(blob: &(impl Blob + ?Sized)) -> R<StoredTensor> {
         storage_offset,
         storage: record,
     })
+}
+
+/// Checks every tensor the archive's pickle rebuilds (an object's tensors: `common.pt`'s RNG
+/// states, an optimizer state) as [`tensor_of`] checks a tensor item's; returns how many.
+///
+/// Errors: [`ArchiveError`] for the first tensor torch would fail to rebuild, or a pickle that
+/// does not decode.
+pub fn object_tensors(archive: &Archive, blob: &(impl Blob + ?Sized)) -> R<usize> {
+    let pkl = archive.data_pkl()?;
+    let value = crate::format::unpickle::unpickle(bytes_at(blob, pkl.start, pkl.len)?)
+        .map_err(|e| ArchiveError(format!("{}: {e}", pkl.name)))?;
+    let calls = rebuild_calls(&value);
+    for c in &calls {
+        tensor_of(archive, c).map_err(|e| ArchiveError(format!("a tensor of {}: {}", pkl.name, e.0)))?;
+    }
+    Ok(calls.len())
+}
+
+/// Whether `module.name` is a global torch.save writes in a plain tensor's pickle: the rebuild
+/// functions, storage classes, dtypes and `collections.OrderedDict` (torch/_tensor.py
+/// `__reduce_ex__`, torch/serialization.py `persistent_id`).
+fn plain_tensor_global(global: &str) -> bool {
+    let (module, name) = global.rsplit_once('.').unwrap_or(("", global));
+    match module {
+        "torch._utils" => matches!(name, "_rebuild_tensor_v2" | "_rebuild_tensor_v3"),
+        "torch" => DType::from_legacy_storage(name).is_some() || DType::from_torch_name(name).is_ok(),
+        "torch.storage" => name == "UntypedStorage",
+        "collections" => name == "OrderedDict",
+        _ => false,
+    }
+}
+
+/// Every `_rebuild_tensor_v2`/`_v3` call in an unpickled value (shared containers visited once),
+/// in no particular order: the tensors a `torch.load` of an object rebuilds.
+pub fn rebuild_calls(root: &Value) -> Vec<Value> {
+    let mut out = Vec::new();
+    let mut seen = std::collections::HashSet::new();
+    let mut work = vec![root.clone()];
+    while let Some(v) = work.pop() {
+        let shared = match &v {
+            Value::Tuple(t) => Rc::as_ptr(t) as *const () as usize,
+            Value::List(l) => Rc::as_ptr(l) as *const () as usize,
+            Value::Dict(d) => Rc::as_ptr(d) as *const () as usize,
+            Value::Call(c) => Rc::as_ptr(c) as *const () as usize,
+            Value::Object(o) => Rc::as_ptr(o) as *const () as usize,
+            Value::PersId(p) => Rc::as_ptr(p) as *const () as usize,
+            _ => continue,
+        };
+        if !seen.insert(shared) {
+            continue;
+        }
+        match &v {
+            Value::Tuple(t) => work.extend(t.iter().cloned()),
+            Value::List(l) => work.extend(l.borrow().iter().cloned()),
+            Value::Dict(d) => {
+                for (k, x) in d.borrow().iter() {
+                    work.push(k.clone());
+                    work.push(x.clone());
+                }
+            }
+            Value::Call(c) => {
+                if matches!(
+                    c.0.global(),
+                    Some(("torch._utils", "_rebuild_tensor_v2" | "_rebuild_tensor_v3"))
+                ) {
+                    out.push(v.clone());
+                }
+                work.push(c.0.clone());
+                work.push(c.1.clone());
+            }
+            Value::Object(o) => {
+                work.push(o.class.clone());
+                work.push(o.args.clone());
+                work.extend(o.state.borrow().iter().cloned());
+            }
+            Value::PersId(p) => work.push((**p).clone()),
+            _ => {}
+        }
+    }
+    out
 }
 
 /// `data.pkl`'s top call: its arguments, and the dtype `_rebuild_tensor_v3` names (None for v2,

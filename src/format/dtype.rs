@@ -78,6 +78,21 @@ impl DType {
         DType::ALL.contains(&self)
     }
 
+    /// Whether it is a floating-point or complex dtype, the ones torch lets require gradients.
+    pub fn is_floating(self) -> bool {
+        matches!(
+            self,
+            DType::F32
+                | DType::F64
+                | DType::F16
+                | DType::BF16
+                | DType::F8E4M3FN
+                | DType::F8E5M2
+                | DType::C64
+                | DType::C128
+        )
+    }
+
     /// The attribute name in the `torch` module (`torch.float32` → `"float32"`).
     pub fn torch_name(self) -> &'static str {
         match self {

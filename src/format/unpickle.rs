@@ -557,7 +557,15 @@ impl<'a, B: Build<'a>> Vm<'a, '_, '_, B> {
                     }
                 }
                 0x95 => {
-                    self.u64()?; // FRAME: only a framing hint
+                    // FRAME: only a framing hint, but CPython's unpickler reads the whole frame
+                    // first (`_pickle.c` load_frame) and fails when the pickle is shorter.
+                    let n = self.u64()?;
+                    if n > (self.input.len() - self.pos) as u64 {
+                        return err(format!(
+                            "FRAME of {n} bytes at offset {} passes the end of the pickle",
+                            self.pos - 9
+                        ));
+                    }
                 }
                 b'.' => return self.pop(),
                 b'(' => self.marks.push(self.stack.len()),
