@@ -65,9 +65,27 @@ def shardwise_views(directory: Path, binary: Path) -> dict[str, dict]:
 
 
 def torch_views(directory: Path, python: str) -> dict[str, dict]:
+    """The oracle's view of every file; a file on which torch's reader kills the process (a
+    crash is torch refusing, loudly) is named by rerunning the rest one file at a time."""
     env = {**os.environ, "PYTHONPATH": str(HERE), "PYTHONWARNINGS": "ignore"}
-    out = subprocess.run([python, str(ORACLE), str(directory)], check=True, capture_output=True, text=True, env=env, timeout=3600)
-    return {json.loads(line)["file"]: json.loads(line)["view"] for line in out.stdout.splitlines()}
+
+    def views(path: Path) -> tuple[dict, subprocess.CompletedProcess]:
+        out = subprocess.run([python, str(ORACLE), str(path)], capture_output=True, text=True, env=env, timeout=3600)
+        return {json.loads(line)["file"]: json.loads(line)["view"] for line in out.stdout.splitlines()}, out
+
+    found, out = views(directory)
+    if out.returncode == 0:
+        return found
+    for f in sorted(p.name for p in directory.iterdir() if p.name not in found):
+        with tempfile.TemporaryDirectory() as one:
+            os.link(directory / f, Path(one) / f)
+            got, single = views(Path(one))
+        if single.returncode != 0 and f not in got:
+            if "can't open file" in single.stderr:
+                raise RuntimeError(single.stderr)
+            got[f] = {"crash": single.returncode, "stderr": single.stderr[-300:]}
+        found.update(got)
+    return found
 
 
 def oracles() -> list[str]:
@@ -79,7 +97,7 @@ def oracles() -> list[str]:
 
 
 def _torch_reads_it(t: dict) -> bool:
-    if t.get("legacy") or "open_error" in t or "names_error" in t or t.get("torchscript"):
+    if t.get("legacy") or "crash" in t or "open_error" in t or "names_error" in t or t.get("torchscript"):
         return False
     return "error" not in t.get("tensor", {"error": 1}) or "error" not in t.get("object", {"error": 1})
 
@@ -90,7 +108,7 @@ def compare(sw: dict, t: dict) -> tuple[str, str]:
         return ("conservative", sw["error"]) if _torch_reads_it(t) else ("agree", "both refuse")
     if t.get("legacy"):
         return "FAIL", "shardwise reads a zip; torch.load unpickles the file's start (not PK\\3\\4)"
-    for k in ("open_error", "names_error"):
+    for k in ("crash", "open_error", "names_error"):
         if k in t:
             return "FAIL", f"shardwise reads it; torch's reader fails: {t[k]}"
     if t.get("torchscript"):
