@@ -41,7 +41,10 @@ TORCH231 = Path(sys.prefix) / "torch231" / "bin" / "python"
 
 
 def shardwise_binary() -> Path:
-    """Builds (a no-op when current) and returns the archive_view example."""
+    """Builds (a no-op when current) and returns the archive_view example; ``SHARDWISE_ARCHIVE_VIEW``
+    names a prebuilt one instead (a long run from a frozen copy)."""
+    if os.environ.get("SHARDWISE_ARCHIVE_VIEW"):
+        return Path(os.environ["SHARDWISE_ARCHIVE_VIEW"])
     subprocess.run(
         ["cargo", "build", "--release", "--quiet", "--example", "archive_view"],
         cwd=ROOT,
