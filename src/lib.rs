@@ -15,6 +15,7 @@ pub mod blockcrc;
 pub mod commit;
 pub mod dcp_local;
 pub mod error;
+pub mod failpoint;
 pub mod format;
 pub mod fuzzing;
 pub mod gpu;

@@ -8,6 +8,7 @@ use std::time::Duration;
 use super::liveness::hostname;
 use super::part::Marker;
 use crate::error::{Error, Result};
+use crate::failpoint::{hit, Op};
 use crate::storage::Location;
 
 /// The `COMMITTING` lock of one save, held through an advisory `flock` for as long as its holder
@@ -48,9 +49,11 @@ fn same_file(a: &std::fs::Metadata, b: &std::fs::Metadata) -> bool {
 impl CommitLock {
     fn record_holder(&mut self) {
         use std::io::{Seek, Write};
+        hit(Op::Write, &self.path);
         let _ = self.file.set_len(0);
         let _ = self.file.seek(std::io::SeekFrom::Start(0));
         let _ = write!(self.file, "pid {} host {}", std::process::id(), hostname());
+        hit(Op::Fsync, &self.path);
         let _ = self.file.sync_all();
     }
 
@@ -59,6 +62,7 @@ impl CommitLock {
         if let Some(dir) = path.parent() {
             crate::storage::create_dir_all(dir)?;
         }
+        hit(Op::Create, path);
         match std::fs::OpenOptions::new()
             .read(true)
             .write(true)
@@ -125,6 +129,7 @@ impl Drop for CommitLock {
     fn drop(&mut self) {
         // Remove the name before the flock goes with the descriptor, so no contender can take
         // over a lock whose holder has finished.
+        hit(Op::Unlink, &self.path);
         let _ = std::fs::remove_file(&self.path);
     }
 }

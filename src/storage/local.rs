@@ -11,6 +11,8 @@ use std::sync::Arc;
 
 use super::writeback::Writeback;
 
+use crate::failpoint::{hit, Op};
+
 use crate::error::{Error, Result};
 
 /// Infix of every temporary file [`atomic_write`] creates: `.<name>.tmp.<pid>.<n>`.
@@ -21,6 +23,7 @@ static TMP_SEQ: AtomicU64 = AtomicU64::new(0);
 
 /// Fsyncs a directory so that a rename inside it is durable.
 pub fn fsync_dir(dir: &Path) -> Result<()> {
+    hit(Op::FsyncDir, dir);
     File::open(dir)
         .and_then(|f| f.sync_all())
         .map_err(Error::io("fsync directory", dir))
@@ -43,11 +46,15 @@ pub fn atomic_create(path: &Path, bytes: &[u8]) -> Result<bool> {
 fn write_temp(path: &Path, bytes: &[u8], replace: bool) -> Result<bool> {
     let tmp = temp_name(path);
     let written = (|| {
+        hit(Op::Create, &tmp);
         let mut f = File::create(&tmp).map_err(Error::io("create", &tmp))?;
+        hit(Op::Write, &tmp);
         f.write_all(bytes).map_err(Error::io("write", &tmp))?;
+        hit(Op::Fsync, &tmp);
         f.sync_all().map_err(Error::io("fsync", &tmp))
     })();
     if let Err(e) = written {
+        hit(Op::Unlink, &tmp);
         let _ = std::fs::remove_file(&tmp);
         return Err(e);
     }
@@ -60,17 +67,23 @@ fn write_temp(path: &Path, bytes: &[u8], replace: bool) -> Result<bool> {
 pub(super) fn publish_temp(tmp: &Path, path: &Path, replace: bool) -> Result<bool> {
     let dir = path.parent().unwrap_or(Path::new("."));
     let result = if replace {
+        hit(Op::Rename { from: tmp }, path);
         std::fs::rename(tmp, path).map_err(Error::io("rename", path))
     } else {
+        hit(Op::Link { from: tmp }, path);
         match std::fs::hard_link(tmp, path) {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                hit(Op::Unlink, tmp);
                 let _ = std::fs::remove_file(tmp);
                 return Ok(false);
             }
             Err(e) => Err(Error::io("link", path)(e)),
         }
     };
+    if !replace || result.is_err() {
+        hit(Op::Unlink, tmp);
+    }
     let _ = std::fs::remove_file(tmp);
     result?;
     fsync_dir(dir)?;
@@ -103,7 +116,10 @@ pub fn sweep_temp_files(dir: &Path) -> usize {
                 && name.contains(TMP_INFIX)
                 && e.file_type().is_ok_and(|t| t.is_file())
         })
-        .filter(|e| std::fs::remove_file(e.path()).is_ok())
+        .filter(|e| {
+            hit(Op::Unlink, &e.path());
+            std::fs::remove_file(e.path()).is_ok()
+        })
         .count()
 }
 
@@ -171,6 +187,7 @@ pub fn read_regular(path: &Path) -> std::io::Result<Vec<u8>> {
 
 /// Creates the directory and its parents.
 pub fn create_dir_all(dir: &Path) -> Result<()> {
+    hit(Op::CreateDir, dir);
     std::fs::create_dir_all(dir).map_err(Error::io("create directory", dir))
 }
 
@@ -199,7 +216,9 @@ impl DataFile {
     pub fn create_empty(path: &Path) -> Result<DataFile> {
         // Best effort: if the unlink fails (no such file, a directory in the way), the open below
         // reports what matters.
+        hit(Op::Unlink, path);
         let _ = std::fs::remove_file(path);
+        hit(Op::Create, path);
         let file = OpenOptions::new()
             .create(true)
             .write(true)
@@ -220,6 +239,7 @@ impl DataFile {
             return Ok(());
         }
         let path = &self.path;
+        hit(Op::Write, path);
         // SAFETY: plain syscall on an open descriptor.
         let rc = unsafe { libc::posix_fallocate(self.file.as_raw_fd(), 0, len as libc::off_t) };
         match rc {
@@ -238,6 +258,7 @@ impl DataFile {
     /// `pwrite` of all of `buf` at byte `offset`; safe to call from many threads at once. The
     /// bytes' writeback may start before [`DataFile::sync`] ([`Writeback`]).
     pub fn write_at(&self, buf: &[u8], offset: u64) -> Result<()> {
+        hit(Op::Write, &self.path);
         self.file
             .write_all_at(buf, offset)
             .map_err(Error::io("write", &self.path))?;
@@ -248,6 +269,7 @@ impl DataFile {
     /// Flushes data to stable storage (`fdatasync`): the file's bytes are durable when it returns,
     /// whether or not their writeback started early.
     pub fn sync(&self) -> Result<()> {
+        hit(Op::Fsync, &self.path);
         self.file
             .sync_data()
             .map_err(Error::io("fsync", &self.path))

@@ -20,6 +20,7 @@ pub use local::{
 pub use stream::{Mode, Staged, StreamSink};
 
 use crate::error::{Error, Result};
+use crate::failpoint::{hit, Op};
 
 /// A file directly under a listed directory.
 #[derive(Clone, Debug)]
@@ -333,6 +334,12 @@ impl Location {
     pub fn rename(&self, from: &str, to: &str) -> Result<()> {
         match self {
             Location::Local(p) => {
+                hit(
+                    Op::Rename {
+                        from: &p.join(from),
+                    },
+                    &p.join(to),
+                );
                 std::fs::rename(p.join(from), p.join(to)).map_err(Error::io("rename", p.join(to)))
             }
             Location::Remote(r) => Err(Error::InvalidArgument(format!(
@@ -345,15 +352,14 @@ impl Location {
     /// Removes `rel`; absent is fine.
     pub fn remove(&self, rel: &str) -> Result<()> {
         match self {
-            Location::Local(p) => match std::fs::remove_file(p.join(rel)) {
-                Ok(()) => Ok(()),
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-                Err(e) => Err(Error::Io {
-                    op: "remove",
-                    path: p.join(rel),
-                    source: e,
-                }),
-            },
+            Location::Local(p) => {
+                hit(Op::Unlink, &p.join(rel));
+                match std::fs::remove_file(p.join(rel)) {
+                    Ok(()) => Ok(()),
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+                    Err(e) => Err(Error::io("remove", p.join(rel))(e)),
+                }
+            }
             Location::Remote(r) => r.delete(rel),
         }
     }
@@ -362,6 +368,7 @@ impl Location {
     pub fn remove_dir(&self, rel_dir: &str) -> Result<()> {
         match self {
             Location::Local(p) => {
+                hit(Op::RemoveTree, &p.join(rel_dir));
                 let _ = std::fs::remove_dir_all(p.join(rel_dir));
                 Ok(())
             }

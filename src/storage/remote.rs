@@ -32,6 +32,7 @@ use object_store::{
 };
 
 use crate::error::{Error, Result};
+use crate::failpoint::{hit, Op};
 
 /// One runtime for all object-store I/O of the process: object_store's HTTP clients need a
 /// reactor, and our callers (Python threads, rayon workers) are synchronous.
@@ -370,6 +371,11 @@ impl Remote {
             .map_err(|e| Error::InvalidArgument(format!("bad key {rel:?}: {e}")))
     }
 
+    /// `rel` as the path [`hit`] names: the object's URL.
+    fn path_of(&self, rel: &str) -> std::path::PathBuf {
+        std::path::PathBuf::from(format!("{}/{rel}", self.url))
+    }
+
     fn err(&self, op: &'static str, rel: &str) -> impl FnOnce(object_store::Error) -> Error + '_ {
         let url = format!("{}/{rel}", self.url);
         move |source| Error::Remote {
@@ -382,6 +388,7 @@ impl Remote {
     /// Writes `bytes` to `rel`, replacing any object there.
     pub fn put(&self, rel: &str, bytes: Vec<u8>) -> Result<()> {
         let key = self.key(rel)?;
+        hit(Op::Put, &self.path_of(rel));
         self.call(None, self.store.put(&key, PutPayload::from(bytes)))
             .map(|_| ())
             .map_err(self.err("put", rel))
@@ -396,6 +403,7 @@ impl Remote {
     /// put (S3: set `AWS_CONDITIONAL_PUT=etag` or leave it unset; HTTP/WebDAV cannot).
     pub fn put_new(&self, rel: &str, bytes: Vec<u8>) -> Result<bool> {
         self.check_create()?;
+        hit(Op::PutIfAbsent, &self.path_of(rel));
         self.create_once(rel, bytes)
     }
 
@@ -515,6 +523,7 @@ impl Remote {
     /// Deletes `rel`; absent is fine.
     pub fn delete(&self, rel: &str) -> Result<()> {
         let key = self.key(rel)?;
+        hit(Op::Delete, &self.path_of(rel));
         match self.call(None, self.store.delete(&key)) {
             Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
             Err(e) => Err(self.err("delete", rel)(e)),
@@ -557,6 +566,7 @@ impl Remote {
     /// Deletes every object under `rel_dir/`.
     pub fn delete_all(&self, rel_dir: &str) -> Result<()> {
         let key = self.key(rel_dir)?;
+        hit(Op::Delete, &self.path_of(rel_dir));
         self.call(None, async {
             let keys: Vec<ObjectPath> = self
                 .store
@@ -663,6 +673,7 @@ impl Upload<'_> {
         }
         let remote = self.remote;
         if let Some(mut m) = self.multipart.take() {
+            hit(Op::Put, &remote.path_of(&self.rel));
             remote
                 .call(None, m.complete())
                 .map_err(remote.err("complete upload", &self.rel))?;

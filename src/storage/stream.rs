@@ -25,6 +25,7 @@ use super::local::{create_dir_all, publish_temp, temp_name};
 use super::remote::{Remote, Upload};
 use super::Location;
 use crate::error::{Error, Result};
+use crate::failpoint::{hit, Op};
 
 /// Bytes per block handed to the local writer thread (and per `O_DIRECT` write).
 const BLOCK: usize = 8 << 20;
@@ -199,6 +200,7 @@ impl Drop for Staged<'_> {
             ..
         } = &self.kind
         {
+            hit(Op::Unlink, tmp);
             let _ = std::fs::remove_file(tmp);
         }
     }
@@ -254,6 +256,7 @@ struct LocalStream {
 impl LocalStream {
     fn create(path: PathBuf, mode: Mode) -> Result<LocalStream> {
         let tmp = temp_name(&path);
+        hit(Op::Create, &tmp);
         let open = |flags: i32| {
             OpenOptions::new()
                 .write(true)
@@ -275,6 +278,7 @@ impl LocalStream {
                 .name("shardwise-stream".into())
                 .spawn(move || -> Result<()> {
                     for (mut block, at) in jobs {
+                        hit(Op::Write, &path);
                         write_block(&file, block.padded(), at)
                             .map_err(Error::io("write", &path))?;
                         block.len = 0;
@@ -357,10 +361,13 @@ impl LocalStream {
         }
         let tmp = std::mem::take(&mut self.tmp);
         let sync = (|| {
+            hit(Op::Write, &tmp);
             self.file.set_len(len)?;
+            hit(Op::Fsync, &tmp);
             self.file.sync_all()
         })();
         if let Err(e) = sync {
+            hit(Op::Unlink, &tmp);
             let _ = std::fs::remove_file(&tmp);
             return Err(Error::io("fsync", &tmp)(e));
         }
@@ -381,6 +388,7 @@ impl Drop for LocalStream {
         }
         // Empty once `finish` handed the file on.
         if !self.tmp.as_os_str().is_empty() {
+            hit(Op::Unlink, &self.tmp);
             let _ = std::fs::remove_file(&self.tmp);
         }
     }

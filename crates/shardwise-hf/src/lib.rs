@@ -564,6 +564,7 @@ fn write_and_commit(
             // Nothing was committed; what was written is of no use (best effort: a later run
             // removes a leftover staging folder or part file too).
             for &k in which {
+                shardwise::failpoint::hit(shardwise::failpoint::Op::Unlink, &path(k));
                 let _ = std::fs::remove_file(path(k));
             }
         }
@@ -575,6 +576,7 @@ fn write_and_commit(
             let which: Vec<usize> = (0..shards.shards.len()).collect();
             let written = write(&which, &|k| staging.join(shards.file_name(k)));
             if written.is_err() {
+                shardwise::failpoint::hit(shardwise::failpoint::Op::RemoveTree, &staging);
                 let _ = std::fs::remove_dir_all(&staging);
             }
             let written = written?;
@@ -600,6 +602,7 @@ fn write_and_commit(
     })();
     if result.is_err() && made_dir {
         // `remove_dir` only removes an empty folder: another part's files stay.
+        shardwise::failpoint::hit(shardwise::failpoint::Op::RemoveTree, out_dir);
         let _ = std::fs::remove_dir(out_dir.join(output::PARTS));
         let _ = std::fs::remove_dir(out_dir);
     }

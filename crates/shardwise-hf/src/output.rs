@@ -23,6 +23,7 @@ use sha2::{Digest, Sha256};
 
 use super::write::{ShardPlan, INDEX};
 use shardwise::error::{Error, Result};
+use shardwise::failpoint::{hit, Op};
 use shardwise::storage::{atomic_create, atomic_write, create_dir_all, fsync_dir, Location};
 
 const STAGING: &str = ".to-hf-staging";
@@ -196,6 +197,7 @@ pub(crate) fn check_outside(out: &Path, input_dir: &Path, input_kind: &str) -> R
 pub(crate) fn stage(dir: &Path) -> Result<PathBuf> {
     let staging = dir.join(STAGING);
     if staging.exists() {
+        hit(Op::RemoveTree, &staging);
         std::fs::remove_dir_all(&staging).map_err(Error::io("remove", &staging))?;
     }
     create_dir_all(&staging)?;
@@ -217,12 +219,14 @@ pub(crate) fn commit(
 ) -> Result<()> {
     let index_path = dir.join(INDEX);
     let earlier = earlier_conversion(dir)?;
+    hit(Op::Unlink, &index_path);
     match std::fs::remove_file(&index_path) {
         Ok(()) => fsync_dir(dir)?,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => return Err(Error::io("remove", &index_path)(e)),
     }
     for p in earlier {
+        hit(Op::Unlink, &p);
         match std::fs::remove_file(&p) {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
@@ -232,12 +236,14 @@ pub(crate) fn commit(
     for k in 0..plan.shards.len() {
         let name = plan.file_name(k);
         let (from, to) = (staging.join(&name), dir.join(&name));
+        hit(Op::Rename { from: &from }, &to);
         std::fs::rename(&from, &to).map_err(Error::io("rename", &to))?;
     }
     for (name, bytes) in files {
         atomic_write(&dir.join(name), bytes)?;
     }
     atomic_write(&index_path, index)?;
+    hit(Op::RemoveTree, staging);
     std::fs::remove_dir(staging).map_err(Error::io("remove", staging))?;
     fsync_dir(dir)
 }
@@ -337,6 +343,7 @@ pub(crate) fn commit_part(
         }
         if which.split_once("-of-").map(|(i, _)| i) == Some(part.index.to_string().as_str()) {
             let path = parts.join(&name);
+            hit(Op::Unlink, &path);
             std::fs::remove_file(&path).map_err(Error::io("remove", &path))?;
         } else {
             return Err(Error::Validation(format!(
@@ -348,8 +355,9 @@ pub(crate) fn commit_part(
     }
     for k in part.shards(plan.shards.len()) {
         let name = plan.file_name(k);
-        let to = dir.join(&name);
-        std::fs::rename(part_temp(dir, &name, part), &to).map_err(Error::io("rename", &to))?;
+        let (from, to) = (part_temp(dir, &name, part), dir.join(&name));
+        hit(Op::Rename { from: &from }, &to);
+        std::fs::rename(from, &to).map_err(Error::io("rename", &to))?;
     }
     fsync_dir(dir)?;
     atomic_write(&marker(part.index), b"")?;
@@ -381,6 +389,7 @@ pub(crate) fn commit_part(
     }
     // Every part has published; the markers have served (best effort: a racing part that
     // committed too may have removed them already).
+    hit(Op::RemoveTree, &parts);
     let _ = std::fs::remove_dir_all(&parts);
     Ok(true)
 }
