@@ -13,6 +13,8 @@
 
 pub mod blockcrc;
 pub mod commit;
+#[cfg(feature = "failpoints")]
+pub mod crashtest;
 pub mod dcp_local;
 pub mod error;
 pub mod failpoint;
