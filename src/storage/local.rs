@@ -185,10 +185,27 @@ pub fn read_regular(path: &Path) -> std::io::Result<Vec<u8>> {
     Ok(out)
 }
 
-/// Creates the directory and its parents.
+/// Creates the directory and its parents, durably: the parent of each directory it creates is
+/// fsynced, outermost first. Without that a power loss may take a new directory away with
+/// everything in it, however durable its files (the checkpoint directory of a commit that
+/// returned, or the state directory whose `COMMITTED` record makes it one: found by
+/// `tests/crashpoints.rs`).
 pub fn create_dir_all(dir: &Path) -> Result<()> {
     hit(Op::CreateDir, dir);
-    std::fs::create_dir_all(dir).map_err(Error::io("create directory", dir))
+    let mut created = Vec::new();
+    let mut at = Some(dir);
+    while let Some(d) = at.filter(|d| !d.as_os_str().is_empty() && !d.exists()) {
+        created.push(d);
+        at = d.parent();
+    }
+    std::fs::create_dir_all(dir).map_err(Error::io("create directory", dir))?;
+    for d in created.iter().rev() {
+        match d.parent() {
+            Some(p) if !p.as_os_str().is_empty() => fsync_dir(p)?,
+            _ => fsync_dir(Path::new("."))?,
+        }
+    }
+    Ok(())
 }
 
 /// A data file opened for parallel positioned writes; its writeback starts while it is written
