@@ -283,12 +283,19 @@ impl DataFile {
         Ok(())
     }
 
-    /// Flushes data to stable storage (`fdatasync`): the file's bytes are durable when it returns,
-    /// whether or not their writeback started early.
+    /// Flushes data to stable storage (`fdatasync`), then the file's name (an fsync of its
+    /// directory): the file's bytes, and the file under its name, are durable when it returns,
+    /// whether or not their writeback started early. The name matters as much: the part published
+    /// next vouches for the file, and a power loss that kept the part but lost the name left an
+    /// `overwrite` that nothing could commit (found by `tests/crashpoints.rs`).
     pub fn sync(&self) -> Result<()> {
         hit(Op::Fsync, &self.path);
         self.file
             .sync_data()
-            .map_err(Error::io("fsync", &self.path))
+            .map_err(Error::io("fsync", &self.path))?;
+        match self.path.parent() {
+            Some(dir) if !dir.as_os_str().is_empty() => fsync_dir(dir),
+            _ => fsync_dir(Path::new(".")),
+        }
     }
 }
