@@ -172,8 +172,24 @@ pub fn merge(
     timeout: Duration,
     fresh: &Freshness,
 ) -> Result<CommitSummary> {
+    merge_or_rebuild(loc, save_id, world_size, timeout, fresh, false)
+}
+
+/// [`merge`], or with `rebuild` the commit made again although `save_id`'s record is there
+/// ([`repair`]: the record stays until the new one replaces it).
+fn merge_or_rebuild(
+    loc: &Location,
+    save_id: &str,
+    world_size: u32,
+    timeout: Duration,
+    fresh: &Freshness,
+    rebuild: bool,
+) -> Result<CommitSummary> {
     check_save_id(save_id)?;
     check_world_size(world_size)?;
+    let current_commit = |loc: &Location, save_id: &str, fresh: &Freshness| {
+        current_commit(loc, save_id, fresh).filter(|_| !rebuild)
+    };
     if let Some(done) = current_commit(loc, save_id, fresh) {
         return Ok(done);
     }
@@ -273,8 +289,14 @@ pub fn repair(loc: &Location, timeout: Duration) -> Result<(String, CommitSummar
                 "save {save_id} in {loc} has no readable part left to rebuild from"
             ))
         })?;
-    loc.remove(&Marker::Committed.rel(&save_id))?;
-    let summary = merge(loc, &save_id, world_size, timeout, &Freshness::any_part())?;
+    // Locally the record stays until the rebuilt commit replaces it, so a crash mid-repair leaves
+    // the checkpoint damaged and repairable, or repaired (tests/crashpoints.rs). Object stores
+    // create the record only if absent: it goes first there.
+    if !loc.can_replace_atomically() {
+        loc.remove(&Marker::Committed.rel(&save_id))?;
+    }
+    let fresh = Freshness::any_part();
+    let summary = merge_or_rebuild(loc, &save_id, world_size, timeout, &fresh, true)?;
     Ok((save_id, summary))
 }
 
