@@ -10,7 +10,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union, cast, overload
 
 from . import _args, _native
-from ._fs import atomic_write, is_url
+from ._fs import atomic_write, fsync_dir, is_url
 from ._native import InvalidArgumentError
 from .megatron_errors import megatron_compatible
 from .save import _rank_and_world, _replace_pending, save
@@ -139,6 +139,10 @@ def apply_retention(save_root: str, current_iteration: int, keep_last: int) -> l
         doomed = os.path.join(save_root, f".{name}.deleting.{os.getpid()}")
         try:
             os.rename(path, doomed)
+            # The rename must be durable before anything inside goes: otherwise a power loss may
+            # keep the removals and lose the rename, leaving a partial iter_* in sight that
+            # retention (committed checkpoints only) never removes (python/tests/test_crashpoints.py).
+            fsync_dir(save_root)
             shutil.rmtree(doomed)
         except OSError as e:
             raise StorageError(f"retention: cannot delete {path}: {e}") from e
