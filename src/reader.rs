@@ -24,10 +24,10 @@ use crate::commit::read_checksums;
 use crate::commit::record::CommitRecord;
 use crate::commit::state::{metadata_writer, Damage, MetadataWriter};
 use crate::error::{Error, Result};
-use crate::format::dtype::DType;
 use crate::format::archive::{
     bad_record_crcs, stored_tensor, stored_tensor_in, Archive, HeadTail, StoredTensor,
 };
+use crate::format::dtype::DType;
 use crate::format::metadata::{volume, Chunk, Entry, StorageInfo};
 use crate::format::read_metadata::{read_metadata, CheckpointMetadata};
 use crate::format::unpickle::unpickle;
@@ -344,7 +344,8 @@ impl Checkpoint {
         storage: &StorageInfo,
         limit: u64,
     ) -> Result<ItemBytes> {
-        self.item_deferred(key, None, storage, limit).map(|(b, _)| b)
+        self.item_deferred(key, None, storage, limit)
+            .map(|(b, _)| b)
     }
 
     /// [`Checkpoint::item`] with the CRC-32 check of an untransformed item left to the caller
@@ -591,14 +592,7 @@ impl Checkpoint {
         key: &str,
         index: usize,
     ) -> Result<(ChunkData, &Chunk, Option<PendingCrc<'_>>)> {
-        let Entry::Tensor { dtype, chunks, .. } = self.entry(key)? else {
-            return Err(Error::InvalidArgument(format!(
-                "{key} is a byte object, not a tensor"
-            )));
-        };
-        let c = chunks
-            .get(index)
-            .ok_or_else(|| Error::InvalidArgument(format!("{key} has no chunk {index}")))?;
+        let (dtype, c) = self.tensor_chunk(key, index)?;
         let expect = volume(&c.sizes)
             .and_then(|v| v.checked_mul(dtype.itemsize()))
             .ok_or_else(|| {
@@ -624,7 +618,7 @@ impl Checkpoint {
         };
         let decoded = stored_tensor(&blob)
             .map_err(|e| e.0)
-            .and_then(|tensor| matches_chunk(tensor, *dtype, c));
+            .and_then(|tensor| matches_chunk(tensor, dtype, c));
         match decoded {
             Ok(tensor) => Ok((ChunkData { tensor, blob }, c, pending)),
             Err(reason) => {
@@ -637,14 +631,10 @@ impl Checkpoint {
         }
     }
 
-    /// Decodes chunk `index` of tensor `key` as [`Checkpoint::chunk`] does, from only the bytes
-    /// torch reads before the tensor data (the archive's headers, `data.pkl` and central
-    /// directory): the payload is neither read nor checked (`verify --quick`). A mapped file
-    /// loads only the pages read; an object's item is read by its first and last bytes, as the
-    /// loader probes it.
+    /// The dtype of tensor `key` and its chunk `index`.
     ///
-    /// Errors: as [`Checkpoint::chunk`], without the CRC-32 check.
-    pub fn chunk_structure(&self, key: &str, index: usize) -> Result<()> {
+    /// Errors: [`Error::InvalidArgument`] when `key` is a byte object or has no such chunk.
+    fn tensor_chunk(&self, key: &str, index: usize) -> Result<(DType, &Chunk)> {
         let Entry::Tensor { dtype, chunks, .. } = self.entry(key)? else {
             return Err(Error::InvalidArgument(format!(
                 "{key} is a byte object, not a tensor"
@@ -653,6 +643,18 @@ impl Checkpoint {
         let c = chunks
             .get(index)
             .ok_or_else(|| Error::InvalidArgument(format!("{key} has no chunk {index}")))?;
+        Ok((*dtype, c))
+    }
+
+    /// Decodes chunk `index` of tensor `key` as [`Checkpoint::chunk`] does, from only the bytes
+    /// torch reads before the tensor data (the archive's headers, `data.pkl` and central
+    /// directory): the payload is neither read nor checked (`verify --quick`). A mapped file
+    /// loads only the pages read; an object's item is read by its first and last bytes, as the
+    /// loader probes it.
+    ///
+    /// Errors: as [`Checkpoint::chunk`], without the CRC-32 check.
+    pub fn chunk_structure(&self, key: &str, index: usize) -> Result<()> {
+        let (dtype, c) = self.tensor_chunk(key, index)?;
         let file = self.file(&c.storage.relative_path)?;
         let transformed = self
             .metadata
@@ -665,14 +667,22 @@ impl Checkpoint {
         let at = |reason: String| {
             corrupt(
                 self.dir.join(&c.storage.relative_path),
-                format!("{key} chunk {:?} (item at offset {offset}): {reason}", c.offsets),
+                format!(
+                    "{key} chunk {:?} (item at offset {offset}): {reason}",
+                    c.offsets
+                ),
             )
         };
         let mut last = String::new();
         for window in [4u64 << 10, 1 << 20] {
-            let (head_len, tail_len) = if len <= 2 * window { (len, 0) } else { (window, window) };
+            let (head_len, tail_len) = if len <= 2 * window {
+                (len, 0)
+            } else {
+                (window, window)
+            };
             let end = offset.checked_add(len).filter(|&e| e <= file.len());
-            let end = end.ok_or_else(|| at(format!("passes the end of the file ({} bytes)", file.len())))?;
+            let end = end
+                .ok_or_else(|| at(format!("passes the end of the file ({} bytes)", file.len())))?;
             let head = file.source.read_range(offset..offset + head_len)?;
             let tail = file.source.read_range(end - tail_len..end)?;
             let blob = HeadTail {
@@ -681,7 +691,7 @@ impl Checkpoint {
                 tail: &tail,
             };
             match stored_tensor_in(&blob) {
-                Ok(t) => return matches_chunk(t, *dtype, c).map(|_| ()).map_err(at),
+                Ok(t) => return matches_chunk(t, dtype, c).map(|_| ()).map_err(at),
                 Err(e) if tail_len == 0 => return Err(at(e.0)),
                 Err(e) => last = e.0,
             }
@@ -799,8 +809,7 @@ pub fn crc32(bytes: &[u8]) -> u32 {
 
 /// Checks a common-state archive: every zip record against its CRC-32, and `data.pkl` decodes.
 fn check_common(bytes: &[u8]) -> std::result::Result<(), String> {
-    let archive =
-        Archive::read(bytes).map_err(|e| format!("not a torch.save archive: {}", e.0))?;
+    let archive = Archive::read(bytes).map_err(|e| format!("not a torch.save archive: {}", e.0))?;
     if let Some(bad) = bad_record_crcs(bytes, &archive.records).into_iter().next() {
         return Err(bad);
     }

@@ -201,7 +201,9 @@ fn directory(blob: &(impl Blob + ?Sized)) -> R<Directory> {
         let at = loc
             .checked_sub(EOCD64_LEN)
             .filter(|&at| le32(blob, at).ok() == Some(EOCD64_SIG))
-            .ok_or_else(|| ArchiveError("zip64 locator without a zip64 end record before it".into()))?;
+            .ok_or_else(|| {
+                ArchiveError("zip64 locator without a zip64 end record before it".into())
+            })?;
         if le64(blob, loc + 8)? != at as u64 {
             return bad(format!(
                 "the zip64 locator points at offset {}, the zip64 end record lies at {at}: readers \
@@ -269,7 +271,9 @@ fn zip64_values(extra: &[u8], name: &str, saturated: [&mut u64; 3]) -> R<()> {
     let mut p = 0;
     for v in saturated.into_iter().filter(|v| **v == SATURATED) {
         let Some(body) = fields.first() else {
-            return bad(format!("record {name}: a size is 0xFFFFFFFF without a zip64 field"));
+            return bad(format!(
+                "record {name}: a size is 0xFFFFFFFF without a zip64 field"
+            ));
         };
         *v = le64(*body, p)
             .map_err(|_| ArchiveError(format!("record {name}: zip64 field too short")))?;
@@ -321,7 +325,10 @@ fn entry(blob: &(impl Blob + ?Sized), at: usize, archive_size: usize) -> R<Entry
             "record {name} is a directory entry: torch reads it as uninitialised bytes"
         ));
     }
-    if local.checked_add(30 + csize).is_none_or(|e| e > archive_size as u64) {
+    if local
+        .checked_add(30 + csize)
+        .is_none_or(|e| e > archive_size as u64)
+    {
         return bad(format!("record {name} extends past the end of the item"));
     }
     Ok(Entry {
@@ -346,7 +353,10 @@ fn record_of(blob: &(impl Blob + ?Sized), e: Entry) -> R<Record> {
         .checked_add(e.size)
         .is_none_or(|end| end > blob.size() as u64)
     {
-        return bad(format!("record {} extends past the end of the item", e.name));
+        return bad(format!(
+            "record {} extends past the end of the item",
+            e.name
+        ));
     }
     Ok(Record {
         name: e.name,
@@ -471,7 +481,10 @@ impl Archive {
         let version = match content(".data/version")? {
             Some(v) => v,
             None => content("version")?.ok_or_else(|| {
-                ArchiveError(format!("no {}version record (torch requires one)", self.folder))
+                ArchiveError(format!(
+                    "no {}version record (torch requires one)",
+                    self.folder
+                ))
             })?,
         };
         match parse_version(version) {
@@ -625,8 +638,8 @@ pub fn stored_tensor_in(blob: &(impl Blob + ?Sized)) -> R<StoredTensor> {
         ));
     }
     // Tensor items are loaded with weights_only=True from torch 2.4 on (DCP's read_data).
-    let value = unpickle_weights_only(bytes)
-        .map_err(|e| ArchiveError(format!("{}: {e}", pkl.name)))?;
+    let value =
+        unpickle_weights_only(bytes).map_err(|e| ArchiveError(format!("{}: {e}", pkl.name)))?;
     tensor_of(&archive, &value)
 }
 
@@ -689,7 +702,8 @@ pub fn object_tensors(archive: &Archive, blob: &(impl Blob + ?Sized)) -> R<usize
         .map_err(|e| ArchiveError(format!("{}: {e}", pkl.name)))?;
     let calls = rebuild_calls(&value);
     for c in &calls {
-        tensor_of(archive, c).map_err(|e| ArchiveError(format!("a tensor of {}: {}", pkl.name, e.0)))?;
+        tensor_of(archive, c)
+            .map_err(|e| ArchiveError(format!("a tensor of {}: {}", pkl.name, e.0)))?;
     }
     Ok(calls.len())
 }
@@ -701,7 +715,9 @@ fn plain_tensor_global(global: &str) -> bool {
     let (module, name) = global.rsplit_once('.').unwrap_or(("", global));
     match module {
         "torch._utils" => matches!(name, "_rebuild_tensor_v2" | "_rebuild_tensor_v3"),
-        "torch" => DType::from_legacy_storage(name).is_some() || DType::from_torch_name(name).is_ok(),
+        "torch" => {
+            DType::from_legacy_storage(name).is_some() || DType::from_torch_name(name).is_ok()
+        }
         "torch.storage" => name == "UntypedStorage",
         "collections" => name == "OrderedDict",
         _ => false,
@@ -862,7 +878,8 @@ impl StorageRef {
 
     /// The storage's length in bytes as torch computes it (`numel * element_size`).
     pub fn nbytes(&self) -> Option<u64> {
-        self.numel.checked_mul(self.class.map_or(1, |c| c.itemsize()))
+        self.numel
+            .checked_mul(self.class.map_or(1, |c| c.itemsize()))
     }
 }
 
@@ -913,7 +930,7 @@ fn check_view(
     dtype: DType,
     storage: &Record,
 ) -> R<()> {
-    if shape.iter().any(|&s| s == 0) {
+    if shape.contains(&0) {
         return Ok(());
     }
     let mut last = storage_offset as u128;
@@ -1020,11 +1037,19 @@ mod tests {
     /// torch looks records up ignoring ASCII case: an uppercase `DATA.PKL` is the pickle.
     #[test]
     fn names_are_looked_up_ignoring_case_as_torch_does() {
-        let b = patched(&archive(u64::from(u32::MAX)), b"archive/data.pkl", b"archive/DATA.PKL");
+        let b = patched(
+            &archive(u64::from(u32::MAX)),
+            b"archive/data.pkl",
+            b"archive/DATA.PKL",
+        );
         let a = Archive::read(&b[..]).unwrap();
         assert_eq!(a.data_pkl().unwrap().name, "archive/DATA.PKL");
         assert_eq!(stored_tensor(&b).unwrap().shape, vec![3, 4]);
-        let b = patched(&archive(u64::from(u32::MAX)), b"archive/data/0", b"archive/DATA/0");
+        let b = patched(
+            &archive(u64::from(u32::MAX)),
+            b"archive/data/0",
+            b"archive/DATA/0",
+        );
         assert_eq!(stored_tensor(&b).unwrap().storage.name, "archive/DATA/0");
     }
 
@@ -1039,7 +1064,10 @@ mod tests {
                 ("archive/version", v),
             ]);
             let e = err_of(Archive::read(&b[..]));
-            assert!(e.contains("archive/data.pkl") && e.contains("archive/DATA.PKL"), "{e}");
+            assert!(
+                e.contains("archive/data.pkl") && e.contains("archive/DATA.PKL"),
+                "{e}"
+            );
         }
         let ok = zip_of(&[("archive/data.pkl", b"\x80\x02}."), ("archive/version", v)]);
         assert!(Archive::read(&ok[..]).is_ok());
@@ -1055,7 +1083,14 @@ mod tests {
         for (records, needle) in [
             (vec![("x/data.pkl", pkl), ("X/version", v)], "not under"),
             (vec![("data.pkl", pkl), ("version", v)], "not in a folder"),
-            (vec![("a/data.pkl", pkl), ("a/version", v), ("a/constants.pkl", pkl)], "TorchScript"),
+            (
+                vec![
+                    ("a/data.pkl", pkl),
+                    ("a/version", v),
+                    ("a/constants.pkl", pkl),
+                ],
+                "TorchScript",
+            ),
             (vec![("a/data.pkl", pkl)], "version"),
         ] {
             let e = err_of(Archive::read(&zip_of(&records)[..]));
@@ -1075,12 +1110,26 @@ mod tests {
         for ok in [&b" 3"[..], b"+3", b"10", b"3x", b"\t1\n"] {
             assert!(with(&[("archive/version", ok)]).is_ok(), "{ok:?}");
         }
-        for refused in [&b"0"[..], b"11", b"-0", b"-3", b"x3", b"", b"99999999999999999999999"] {
-            assert!(with(&[("archive/version", refused)]).is_err(), "{refused:?}");
+        for refused in [
+            &b"0"[..],
+            b"11",
+            b"-0",
+            b"-3",
+            b"x3",
+            b"",
+            b"99999999999999999999999",
+        ] {
+            assert!(
+                with(&[("archive/version", refused)]).is_err(),
+                "{refused:?}"
+            );
         }
         let v: (&str, &[u8]) = ("archive/version", b"3");
         assert!(err_of(with(&[v, (".data/version", b"3")])).contains("not under"));
-        assert!(with(&[v, ("archive/.data/version", b"x")]).is_err(), ".data/version wins");
+        assert!(
+            with(&[v, ("archive/.data/version", b"x")]).is_err(),
+            ".data/version wins"
+        );
         assert!(with(&[v, ("archive/byteorder", b"little")]).is_ok());
         for bo in [&b"big"[..], b"BIG", b"little\n", b""] {
             assert!(err_of(with(&[v, ("archive/byteorder", bo)])).contains("byteorder"));

@@ -452,25 +452,22 @@ impl<'a> Build<'a> for Imports<'a> {
             Sym::Tuple(t) => t,
             _ => &[],
         };
-        let field = |i: usize| items.get(i);
+        let text = |i: usize| match items.get(i) {
+            Some(Sym::Str(s)) => Some(*s),
+            _ => None,
+        };
         let r = StorageRef::from_fields(PidFields {
             items: items.len(),
-            typename: field(0).and_then(|s| match s {
-                Sym::Str(s) => Some(*s),
+            typename: text(0),
+            class: match items.get(1) {
+                Some(Sym::Global(n)) => Some(*n),
                 _ => None,
-            }),
-            class: field(1).and_then(|s| match s {
-                Sym::Global(n) => Some(*n),
+            },
+            key: text(2),
+            numel: match items.get(4) {
+                Some(Sym::Int(i)) => Some(*i),
                 _ => None,
-            }),
-            key: field(2).and_then(|s| match s {
-                Sym::Str(s) => Some(*s),
-                _ => None,
-            }),
-            numel: field(4).and_then(|s| match s {
-                Sym::Int(i) => Some(*i),
-                _ => None,
-            }),
+            },
         })
         .map_err(|e| UnpickleError(e.0))?;
         self.storages.push(r);
@@ -550,7 +547,10 @@ mod tests {
     #[test]
     fn a_clean_pickle_has_no_message() {
         let s = scan(Pickle::Metadata, b"\x80\x02ctorch\nSize\n)\x85R.");
-        assert_eq!((s.imported.as_slice(), s.refused.len()), (&["torch.Size".to_string()][..], 0));
+        assert_eq!(
+            (s.imported.as_slice(), s.refused.len()),
+            (&["torch.Size".to_string()][..], 0)
+        );
         assert_eq!(s.message(), None);
     }
 
@@ -558,7 +558,10 @@ mod tests {
     #[test]
     fn inst_and_obj_are_seen() {
         let s = scan(Pickle::TorchSave, b"(S'x'\niposix\nsystem\n.");
-        assert_eq!((s.refused.as_slice(), s.error.is_none()), (&["posix.system".to_string()][..], true));
+        assert_eq!(
+            (s.refused.as_slice(), s.error.is_none()),
+            (&["posix.system".to_string()][..], true)
+        );
         let s = scan(Pickle::TorchSave, b"(cposix\nsystem\nS'x'\no.");
         assert_eq!(s.refused, ["posix.system"]);
     }
@@ -580,6 +583,9 @@ mod tests {
         );
         assert!(scan(Pickle::Metadata, storage).error.is_some());
         let text = scan(Pickle::TorchSave, b"Pfoo\n.");
-        assert!(text.message().unwrap().contains("persistent_load"), "{text:?}");
+        assert!(
+            text.message().unwrap().contains("persistent_load"),
+            "{text:?}"
+        );
     }
 }

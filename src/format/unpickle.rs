@@ -1112,9 +1112,9 @@ pub fn unpickle(input: &[u8]) -> Result<Unpickled, UnpickleError> {
 /// BININT(1/2), BINFLOAT, BINUNICODE, SHORT_BINSTRING, BINPERSID, (LONG_)BINGET, (LONG_)BINPUT,
 /// LONG1. torch.save's own protocol 1, 4 and 5 pickles fall outside it.
 pub const WEIGHTS_ONLY_OPCODES: &[u8] = &[
-    0x80, b'.', b'c', 0x81, b'R', b'b', b'a', b'e', b's', b'u', b'(', b't', 0x85, 0x86, 0x87,
-    b'N', 0x89, 0x88, b')', b']', b'}', 0x8f, b'J', b'K', b'M', b'G', b'X', b'U', b'Q', b'h',
-    b'j', b'q', b'r', 0x8a,
+    0x80, b'.', b'c', 0x81, b'R', b'b', b'a', b'e', b's', b'u', b'(', b't', 0x85, 0x86, 0x87, b'N',
+    0x89, 0x88, b')', b']', b'}', 0x8f, b'J', b'K', b'M', b'G', b'X', b'U', b'Q', b'h', b'j', b'q',
+    b'r', 0x8a,
 ];
 
 /// [`unpickle`] accepting only the opcodes torch's weights-only unpickler reads
